@@ -1,0 +1,95 @@
+"""Problem stage: the contract of one gated-delta call, checked before any backend runs.
+
+`check_call` validates the arguments shared by every framework's ``gated_delta`` and returns a
+`CallShape` describing them. Errors are ``ValueError``s that name the argument, its shape and the
+expected shape, so model code fails at the call site rather than inside a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GATES = ("log", "linear")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """Sizes of one call: batch B, length T, key heads Hk, value heads Hv, head dims Dk, Dv."""
+
+    B: int
+    T: int
+    Hk: int
+    Hv: int
+    Dk: int
+    Dv: int
+    vector_gate: bool
+
+    @property
+    def group(self) -> int:
+        """Value heads per key head (Hv / Hk); value head h reads key head h // group."""
+        return self.Hv // self.Hk
+
+
+def _dtype_name(x) -> str:
+    return str(getattr(x, "dtype", type(x).__name__)).replace("mlx.core.", "")
+
+
+def _shape_error(name: str, x, expected: str, why: str = "") -> ValueError:
+    extra = f" ({why})" if why else ""
+    return ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected}{extra}")
+
+
+def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", chunk_size=64,
+               scale=1.0) -> CallShape:
+    """Check shapes, dtypes and options of a ``gated_delta`` call; return its `CallShape`.
+
+    q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` with Hv a multiple of Hk; g ``[B,T,Hv]`` or
+    ``[B,T,Hv,Dk]``; beta ``[B,T,Hv]``; initial_state ``[B,Hv,Dv,Dk]``; mask ``[B,T]`` bool.
+    """
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise ValueError(f"scale must be a Python float, got {type(scale).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            dims = "[B,T,Hk,Dk]" if name != "v" else "[B,T,Hv,Dv]"
+            raise _shape_error(name, x, dims, "4-D")
+    B, T, Hk, Dk = (int(s) for s in q.shape)
+    if T < 1:
+        raise _shape_error("q", q, "[B,T,Hk,Dk] with T >= 1")
+    if tuple(k.shape) != tuple(q.shape):
+        raise _shape_error("k", k, f"{tuple(q.shape)} (same as q)")
+    if int(v.shape[0]) != B or int(v.shape[1]) != T:
+        raise _shape_error("v", v, f"({B}, {T}, Hv, Dv)")
+    Hv, Dv = int(v.shape[2]), int(v.shape[3])
+    if Hv % Hk:
+        raise _shape_error("v", v, f"({B}, {T}, Hv, Dv) with Hv a multiple of Hk={Hk}")
+    for name, d in (("q", Dk), ("v", Dv)):
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            x = q if name == "q" else v
+            raise _shape_error(name, x, f"head dim in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    if tuple(beta.shape) != (B, T, Hv):
+        raise _shape_error("beta", beta, f"({B}, {T}, {Hv})")
+    if tuple(g.shape) == (B, T, Hv):
+        vector_gate = False
+    elif tuple(g.shape) == (B, T, Hv, Dk):
+        vector_gate = True
+    else:
+        raise _shape_error("g", g, f"({B}, {T}, {Hv}) or ({B}, {T}, {Hv}, {Dk})")
+    if initial_state is not None and tuple(initial_state.shape) != (B, Hv, Dv, Dk):
+        raise _shape_error("initial_state", initial_state, f"({B}, {Hv}, {Dv}, {Dk})")
+    if mask is not None:
+        if tuple(mask.shape) != (B, T):
+            raise _shape_error("mask", mask, f"({B}, {T})")
+        if _dtype_name(mask) != "bool":
+            raise ValueError(f"mask has dtype {_dtype_name(mask)}, expected bool")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if _dtype_name(x) not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {_dtype_name(x)}, expected one of {FLOAT_DTYPES}")
+    if initial_state is not None and _dtype_name(initial_state) not in FLOAT_DTYPES:
+        raise ValueError(f"initial_state has dtype {_dtype_name(initial_state)}, expected float32")
+    return CallShape(B, T, Hk, Hv, Dk, Dv, vector_gate)

@@ -1,0 +1,160 @@
+"""Float64 NumPy reference for the gated delta rule: forward and hand-derived backward (BPTT).
+
+No autodiff: the backward pass walks t = T-1..0 carrying dS. Per value head h (key head
+h // r, r = Hv / Hk) and unmasked step t, with a_t the linear gate (``exp(g_t)`` for
+gate="log", ``g_t`` for gate="linear")::
+
+    S'_t = a_t S_{t-1}            (vector gate: S_{t-1} @ diag(a_t), column-wise over Dk)
+    u_t = S'_t k_t,  delta_t = beta_t (v_t - u_t)
+    S_t = S'_t + delta_t k_t^T,   y_t = scale * S_t q_t
+
+A masked step (mask[b, t] False) keeps S_t = S_{t-1}, gives y_t = 0, and receives zero
+gradients. Shapes: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g ``[B,T,Hv]`` or ``[B,T,Hv,Dk]``;
+beta ``[B,T,Hv]``; state ``[B,Hv,Dv,Dk]``; mask ``[B,T]`` bool. Everything is float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gdngen.problem import check_call
+
+__all__ = ["forward", "vjp"]
+
+
+class _Spec:
+    """Shape stand-in so `check_call` validates shapes while the reference accepts float64."""
+
+    dtype = "float32"
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _prepare(q, k, v, g, beta, initial_state, mask, scale, gate):
+    q, k, v, g, beta = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta))
+    if mask is not None:
+        mask = np.asarray(mask)
+    s0 = None if initial_state is None else _Spec(np.shape(initial_state))
+    shape = check_call(_Spec(q.shape), _Spec(k.shape), _Spec(v.shape), _Spec(g.shape),
+                       _Spec(beta.shape), s0, mask, gate=gate, scale=scale)
+    B, T, Hv, Dv, Dk = shape.B, shape.T, shape.Hv, shape.Dv, shape.Dk
+    if initial_state is None:
+        s0 = np.zeros((B, Hv, Dv, Dk))
+    else:
+        s0 = np.asarray(initial_state, dtype=np.float64)
+    m = np.ones((B, T), dtype=bool) if mask is None else mask.astype(bool)
+    # Expand key heads to value heads: value head h reads key head h // group.
+    qh = np.repeat(q, shape.group, axis=2)
+    kh = np.repeat(k, shape.group, axis=2)
+    with np.errstate(over="ignore"):
+        a = np.exp(g) if gate == "log" else g.copy()  # exp(-inf) == 0 exactly
+    return shape, qh, kh, v, g, a, beta, s0, m
+
+
+def _decay(S, a_t, vector_gate):
+    """a_t * S with a_t [B,H] (scalar gate) or [B,H,Dk] (column-wise over Dk)."""
+    return S * (a_t[:, :, None, :] if vector_gate else a_t[:, :, None, None])
+
+
+def _run(shape, qh, kh, v, a, beta, s0, m, scale):
+    """Forward pass; returns y [B,T,Hv,Dv] and states [T+1,B,Hv,Dv,Dk] (states[t] = S_{t-1})."""
+    B, T, Hv, Dv, Dk = shape.B, shape.T, shape.Hv, shape.Dv, shape.Dk
+    states = np.empty((T + 1, B, Hv, Dv, Dk))
+    states[0] = s0
+    y = np.zeros((B, T, Hv, Dv))
+    S = s0
+    for t in range(T):
+        k_t, mt = kh[:, t], m[:, t, None, None, None]
+        Sp = _decay(S, a[:, t], shape.vector_gate)
+        u = np.einsum("bhij,bhj->bhi", Sp, k_t)
+        delta = beta[:, t, :, None] * (v[:, t] - u)
+        S = np.where(mt, Sp + delta[..., :, None] * k_t[..., None, :], S)
+        y[:, t] = np.where(m[:, t, None, None],
+                           scale * np.einsum("bhij,bhj->bhi", S, qh[:, t]), 0.0)
+        states[t + 1] = S
+    return y, states
+
+
+def _fold_heads(x, shape):
+    """Sum a value-head gradient [B,T,Hv,Dk] over each key head's group -> [B,T,Hk,Dk]."""
+    return x.reshape(shape.B, shape.T, shape.Hk, shape.group, x.shape[-1]).sum(axis=3)
+
+
+def forward(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log"):
+    """Run the gated delta rule in float64; return (y [B,T,Hv,Dv], final_state [B,Hv,Dv,Dk])."""
+    shape, qh, kh, v, _, a, beta, s0, m = _prepare(q, k, v, g, beta, initial_state, mask,
+                                                   scale, gate)
+    y, states = _run(shape, qh, kh, v, a, beta, s0, m, scale)
+    return y, states[-1]
+
+
+def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1.0,
+        gate="log"):
+    """Forward plus vector-Jacobian product of the loss <y, dy> + <final_state, dfinal_state>.
+
+    ``initial_state`` None means zeros (``dinitial_state`` is still returned); ``dy`` or
+    ``dfinal_state`` None means zeros. Returns a dict with "y", "final_state" and the gradients
+    "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", each with its input's shape; "dg" is in
+    the gate's own convention (gate="log": d/d g_log, exactly 0 where g = -inf).
+    """
+    shape, qh, kh, v, _, a, beta, s0, m = _prepare(q, k, v, g, beta, initial_state, mask,
+                                                   scale, gate)
+    B, T, Hv, Dv, Dk = shape.B, shape.T, shape.Hv, shape.Dv, shape.Dk
+    vg = shape.vector_gate
+    dy = np.zeros((B, T, Hv, Dv)) if dy is None else np.asarray(dy, dtype=np.float64)
+    if dy.shape != (B, T, Hv, Dv):
+        raise ValueError(f"dy has shape {dy.shape}, expected {(B, T, Hv, Dv)}")
+    if dfinal_state is None:
+        dS = np.zeros((B, Hv, Dv, Dk))
+    else:
+        dS = np.array(dfinal_state, dtype=np.float64)
+        if dS.shape != (B, Hv, Dv, Dk):
+            raise ValueError(f"dfinal_state has shape {dS.shape}, expected {(B, Hv, Dv, Dk)}")
+
+    y, states = _run(shape, qh, kh, v, a, beta, s0, m, scale)
+    dqh, dkh = np.zeros_like(qh), np.zeros_like(kh)
+    dv, dbeta, da = np.zeros_like(v), np.zeros_like(beta), np.zeros_like(a)
+
+    for t in range(T - 1, -1, -1):
+        S_prev, S = states[t], states[t + 1]
+        q_t, k_t, v_t, b_t = qh[:, t], kh[:, t], v[:, t], beta[:, t, :, None]
+        mt = m[:, t, None, None, None]
+        Sp = _decay(S_prev, a[:, t], vg)
+        resid = v_t - np.einsum("bhij,bhj->bhi", Sp, k_t)  # v_t - u_t
+        delta = b_t * resid
+
+        # y_t = scale S_t q_t
+        dS_t = dS + scale * dy[:, t, :, :, None] * q_t[:, :, None, :]
+        dq_t = scale * np.einsum("bhij,bhi->bhj", S, dy[:, t])
+        # S_t = S'_t + delta k^T
+        ddelta = np.einsum("bhij,bhj->bhi", dS_t, k_t)
+        # delta = beta (v - S' k): d resid = beta ddelta, and S' also enters through u = S' k
+        dres = b_t * ddelta
+        dk_t = (np.einsum("bhij,bhi->bhj", dS_t, delta)
+                - np.einsum("bhij,bhi->bhj", Sp, dres))
+        dSp = dS_t - dres[..., :, None] * k_t[..., None, :]
+        # S' = a S_{t-1}: linear-gate gradient, summed over Dv rows per Dk column if vector
+        prod = dSp * S_prev
+        da_t = prod.sum(axis=2) if vg else prod.sum(axis=(2, 3))
+
+        on = m[:, t]
+        dqh[:, t] = np.where(on[:, None, None], dq_t, 0.0)
+        dkh[:, t] = np.where(on[:, None, None], dk_t, 0.0)
+        dv[:, t] = np.where(on[:, None, None], dres, 0.0)
+        dbeta[:, t] = np.where(on[:, None], np.sum(ddelta * resid, axis=-1), 0.0)
+        da[:, t] = np.where(on[:, None, None] if vg else on[:, None], da_t, 0.0)
+        dS = np.where(mt, _decay(dSp, a[:, t], vg), dS)
+
+    # d/d g_log = da * exp(g_log) = da * a: exactly 0 where a == 0, never a division.
+    dg = da * a if gate == "log" else da
+    return {
+        "y": y,
+        "final_state": states[-1],
+        "dq": _fold_heads(dqh, shape),
+        "dk": _fold_heads(dkh, shape),
+        "dv": dv,
+        "dg": dg,
+        "dbeta": dbeta,
+        "dinitial_state": dS,
+    }
