@@ -132,38 +132,112 @@ def solve_unit_lower_vjp(xp, Tinv, dTinv):
 
 # --------------------------------------------------------------------------- chunk stages
 # Layout: chunk index N leading (the sequential axis), then batch and heads, then C, then D.
-# q, k: [N, B, Hk, 1, C, Dk] (broadcast over the r value heads sharing a key head);
-# v: [N, B, Hk, r, C, Dv]; b (log gates) or a (linear gates), beta: [N, B, Hk, r, C];
-# states: [B, Hk, r, Dv, Dk].
+# q, k: [N, B, Hk, 1, C, Dk] (broadcast over the r value heads sharing a key head; q already
+# multiplied by `scale`); v: [N, B, Hk, r, C, Dv]; gates (log or linear), beta: [N, B, Hk, r, C];
+# states: [B, Hk, r, Dv, Dk]. ``xp.scan(f, carry, xs, reverse)`` has lax.scan semantics.
 
 
-def chunk_prepare(xp, k, v, beta, D, invert):
-    """Intra-chunk WY factors: ``U = T diag(beta) V`` [.., C, Dv] and ``Wk = T diag(beta D[:,0]) K``.
+def _T(x):
+    return x.swapaxes(-1, -2)
 
-    ``invert(A)`` returns (I + A)^{-1} for strictly lower A (a differentiable op).
-    K K^T is formed once per key head and shared by its value heads.
+
+def _decay(xp, gates, gate):
+    return decay_factors(xp, gates if gate == "log" else xp.log(gates))
+
+
+def _intra_chunk(xp, k, v, beta, D):
+    """Parallel over chunks: K K^T, T = (I + A)^{-1}, U = T diag(beta) V, Wk = T diag(beta D0) K."""
+    C = k.shape[-2]
+    KK = k @ _T(k)  # once per key head, shared by its value heads
+    A = xp.where(xp.tril_mask(C, -1), beta[..., :, None] * D[..., 1:, 1:] * KK, 0.0)
+    Tinv = solve_unit_lower(xp, xp.eye(C) + A)
+    bk = (beta * D[..., 1:, 0])[..., None] * k
+    return KK, Tinv, Tinv @ (beta[..., None] * v), Tinv @ bk, bk
+
+
+def forward(xp, q, k, v, gates, beta, S0, *, gate):
+    """Chunkwise forward. Returns ``(Y [N,B,Hk,r,C,Dv], S_final, S_in [N,B,Hk,r,Dv,Dk])``.
+
+    S_in[n] is the state entering chunk n (kept for the backward).
+    """
+    D = _decay(xp, gates, gate)
+    _, _, U, Wk, _ = _intra_chunk(xp, k, v, beta, D)
+    Kc = D[..., -1, 1:, None] * k  # keys decayed to the chunk end
+
+    def step(S, xs):
+        U_n, Wk_n, Kc_n, dCC = xs
+        W = U_n - Wk_n @ _T(S)
+        return dCC[..., None, None] * S + _T(W) @ Kc_n, (S, W)
+
+    S_final, (S_in, W) = xp.scan(step, S0, (U, Wk, Kc, D[..., -1, 0]), False)
+    Y = D[..., 1:, 0, None] * (q @ _T(S_in)) + (D[..., 1:, 1:] * (q @ _T(k))) @ W
+    return Y, S_final, S_in
+
+
+def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate):
+    """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
+
+    Recomputes the intra-chunk factors, walks the chunks in reverse for the state cotangent
+    (dW = Pm^T dY + Kc dS_out^T, dS_in = D[C,0] dS_out + (D0 dY)^T Q - dW^T Wk), then forms every
+    input cotangent in parallel. The gate cotangent goes through the straddle-sum rule.
     """
     C = k.shape[-2]
-    KK = k @ xp.swapaxes(k, -1, -2)
-    A = xp.where(xp.tril_mask(C, -1), beta[..., :, None] * D[..., 1:, 1:] * KK, 0.0)
-    Tinv = invert(A)
-    U = Tinv @ (beta[..., None] * v)
-    Wk = Tinv @ ((beta * D[..., 1:, 0])[..., None] * k)
-    return U, Wk
+    D = _decay(xp, gates, gate)
+    D0, D11 = D[..., 1:, 0], D[..., 1:, 1:]
+    KK, Tinv, U, Wk, bk = _intra_chunk(xp, k, v, beta, D)
+    Kc = D[..., -1, 1:, None] * k
+    QK = q @ _T(k)
+    Pm = D11 * QK
+    W = U - Wk @ _T(S_in)
+    G = _T(Pm) @ dY
+    H = _T(D0[..., None] * dY) @ q
 
+    def step(dS_out, xs):
+        G_n, H_n, Kc_n, Wk_n, dCC = xs
+        dW = G_n + Kc_n @ _T(dS_out)
+        return dCC[..., None, None] * dS_out + H_n - _T(dW) @ Wk_n, (dW, dS_out)
 
-def chunk_state_step(xp, S, U, Wk, k, D):
-    """One chunk of the recurrence: returns (W, S_next) for entering state S [.., Dv, Dk].
+    dS0, (dW, dS_out) = xp.scan(step, dS_final, (G, H, Kc, Wk, D[..., -1, 0]), True)
 
-    ``W = U - Wk S^T`` [.., C, Dv]; ``S_next = D[C,0] S + W^T diag(D[C,1:]) K``.
-    """
-    W = U - Wk @ xp.swapaxes(S, -1, -2)
-    S_next = D[..., -1, 0, None, None] * S + xp.swapaxes(W, -1, -2) @ (D[..., -1, 1:, None] * k)
-    return W, S_next
+    def over_values(x):  # key-head quantities collect from their r value heads
+        return xp.sum(x, axis=3, keepdims=True)
 
-
-def chunk_output(xp, q, k, D, S, W):
-    """``Y = diag(D[:,0]) Q S^T + (tril(D) * Q K^T) W`` (unscaled) [.., C, Dv]."""
-    QK = q @ xp.swapaxes(k, -1, -2)
-    inter = D[..., 1:, 0, None] * (q @ xp.swapaxes(S, -1, -2))
-    return inter + (D[..., 1:, 1:] * QK) @ W
+    # Y = D0 * (Q S^T) + Pm W
+    dPm = dY @ _T(W)
+    dPmD = dPm * D11
+    dq = over_values(D0[..., None] * (dY @ S_in) + dPmD @ k)
+    dk = _T(dPmD) @ q
+    dD11 = dPm * QK
+    dD0 = xp.sum(dY * (q @ _T(S_in)), axis=-1)
+    # S_out = D[C,0] S_in + W^T Kc
+    ddCC = xp.sum(xp.sum(dS_out * S_in, axis=-1), axis=-1)
+    dKc = W @ dS_out
+    dk = dk + D[..., -1, 1:, None] * dKc
+    dDC = xp.sum(dKc * k, axis=-1)
+    # W = U - Wk S^T ;  U = T (beta V) ;  Wk = T (beta D0 K)
+    dWk = -(dW @ S_in)
+    dTinv = dW @ _T(beta[..., None] * v) + dWk @ _T(bk)
+    dbv = _T(Tinv) @ dW
+    dbk = _T(Tinv) @ dWk
+    dv = beta[..., None] * dbv
+    dbk_k = xp.sum(dbk * k, axis=-1)
+    dbeta = xp.sum(dbv * v, axis=-1) + D0 * dbk_k
+    dD0 = dD0 + beta * dbk_k
+    dk = dk + (beta * D0)[..., None] * dbk
+    # A = beta_i D_ij (k_i . k_j), strictly lower;  d(L^{-1}) = -L^{-1} dL L^{-1}
+    dA = solve_unit_lower_vjp(xp, Tinv, dTinv)
+    dA_D = dA * D11
+    dbeta = dbeta + xp.sum(dA_D * KK, axis=-1)
+    dD11 = dD11 + dA * beta[..., :, None] * KK
+    dKK = over_values(beta[..., :, None] * dA_D)
+    dk = over_values(dk) + (dKK + _T(dKK)) @ k
+    # assemble dD over positions 0..C (row 0 never carries a gate)
+    rows = xp.concatenate([dD0[..., None], dD11], axis=-1)  # positions 1..C
+    last = rows[..., -1, :] + xp.concatenate([ddCC[..., None], dDC], axis=-1)
+    dD = xp.concatenate([xp.zeros(rows.shape[:-2] + (1, C + 1)), rows[..., :-1, :],
+                         last[..., None, :]], axis=-2)
+    if gate == "log":
+        dgates = decay_factors_log_vjp(xp, gates, D, dD)
+    else:
+        dgates = decay_factors_linear_vjp(xp, gates, D, dD)
+    return dq, dk, dv, dgates, dbeta, dS0

@@ -1,8 +1,7 @@
 """XLA backend: the portable chunkwise gated delta rule in jax.numpy (any JAX device).
 
-Scalar gates (and masks) take the chunkwise path of `gdngen.chunkwise`; the two ops whose
-autodiff would be wrong or slow carry custom VJPs: the decay-factor matrix (straddle-sum rule) and
-the unit-lower-triangular inverse. Vector gates take `sequential_gated_delta`, a float32
+Scalar gates (and masks) take the chunkwise path of `gdngen.chunkwise`, whose hand-derived
+backward (recomputation, straddle-sum gate rule) is wired in with ``jax.custom_vjp``. Vector gates take `sequential_gated_delta`, a float32
 ``lax.scan`` recurrence (also the benchmark baseline).
 """
 
@@ -30,6 +29,10 @@ class XP:
         return jnp.cumsum(x, axis)
 
     @staticmethod
+    def scan(f, carry, xs, reverse):
+        return jax.lax.scan(f, carry, xs, reverse=reverse)
+
+    @staticmethod
     def zeros(shape):
         return jnp.zeros(shape, jnp.float32)
 
@@ -42,63 +45,27 @@ class XP:
         return np.tri(n, n, k, dtype=bool)
 
 
-# ------------------------------------------------------------------ differentiable chunk ops
+# ------------------------------------------------------------------ differentiable chunk core
 
 
-@jax.custom_vjp
-def decay_factors_log(b):
-    """Log gates [..., C] -> decay factors [..., C+1, C+1]; VJP by the straddle-sum rule."""
-    return chunkwise.decay_factors(XP, b)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def chunk_core(q, k, v, gates, beta, S0, gate):
+    """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP."""
+    Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
+    return Y, S_final
 
 
-def _decay_log_fwd(b):
-    D = chunkwise.decay_factors(XP, b)
-    return D, (b, D)
+def _core_fwd(q, k, v, gates, beta, S0, gate):
+    Y, S_final, S_in = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
+    return (Y, S_final), (q, k, v, gates, beta, S_in)
 
 
-def _decay_log_bwd(res, dD):
-    b, D = res
-    return (chunkwise.decay_factors_log_vjp(XP, b, D, dD),)
+def _core_bwd(gate, res, cotangents):
+    dY, dS_final = cotangents
+    return chunkwise.backward(XP, *res, dY, dS_final, gate=gate)
 
 
-decay_factors_log.defvjp(_decay_log_fwd, _decay_log_bwd)
-
-
-@jax.custom_vjp
-def decay_factors_linear(a):
-    """Linear gates [..., C] in [0, 1] -> decay factors; VJP exact at a = 0."""
-    return chunkwise.decay_factors(XP, jnp.log(a))
-
-
-def _decay_linear_fwd(a):
-    D = chunkwise.decay_factors(XP, jnp.log(a))
-    return D, (a, D)
-
-
-def _decay_linear_bwd(res, dD):
-    a, D = res
-    return (chunkwise.decay_factors_linear_vjp(XP, a, D, dD),)
-
-
-decay_factors_linear.defvjp(_decay_linear_fwd, _decay_linear_bwd)
-
-
-@jax.custom_vjp
-def unit_lower_inverse(A):
-    """(I + A)^{-1} for strictly lower A [..., C, C], exact (block recursion)."""
-    return chunkwise.solve_unit_lower(XP, jnp.eye(A.shape[-1], dtype=A.dtype) + A)
-
-
-def _inverse_fwd(A):
-    Tinv = unit_lower_inverse(A)
-    return Tinv, Tinv
-
-
-def _inverse_bwd(Tinv, dT):
-    return (chunkwise.solve_unit_lower_vjp(XP, Tinv, dT),)
-
-
-unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
 # ------------------------------------------------------------------------------ paths
@@ -145,17 +112,8 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
     vc = _to_chunks(v, N, C, (Hk, r))
     gc = _to_chunks(g[..., None], N, C, (Hk, r))[..., 0]
     bc = _to_chunks(beta[..., None], N, C, (Hk, r))[..., 0]
-    D = decay_factors_log(gc) if gate == "log" else decay_factors_linear(gc)
-    U, Wk = chunkwise.chunk_prepare(XP, kc, vc, bc, D, unit_lower_inverse)
-
-    def step(S, xs):
-        U_n, Wk_n, k_n, D_n = xs
-        W, S_next = chunkwise.chunk_state_step(XP, S, U_n, Wk_n, k_n, D_n)
-        return S_next, (S, W)
-
-    S0 = initial_state.reshape(B, Hk, r, Dv, Dk)
-    S_final, (S_in, W) = jax.lax.scan(step, S0, (U, Wk, kc, D))
-    y = _from_chunks(chunkwise.chunk_output(XP, qc, kc, D, S_in, W), T)
+    Y, S_final = chunk_core(qc, kc, vc, gc, bc, initial_state.reshape(B, Hk, r, Dv, Dk), gate)
+    y = _from_chunks(Y, T)
     if mask is not None:
         y = jnp.where(mask[..., None, None], y, 0.0)
     return y, S_final.reshape(B, Hv, Dv, Dk)

@@ -1,0 +1,242 @@
+"""Validate a backend runner against the float64 reference on the adversarial battery.
+
+`check_case` draws a case's inputs, rounds them to the tested dtype, runs the backend runner
+(protocol in docs/CONTRACT.md) once with gate="log" and once with gate="linear", runs
+`gdngen.reference.vjp` on the SAME rounded inputs, and records one relative L2 error per
+quantity in `QUANTITIES`:
+
+* y, final_state, dq, dk, dv, dbeta, dinitial_state: max over the log and linear runs;
+* dg: the log-gate run's dg (d/d log g); dg_linear: the linear run's dg (d/d g).
+
+A case passes when every error is <= `tolerance(dtype)`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from gdngen import cases as cases_mod
+from gdngen.cases import BATTERY, Case
+
+__all__ = [
+    "QUANTITIES",
+    "TOLERANCES",
+    "CaseResult",
+    "check_case",
+    "format_table",
+    "relative_error",
+    "results_to_json",
+    "round_to_dtype",
+    "run_battery",
+    "tolerance",
+]
+
+QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear")
+TOLERANCES = {"float32": 5e-5, "bfloat16": 2e-2, "float16": 2e-2}
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                 "float64": np.float64}
+# Quantities taken from both runs (max of the two errors); dg is split by gate convention.
+_SHARED = ("y", "final_state", "dq", "dk", "dv", "dbeta", "dinitial_state")
+# Inputs rounded to the tested dtype (the gate is rounded separately, per convention).
+_ROUNDED_INPUTS = ("q", "k", "v", "beta", "dy", "dfinal_state")
+
+
+def tolerance(dtype: str) -> float:
+    """Relative L2 error a backend may reach at ``dtype``: float32 5e-5, bf16/fp16 2e-2."""
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}, got {dtype!r}") from None
+
+
+def relative_error(x, ref) -> float:
+    """``||x - ref||_2 / ||ref||_2`` in float64 (``||x||_2`` when ref is all zero).
+
+    inf when x is None, has a different shape than ref, or holds NaN/inf. A non-finite ``ref``
+    is a harness bug and raises ValueError.
+    """
+    ref = np.asarray(ref, dtype=np.float64)
+    if not np.all(np.isfinite(ref)):
+        raise ValueError("reference value is not finite")
+    if x is None:
+        return math.inf
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape != ref.shape or not np.all(np.isfinite(x)):
+        return math.inf
+    ref_norm = float(np.linalg.norm(ref.ravel()))
+    diff_norm = float(np.linalg.norm((x - ref).ravel()))
+    return diff_norm / ref_norm if ref_norm > 0 else diff_norm
+
+
+def round_to_dtype(x, dtype: str) -> np.ndarray | None:
+    """Round float64 ``x`` to ``dtype`` (bfloat16 via ml_dtypes) and return it as float64.
+
+    None passes through; -inf/inf/NaN are preserved.
+    """
+    if x is None:
+        return None
+    if dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_NUMPY_DTYPES)}, got {dtype!r}")
+    return np.asarray(x, dtype=np.float64).astype(_NUMPY_DTYPES[dtype]).astype(np.float64)
+
+
+def _error_rank(err: float) -> tuple[bool, float]:
+    """Sort key for errors: NaN above everything, then by value."""
+    return (math.isnan(err), 0.0 if math.isnan(err) else err)
+
+
+@dataclass
+class CaseResult:
+    """Errors of one case at one dtype; ``errors`` maps quantity -> relative L2 error."""
+
+    case: str
+    dtype: str
+    errors: dict[str, float] = field(default_factory=dict)
+    tolerance: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """True when every error is <= tolerance (NaN fails)."""
+        return all(err <= self.tolerance for err in self.errors.values())
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        """(quantity, error) with the largest error; NaN ranks above inf, ties go to the first."""
+        if not self.errors:
+            return ("", 0.0)
+        return max(self.errors.items(), key=lambda item: _error_rank(item[1]))
+
+
+def _resolve_runner(runner):
+    if isinstance(runner, str):
+        from gdngen import backends
+        return backends.get_runner(runner)
+    return runner
+
+
+def _resolve_case(case) -> Case:
+    return cases_mod.get_case(case) if isinstance(case, str) else case
+
+
+def _copy_inputs(inputs: dict) -> dict:
+    return {key: (None if val is None else np.array(val)) for key, val in inputs.items()}
+
+
+def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None) -> CaseResult:
+    """Run ``runner`` (callable or backend name) on ``case`` (Case or name) at ``dtype``.
+
+    Inputs q, k, v, beta, dy, dfinal_state and the gate are rounded to ``dtype``;
+    initial_state is rounded to float32. Both the runner and the reference see exactly these
+    values (the runner gets its own copies). ``chunk_size`` overrides ``case.chunk_size``.
+    dinitial_state is skipped when the case has no initial state and the runner returns None
+    for it.
+    """
+    from gdngen import reference
+
+    runner = _resolve_runner(runner)
+    case = _resolve_case(case)
+    tol = tolerance(dtype)
+    raw = case.inputs(seed)
+    base = {name: round_to_dtype(raw[name], dtype) for name in _ROUNDED_INPUTS}
+    base["initial_state"] = round_to_dtype(raw["initial_state"], "float32")
+    base["mask"] = raw["mask"]
+    gates = {"log": round_to_dtype(raw["g_log"], dtype),
+             "linear": round_to_dtype(np.exp(raw["g_log"]), dtype)}
+
+    per_gate: dict[str, dict[str, float]] = {}
+    for gate, g in gates.items():
+        ref = reference.vjp(base["q"], base["k"], base["v"], g, base["beta"],
+                            base["initial_state"], base["dy"], base["dfinal_state"],
+                            mask=base["mask"], scale=case.scale, gate=gate)
+        out = runner(_copy_inputs(dict(base, g=g)), gate=gate, dtype=dtype,
+                     chunk_size=chunk_size or case.chunk_size, scale=case.scale)
+        errors = {}
+        for name in _SHARED + ("dg",):
+            if (name == "dinitial_state" and base["initial_state"] is None
+                    and out.get(name) is None):
+                continue
+            errors[name] = relative_error(out.get(name), ref[name])
+        per_gate[gate] = errors
+
+    errors = {}
+    for name in QUANTITIES:
+        if name == "dg":
+            values = [per_gate["log"].get("dg")]
+        elif name == "dg_linear":
+            values = [per_gate["linear"].get("dg")]
+        else:
+            values = [per_gate[gate].get(name) for gate in gates]
+        values = [v for v in values if v is not None]
+        if values:
+            errors[name] = max(values, key=_error_rank)
+    return CaseResult(case=case.name, dtype=dtype, errors=errors, tolerance=tol)
+
+
+def run_battery(runner, *, dtype="float32", cases=None, seed=None,
+                chunk_size=None) -> list[CaseResult]:
+    """`check_case` over ``cases`` (Cases or names; default the whole `BATTERY`)."""
+    runner = _resolve_runner(runner)
+    selected = BATTERY if cases is None else [_resolve_case(c) for c in cases]
+    return [check_case(runner, case, dtype=dtype, seed=seed, chunk_size=chunk_size)
+            for case in selected]
+
+
+def _format_error(err: float | None) -> str:
+    return "-" if err is None else f"{err:.1e}"
+
+
+def format_table(results) -> str:
+    """One row per result: case, dtype, an error per quantity, worst quantity, PASS/FAIL.
+
+    Rendered with rich as plain text (no ANSI codes); a plain fixed-width table if rich is
+    unavailable.
+    """
+    header = ["case", "dtype", *QUANTITIES, "worst", "result"]
+    rows = []
+    for res in results:
+        worst_name, worst_err = res.worst
+        rows.append([res.case, res.dtype, *(_format_error(res.errors.get(q)) for q in QUANTITIES),
+                     f"{worst_name} {_format_error(worst_err)}",
+                     "PASS" if res.passed else "FAIL"])
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header, *rows]]
+        return "\n".join(lines)
+    table = Table(title="gated delta battery vs float64 reference")
+    for name in header:
+        table.add_column(name, justify="left" if name in ("case", "dtype", "worst") else "right")
+    for row in rows:
+        table.add_row(*row)
+    buffer = io.StringIO()
+    Console(file=buffer, width=250, color_system=None, force_terminal=False).print(table)
+    return buffer.getvalue()
+
+
+def _json_float(x: float):
+    """Finite floats as is; inf/nan as the strings "inf", "-inf", "nan" (valid JSON)."""
+    return x if math.isfinite(x) else str(x)
+
+
+def results_to_json(results) -> list[dict]:
+    """JSON-serialisable dicts: case, dtype, tolerance, passed, worst {quantity, error}, errors.
+
+    Non-finite errors become the strings "inf"/"nan".
+    """
+    out = []
+    for res in results:
+        worst_name, worst_err = res.worst
+        out.append({"case": res.case, "dtype": res.dtype, "tolerance": res.tolerance,
+                    "passed": res.passed,
+                    "worst": {"quantity": worst_name, "error": _json_float(worst_err)},
+                    "errors": {q: _json_float(e) for q, e in res.errors.items()}})
+    json.dumps(out)  # fail here, not in the caller, if something is not serialisable
+    return out

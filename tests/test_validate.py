@@ -1,0 +1,214 @@
+"""Tests for gdngen.validate: the reference passes the battery, broken runners fail as named."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gdngen import reference, validate
+from gdngen.cases import BATTERY, get_case
+
+
+def reference_runner(inputs, *, gate, dtype, chunk_size, scale):
+    """A runner that is the float64 reference itself (ignores dtype and chunk_size)."""
+    return reference.vjp(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                         inputs["initial_state"], inputs["dy"], inputs["dfinal_state"],
+                         mask=inputs["mask"], scale=scale, gate=gate)
+
+
+def float32_output_runner(inputs, **kwargs):
+    """The reference with every output rounded to float32: a near-perfect float32 backend."""
+    out = reference_runner(inputs, **kwargs)
+    return {key: validate.round_to_dtype(val, "float32") for key, val in out.items()}
+
+
+@pytest.fixture(scope="module")
+def battery_results():
+    return validate.run_battery(float32_output_runner, dtype="float32", seed=0)
+
+
+def test_reference_passes_every_case_at_float32(battery_results):
+    assert [r.case for r in battery_results] == [c.name for c in BATTERY]
+    for res in battery_results:
+        assert res.passed, (res.case, res.worst)
+        assert set(res.errors) == set(validate.QUANTITIES), res.case
+        assert res.worst[1] < 1e-6
+        assert res.tolerance == 5e-5
+
+
+def test_reference_runner_is_exact_at_bfloat16():
+    res = validate.check_case(reference_runner, "gates_exact_one_and_zero", dtype="bfloat16")
+    assert res.passed and res.tolerance == 2e-2
+    assert all(err == 0.0 for err in res.errors.values())
+
+
+def test_format_table_and_json(battery_results):
+    failing = validate.CaseResult("broken", "float32", {"y": 1e-7, "dq": math.inf,
+                                                       "dg": math.nan}, 5e-5)
+    results = [*battery_results, failing]
+    table = validate.format_table(results)
+    for case in BATTERY:
+        assert case.name in table
+    for quantity in validate.QUANTITIES:
+        assert quantity in table
+    assert "PASS" in table and "FAIL" in table
+    rows = validate.results_to_json(results)
+    json.dumps(rows)
+    assert rows[-1]["passed"] is False
+    assert rows[-1]["worst"]["quantity"] == "dg" and rows[-1]["errors"]["dq"] == "inf"
+    assert rows[0]["passed"] is True and rows[0]["case"] == BATTERY[0].name
+
+
+def _perturbed(quantity, *, gate=None, factor=1.0 + 1e-3, zero=False, nan=False):
+    """A runner returning the reference with one quantity broken (for one gate, or both)."""
+    def runner(inputs, **kwargs):
+        out = reference_runner(inputs, **kwargs)
+        if gate is None or kwargs["gate"] == gate:
+            x = np.array(out[quantity])
+            if zero:
+                x[...] = 0.0
+            elif nan:
+                x.flat[3] = np.nan
+            else:
+                x *= factor
+            out[quantity] = x
+        return out
+    return runner
+
+
+@pytest.mark.parametrize("runner, quantity", [
+    (_perturbed("dg", gate="linear"), "dg_linear"),
+    (_perturbed("dg", gate="log"), "dg"),
+    (_perturbed("dbeta", zero=True), "dbeta"),
+    (_perturbed("dq", nan=True), "dq"),
+    (_perturbed("dinitial_state", gate="linear"), "dinitial_state"),
+])
+def test_broken_runner_fails_naming_quantity(runner, quantity):
+    res = validate.check_case(runner, "initial_state", seed=3)
+    assert not res.passed
+    assert res.worst[0] == quantity
+    others = {q: e for q, e in res.errors.items() if q != quantity}
+    assert all(e == 0.0 for e in others.values()), others
+
+
+def test_dg_linear_perturbation_is_measured():
+    res = validate.check_case(_perturbed("dg", gate="linear"), "mild_decay", seed=1)
+    assert res.errors["dg_linear"] == pytest.approx(1e-3, rel=1e-6)
+    assert res.errors["dg"] == 0.0
+
+
+def test_runner_without_beta_term_fails():
+    """A runner that forgets beta (uses beta = 1) fails on y and the gradients."""
+    def no_beta_runner(inputs, **kwargs):
+        return reference_runner(dict(inputs, beta=np.ones_like(inputs["beta"])), **kwargs)
+    res = validate.check_case(no_beta_runner, "mild_decay", seed=0)
+    assert not res.passed
+    assert res.errors["y"] > 1e-2 and res.errors["dbeta"] > 1e-2
+
+
+def test_runner_ignoring_mask_fails_on_padding():
+    def no_mask_runner(inputs, **kwargs):
+        return reference_runner(dict(inputs, mask=None), **kwargs)
+    res = validate.check_case(no_mask_runner, "padding_mask", seed=0)
+    assert not res.passed and res.errors["y"] > 1e-2
+
+
+def test_runner_sees_rounded_inputs_case_scale_and_chunk_size():
+    seen, q_norms = [], []
+
+    def spy(inputs, *, gate, dtype, chunk_size, scale):
+        seen.append((gate, dtype, chunk_size, scale))
+        q_norms.append(float(np.linalg.norm(inputs["q"])))
+        for key in ("q", "k", "v", "g", "beta", "dy", "dfinal_state"):
+            np.testing.assert_array_equal(inputs[key], validate.round_to_dtype(inputs[key],
+                                                                             "bfloat16"))
+        assert inputs["initial_state"].dtype == np.float64
+        np.testing.assert_array_equal(inputs["initial_state"],
+                                      validate.round_to_dtype(inputs["initial_state"], "float32"))
+        assert "g_log" not in inputs
+        if gate == "linear":
+            assert np.all((inputs["g"] >= 0.0) & (inputs["g"] <= 1.0))
+        out = reference_runner(inputs, gate=gate, dtype=dtype, chunk_size=chunk_size,
+                               scale=scale)
+        inputs["q"][...] = 0.0  # mutating its copy must not reach the next run
+        return out
+
+    case = get_case("t1")
+    res = validate.check_case(spy, case, dtype="bfloat16", seed=0)
+    assert res.passed and res.worst[1] == 0.0
+    assert seen == [("log", "bfloat16", 64, case.scale), ("linear", "bfloat16", 64, case.scale)]
+    assert q_norms[0] > 0 and q_norms[0] == q_norms[1]
+    seen.clear()
+    validate.run_battery(spy, dtype="bfloat16", cases=["t1"], seed=0, chunk_size=16)
+    assert [s[2] for s in seen] == [16, 16]
+
+
+def test_backend_name_resolves_through_get_runner(monkeypatch):
+    from gdngen import backends
+    monkeypatch.setattr(backends, "get_runner",
+                        lambda name: reference_runner if name == "fake" else None)
+    (res,) = validate.run_battery("fake", cases=["short"], seed=0)
+    assert res.passed and res.case == "short"
+
+
+def test_missing_dinitial_state_skipped_only_without_initial_state():
+    def no_dinit(inputs, **kwargs):
+        return dict(reference_runner(inputs, **kwargs), dinitial_state=None)
+    res = validate.check_case(no_dinit, "short", seed=0)
+    assert res.passed and "dinitial_state" not in res.errors
+    res = validate.check_case(no_dinit, "initial_state", seed=0)
+    assert not res.passed and res.worst == ("dinitial_state", math.inf)
+
+
+def test_tolerance():
+    assert validate.tolerance("float32") == 5e-5
+    assert validate.tolerance("bfloat16") == 2e-2
+    assert validate.tolerance("float16") == 2e-2
+    with pytest.raises(ValueError):
+        validate.tolerance("int8")
+
+
+def test_relative_error_edge_cases():
+    ref = np.array([3.0, 4.0])
+    assert validate.relative_error(ref, ref) == 0.0
+    assert validate.relative_error(np.array([3.0, 4.5]), ref) == pytest.approx(0.1)
+    assert validate.relative_error(np.array([3.0, np.nan]), ref) == math.inf
+    assert validate.relative_error(np.array([3.0, np.inf]), ref) == math.inf
+    assert validate.relative_error(np.array([3.0, 4.0, 0.0]), ref) == math.inf
+    assert validate.relative_error(ref.reshape(2, 1), ref) == math.inf
+    assert validate.relative_error(None, ref) == math.inf
+    assert validate.relative_error(np.zeros(2), np.zeros(2)) == 0.0
+    assert validate.relative_error(np.array([0.0, 1e-3]), np.zeros(2)) == pytest.approx(1e-3)
+    assert validate.relative_error(np.float32([3.0, 4.0]), ref) == 0.0
+    with pytest.raises(ValueError):
+        validate.relative_error(ref, np.array([np.nan, 1.0]))
+
+
+def test_round_to_dtype_bfloat16():
+    x = np.array([1.0, 1.0 + 2.0**-7, 1.0 + 2.0**-9, 3.14159265, -np.inf, 0.0, 1e-30])
+    r = validate.round_to_dtype(x, "bfloat16")
+    assert r.dtype == np.float64
+    assert r[0] == 1.0 and r[1] == 1.0 + 2.0**-7  # representable: 8 significant bits
+    assert r[2] == 1.0  # below half an ulp: rounds away
+    assert r[3] == 3.140625
+    assert r[4] == -np.inf and r[5] == 0.0
+    np.testing.assert_array_equal(r, x.astype(ml_dtypes.bfloat16).astype(np.float64))
+    np.testing.assert_array_equal(validate.round_to_dtype(r, "bfloat16"), r)  # idempotent
+    assert validate.round_to_dtype(x, "float32")[3] == np.float32(3.14159265)
+    assert validate.round_to_dtype(x, "float16")[3] == np.float16(3.14159265)
+    assert validate.round_to_dtype(None, "bfloat16") is None
+    with pytest.raises(ValueError):
+        validate.round_to_dtype(x, "int4")
+
+
+def test_case_result_properties():
+    res = validate.CaseResult("c", "float32", {"y": 1e-6, "dq": 4e-5}, 5e-5)
+    assert res.passed and res.worst == ("dq", 4e-5)
+    res.errors["dk"] = 6e-5
+    assert not res.passed and res.worst == ("dk", 6e-5)
+    res.errors["dv"] = math.nan
+    assert not res.passed and res.worst[0] == "dv"
