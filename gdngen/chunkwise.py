@@ -1,8 +1,9 @@
 """Framework-neutral chunkwise gated delta rule (WY form), shared by the JAX and MLX backends.
 
 Every function takes ``xp``, a small array namespace (`gdngen.backends.xla.XP`,
-`gdngen.backends.mlx.XP`) exposing: ``exp log where cumsum(x, axis, reverse) sum(x, axis)
-concatenate stack swapaxes zeros ones eye tril_mask(n, k) float32 isfinite``. Arrays are float32.
+`gdngen.backends.mlx.XP`) exposing: ``exp log where cumsum(x, axis, reverse) sum(x, axis, keepdims)
+concatenate stack swapaxes repeat zeros(shape) eye(n) tril_mask(n, k) pad_time(x, pad, value)
+scan(f, carry, xs, reverse)`` (lax.scan semantics). Arrays are float32.
 
 Chunk algebra, per value head, chunk of C steps entering with state S0 ``[Dv, Dk]``. Positions
 are 0..C with 0 the chunk boundary; ``D[i, j] = prod_{j < m <= i} g_m`` (i >= j) are the decay
@@ -241,3 +242,78 @@ def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate):
     else:
         dgates = decay_factors_linear_vjp(xp, gates, D, dD)
     return dq, dk, dv, dgates, dbeta, dS0
+
+
+# --------------------------------------------------------------------------- whole sequences
+
+
+def to_chunks(x, N, C, heads_shape):
+    """``[B, T, H, ...]`` (T = N*C) -> ``[N, B, *heads_shape, C, ...]``."""
+    B, _, _, *rest = x.shape
+    x = x.reshape((B, N, C) + tuple(heads_shape) + tuple(rest))
+    nh = len(heads_shape)
+    return x.transpose((1, 0) + tuple(range(3, 3 + nh)) + (2,) + tuple(range(3 + nh, x.ndim)))
+
+
+def from_chunks(y, T):
+    """``[N, B, Hk, r, C, Dv]`` -> ``[B, T, Hk*r, Dv]`` (dropping the padded tail)."""
+    N, B, Hk, r, C, Dv = y.shape
+    return y.transpose((1, 0, 4, 2, 3, 5)).reshape(B, N * C, Hk * r, Dv)[:, :T]
+
+
+def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
+    """Whole-sequence chunkwise gated delta for scalar gates; float32 arrays, shapes as the API.
+
+    ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` is `forward` in chunk layout wrapped with
+    `backward` as its VJP by the framework. A masked step folds into the gates (log g = 0 /
+    g = 1, beta = 0) and its output is zeroed; T is padded to a multiple of the chunk with
+    identity steps, which leave the state unchanged.
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    r, C = Hv // Hk, chunk_size
+    N = -(-T // C)
+    identity_gate = 0.0 if gate == "log" else 1.0
+    if mask is not None:
+        g = xp.where(mask[..., None], g, identity_gate)
+        beta = xp.where(mask[..., None], beta, 0.0)
+    pad = N * C - T
+    if pad:
+        q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))
+        g = xp.pad_time(g, pad, identity_gate)
+    Y, S_final = core(to_chunks(q * scale, N, C, (Hk, 1)), to_chunks(k, N, C, (Hk, 1)),
+                      to_chunks(v, N, C, (Hk, r)), to_chunks(g[..., None], N, C, (Hk, r))[..., 0],
+                      to_chunks(beta[..., None], N, C, (Hk, r))[..., 0],
+                      initial_state.reshape(B, Hk, r, Dv, Dk))
+    y = from_chunks(Y, T)
+    if mask is not None:
+        y = xp.where(mask[..., None, None], y, 0.0)
+    return y, S_final.reshape(B, Hv, Dv, Dk)
+
+
+def sequential_gated_delta(xp, q, k, v, g, beta, initial_state, mask, *, scale, gate):
+    """The recurrence one step at a time in float32 (vector gates; benchmark baseline).
+
+    Shapes as the API; differentiated by the framework's autodiff through ``xp.scan``, so the
+    backward keeps one state per step.
+    """
+    r = v.shape[2] // q.shape[2]
+    a = xp.exp(g) if gate == "log" else g
+    if mask is not None:
+        a = xp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 2)), a, 1.0)
+        beta = xp.where(mask[..., None], beta, 0.0)
+    q, k = (xp.repeat(x, r, axis=2) for x in (q * scale, k))
+    a = a[..., None, :] if a.ndim == 4 else a[..., None, None]  # broadcast over [Dv, Dk]
+
+    def step(S, xs):
+        q_t, k_t, v_t, a_t, beta_t = xs  # [B, Hv, ...]
+        S = a_t * S
+        delta = beta_t[..., None] * (v_t - (S @ k_t[..., None])[..., 0])
+        S = S + delta[..., None] * k_t[..., None, :]
+        return S, (S @ q_t[..., None])[..., 0]
+
+    S, y = xp.scan(step, initial_state, tuple(x.swapaxes(0, 1) for x in (q, k, v, a, beta)), False)
+    y = y.swapaxes(0, 1)
+    if mask is not None:
+        y = xp.where(mask[..., None, None], y, 0.0)
+    return y, S

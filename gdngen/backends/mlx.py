@@ -1,0 +1,113 @@
+"""MLX backend: the portable chunkwise gated delta rule in mlx.core (any MLX device).
+
+Scalar gates (and masks) take `gdngen.chunkwise` with its hand-derived backward wired in through
+``mx.custom_function``; vector gates take `sequential_gated_delta`, a per-step float32 loop.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from gdngen import chunkwise
+
+
+class XP:
+    """The array namespace `gdngen.chunkwise` expects, over mlx.core (float32)."""
+
+    exp, log, where, sum, stack, swapaxes = mx.exp, mx.log, mx.where, mx.sum, mx.stack, mx.swapaxes
+    concatenate = mx.concatenate
+
+    @staticmethod
+    def cumsum(x, axis, reverse=False):
+        return mx.cumsum(x, axis=axis, reverse=reverse)
+
+    @staticmethod
+    def scan(f, carry, xs, reverse):
+        """lax.scan semantics over the leading axis of every array in the tuple ``xs``; ``f``
+        returns ``(carry, out)`` with out an array or a tuple of arrays."""
+        n = xs[0].shape[0]
+        order = range(n - 1, -1, -1) if reverse else range(n)
+        outs = [None] * n
+        for i in order:
+            carry, outs[i] = f(carry, tuple(x[i] for x in xs))
+        if isinstance(outs[0], tuple):
+            return carry, tuple(mx.stack(list(parts)) for parts in zip(*outs))
+        return carry, mx.stack(outs)
+
+    @staticmethod
+    def repeat(x, n, axis):
+        return mx.repeat(x, n, axis=axis)
+
+    @staticmethod
+    def pad_time(x, pad, value):
+        return mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+    @staticmethod
+    def zeros(shape):
+        return mx.zeros(shape, mx.float32)
+
+    @staticmethod
+    def eye(n):
+        return mx.eye(n, dtype=mx.float32)
+
+    @staticmethod
+    def tril_mask(n, k):
+        return mx.array(np.tri(n, n, k, dtype=bool))
+
+
+def _make_chunk_core(gate):
+    @mx.custom_function
+    def core(q, k, v, gates, beta, S0):
+        Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
+        return Y, S_final
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, S0 = primals
+        # The residual states are recomputed: MLX's custom_function keeps no forward residuals.
+        _, _, S_in = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
+        dY, dS_final = cotangents
+        return chunkwise.backward(XP, q, k, v, gates, beta, S_in, dY, dS_final, gate=gate)
+
+    return core
+
+
+CHUNK_CORE = {gate: _make_chunk_core(gate) for gate in ("log", "linear")}
+
+
+def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
+    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.mlx.gated_delta`."""
+    return chunkwise.gated_delta(XP, CHUNK_CORE[gate], q, k, v, g, beta, initial_state, mask,
+                                 scale=scale, gate=gate, chunk_size=chunk_size)
+
+
+def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):
+    """Per-step float32 recurrence (vector gates); shapes as the API."""
+    return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
+                                            scale=scale, gate=gate)
+
+
+def runner(inputs, *, gate, dtype, chunk_size, scale):
+    """Battery runner (docs/CONTRACT.md): forward + VJP through `gdngen.mlx.gated_delta`."""
+    from gdngen.mlx import gated_delta
+
+    mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+    args = [mx.array(np.asarray(inputs[n], np.float32)).astype(mdt)
+            for n in ("q", "k", "v", "g", "beta")]
+    S0 = inputs.get("initial_state")
+    B, Hv, Dv, Dk = args[0].shape[0], args[2].shape[2], args[2].shape[3], args[0].shape[3]
+    S0 = mx.zeros((B, Hv, Dv, Dk)) if S0 is None else mx.array(np.asarray(S0, np.float32))
+    mask = inputs.get("mask")
+    mask = None if mask is None else mx.array(mask)
+
+    def f(q, k, v, g, beta, s0):
+        return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
+                           chunk_size=chunk_size)
+
+    cot = (mx.array(np.asarray(inputs["dy"], np.float32)).astype(mdt),
+           mx.array(np.asarray(inputs["dfinal_state"], np.float32)))
+    (y, S), grads = mx.vjp(f, args + [S0], list(cot))
+    out = {"y": y, "final_state": S}
+    out.update(zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads))
+    return {n: np.asarray(x.astype(mx.float32), np.float64) for n, x in out.items()}
