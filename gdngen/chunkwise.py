@@ -85,11 +85,8 @@ def decay_factors_linear_vjp(xp, a, D, dD):
 
 # --------------------------------------------------------------- unit lower triangular inverse
 
-SUBSTITUTION_BLOCK = 16
-
-
 def _forward_substitution(xp, L):
-    """Inverse of unit-lower-triangular ``L [..., n, n]`` row by row: row_i = e_i - L[i, :i] X[:i]."""
+    """Inverse of unit-lower-triangular ``L [..., n, n]``, row_i = e_i - L[i, :i] X[:i]."""
     n = L.shape[-1]
     inv = xp.eye(n) + xp.zeros(L.shape)
     rows = [inv[..., i, :] for i in range(n)]
@@ -99,22 +96,23 @@ def _forward_substitution(xp, L):
     return xp.stack(rows, axis=-2)
 
 
-def solve_unit_lower(xp, L):
+def solve_unit_lower(xp, L, block=16):
     """Exact inverse of a unit-lower-triangular ``L [..., n, n]`` in float32.
 
     Block recursion on halves, inv([[L11, 0], [L21, L22]]) = [[X11, 0], [-X22 L21 X11, X22]],
-    down to forward substitution on blocks of `SUBSTITUTION_BLOCK`. No Newton-Schulz or Neumann
+    down to forward substitution on blocks of at most ``block`` rows. No Newton-Schulz or Neumann
     series: those diverge on near-singular chunks (identical keys).
     """
     n = L.shape[-1]
-    if n <= SUBSTITUTION_BLOCK:
+    if n <= block:
         return _forward_substitution(xp, L)
     h = n // 2
     if n - h == h:  # both halves at once
-        X = solve_unit_lower(xp, xp.stack([L[..., :h, :h], L[..., h:, h:]], axis=0))
+        X = solve_unit_lower(xp, xp.stack([L[..., :h, :h], L[..., h:, h:]], axis=0), block)
         X11, X22 = X[0], X[1]
     else:
-        X11, X22 = solve_unit_lower(xp, L[..., :h, :h]), solve_unit_lower(xp, L[..., h:, h:])
+        X11 = solve_unit_lower(xp, L[..., :h, :h], block)
+        X22 = solve_unit_lower(xp, L[..., h:, h:], block)
     X21 = -(X22 @ (L[..., h:, :h] @ X11))
     top = xp.concatenate([X11, xp.zeros(X11.shape[:-1] + (n - h,))], axis=-1)
     bottom = xp.concatenate([X21, X22], axis=-1)
@@ -146,23 +144,23 @@ def _decay(xp, gates, gate):
     return decay_factors(xp, gates if gate == "log" else xp.log(gates))
 
 
-def _intra_chunk(xp, k, v, beta, D):
+def _intra_chunk(xp, k, v, beta, D, solve_block):
     """Parallel over chunks: K K^T, T = (I + A)^{-1}, U = T diag(beta) V, Wk = T diag(beta D0) K."""
     C = k.shape[-2]
     KK = k @ _T(k)  # once per key head, shared by its value heads
     A = xp.where(xp.tril_mask(C, -1), beta[..., :, None] * D[..., 1:, 1:] * KK, 0.0)
-    Tinv = solve_unit_lower(xp, xp.eye(C) + A)
+    Tinv = solve_unit_lower(xp, xp.eye(C) + A, solve_block)
     bk = (beta * D[..., 1:, 0])[..., None] * k
     return KK, Tinv, Tinv @ (beta[..., None] * v), Tinv @ bk, bk
 
 
-def forward(xp, q, k, v, gates, beta, S0, *, gate):
+def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=16):
     """Chunkwise forward. Returns ``(Y [N,B,Hk,r,C,Dv], S_final, S_in [N,B,Hk,r,Dv,Dk])``.
 
     S_in[n] is the state entering chunk n (kept for the backward).
     """
     D = _decay(xp, gates, gate)
-    _, _, U, Wk, _ = _intra_chunk(xp, k, v, beta, D)
+    _, _, U, Wk, _ = _intra_chunk(xp, k, v, beta, D, solve_block)
     Kc = D[..., -1, 1:, None] * k  # keys decayed to the chunk end
 
     def step(S, xs):
@@ -175,7 +173,7 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate):
     return Y, S_final, S_in
 
 
-def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate):
+def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate, solve_block=16):
     """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
 
     Recomputes the intra-chunk factors, walks the chunks in reverse for the state cotangent
@@ -185,7 +183,7 @@ def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate):
     C = k.shape[-2]
     D = _decay(xp, gates, gate)
     D0, D11 = D[..., 1:, 0], D[..., 1:, 1:]
-    KK, Tinv, U, Wk, bk = _intra_chunk(xp, k, v, beta, D)
+    KK, Tinv, U, Wk, bk = _intra_chunk(xp, k, v, beta, D, solve_block)
     Kc = D[..., -1, 1:, None] * k
     QK = q @ _T(k)
     Pm = D11 * QK

@@ -1,4 +1,4 @@
-"""MLX entry point: ``gdngen.mlx.gated_delta`` (differentiable, mx.compile-able). Never imports jax."""
+"""MLX entry point: ``gdngen.mlx.gated_delta`` (differentiable, compilable). Never imports jax."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise ValueError(f"scale must be a Python float, got {type(scale).__name__}")
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             dims = "[B,T,Hk,Dk]" if name != "v" else "[B,T,Hv,Dv]"

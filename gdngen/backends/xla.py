@@ -1,8 +1,9 @@
 """XLA backend: the portable chunkwise gated delta rule in jax.numpy (any JAX device).
 
 Scalar gates (and masks) take the chunkwise path of `gdngen.chunkwise`, whose hand-derived
-backward (recomputation, straddle-sum gate rule) is wired in with ``jax.custom_vjp``. Vector gates take `sequential_gated_delta`, a float32
-``lax.scan`` recurrence (also the benchmark baseline).
+backward (recomputation, straddle-sum gate rule) is wired in with ``jax.custom_vjp``. Vector
+gates take `sequential_gated_delta`, a float32 ``lax.scan`` recurrence (also the benchmark
+baseline).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from gdngen import chunkwise
 class XP:
     """The array namespace `gdngen.chunkwise` expects, over jax.numpy (float32)."""
 
-    exp, log, where, sum, stack, swapaxes = jnp.exp, jnp.log, jnp.where, jnp.sum, jnp.stack, jnp.swapaxes
-    concatenate = jnp.concatenate
+    exp, log, where, sum, stack = jnp.exp, jnp.log, jnp.where, jnp.sum, jnp.stack
+    swapaxes, concatenate = jnp.swapaxes, jnp.concatenate
 
     @staticmethod
     def cumsum(x, axis, reverse=False):

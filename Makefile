@@ -1,0 +1,29 @@
+# gdngen developer targets. `make bench` and `make test` install into $(VENV) on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test bench lint clean
+
+install: $(STAMP)
+
+# Reinstalls only when the packaging files change (the stamp is newer otherwise).
+$(STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e '.[jax,mlx,dev]'
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q -rs
+
+bench: install
+	$(BIN)/gdngen bench
+
+lint: install
+	$(BIN)/ruff check gdngen tests benchmarks
+
+# Build and cache artefacts only; the virtualenv is kept (remove $(VENV) by hand to reinstall).
+clean:
+	rm -rf build dist .pytest_cache .ruff_cache *.egg-info
+	find gdngen tests benchmarks -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,455 @@
+"""Time stage: forward+backward wall time and peak memory of the chunkwise path vs a baseline.
+
+For each framework and sequence length T this measures the gradient of
+``sum(y * dy) + sum(final_state * dfinal_state)`` with respect to all six inputs (q, k, v, g,
+beta, initial_state), with g a log-decay gate and ``scale = Dk ** -0.5``:
+
+* chunkwise: ``gdngen.jax.gated_delta`` / ``gdngen.mlx.gated_delta`` (``chunk_size`` = C);
+* baseline (sequential): ``gdngen.backends.xla.sequential_gated_delta`` (a float32
+  ``lax.scan``) for JAX, ``mlx_lm.models.gated_delta.gated_delta_ops`` (a per-step loop; it takes
+  a linear gate and no scale, so it gets ``exp(g)`` and ``q * scale``) for MLX. Lengths above
+  ``baseline_max_T`` skip it.
+
+Times are the median of ``repeats`` runs after one warm-up run (which also compiles), each run
+synchronised (``jax.block_until_ready`` / ``mx.eval``). Peak memory is framework-specific and
+named in each row's ``memory_measure``: JAX reports the compiled executable's
+``memory_analysis()`` (argument + output + temp bytes), MLX reports ``mx.get_peak_memory()``
+over the timed runs (inputs included). Achieved GFLOP/s uses `gdngen.flops.chunkwise_flops`;
+it is compared with the best float32 matmul GFLOP/s the same framework reaches in the same run
+(a square ``matmul_n`` cube and a batch of 64 chunk-shaped ``[C,Dk] @ [Dk,Dv]`` products).
+
+Each framework runs in a fresh subprocess by default (``run(..., isolate=True)``) so that one
+framework's thread pools and allocator do not disturb the other's figures.
+
+Every result row is a dict with exactly the keys in `ROW_KEYS`; ``baseline_*`` and ``speedup``
+are ``None`` where the baseline was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gdngen.flops import chunkwise_flops
+
+FRAMEWORKS = ("jax", "mlx")
+DTYPES = ("float32", "bfloat16", "float16")
+ROW_KEYS = (
+    "framework", "device", "T", "B", "Hk", "Hv", "Dk", "Dv", "chunk_size", "dtype", "repeats",
+    "chunk_ms", "baseline_ms", "speedup", "chunk_peak_bytes", "baseline_peak_bytes",
+    "memory_measure", "flops", "chunk_gflops", "matmul_gflops", "matmul_shape", "matmul_ratio",
+)
+MEMORY_MEASURES = {
+    "jax": "XLA memory_analysis(): argument + output + temp bytes of the compiled fwd+bwd",
+    "mlx": "mx.get_peak_memory() over the timed fwd+bwd runs (inputs included)",
+}
+_ROWS_TAG = "GDNGEN_BENCH_ROWS "
+_MATMUL_BATCH = 64
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Problem sizes and measurement settings of one benchmark run."""
+
+    seq_lens: tuple[int, ...] = (1024, 2048, 4096)
+    batch: int = 1
+    hk: int = 4
+    hv: int = 8
+    dk: int = 128
+    dv: int = 128
+    chunk_size: int = 64
+    dtype: str = "float32"
+    repeats: int = 5
+    baseline_max_T: int = 2048
+    matmul_n: int = 2048
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "seq_lens", tuple(int(t) for t in self.seq_lens))
+        if not self.seq_lens or min(self.seq_lens) < 1:
+            raise ValueError(f"seq_lens must be positive, got {self.seq_lens}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("batch", "hk", "hv", "dk", "dv", "chunk_size", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hv % self.hk:
+            raise ValueError(f"hv ({self.hv}) must be a multiple of hk ({self.hk})")
+        if self.matmul_n < 0:
+            raise ValueError(f"matmul_n must be >= 0 (0 skips it), got {self.matmul_n}")
+
+
+def available_frameworks() -> tuple[str, ...]:
+    """Frameworks whose package is importable here (without importing it)."""
+    return tuple(fw for fw in FRAMEWORKS if importlib.util.find_spec(fw) is not None)
+
+
+def make_inputs(cfg: BenchConfig, T: int) -> dict[str, np.ndarray]:
+    """Deterministic float32 inputs of length T: q, k (unit-norm), v, g (log-decay), beta,
+    initial_state, and the cotangents dy, dfinal_state."""
+    rng = np.random.default_rng(cfg.seed + T)
+    B, Hk, Hv, Dk, Dv = cfg.batch, cfg.hk, cfg.hv, cfg.dk, cfg.dv
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    arrays = {
+        "q": unit((B, T, Hk, Dk)),
+        "k": unit((B, T, Hk, Dk)),
+        "v": rng.standard_normal((B, T, Hv, Dv)),
+        "g": np.log(rng.uniform(0.9, 0.999, (B, T, Hv))),
+        "beta": rng.uniform(0.1, 0.9, (B, T, Hv)),
+        "initial_state": 0.1 * rng.standard_normal((B, Hv, Dv, Dk)),
+        "dy": rng.standard_normal((B, T, Hv, Dv)),
+        "dfinal_state": rng.standard_normal((B, Hv, Dv, Dk)),
+    }
+    return {name: a.astype(np.float32) for name, a in arrays.items()}
+
+
+def _median_seconds(call, sync, repeats: int, before_timing=None) -> float:
+    sync(call())  # warm-up (compiles on first use)
+    if before_timing is not None:
+        before_timing()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sync(call())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _progress(msg: str) -> None:
+    print(f"[gdngen bench] {msg}", file=sys.stderr, flush=True)
+
+
+# --- JAX -----------------------------------------------------------------------------------
+
+
+def _jax_kernels():
+    """(chunkwise, sequential baseline) JAX callables; both ``(q,k,v,g,beta,s0,*,scale,gate)``."""
+    from gdngen.backends.xla import sequential_gated_delta
+    from gdngen.jax import gated_delta
+
+    return gated_delta, sequential_gated_delta
+
+
+def _jax_grad(fn, scale: float, **kwargs):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v, g, beta, s0, dy, ds):
+        y, s = fn(q, k, v, g, beta, s0, scale=scale, gate="log", **kwargs)
+        return jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(s.astype(jnp.float32) * ds)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
+
+
+def _jax_time(fn, args, repeats: int) -> tuple[float, int]:
+    import jax
+
+    compiled = fn.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    peak = None
+    if mem is not None:
+        peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+    seconds = _median_seconds(lambda: compiled(*args), jax.block_until_ready, repeats)
+    return seconds, peak
+
+
+def _jax_matmul(cfg: BenchConfig) -> tuple[float, str]:
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(cfg.seed)
+    repeats = max(3, cfg.repeats)
+    best = (0.0, "")
+    shapes = _matmul_shapes(cfg)
+    for label, a_shape, b_shape, flops in shapes:
+        a = jnp.asarray(rng.standard_normal(a_shape), jnp.float32)
+        b = jnp.asarray(rng.standard_normal(b_shape), jnp.float32)
+        f = jax.jit(jnp.matmul)
+        seconds = _median_seconds(lambda f=f, a=a, b=b: f(a, b), jax.block_until_ready, repeats)
+        best = max(best, (flops / seconds / 1e9, label))
+    return best
+
+
+def _measure_jax(cfg: BenchConfig) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    chunk_fn, base_fn = _jax_kernels()
+    scale = cfg.dk**-0.5
+    chunk_grad = _jax_grad(chunk_fn, scale, chunk_size=cfg.chunk_size)
+    base_grad = _jax_grad(base_fn, scale)
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", "") or device.platform
+    device_name = device.platform if kind == device.platform else f"{device.platform} ({kind})"
+    _progress(f"jax on {device_name}: float32 matmul reference")
+    matmul = _jax_matmul(cfg)
+    rows = []
+    for T in cfg.seq_lens:
+        x = make_inputs(cfg, T)
+        cast = {n: jnp.asarray(x[n], cfg.dtype) for n in ("q", "k", "v", "g", "beta")}
+        args = (cast["q"], cast["k"], cast["v"], cast["g"], cast["beta"],
+                jnp.asarray(x["initial_state"]), jnp.asarray(x["dy"]),
+                jnp.asarray(x["dfinal_state"]))
+        _progress(f"jax T={T}: chunkwise")
+        chunk = _jax_time(chunk_grad, args, cfg.repeats)
+        base = (None, None)
+        if T <= cfg.baseline_max_T:
+            _progress(f"jax T={T}: sequential baseline")
+            base = _jax_time(base_grad, args, cfg.repeats)
+        rows.append(_row("jax", device_name, cfg, T, chunk, base, matmul))
+    return rows
+
+
+# --- MLX -----------------------------------------------------------------------------------
+
+
+def _mlx_kernels():
+    """(chunkwise, sequential baseline) MLX callables; both ``(q,k,v,g,beta,s0,*,scale,gate)``."""
+    import mlx.core as mx
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    from gdngen.mlx import gated_delta
+
+    def baseline(q, k, v, g, beta, initial_state, *, scale, gate):
+        if gate != "log":
+            raise ValueError("the MLX baseline is wired for gate='log' only")
+        return gated_delta_ops(q * scale, k, v, mx.exp(g), beta, initial_state)
+
+    return gated_delta, baseline
+
+
+def _mlx_time(fn, args, repeats: int, scale: float, **kwargs) -> tuple[float, int]:
+    import mlx.core as mx
+
+    dy, ds = args[6], args[7]
+
+    def loss(q, k, v, g, beta, s0):
+        y, s = fn(q, k, v, g, beta, s0, scale=scale, gate="log", **kwargs)
+        return mx.sum(y.astype(mx.float32) * dy) + mx.sum(s.astype(mx.float32) * ds)
+
+    grad = mx.grad(loss, argnums=[0, 1, 2, 3, 4, 5])
+    seconds = _median_seconds(lambda: grad(*args[:6]), mx.eval, repeats,
+                              before_timing=mx.reset_peak_memory)
+    return seconds, int(mx.get_peak_memory())
+
+
+def _mlx_matmul(cfg: BenchConfig) -> tuple[float, str]:
+    import mlx.core as mx
+
+    rng = np.random.default_rng(cfg.seed)
+    repeats = max(3, cfg.repeats)
+    best = (0.0, "")
+    for label, a_shape, b_shape, flops in _matmul_shapes(cfg):
+        a = mx.array(rng.standard_normal(a_shape).astype(np.float32))
+        b = mx.array(rng.standard_normal(b_shape).astype(np.float32))
+        seconds = _median_seconds(lambda a=a, b=b: mx.matmul(a, b), mx.eval, repeats)
+        best = max(best, (flops / seconds / 1e9, label))
+    return best
+
+
+def _measure_mlx(cfg: BenchConfig) -> list[dict]:
+    import mlx.core as mx
+
+    chunk_fn, base_fn = _mlx_kernels()
+    scale = cfg.dk**-0.5
+    device_name = str(mx.default_device())
+    _progress(f"mlx on {device_name}: float32 matmul reference")
+    matmul = _mlx_matmul(cfg)
+    dtype = getattr(mx, cfg.dtype)
+    rows = []
+    for T in cfg.seq_lens:
+        x = make_inputs(cfg, T)
+        args = tuple(mx.array(x[n]).astype(dtype) for n in ("q", "k", "v", "g", "beta"))
+        args += tuple(mx.array(x[n]) for n in ("initial_state", "dy", "dfinal_state"))
+        mx.eval(args)
+        _progress(f"mlx T={T}: chunkwise")
+        chunk = _mlx_time(chunk_fn, args, cfg.repeats, scale, chunk_size=cfg.chunk_size)
+        base = (None, None)
+        if T <= cfg.baseline_max_T:
+            _progress(f"mlx T={T}: sequential baseline")
+            base = _mlx_time(base_fn, args, cfg.repeats, scale)
+        rows.append(_row("mlx", device_name, cfg, T, chunk, base, matmul))
+    return rows
+
+
+# --- shared --------------------------------------------------------------------------------
+
+
+def _matmul_shapes(cfg: BenchConfig):
+    """(label, a_shape, b_shape, flops) of the float32 matmul references."""
+    C, Dk, Dv, nb = cfg.chunk_size, cfg.dk, cfg.dv, _MATMUL_BATCH
+    shapes = [(f"{nb}x[{C}x{Dk}]@[{Dk}x{Dv}]", (nb, C, Dk), (nb, Dk, Dv), 2 * nb * C * Dk * Dv)]
+    if cfg.matmul_n:
+        n = cfg.matmul_n
+        shapes.insert(0, (f"{n}x{n}x{n}", (n, n), (n, n), 2 * n**3))
+    return shapes
+
+
+def _row(framework, device, cfg: BenchConfig, T, chunk, base, matmul) -> dict:
+    chunk_s, chunk_peak = chunk
+    base_s, base_peak = base
+    matmul_gflops, matmul_shape = matmul
+    flops = chunkwise_flops(cfg.batch, T, cfg.hk, cfg.hv, cfg.dk, cfg.dv, cfg.chunk_size)
+    chunk_gflops = flops / chunk_s / 1e9
+    row = {
+        "framework": framework,
+        "device": device,
+        "T": T,
+        "B": cfg.batch,
+        "Hk": cfg.hk,
+        "Hv": cfg.hv,
+        "Dk": cfg.dk,
+        "Dv": cfg.dv,
+        "chunk_size": cfg.chunk_size,
+        "dtype": cfg.dtype,
+        "repeats": cfg.repeats,
+        "chunk_ms": chunk_s * 1e3,
+        "baseline_ms": None if base_s is None else base_s * 1e3,
+        "speedup": None if base_s is None else base_s / chunk_s,
+        "chunk_peak_bytes": chunk_peak,
+        "baseline_peak_bytes": base_peak,
+        "memory_measure": MEMORY_MEASURES[framework],
+        "flops": flops,
+        "chunk_gflops": chunk_gflops,
+        "matmul_gflops": matmul_gflops,
+        "matmul_shape": matmul_shape,
+        "matmul_ratio": chunk_gflops / matmul_gflops if matmul_gflops else None,
+    }
+    assert tuple(row) == ROW_KEYS
+    return row
+
+
+def measure(framework: str, cfg: BenchConfig) -> list[dict]:
+    """Measure one framework in this process; one row per ``cfg.seq_lens`` entry."""
+    if framework == "jax":
+        return _measure_jax(cfg)
+    if framework == "mlx":
+        return _measure_mlx(cfg)
+    raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+
+
+def _measure_in_subprocess(framework: str, cfg: BenchConfig) -> list[dict]:
+    env = dict(os.environ)
+    src_root = str(Path(__file__).resolve().parent.parent)  # the gdngen the parent imported
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "gdngen.bench", "--worker", framework,
+           "--config", json.dumps(dataclasses.asdict(cfg))]
+    proc = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True, env=env)
+    tagged = [ln for ln in proc.stdout.splitlines() if ln.startswith(_ROWS_TAG)]
+    if proc.returncode != 0 or not tagged:
+        raise RuntimeError(
+            f"bench worker for {framework} failed (exit {proc.returncode}); its error is above"
+        )
+    return json.loads(tagged[-1][len(_ROWS_TAG):])
+
+
+def run(cfg: BenchConfig, frameworks=FRAMEWORKS, *, isolate: bool = True) -> list[dict]:
+    """Measure each framework (in a fresh subprocess when ``isolate``); rows in order."""
+    rows = []
+    for framework in frameworks:
+        if isolate:
+            rows.extend(_measure_in_subprocess(framework, cfg))
+        else:
+            rows.extend(measure(framework, cfg))
+    return rows
+
+
+def write_json(rows: list[dict], path) -> None:
+    """Write ``rows`` as JSON to ``path`` atomically (temporary file + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(rows, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fmt(x, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def format_table(rows: list[dict]):
+    """A ``rich.table.Table`` of the rows; the caption names the matmul shapes and memory
+    measures used."""
+    from rich.table import Table
+
+    title = "gated delta forward+backward"
+    if rows:
+        r = rows[0]
+        title += (f" — B={r['B']} Hk={r['Hk']} Hv={r['Hv']} Dk={r['Dk']} Dv={r['Dv']}"
+                  f" C={r['chunk_size']} {r['dtype']}, median of {r['repeats']}")
+    table = Table(title=title)
+    for name in ("framework", "T", "chunk ms", "seq ms", "speedup", "chunk MiB", "seq MiB",
+                 "GFLOP/s", "matmul GFLOP/s", "of matmul"):
+        table.add_column(name, justify="left" if name == "framework" else "right")
+    mib = 1 / 2**20
+    notes = {}
+    for r in rows:
+        table.add_row(
+            r["framework"],
+            str(r["T"]),
+            _fmt(r["chunk_ms"], ".1f"),
+            _fmt(r["baseline_ms"], ".1f"),
+            _fmt(r["speedup"], ".2f"),
+            _fmt(None if r["chunk_peak_bytes"] is None else r["chunk_peak_bytes"] * mib, ".1f"),
+            _fmt(None if r["baseline_peak_bytes"] is None else r["baseline_peak_bytes"] * mib,
+                 ".1f"),
+            _fmt(r["chunk_gflops"], ".1f"),
+            _fmt(r["matmul_gflops"], ".1f"),
+            _fmt(None if r["matmul_ratio"] is None else 100 * r["matmul_ratio"], ".1f") + "%",
+        )
+        notes[r["framework"]] = (
+            f"{r['framework']} on {r['device']}: peak memory = {r['memory_measure']}; "
+            f"matmul = best float32 of {r['matmul_shape']}"
+        )
+    header = ("seq = sequential baseline (— = skipped above --baseline-max-T); "
+              "GFLOP/s = gdngen.flops.chunkwise_flops / chunk time")
+    table.caption = "\n".join([header, *notes.values()])
+    table.caption_justify = "left"
+    return table
+
+
+def print_table(rows: list[dict]) -> None:
+    """Print `format_table` to stdout; unsqueezed (160 columns) when stdout is not a terminal."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(format_table(rows))
+
+
+def _worker_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="gdngen bench worker (one framework)")
+    parser.add_argument("--worker", required=True, choices=FRAMEWORKS)
+    parser.add_argument("--config", required=True, help="BenchConfig fields as JSON")
+    ns = parser.parse_args(argv)
+    rows = measure(ns.worker, BenchConfig(**json.loads(ns.config)))
+    print(_ROWS_TAG + json.dumps(rows), flush=True)
+
+
+if __name__ == "__main__":
+    _worker_main()

@@ -1,0 +1,37 @@
+"""Where the shipped data folders are: Jinja templates and tuned configurations.
+
+A wheel carries them as ``gdngen/templates/`` and ``gdngen/tuned/`` (copied there by setup.py);
+an editable or source-tree checkout has them at the repository root (``templates/``, ``tuned/``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _data_dir(name: str) -> Path:
+    for candidate in (_PACKAGE / name, _PACKAGE.parent / name):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"gdngen data folder {name!r} not found in {_PACKAGE} or {_PACKAGE.parent}"
+    )
+
+
+def templates_dir() -> Path:
+    """Folder of the Jinja sources, one subfolder per backend (``templates/<backend>/``).
+
+    The installed copy inside the package if present, else the repo-root ``templates/``.
+    """
+    return _data_dir("templates")
+
+
+def tuned_dir() -> Path:
+    """Folder of the shipped tuned configurations (one JSON per device kind).
+
+    The installed copy inside the package if present (treat it as read-only), else the
+    repo-root ``tuned/``.
+    """
+    return _data_dir("tuned")

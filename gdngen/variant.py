@@ -1,0 +1,159 @@
+"""Variant stage: what is specialised (`Problem`), how (`Variant`), and each backend's space.
+
+A `Problem` is the shape class a kernel is specialised for (heads, head dims, input dtype, gate
+kind); a `Variant` names a backend and its parameter values. Both are frozen, hashable and
+round-trip through JSON. ``variants(backend, problem)`` enumerates the valid space and
+``default_variant(backend, problem)`` is the heuristic choice used when nothing is tuned.
+
+Backends register their space in `SPACES` as ``"module:function"`` (imported lazily, so listing
+the portable spaces imports no framework); the function maps a Problem to
+``(list_of_param_dicts, default_param_dict)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+
+from gdngen.problem import FLOAT_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
+
+GATE_KINDS = ("scalar", "vector")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Shape class: key/value heads (Hv a multiple of Hk), head dims, input dtype, gate kind."""
+
+    Hk: int
+    Hv: int
+    Dk: int
+    Dv: int
+    dtype: str = "float32"
+    gate: str = "scalar"
+
+    def __post_init__(self):
+        for name in ("Hk", "Hv", "Dk", "Dv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Problem.{name} must be a positive int, got {value!r}")
+        if self.Hv % self.Hk:
+            raise ValueError(f"Problem.Hv={self.Hv} must be a multiple of Problem.Hk={self.Hk}")
+        for name in ("Dk", "Dv"):
+            if not MIN_HEAD_DIM <= getattr(self, name) <= MAX_HEAD_DIM:
+                raise ValueError(f"Problem.{name}={getattr(self, name)} must be in "
+                                 f"{MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"Problem.dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
+        if self.gate not in GATE_KINDS:
+            raise ValueError(f"Problem.gate must be one of {GATE_KINDS}, got {self.gate!r}")
+
+    @property
+    def group(self) -> int:
+        """Value heads per key head."""
+        return self.Hv // self.Hk
+
+    def key(self) -> str:
+        """Stable string key, e.g. ``hk2-hv4-dk128-dv128-float32-scalar``."""
+        return (f"hk{self.Hk}-hv{self.Hv}-dk{self.Dk}-dv{self.Dv}-{self.dtype}-{self.gate}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Problem:
+        return cls(**data)
+
+    @classmethod
+    def parse(cls, text: str) -> Problem:
+        """Parse ``"Hk=2,Hv=4,Dk=128,Dv=128[,dtype=bfloat16][,gate=scalar]"``."""
+        fields = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"problem spec part {part!r} is not NAME=VALUE")
+            fields[name.strip()] = value.strip() if name.strip() in ("dtype", "gate") \
+                else int(value)
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"bad problem spec {text!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One point of a backend's space: ``Variant("xla", {"chunk_size": 64, ...})``."""
+
+    backend: str
+    params: tuple = field(default=())
+
+    def __init__(self, backend: str, params=()):
+        items = params.items() if isinstance(params, dict) else params
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "params", tuple(sorted((str(k), v) for k, v in items)))
+
+    def __getitem__(self, name):
+        return dict(self.params)[name]
+
+    def get(self, name, default=None):
+        return dict(self.params).get(name, default)
+
+    def as_dict(self) -> dict:
+        return dict(self.params)
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "params": self.as_dict()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Variant:
+        return cls(data["backend"], data["params"])
+
+    def name(self) -> str:
+        """Short readable id, e.g. ``xla[chunk_size=64,save_states=True,solve_block=16]``."""
+        inner = ",".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.backend}[{inner}]"
+
+    def __str__(self) -> str:
+        return self.name()
+
+
+# ---------------------------------------------------------------------------- backend spaces
+
+SPACES = {
+    "xla": "gdngen.variant:portable_space",
+    "mlx": "gdngen.variant:portable_space",
+}
+
+
+def portable_space(problem: Problem):
+    """The framework-ops backends (xla, mlx): chunk size, substitution block of the exact
+    triangular inverse, and whether the forward saves per-chunk states for the backward."""
+    space = [
+        {"chunk_size": c, "solve_block": b, "save_states": s}
+        for c, b, s in itertools.product((16, 32, 64, 128), (8, 16, 32), (True, False))
+        if b <= c
+    ]
+    return space, {"chunk_size": 64, "solve_block": 16, "save_states": True}
+
+
+def _space(backend: str, problem: Problem):
+    if backend not in SPACES:
+        raise ValueError(f"backend must be one of {sorted(SPACES)}, got {backend!r}")
+    module, _, func = SPACES[backend].partition(":")
+    return getattr(importlib.import_module(module), func)(problem)
+
+
+def variants(backend: str, problem: Problem) -> list[Variant]:
+    """Every valid variant of ``backend`` for ``problem``, in a stable order."""
+    return [Variant(backend, p) for p in _space(backend, problem)[0]]
+
+
+def default_variant(backend: str, problem: Problem) -> Variant:
+    """The heuristic choice of ``backend`` for ``problem`` (used when nothing is tuned)."""
+    return Variant(backend, _space(backend, problem)[1])
+
+
+def dumps(obj) -> str:
+    """Canonical JSON of a Problem / Variant (sorted keys), used for hashing and cache keys."""
+    return json.dumps(obj.to_json(), sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,111 @@
+"""Benchmark machinery, exercised in-process with small stand-in kernels.
+
+The stand-ins (a plain sequential recurrence) exist only here, so these tests check the timing,
+memory and row plumbing of gdngen.bench independently of the real chunkwise kernels.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gdngen import bench
+from gdngen.flops import chunkwise_flops
+
+CFG = bench.BenchConfig(seq_lens=(8, 16), batch=1, hk=1, hv=2, dk=16, dv=16, chunk_size=8,
+                        repeats=1, baseline_max_T=8, matmul_n=64)
+
+
+def test_flops_model_by_hand():
+    B, T, Hk, Hv, Dk, Dv, C = 2, 100, 1, 2, 16, 8, 32
+    n = 4  # ceil(100 / 32)
+    key = 2 * 2 * C * C * Dk
+    value = (2 * C**3) / 3 + 2 * C * C * Dv + 2 * C * C * Dk + 3 * 2 * C * Dk * Dv \
+        + 2 * C * C * Dv
+    assert chunkwise_flops(B, T, Hk, Hv, Dk, Dv, C) == round(3 * B * n * (Hk * key + Hv * value))
+    with pytest.raises(ValueError):
+        chunkwise_flops(1, 0, 1, 1, 16, 16, 64)
+
+
+def _jax_stand_in(q, k, v, g, beta, s0, *, scale, gate, chunk_size=None):
+    import jax
+    import jax.numpy as jnp
+
+    assert gate == "log"
+    r = v.shape[2] // q.shape[2]
+    f32 = jnp.float32
+    q, k = (jnp.repeat(x.astype(f32), r, axis=2) for x in (q, k))
+    xs = tuple(jnp.moveaxis(x.astype(f32), 1, 0) for x in (q, k, v, g, beta))
+
+    def step(S, x):
+        qt, kt, vt, gt, bt = x
+        S = jnp.exp(gt)[..., None, None] * S
+        delta = bt[..., None] * (vt - jnp.einsum("bhvk,bhk->bhv", S, kt))
+        S = S + delta[..., :, None] * kt[..., None, :]
+        return S, scale * jnp.einsum("bhvk,bhk->bhv", S, qt)
+
+    S, ys = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(ys, 0, 1), S
+
+
+def test_measure_jax_with_stand_in(monkeypatch):
+    pytest.importorskip("jax")
+    monkeypatch.setattr(bench, "_jax_kernels", lambda: (_jax_stand_in, _jax_stand_in))
+    rows = bench.measure("jax", CFG)
+    assert [r["T"] for r in rows] == [8, 16]
+    for r in rows:
+        assert tuple(r) == bench.ROW_KEYS
+        assert r["chunk_ms"] > 0 and r["chunk_peak_bytes"] > 0 and r["matmul_gflops"] > 0
+    assert rows[0]["baseline_ms"] > 0 and rows[0]["speedup"] > 0
+    assert rows[1]["baseline_ms"] is None and rows[1]["speedup"] is None  # T > baseline_max_T
+    assert "memory_analysis" in rows[0]["memory_measure"]
+    json.dumps(rows)
+
+
+def test_measure_mlx_with_stand_in(monkeypatch):
+    mx = pytest.importorskip("mlx.core")
+    gated_delta_ops = pytest.importorskip("mlx_lm.models.gated_delta").gated_delta_ops
+
+    def stand_in(q, k, v, g, beta, s0, *, scale, gate, chunk_size=None):
+        return gated_delta_ops(q * scale, k, v, mx.exp(g), beta, s0)
+
+    monkeypatch.setattr(bench, "_mlx_kernels", lambda: (stand_in, stand_in))
+    rows = bench.measure("mlx", CFG)
+    assert [r["T"] for r in rows] == [8, 16]
+    for r in rows:
+        assert tuple(r) == bench.ROW_KEYS
+        assert r["chunk_ms"] > 0 and r["chunk_peak_bytes"] > 0 and r["matmul_gflops"] > 0
+    assert rows[0]["speedup"] > 0 and rows[1]["baseline_ms"] is None
+    assert "get_peak_memory" in rows[0]["memory_measure"]
+
+
+def _fake_row(**over):
+    row = dict.fromkeys(bench.ROW_KEYS, 1)
+    row.update(framework="jax", device="cpu", dtype="float32", memory_measure="m",
+               matmul_shape="64x64x64", baseline_ms=None, speedup=None, baseline_peak_bytes=None)
+    row.update(over)
+    return row
+
+
+def test_format_table_and_write_json(tmp_path):
+    from rich.console import Console
+
+    rows = [_fake_row(), _fake_row(T=2, baseline_ms=3.0, speedup=3.0, baseline_peak_bytes=2**20)]
+    console = Console(width=200, record=True, color_system=None)
+    console.print(bench.format_table(rows))
+    text = console.export_text()
+    assert "—" in text and "3.00" in text and "64x64x64" in text
+    path = tmp_path / "sub" / "rows.json"
+    bench.write_json(rows, path)
+    assert json.loads(path.read_text()) == rows
+    assert [p.name for p in path.parent.iterdir()] == ["rows.json"]  # no temp file left
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple"):
+        bench.BenchConfig(hk=3, hv=8)
+    with pytest.raises(ValueError, match="dtype"):
+        bench.BenchConfig(dtype="float64")
+    with pytest.raises(ValueError, match="seq_lens"):
+        bench.BenchConfig(seq_lens=())
