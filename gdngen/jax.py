@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax.numpy as jnp
 
 from gdngen.backends import xla
-from gdngen.problem import check_call
+from gdngen.dispatch import resolve
+from gdngen.problem import check_call, dtype_name
 
 __all__ = ["gated_delta"]
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                chunk_size=64):
+                chunk_size=None, variant=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -21,9 +24,18 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     Recurrence ``S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T``,
     ``y_t = scale * S_t q_t``. y has q's dtype; final_state is float32; accumulation is float32.
     Scalar gates run chunkwise (`chunk_size` steps per chunk); vector gates run sequentially.
+
+    ``variant`` (a `gdngen.Variant`) runs exactly that variant; without it the tuned variant for
+    this device and shape class runs, else the default. ``chunk_size`` (default 64) overrides the
+    chosen variant's chunk.
     """
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=chunk_size,
-                       scale=scale)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
+    chosen = resolve("jax", shape, dtype_name(q), variant, chunk_size)
+    if chosen.backend != "xla":  # a generated-kernel backend
+        module = importlib.import_module(f"gdngen.backends.{chosen.backend}")
+        return module.gated_delta(q, k, v, g, beta, initial_state, mask=mask, scale=float(scale),
+                                  gate=gate, variant=chosen)
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
@@ -33,5 +45,5 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
         y, state = xla.sequential_gated_delta(*args, scale=float(scale), gate=gate)
     else:
         y, state = xla.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
-                                             chunk_size=chunk_size)
+                                             **chosen.as_dict())
     return y.astype(q.dtype), state

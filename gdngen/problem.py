@@ -32,7 +32,8 @@ class CallShape:
         return self.Hv // self.Hk
 
 
-def _dtype_name(x) -> str:
+def dtype_name(x) -> str:
+    """Framework-neutral dtype name of an array (``"float32"``, ``"bfloat16"``, ``"bool"`` ...)."""
     return str(getattr(x, "dtype", type(x).__name__)).replace("mlx.core.", "")
 
 
@@ -85,11 +86,11 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
     if mask is not None:
         if tuple(mask.shape) != (B, T):
             raise _shape_error("mask", mask, f"({B}, {T})")
-        if _dtype_name(mask) != "bool":
-            raise ValueError(f"mask has dtype {_dtype_name(mask)}, expected bool")
+        if dtype_name(mask) != "bool":
+            raise ValueError(f"mask has dtype {dtype_name(mask)}, expected bool")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if _dtype_name(x) not in FLOAT_DTYPES:
-            raise ValueError(f"{name} has dtype {_dtype_name(x)}, expected one of {FLOAT_DTYPES}")
-    if initial_state is not None and _dtype_name(initial_state) not in FLOAT_DTYPES:
-        raise ValueError(f"initial_state has dtype {_dtype_name(initial_state)}, expected float32")
+        if dtype_name(x) not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of {FLOAT_DTYPES}")
+    if initial_state is not None and dtype_name(initial_state) not in FLOAT_DTYPES:
+        raise ValueError(f"initial_state has dtype {dtype_name(initial_state)}, expected float32")
     return CallShape(B, T, Hk, Hv, Dk, Dv, vector_gate)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
+from gdngen import backends
 from gdngen import cases as cases_mod
 from gdngen.cases import BATTERY, Case
 
@@ -115,7 +116,6 @@ class CaseResult:
 
 def _resolve_runner(runner):
     if isinstance(runner, str):
-        from gdngen import backends
         return backends.get_runner(runner)
     return runner
 
@@ -128,14 +128,15 @@ def _copy_inputs(inputs: dict) -> dict:
     return {key: (None if val is None else np.array(val)) for key, val in inputs.items()}
 
 
-def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None) -> CaseResult:
+def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
+               variant=None) -> CaseResult:
     """Run ``runner`` (callable or backend name) on ``case`` (Case or name) at ``dtype``.
 
     Inputs q, k, v, beta, dy, dfinal_state and the gate are rounded to ``dtype``;
     initial_state is rounded to float32. Both the runner and the reference see exactly these
     values (the runner gets its own copies). ``chunk_size`` overrides ``case.chunk_size``.
     dinitial_state is skipped when the case has no initial state and the runner returns None
-    for it.
+    for it. A ``variant`` (`gdngen.Variant`) is passed on to the runner, whose chunk it sets.
     """
     from gdngen import reference
 
@@ -154,8 +155,9 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None) -> 
         ref = reference.vjp(base["q"], base["k"], base["v"], g, base["beta"],
                             base["initial_state"], base["dy"], base["dfinal_state"],
                             mask=base["mask"], scale=case.scale, gate=gate)
+        extra = {} if variant is None else {"variant": variant}
         out = runner(_copy_inputs(dict(base, g=g)), gate=gate, dtype=dtype,
-                     chunk_size=chunk_size or case.chunk_size, scale=case.scale)
+                     chunk_size=chunk_size or case.chunk_size, scale=case.scale, **extra)
         errors = {}
         for name in _SHARED + ("dg",):
             if (name == "dinitial_state" and base["initial_state"] is None
@@ -178,13 +180,23 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None) -> 
     return CaseResult(case=case.name, dtype=dtype, errors=errors, tolerance=tol)
 
 
-def run_battery(runner, *, dtype="float32", cases=None, seed=None,
-                chunk_size=None) -> list[CaseResult]:
-    """`check_case` over ``cases`` (Cases or names; default the whole `BATTERY`)."""
+def run_battery(runner, *, dtype="float32", cases=None, seed=None, chunk_size=None,
+                variant=None) -> list[CaseResult]:
+    """`check_case` over ``cases`` (Cases or names; default the whole `BATTERY`).
+
+    With a ``variant``, ``runner`` may be None (the variant's backend runner is used), and
+    vector-gate cases are left out for backends that only implement scalar gates.
+    """
+    if runner is None:
+        if variant is None:
+            raise ValueError("run_battery needs a runner or a variant")
+        runner = variant.backend
     runner = _resolve_runner(runner)
     selected = BATTERY if cases is None else [_resolve_case(c) for c in cases]
-    return [check_case(runner, case, dtype=dtype, seed=seed, chunk_size=chunk_size)
-            for case in selected]
+    if variant is not None and variant.backend not in backends.VECTOR_GATE_BACKENDS:
+        selected = [case for case in selected if not case.vector_gate]
+    return [check_case(runner, case, dtype=dtype, seed=seed, chunk_size=chunk_size,
+                       variant=variant) for case in selected]
 
 
 def _format_error(err: float | None) -> str:

@@ -1,14 +1,22 @@
-"""Backends: one module per execution target. Each exposes ``runner`` (see docs/CONTRACT.md)."""
+"""Backends: one module per execution target. Each exposes ``runner`` (see docs/CONTRACT.md).
+
+A backend that generates kernels (pallas_tpu, metal, ...) registers here the module holding its
+battery runner; generated-kernel backends that share a framework's entry point reuse its runner.
+"""
 
 from __future__ import annotations
 
 import importlib
 
-BACKENDS = {"xla": "gdngen.backends.xla", "mlx": "gdngen.backends.mlx"}
+#: backend name -> module whose ``runner`` validates it on the battery.
+RUNNERS = {"xla": "gdngen.backends.xla", "mlx": "gdngen.backends.mlx"}
+
+#: backends that implement vector gates ([B,T,Hv,Dk]); the others are scalar-gate only.
+VECTOR_GATE_BACKENDS = ("xla", "mlx")
 
 
 def get_runner(name: str):
     """Return the battery runner of backend ``name`` (imports its framework lazily)."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
-    return importlib.import_module(BACKENDS[name]).runner
+    if name not in RUNNERS:
+        raise ValueError(f"backend must be one of {sorted(RUNNERS)}, got {name!r}")
+    return importlib.import_module(RUNNERS[name]).runner

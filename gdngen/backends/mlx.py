@@ -6,6 +6,8 @@ Scalar gates (and masks) take `gdngen.chunkwise` with its hand-derived backward 
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -56,29 +58,46 @@ class XP:
         return mx.array(np.tri(n, n, k, dtype=bool))
 
 
-def _make_chunk_core(gate):
+@functools.cache
+def chunk_core(gate, solve_block, save_states):
+    """`gdngen.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
+
+    The core returns ``(Y, S_final, S_in)``. With ``save_states`` the backward reads the
+    per-chunk entering states S_in from the forward's outputs; otherwise it recomputes them.
+    """
+
     @mx.custom_function
     def core(q, k, v, gates, beta, S0):
-        Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
-        return Y, S_final
+        return chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate, solve_block=solve_block)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         q, k, v, gates, beta, S0 = primals
-        # The residual states are recomputed: MLX's custom_function keeps no forward residuals.
-        _, _, S_in = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
-        dY, dS_final = cotangents
-        return chunkwise.backward(XP, q, k, v, gates, beta, S_in, dY, dS_final, gate=gate)
+        if save_states:
+            S_in = outputs[2]
+        else:
+            S_in = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                     solve_block=solve_block)[2]
+        dY, dS_final = cotangents[0], cotangents[1]
+        return chunkwise.backward(XP, q, k, v, gates, beta, S_in, dY, dS_final, gate=gate,
+                                  solve_block=solve_block)
 
     return core
 
 
-CHUNK_CORE = {gate: _make_chunk_core(gate) for gate in ("log", "linear")}
+def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
+                          solve_block=16, save_states=True):
+    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.mlx.gated_delta`.
 
+    ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`.
+    """
+    core = chunk_core(gate, solve_block, save_states)
 
-def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
-    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.mlx.gated_delta`."""
-    return chunkwise.gated_delta(XP, CHUNK_CORE[gate], q, k, v, g, beta, initial_state, mask,
+    def core_outputs(*arrays):
+        Y, S_final, _ = core(*arrays)
+        return Y, S_final
+
+    return chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
                                  scale=scale, gate=gate, chunk_size=chunk_size)
 
 
@@ -88,8 +107,9 @@ def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=
                                             scale=scale, gate=gate)
 
 
-def runner(inputs, *, gate, dtype, chunk_size, scale):
-    """Battery runner (docs/CONTRACT.md): forward + VJP through `gdngen.mlx.gated_delta`."""
+def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
+    """Battery runner (docs/CONTRACT.md; ``variant`` runs that variant, else ``chunk_size``):
+    forward + VJP through `gdngen.mlx.gated_delta`."""
     from gdngen.mlx import gated_delta
 
     mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
@@ -102,6 +122,9 @@ def runner(inputs, *, gate, dtype, chunk_size, scale):
     mask = None if mask is None else mx.array(mask)
 
     def f(q, k, v, g, beta, s0):
+        if variant is not None:
+            return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
+                               variant=variant)
         return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
                            chunk_size=chunk_size)
 

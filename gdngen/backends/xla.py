@@ -57,21 +57,32 @@ class XP:
 # ------------------------------------------------------------------ differentiable chunk core
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def chunk_core(q, k, v, gates, beta, S0, gate):
-    """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP."""
-    Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
+    """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP.
+
+    ``save_states``: keep the per-chunk entering states for the backward (one [Dv, Dk] state per
+    chunk and head) or recompute them there (one more sequential pass, less memory).
+    """
+    Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                      solve_block=solve_block)
     return Y, S_final
 
 
-def _core_fwd(q, k, v, gates, beta, S0, gate):
-    Y, S_final, S_in = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate)
-    return (Y, S_final), (q, k, v, gates, beta, S_in)
+def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states):
+    Y, S_final, S_in = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                         solve_block=solve_block)
+    return (Y, S_final), (q, k, v, gates, beta, S_in if save_states else S0)
 
 
-def _core_bwd(gate, res, cotangents):
+def _core_bwd(gate, solve_block, save_states, res, cotangents):
+    q, k, v, gates, beta, states = res
+    if not save_states:
+        states = chunkwise.forward(XP, q, k, v, gates, beta, states, gate=gate,
+                                   solve_block=solve_block)[2]
     dY, dS_final = cotangents
-    return chunkwise.backward(XP, *res, dY, dS_final, gate=gate)
+    return chunkwise.backward(XP, q, k, v, gates, beta, states, dY, dS_final, gate=gate,
+                              solve_block=solve_block)
 
 
 chunk_core.defvjp(_core_fwd, _core_bwd)
@@ -80,12 +91,19 @@ chunk_core.defvjp(_core_fwd, _core_bwd)
 # ------------------------------------------------------------------------------ paths
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size"))
-def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
-    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.jax.gated_delta`."""
-    return chunkwise.gated_delta(XP, functools.partial(chunk_core, gate=gate), q, k, v, g, beta,
-                                 initial_state, mask, scale=scale, gate=gate,
-                                 chunk_size=chunk_size)
+@functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size", "solve_block",
+                                             "save_states"))
+def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
+                          solve_block=16, save_states=True):
+    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.jax.gated_delta`.
+
+    ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``xla`` `Variant`.
+    """
+    def core(*arrays):
+        return chunk_core(*arrays, gate, solve_block, save_states)
+
+    return chunkwise.gated_delta(XP, core, q, k, v, g, beta, initial_state, mask, scale=scale,
+                                 gate=gate, chunk_size=chunk_size)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate"))
@@ -98,8 +116,9 @@ def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=
 # ------------------------------------------------------------------------------ battery
 
 
-def runner(inputs, *, gate, dtype, chunk_size, scale):
-    """Battery runner (docs/CONTRACT.md): forward + VJP through `gdngen.jax.gated_delta`."""
+def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
+    """Battery runner (docs/CONTRACT.md; ``variant`` runs that variant, else ``chunk_size``):
+    forward + VJP through `gdngen.jax.gated_delta`."""
     from gdngen.jax import gated_delta
 
     jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
@@ -112,6 +131,9 @@ def runner(inputs, *, gate, dtype, chunk_size, scale):
     mask = None if mask is None else jnp.asarray(mask)
 
     def f(q, k, v, g, beta, s0):
+        if variant is not None:
+            return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
+                               variant=variant)
         return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
                            chunk_size=chunk_size)
 

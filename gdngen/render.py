@@ -1,0 +1,81 @@
+"""Render stage: a `Variant` for a `Problem` -> its source text(s) and their sha256.
+
+Templated backends keep Jinja sources under ``templates/<backend>/`` and register in `TEMPLATED`
+a ``"module:function"`` mapping ``(variant, problem)`` to ``{output_name: (template_path,
+context)}``. Templates load first from a user directory (``templates_dir`` argument or the
+``GDNGEN_TEMPLATES`` environment variable), which overrides shipped files by relative path and
+cannot reach outside itself, then from the shipped ``templates/``. Rendering is strict: an
+undefined name is an error, never an empty string.
+
+Portable backends (xla, mlx) are not templated; their "source" is the Python that implements
+them, so the hash still changes whenever their code does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from gdngen.resources import templates_dir as shipped_templates_dir
+from gdngen.variant import Problem, Variant
+
+TEMPLATED: dict[str, str] = {}
+
+PORTABLE_SOURCES = {
+    "xla": ("gdngen.chunkwise", "gdngen.backends.xla"),
+    "mlx": ("gdngen.chunkwise", "gdngen.backends.mlx"),
+}
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Rendered sources of one variant: ``sources`` maps output name -> text."""
+
+    variant: Variant
+    problem: Problem
+    sources: dict
+    sha256: str
+
+
+def environment(templates_dir: str | os.PathLike | None = None) -> jinja2.Environment:
+    """Jinja environment: user directory first (if any), then the shipped templates."""
+    user = templates_dir if templates_dir is not None else os.environ.get("GDNGEN_TEMPLATES")
+    search = [str(Path(user).resolve())] if user else []
+    search.append(str(shipped_templates_dir()))
+    # FileSystemLoader refuses paths that escape its search roots ("../x"), so an override
+    # directory cannot read or shadow anything outside itself.
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(search),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True)
+
+
+def sources_sha256(sources: dict) -> str:
+    """sha256 over output names and texts, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
+    return digest.hexdigest()
+
+
+def render(variant: Variant, problem: Problem, *,
+           templates_dir: str | os.PathLike | None = None) -> Rendered:
+    """Render ``variant`` specialised for ``problem``; see the module docstring."""
+    if variant.backend in PORTABLE_SOURCES:
+        sources = {name: inspect.getsource(importlib.import_module(name))
+                   for name in PORTABLE_SOURCES[variant.backend]}
+    elif variant.backend in TEMPLATED:
+        module, _, func = TEMPLATED[variant.backend].partition(":")
+        plan = getattr(importlib.import_module(module), func)(variant, problem)
+        env = environment(templates_dir)
+        sources = {name: env.get_template(path).render(**context)
+                   for name, (path, context) in plan.items()}
+    else:
+        raise ValueError(f"no renderer for backend {variant.backend!r}; known: "
+                         f"{sorted(PORTABLE_SOURCES) + sorted(TEMPLATED)}")
+    return Rendered(variant, problem, sources, sources_sha256(sources))
