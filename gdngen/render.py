@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +67,8 @@ def render(variant: Variant, problem: Problem, *,
            templates_dir: str | os.PathLike | None = None) -> Rendered:
     """Render ``variant`` specialised for ``problem``; see the module docstring."""
     if variant.backend in PORTABLE_SOURCES:
-        sources = {name: inspect.getsource(importlib.import_module(name))
-                   for name in PORTABLE_SOURCES[variant.backend]}
+        sources = {name: Path(importlib.util.find_spec(name).origin).read_text()
+                   for name in PORTABLE_SOURCES[variant.backend]}  # read, not imported
     elif variant.backend in TEMPLATED:
         module, _, func = TEMPLATED[variant.backend].partition(":")
         plan = getattr(importlib.import_module(module), func)(variant, problem)
