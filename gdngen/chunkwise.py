@@ -3,7 +3,7 @@
 Every function takes ``xp``, a small array namespace (`gdngen.backends.xla.XP`,
 `gdngen.backends.mlx.XP`) exposing: ``exp log where cumsum(x, axis, reverse) sum(x, axis, keepdims)
 concatenate stack swapaxes repeat zeros(shape) eye(n) tril_mask(n, k) pad_time(x, pad, value)
-scan(f, carry, xs, reverse)`` (lax.scan semantics). Arrays are float32.
+scan(f, carry, xs, reverse) einsum`` (lax.scan semantics). Arrays are float32.
 
 Chunk algebra, per value head, chunk of C steps entering with state S0 ``[Dv, Dk]``. Positions
 are 0..C with 0 the chunk boundary; ``D[i, j] = prod_{j < m <= i} g_m`` (i >= j) are the decay
@@ -96,7 +96,7 @@ def _forward_substitution(xp, L):
     return xp.stack(rows, axis=-2)
 
 
-def solve_unit_lower(xp, L, block=16):
+def solve_unit_lower(xp, L, block=8):
     """Exact inverse of a unit-lower-triangular ``L [..., n, n]`` in float32.
 
     Block recursion on halves, inv([[L11, 0], [L21, L22]]) = [[X11, 0], [-X22 L21 X11, X22]],
@@ -130,10 +130,11 @@ def solve_unit_lower_vjp(xp, Tinv, dTinv):
 
 
 # --------------------------------------------------------------------------- chunk stages
-# Layout: chunk index N leading (the sequential axis), then batch and heads, then C, then D.
-# q, k: [N, B, Hk, 1, C, Dk] (broadcast over the r value heads sharing a key head; q already
-# multiplied by `scale`); v: [N, B, Hk, r, C, Dv]; gates (log or linear), beta: [N, B, Hk, r, C];
-# states: [B, Hk, r, Dv, Dk]. ``xp.scan(f, carry, xs, reverse)`` has lax.scan semantics.
+# Layout: chunk index N leading (the sequential axis), then batch B and key heads H.
+# Key-head arrays q, k: [N, B, H, C, Dk] (q already multiplied by `scale`); value-head arrays
+# v: [N, B, H, r, C, Dv], gates (log or linear) and beta: [N, B, H, r, C]; states
+# [B, H, r, Dv, Dk]. Products with a key-head operand are einsums over "...": the r value heads
+# of a key head fold into one larger matmul (GVA sharing) instead of broadcasting.
 
 
 def _T(x):
@@ -144,36 +145,44 @@ def _decay(xp, gates, gate):
     return decay_factors(xp, gates if gate == "log" else xp.log(gates))
 
 
-def _intra_chunk(xp, k, v, beta, D, solve_block):
-    """Parallel over chunks: K K^T, T = (I + A)^{-1}, U = T diag(beta) V, Wk = T diag(beta D0) K."""
+def _intra_chunk(xp, k, beta, D, solve_block):
+    """Parallel over chunks: K K^T [.., C, C], T = (I + A)^{-1} and the key scale beta * D[:,0]."""
     C = k.shape[-2]
-    KK = k @ _T(k)  # once per key head, shared by its value heads
+    KK = xp.einsum("...ck,...dk->...cd", k, k)[..., None, :, :]  # once per key head
     A = xp.where(xp.tril_mask(C, -1), beta[..., :, None] * D[..., 1:, 1:] * KK, 0.0)
-    Tinv = solve_unit_lower(xp, xp.eye(C) + A, solve_block)
-    bk = (beta * D[..., 1:, 0])[..., None] * k
-    return KK, Tinv, Tinv @ (beta[..., None] * v), Tinv @ bk, bk
+    return KK, solve_unit_lower(xp, xp.eye(C) + A, solve_block), beta * D[..., 1:, 0]
 
 
-def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=16):
-    """Chunkwise forward. Returns ``(Y [N,B,Hk,r,C,Dv], S_final, S_in [N,B,Hk,r,Dv,Dk])``.
+def _wy(xp, k, v, beta, Tinv, key_scale):
+    """``U = T diag(beta) V`` [.., r, C, Dv] and ``Wk = T diag(beta D0) K`` [.., r, C, Dk]."""
+    U = Tinv @ (beta[..., None] * v)
+    Wk = xp.einsum("...rcd,...dk->...rck", Tinv * key_scale[..., None, :], k)
+    return U, Wk
+
+
+def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
+    """Chunkwise forward. Returns ``(Y [N,B,H,r,C,Dv], S_final, S_in [N,B,H,r,Dv,Dk])``.
 
     S_in[n] is the state entering chunk n (kept for the backward).
     """
     D = _decay(xp, gates, gate)
-    _, _, U, Wk, _ = _intra_chunk(xp, k, v, beta, D, solve_block)
-    Kc = D[..., -1, 1:, None] * k  # keys decayed to the chunk end
+    _, Tinv, key_scale = _intra_chunk(xp, k, beta, D, solve_block)
+    U, Wk = _wy(xp, k, v, beta, Tinv, key_scale)
+    Kc = D[..., -1, 1:, None] * k[..., None, :, :]  # keys decayed to the chunk end
 
     def step(S, xs):
         U_n, Wk_n, Kc_n, dCC = xs
-        W = U_n - Wk_n @ _T(S)
-        return dCC[..., None, None] * S + _T(W) @ Kc_n, (S, W)
+        W = U_n - xp.einsum("...ck,...vk->...cv", Wk_n, S)
+        return dCC[..., None, None] * S + xp.einsum("...cv,...ck->...vk", W, Kc_n), (S, W)
 
     S_final, (S_in, W) = xp.scan(step, S0, (U, Wk, Kc, D[..., -1, 0]), False)
-    Y = D[..., 1:, 0, None] * (q @ _T(S_in)) + (D[..., 1:, 1:] * (q @ _T(k))) @ W
+    QK = xp.einsum("...ck,...dk->...cd", q, k)[..., None, :, :]
+    Y = (D[..., 1:, 0, None] * xp.einsum("...ck,...rvk->...rcv", q, S_in)
+         + (D[..., 1:, 1:] * QK) @ W)
     return Y, S_final, S_in
 
 
-def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate, solve_block=16):
+def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate, solve_block=8):
     """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
 
     Recomputes the intra-chunk factors, walks the chunks in reverse for the state cotangent
@@ -181,55 +190,57 @@ def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate, solve_block=
     input cotangent in parallel. The gate cotangent goes through the straddle-sum rule.
     """
     C = k.shape[-2]
+    ein = xp.einsum
     D = _decay(xp, gates, gate)
     D0, D11 = D[..., 1:, 0], D[..., 1:, 1:]
-    KK, Tinv, U, Wk, bk = _intra_chunk(xp, k, v, beta, D, solve_block)
-    Kc = D[..., -1, 1:, None] * k
-    QK = q @ _T(k)
+    KK, Tinv, key_scale = _intra_chunk(xp, k, beta, D, solve_block)
+    U, Wk = _wy(xp, k, v, beta, Tinv, key_scale)
+    Kc = D[..., -1, 1:, None] * k[..., None, :, :]
+    QK = ein("...ck,...dk->...cd", q, k)[..., None, :, :]
     Pm = D11 * QK
-    W = U - Wk @ _T(S_in)
+    W = U - ein("...rck,...rvk->...rcv", Wk, S_in)
+    D0dY = D0[..., None] * dY
     G = _T(Pm) @ dY
-    H = _T(D0[..., None] * dY) @ q
+    H = ein("...rcv,...ck->...rvk", D0dY, q)
 
     def step(dS_out, xs):
         G_n, H_n, Kc_n, Wk_n, dCC = xs
-        dW = G_n + Kc_n @ _T(dS_out)
-        return dCC[..., None, None] * dS_out + H_n - _T(dW) @ Wk_n, (dW, dS_out)
+        dW = G_n + ein("...ck,...vk->...cv", Kc_n, dS_out)
+        dS_in = dCC[..., None, None] * dS_out + H_n - ein("...cv,...ck->...vk", dW, Wk_n)
+        return dS_in, (dW, dS_out)
 
     dS0, (dW, dS_out) = xp.scan(step, dS_final, (G, H, Kc, Wk, D[..., -1, 0]), True)
-
-    def over_values(x):  # key-head quantities collect from their r value heads
-        return xp.sum(x, axis=3, keepdims=True)
 
     # Y = D0 * (Q S^T) + Pm W
     dPm = dY @ _T(W)
     dPmD = dPm * D11
-    dq = over_values(D0[..., None] * (dY @ S_in) + dPmD @ k)
-    dk = _T(dPmD) @ q
+    dq = ein("...rcv,...rvk->...ck", D0dY, S_in) + ein("...rcd,...dk->...ck", dPmD, k)
+    dk = ein("...rcd,...ck->...dk", dPmD, q)
     dD11 = dPm * QK
-    dD0 = xp.sum(dY * (q @ _T(S_in)), axis=-1)
+    dD0 = xp.sum(dY * ein("...ck,...rvk->...rcv", q, S_in), axis=-1)
     # S_out = D[C,0] S_in + W^T Kc
     ddCC = xp.sum(xp.sum(dS_out * S_in, axis=-1), axis=-1)
     dKc = W @ dS_out
-    dk = dk + D[..., -1, 1:, None] * dKc
-    dDC = xp.sum(dKc * k, axis=-1)
+    dk = dk + ein("...rc,...rck->...ck", D[..., -1, 1:], dKc)
+    dDC = ein("...rck,...ck->...rc", dKc, k)
     # W = U - Wk S^T ;  U = T (beta V) ;  Wk = T (beta D0 K)
     dWk = -(dW @ S_in)
-    dTinv = dW @ _T(beta[..., None] * v) + dWk @ _T(bk)
+    dTinv = (dW @ _T(beta[..., None] * v)
+             + ein("...rck,...dk->...rcd", dWk, k) * key_scale[..., None, :])
     dbv = _T(Tinv) @ dW
     dbk = _T(Tinv) @ dWk
     dv = beta[..., None] * dbv
-    dbk_k = xp.sum(dbk * k, axis=-1)
+    dbk_k = ein("...rck,...ck->...rc", dbk, k)
     dbeta = xp.sum(dbv * v, axis=-1) + D0 * dbk_k
     dD0 = dD0 + beta * dbk_k
-    dk = dk + (beta * D0)[..., None] * dbk
+    dk = dk + ein("...rc,...rck->...ck", key_scale, dbk)
     # A = beta_i D_ij (k_i . k_j), strictly lower;  d(L^{-1}) = -L^{-1} dL L^{-1}
     dA = solve_unit_lower_vjp(xp, Tinv, dTinv)
     dA_D = dA * D11
     dbeta = dbeta + xp.sum(dA_D * KK, axis=-1)
     dD11 = dD11 + dA * beta[..., :, None] * KK
-    dKK = over_values(beta[..., :, None] * dA_D)
-    dk = over_values(dk) + (dKK + _T(dKK)) @ k
+    dKK = ein("...rc,...rcd->...cd", beta, dA_D)
+    dk = dk + (dKK + _T(dKK)) @ k
     # assemble dD over positions 0..C (row 0 never carries a gate)
     rows = xp.concatenate([dD0[..., None], dD11], axis=-1)  # positions 1..C
     last = rows[..., -1, :] + xp.concatenate([ddCC[..., None], dDC], axis=-1)
@@ -279,7 +290,7 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     if pad:
         q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))
         g = xp.pad_time(g, pad, identity_gate)
-    Y, S_final = core(to_chunks(q * scale, N, C, (Hk, 1)), to_chunks(k, N, C, (Hk, 1)),
+    Y, S_final = core(to_chunks(q * scale, N, C, (Hk,)), to_chunks(k, N, C, (Hk,)),
                       to_chunks(v, N, C, (Hk, r)), to_chunks(g[..., None], N, C, (Hk, r))[..., 0],
                       to_chunks(beta[..., None], N, C, (Hk, r))[..., 0],
                       initial_state.reshape(B, Hk, r, Dv, Dk))

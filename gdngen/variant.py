@@ -110,7 +110,7 @@ class Variant:
         return cls(data["backend"], data["params"])
 
     def name(self) -> str:
-        """Short readable id, e.g. ``xla[chunk_size=64,save_states=True,solve_block=16]``."""
+        """Short readable id, e.g. ``xla[chunk_size=64,save_states=True,solve_block=8]``."""
         inner = ",".join(f"{k}={v}" for k, v in self.params)
         return f"{self.backend}[{inner}]"
 
@@ -131,10 +131,10 @@ def portable_space(problem: Problem):
     triangular inverse, and whether the forward saves per-chunk states for the backward."""
     space = [
         {"chunk_size": c, "solve_block": b, "save_states": s}
-        for c, b, s in itertools.product((16, 32, 64, 128), (8, 16, 32), (True, False))
+        for c, b, s in itertools.product((16, 32, 64, 128), (4, 8, 16, 32), (True, False))
         if b <= c
     ]
-    return space, {"chunk_size": 64, "solve_block": 16, "save_states": True}
+    return space, {"chunk_size": 64, "solve_block": 8, "save_states": True}
 
 
 def _space(backend: str, problem: Problem):

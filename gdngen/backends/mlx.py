@@ -18,7 +18,7 @@ class XP:
     """The array namespace `gdngen.chunkwise` expects, over mlx.core (float32)."""
 
     exp, log, where, sum, stack, swapaxes = mx.exp, mx.log, mx.where, mx.sum, mx.stack, mx.swapaxes
-    concatenate = mx.concatenate
+    concatenate, einsum = mx.concatenate, mx.einsum
 
     @staticmethod
     def cumsum(x, axis, reverse=False):
@@ -86,7 +86,7 @@ def chunk_core(gate, solve_block, save_states):
 
 
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=16, save_states=True):
+                          solve_block=8, save_states=True):
     """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.mlx.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`.

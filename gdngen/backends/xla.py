@@ -21,7 +21,7 @@ class XP:
     """The array namespace `gdngen.chunkwise` expects, over jax.numpy (float32)."""
 
     exp, log, where, sum, stack = jnp.exp, jnp.log, jnp.where, jnp.sum, jnp.stack
-    swapaxes, concatenate = jnp.swapaxes, jnp.concatenate
+    swapaxes, concatenate, einsum = jnp.swapaxes, jnp.concatenate, jnp.einsum
 
     @staticmethod
     def cumsum(x, axis, reverse=False):
@@ -94,7 +94,7 @@ chunk_core.defvjp(_core_fwd, _core_bwd)
 @functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size", "solve_block",
                                              "save_states"))
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=16, save_states=True):
+                          solve_block=8, save_states=True):
     """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.jax.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``xla`` `Variant`.

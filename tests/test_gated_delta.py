@@ -1,0 +1,188 @@
+"""The public ``gated_delta`` of both frameworks against the float64 reference and its contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gdngen import reference, validate
+from gdngen.cases import BATTERY, get_case
+
+FRAMEWORKS = ("jax", "mlx")
+BACKEND_OF = {"jax": "xla", "mlx": "mlx"}
+
+
+class Framework:
+    """Minimal per-framework adapter: arrays in/out and a jit/compile wrapper."""
+
+    def __init__(self, name):
+        self.name = name
+        if name == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            import gdngen.jax
+
+            self.jax, self.jnp = jax, jnp
+            self.gated_delta = gdngen.jax.gated_delta
+            self.dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+                           "float16": jnp.float16, "float64": jnp.float32}
+        else:
+            import mlx.core as mx
+
+            import gdngen.mlx
+
+            self.mx = mx
+            self.gated_delta = gdngen.mlx.gated_delta
+            self.dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16,
+                           "float16": mx.float16, "float64": mx.float32}
+
+    def array(self, x, dtype="float32"):
+        x = np.asarray(x)
+        if x.dtype == bool:
+            return self.jnp.asarray(x) if self.name == "jax" else self.mx.array(x)
+        if self.name == "jax":
+            return self.jnp.asarray(x, self.dtypes[dtype])
+        return self.mx.array(x.astype(np.float32)).astype(self.dtypes[dtype])
+
+    def numpy(self, x):
+        if self.name == "mlx":
+            x = x.astype(self.mx.float32)
+        return np.asarray(x, np.float64)
+
+    def dtype_name(self, x):
+        return str(x.dtype).replace("mlx.core.", "")
+
+    def compiled(self, fn):
+        return self.jax.jit(fn) if self.name == "jax" else self.mx.compile(fn)
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def fw(request):
+    return Framework(request.param)
+
+
+def _inputs(B=1, T=20, Hk=2, Hv=4, Dk=16, Dv=16, seed=None):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, T, Hk, Dk))
+    return {"q": rng.standard_normal((B, T, Hk, Dk)),
+                "k": k / np.linalg.norm(k, axis=-1, keepdims=True),
+                "v": rng.standard_normal((B, T, Hv, Dv)),
+                "g": -rng.uniform(0.01, 1.0, (B, T, Hv)),
+                "beta": rng.uniform(0, 1, (B, T, Hv)),
+                "initial_state": rng.standard_normal((B, Hv, Dv, Dk))}
+
+
+@pytest.mark.parametrize("case", [c.name for c in BATTERY])
+def test_battery_float32(fw, case):
+    """Every battery case at float32 thresholds (5e-5 for y, state and every gradient)."""
+    result = validate.check_case(BACKEND_OF[fw.name], get_case(case), dtype="float32")
+    assert result.passed, validate.format_table([result])
+    assert set(result.errors) >= set(validate.QUANTITIES) - {"dinitial_state"}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", ["hard_decay", "padding_mask", "gva3"])
+def test_battery_reduced_precision(fw, case, dtype):
+    """Reduced-precision inputs (float32 accumulation) meet the 2e-2 threshold."""
+    result = validate.check_case(BACKEND_OF[fw.name], get_case(case), dtype=dtype)
+    assert result.passed, validate.format_table([result])
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 128])
+def test_chunk_sizes(fw, chunk_size):
+    result = validate.check_case(BACKEND_OF[fw.name], get_case("ragged"), chunk_size=chunk_size)
+    assert result.passed, validate.format_table([result])
+
+
+@pytest.mark.parametrize("dims", [(16, 256), (256, 16), (48, 80)])
+def test_head_dims(fw, dims):
+    """Any Dk, Dv in 16..256, not only powers of two, agree with the reference."""
+    Dk, Dv = dims
+    x = _inputs(T=9, Dk=Dk, Dv=Dv)
+    y, S = fw.gated_delta(*(fw.array(x[n]) for n in ("q", "k", "v", "g", "beta",
+                                                       "initial_state")), scale=Dk ** -0.5)
+    y_ref, S_ref = reference.forward(*(x[n] for n in ("q", "k", "v", "g", "beta",
+                                                        "initial_state")), scale=Dk ** -0.5)
+    assert validate.relative_error(fw.numpy(y), y_ref) < 5e-6
+    assert validate.relative_error(fw.numpy(S), S_ref) < 5e-6
+
+
+def test_dtypes_of_outputs(fw):
+    x = _inputs()
+    args = [fw.array(x[n], "bfloat16") for n in ("q", "k", "v", "g", "beta")]
+    y, S = fw.gated_delta(*args)
+    assert fw.dtype_name(y) == "bfloat16"
+    assert fw.dtype_name(S) == "float32"
+    assert y.shape == (1, 20, 4, 16) and S.shape == (1, 4, 16, 16)
+
+
+def test_compiled_matches_eager(fw):
+    """Works under jax.jit / mx.compile with identical results."""
+    x = _inputs(T=70)
+    args = [fw.array(x[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+    def f(*a):
+        return fw.gated_delta(*a, scale=0.25, chunk_size=32)
+
+    eager, compiled = f(*args), fw.compiled(f)(*args)
+    for a, b in zip(eager, compiled):
+        np.testing.assert_allclose(fw.numpy(a), fw.numpy(b), rtol=1e-5, atol=1e-6)
+
+
+def test_linear_gate_zero_and_log_gate_minus_inf_agree(fw):
+    x = _inputs(T=40)
+    x["g"][0, 5, 0] = -np.inf
+    x["g"][0, 33, 1] = -np.inf
+    names = ("q", "k", "v", "beta", "initial_state")
+    log_out = fw.gated_delta(*(fw.array(x[n]) for n in names[:3]), fw.array(x["g"]),
+                             fw.array(x["beta"]), fw.array(x["initial_state"]), gate="log")
+    lin_out = fw.gated_delta(*(fw.array(x[n]) for n in names[:3]), fw.array(np.exp(x["g"])),
+                             fw.array(x["beta"]), fw.array(x["initial_state"]), gate="linear")
+    for a, b in zip(log_out, lin_out):
+        a, b = fw.numpy(a), fw.numpy(b)
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "shape", "message"), [
+    ("q", (1, 20, 2, 16, 1), "q has shape"),
+    ("k", (1, 20, 2, 17), "k has shape (1, 20, 2, 17), expected (1, 20, 2, 16)"),
+    ("v", (1, 20, 3, 16), ("v has shape (1, 20, 3, 16), expected (1, 20, Hv, Dv) with Hv a "
+                          "multiple of Hk=2")),
+    ("g", (1, 20, 3), "g has shape (1, 20, 3), expected (1, 20, 4) or (1, 20, 4, 16)"),
+    ("beta", (1, 19, 4), "beta has shape (1, 19, 4), expected (1, 20, 4)"),
+    ("initial_state", (1, 4, 16, 8), "initial_state has shape (1, 4, 16, 8)"),
+])
+def test_shape_errors_name_the_argument(fw, name, shape, message):
+    x = _inputs()
+    x[name] = np.zeros(shape)
+    args = [fw.array(x[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fw.gated_delta(*args)
+
+
+def test_head_dim_out_of_range_and_bad_options(fw):
+    x = _inputs(Dk=16)
+    args = [fw.array(x[n]) for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match="gate must be one of"):
+        fw.gated_delta(*args, gate="exp")
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        fw.gated_delta(*args, chunk_size=0)
+    with pytest.raises(ValueError, match="mask has shape"):
+        fw.gated_delta(*args, mask=fw.array(np.ones((1, 21), bool)))
+    small = _inputs(Dk=16, Dv=8)
+    with pytest.raises(ValueError, match="head dim in 16..256"):
+        fw.gated_delta(*(fw.array(small[n]) for n in ("q", "k", "v", "g", "beta")))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_import_isolation(framework):
+    """``import gdngen.jax`` never imports mlx, and ``import gdngen.mlx`` never imports jax."""
+    other = "mlx" if framework == "jax" else "jax"
+    code = (f"import sys, gdngen.{framework}; "
+            f"assert not any(m == '{other}' or m.startswith('{other}.') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
