@@ -161,9 +161,10 @@ def _wy(xp, k, v, beta, Tinv, key_scale):
 
 
 def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
-    """Chunkwise forward. Returns ``(Y [N,B,H,r,C,Dv], S_final, S_in [N,B,H,r,Dv,Dk])``.
+    """Chunkwise forward. Returns ``(Y [N,B,H,r,C,Dv], S_final, (S_in, W))``.
 
-    S_in[n] is the state entering chunk n (kept for the backward).
+    The residuals for `backward`: S_in [N,B,H,r,Dv,Dk], the state entering each chunk, and
+    W [N,B,H,r,C,Dv], the chunk's WY pseudo-values.
     """
     D = _decay(xp, gates, gate)
     _, Tinv, key_scale = _intra_chunk(xp, k, beta, D, solve_block)
@@ -179,12 +180,13 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
     QK = xp.einsum("...ck,...dk->...cd", q, k)[..., None, :, :]
     Y = (D[..., 1:, 0, None] * xp.einsum("...ck,...rvk->...rcv", q, S_in)
          + (D[..., 1:, 1:] * QK) @ W)
-    return Y, S_final, S_in
+    return Y, S_final, (S_in, W)
 
 
-def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate, solve_block=8):
+def backward(xp, q, k, v, gates, beta, S_in, W, dY, dS_final, *, gate, solve_block=8):
     """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
 
+    ``S_in``, ``W``: the residuals of `forward` (W None: recomputed from S_in).
     Recomputes the intra-chunk factors, walks the chunks in reverse for the state cotangent
     (dW = Pm^T dY + Kc dS_out^T, dS_in = D[C,0] dS_out + (D0 dY)^T Q - dW^T Wk), then forms every
     input cotangent in parallel. The gate cotangent goes through the straddle-sum rule.
@@ -198,10 +200,10 @@ def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate, solve_block=
     Kc = D[..., -1, 1:, None] * k[..., None, :, :]
     QK = ein("...ck,...dk->...cd", q, k)[..., None, :, :]
     Pm = D11 * QK
-    W = U - ein("...rck,...rvk->...rcv", Wk, S_in)
-    D0dY = D0[..., None] * dY
+    if W is None:
+        W = U - ein("...rck,...rvk->...rcv", Wk, S_in)
     G = _T(Pm) @ dY
-    H = ein("...rcv,...ck->...rvk", D0dY, q)
+    H = ein("...rcv,...ck->...rvk", D0[..., None] * dY, q)
 
     def step(dS_out, xs):
         G_n, H_n, Kc_n, Wk_n, dCC = xs
@@ -214,10 +216,11 @@ def backward(xp, q, k, v, gates, beta, S_in, dY, dS_final, *, gate, solve_block=
     # Y = D0 * (Q S^T) + Pm W
     dPm = dY @ _T(W)
     dPmD = dPm * D11
-    dq = ein("...rcv,...rvk->...ck", D0dY, S_in) + ein("...rcd,...dk->...ck", dPmD, k)
+    dY_S = dY @ S_in  # d(Q S^T) per value head, shared by dq and dD0
+    dq = ein("...rc,...rck->...ck", D0, dY_S) + ein("...rcd,...dk->...ck", dPmD, k)
     dk = ein("...rcd,...ck->...dk", dPmD, q)
     dD11 = dPm * QK
-    dD0 = xp.sum(dY * ein("...ck,...rvk->...rcv", q, S_in), axis=-1)
+    dD0 = ein("...rck,...ck->...rc", dY_S, q)
     # S_out = D[C,0] S_in + W^T Kc
     ddCC = xp.sum(xp.sum(dS_out * S_in, axis=-1), axis=-1)
     dKc = W @ dS_out

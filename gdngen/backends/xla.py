@@ -61,8 +61,9 @@ class XP:
 def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
     """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP.
 
-    ``save_states``: keep the per-chunk entering states for the backward (one [Dv, Dk] state per
-    chunk and head) or recompute them there (one more sequential pass, less memory).
+    ``save_states``: keep the forward's residuals (per-chunk entering states and WY
+    pseudo-values) for the backward, or recompute them there (one more sequential pass, less
+    memory).
     """
     Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                       solve_block=solve_block)
@@ -70,18 +71,18 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
 
 
 def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states):
-    Y, S_final, S_in = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                         solve_block=solve_block)
-    return (Y, S_final), (q, k, v, gates, beta, S_in if save_states else S0)
+    Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                              solve_block=solve_block)
+    return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
 
 
-def _core_bwd(gate, solve_block, save_states, res, cotangents):
-    q, k, v, gates, beta, states = res
-    if not save_states:
-        states = chunkwise.forward(XP, q, k, v, gates, beta, states, gate=gate,
-                                   solve_block=solve_block)[2]
+def _core_bwd(gate, solve_block, save_states, saved, cotangents):
+    q, k, v, gates, beta, S0, residuals = saved
+    if residuals is None:
+        residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                      solve_block=solve_block)[2]
     dY, dS_final = cotangents
-    return chunkwise.backward(XP, q, k, v, gates, beta, states, dY, dS_final, gate=gate,
+    return chunkwise.backward(XP, q, k, v, gates, beta, *residuals, dY, dS_final, gate=gate,
                               solve_block=solve_block)
 
 
