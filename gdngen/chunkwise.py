@@ -145,30 +145,27 @@ def _decay(xp, gates, gate):
     return decay_factors(xp, gates if gate == "log" else xp.log(gates))
 
 
-def _intra_chunk(xp, k, beta, D, solve_block):
-    """Parallel over chunks: K K^T [.., C, C], T = (I + A)^{-1} and the key scale beta * D[:,0]."""
+def _wy(xp, k, v, beta, D, solve_block):
+    """Parallel over chunks: T = (I + A)^{-1} [.., r, C, C] with A = strict(beta D K K^T),
+    ``U = T diag(beta) V`` [.., r, C, Dv] and ``Wk = T diag(beta D0) K`` [.., r, C, Dk]."""
     C = k.shape[-2]
     KK = xp.einsum("...ck,...dk->...cd", k, k)[..., None, :, :]  # once per key head
     A = xp.where(xp.tril_mask(C, -1), beta[..., :, None] * D[..., 1:, 1:] * KK, 0.0)
-    return KK, solve_unit_lower(xp, xp.eye(C) + A, solve_block), beta * D[..., 1:, 0]
-
-
-def _wy(xp, k, v, beta, Tinv, key_scale):
-    """``U = T diag(beta) V`` [.., r, C, Dv] and ``Wk = T diag(beta D0) K`` [.., r, C, Dk]."""
+    Tinv = solve_unit_lower(xp, xp.eye(C) + A, solve_block)
     U = Tinv @ (beta[..., None] * v)
-    Wk = xp.einsum("...rcd,...dk->...rck", Tinv * key_scale[..., None, :], k)
-    return U, Wk
+    Wk = xp.einsum("...rcd,...dk->...rck", Tinv * (beta * D[..., 1:, 0])[..., None, :], k)
+    return Tinv, U, Wk
 
 
 def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
-    """Chunkwise forward. Returns ``(Y [N,B,H,r,C,Dv], S_final, (S_in, W))``.
+    """Chunkwise forward. Returns ``(Y [N,B,H,r,C,Dv], S_final, residuals)``.
 
-    The residuals for `backward`: S_in [N,B,H,r,Dv,Dk], the state entering each chunk, and
-    W [N,B,H,r,C,Dv], the chunk's WY pseudo-values.
+    The residuals for `backward` are ``(S_in, W, Tinv, Wk)``: the state entering each chunk
+    [N,B,H,r,Dv,Dk], the WY pseudo-values W [N,B,H,r,C,Dv], the triangular inverse
+    [N,B,H,r,C,C] and Wk = T diag(beta D0) K [N,B,H,r,C,Dk].
     """
     D = _decay(xp, gates, gate)
-    _, Tinv, key_scale = _intra_chunk(xp, k, beta, D, solve_block)
-    U, Wk = _wy(xp, k, v, beta, Tinv, key_scale)
+    Tinv, U, Wk = _wy(xp, k, v, beta, D, solve_block)
     Kc = D[..., -1, 1:, None] * k[..., None, :, :]  # keys decayed to the chunk end
 
     def step(S, xs):
@@ -180,28 +177,27 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
     QK = xp.einsum("...ck,...dk->...cd", q, k)[..., None, :, :]
     Y = (D[..., 1:, 0, None] * xp.einsum("...ck,...rvk->...rcv", q, S_in)
          + (D[..., 1:, 1:] * QK) @ W)
-    return Y, S_final, (S_in, W)
+    return Y, S_final, (S_in, W, Tinv, Wk)
 
 
-def backward(xp, q, k, v, gates, beta, S_in, W, dY, dS_final, *, gate, solve_block=8):
+def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
     """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
 
-    ``S_in``, ``W``: the residuals of `forward` (W None: recomputed from S_in).
-    Recomputes the intra-chunk factors, walks the chunks in reverse for the state cotangent
-    (dW = Pm^T dY + Kc dS_out^T, dS_in = D[C,0] dS_out + (D0 dY)^T Q - dW^T Wk), then forms every
-    input cotangent in parallel. The gate cotangent goes through the straddle-sum rule.
+    ``residuals``: what `forward` returned (saved, or recomputed by the caller).
+    Recomputes the cheap decay factors and K K^T, walks the chunks in reverse for the state
+    cotangent (dW = Pm^T dY + Kc dS_out^T, dS_in = D[C,0] dS_out + (D0 dY)^T Q - dW^T Wk), then
+    forms every input cotangent in parallel. The gate cotangent goes through the straddle-sum rule.
     """
     C = k.shape[-2]
     ein = xp.einsum
+    S_in, W, Tinv, Wk = residuals
     D = _decay(xp, gates, gate)
     D0, D11 = D[..., 1:, 0], D[..., 1:, 1:]
-    KK, Tinv, key_scale = _intra_chunk(xp, k, beta, D, solve_block)
-    U, Wk = _wy(xp, k, v, beta, Tinv, key_scale)
+    KK = ein("...ck,...dk->...cd", k, k)[..., None, :, :]
+    key_scale = beta * D0
     Kc = D[..., -1, 1:, None] * k[..., None, :, :]
     QK = ein("...ck,...dk->...cd", q, k)[..., None, :, :]
     Pm = D11 * QK
-    if W is None:
-        W = U - ein("...rck,...rvk->...rcv", Wk, S_in)
     G = _T(Pm) @ dY
     H = ein("...rcv,...ck->...rvk", D0[..., None] * dY, q)
 

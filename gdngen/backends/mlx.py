@@ -62,28 +62,27 @@ class XP:
 def chunk_core(gate, solve_block, save_states):
     """`gdngen.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
 
-    The core returns ``(Y, S_final, S_in, W)``. With ``save_states`` the backward reads the
-    forward's residuals (per-chunk entering states S_in, WY pseudo-values W) from its outputs;
-    otherwise it recomputes them.
+    The core returns ``(Y, S_final, *residuals)``. With ``save_states`` the backward reads the
+    forward's residuals (per-chunk entering states, WY pseudo-values, triangular inverses) from
+    its outputs; otherwise it recomputes them.
     """
 
     @mx.custom_function
     def core(q, k, v, gates, beta, S0):
-        Y, S_final, (S_in, W) = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+        Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                                   solve_block=solve_block)
-        return Y, S_final, S_in, W
+        return (Y, S_final, *residuals)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         q, k, v, gates, beta, S0 = primals
         if save_states:
-            residuals = outputs[2], outputs[3]
+            residuals = tuple(outputs[2:])
         else:
             residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                           solve_block=solve_block)[2]
         dY, dS_final = cotangents[0], cotangents[1]
-        return chunkwise.backward(XP, q, k, v, gates, beta, *residuals, dY, dS_final, gate=gate,
-                                  solve_block=solve_block)
+        return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
 
     return core
 
@@ -97,7 +96,7 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
     core = chunk_core(gate, solve_block, save_states)
 
     def core_outputs(*arrays):
-        Y, S_final, _, _ = core(*arrays)
+        Y, S_final, *_ = core(*arrays)
         return Y, S_final
 
     return chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, initial_state, mask,

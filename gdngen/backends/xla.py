@@ -61,9 +61,9 @@ class XP:
 def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
     """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP.
 
-    ``save_states``: keep the forward's residuals (per-chunk entering states and WY
-    pseudo-values) for the backward, or recompute them there (one more sequential pass, less
-    memory).
+    ``save_states``: keep the forward's residuals (per-chunk entering states, WY pseudo-values,
+    triangular inverses) for the backward, or recompute them there (one more sequential pass,
+    less memory).
     """
     Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                       solve_block=solve_block)
@@ -82,8 +82,7 @@ def _core_bwd(gate, solve_block, save_states, saved, cotangents):
         residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                       solve_block=solve_block)[2]
     dY, dS_final = cotangents
-    return chunkwise.backward(XP, q, k, v, gates, beta, *residuals, dY, dS_final, gate=gate,
-                              solve_block=solve_block)
+    return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
 
 
 chunk_core.defvjp(_core_fwd, _core_bwd)
