@@ -1,0 +1,6 @@
+"""Integrations of gdngen with third-party model libraries.
+
+Each submodule imports its library lazily (only when the submodule itself is imported), so
+``import gdngen`` never needs them. `gdngen.integrations.mlx_lm` routes mlx-lm's GatedDeltaNet
+training path to `gdngen.mlx.gated_delta`.
+"""

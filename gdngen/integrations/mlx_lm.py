@@ -1,0 +1,276 @@
+"""Train mlx-lm's GatedDeltaNet models (Qwen3.5, Qwen3-Next, ...) on gdngen's chunkwise path.
+
+mlx-lm's linear-attention layers call ``gated_delta_update(..., use_kernel=not self.training)``,
+so every training step runs ``gated_delta_ops``, a per-token loop. `patch` replaces that function
+in every mlx-lm module that imported it; calls made with ``use_kernel=False`` (the training path)
+and a per-head gate then run `gdngen.mlx.gated_delta` with the gate taken in log space straight
+from the layer's parameters. Calls with ``use_kernel=True`` (inference; mlx-lm's Metal kernel
+where it has one) keep mlx-lm's function unless ``patch(inference=True)``.
+
+    from gdngen.integrations import mlx_lm as gdn_mlx_lm
+
+    gdn_mlx_lm.patch()                 # before building / compiling the train step
+    ...                                # mlx_lm.tuner.trainer.train(...) as usual
+    gdn_mlx_lm.unpatch()               # or: with gdn_mlx_lm.patched(): ...
+
+Importing this module does not import mlx-lm; `patch` does, and checks its version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import pkgutil
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import mlx.core as mx
+import numpy as np
+
+from gdngen import mlx as gdngen_mlx
+from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM
+
+__all__ = [
+    "SUPPORTED_MLX_LM",
+    "check_mlx_lm_version",
+    "gdngen_gated_delta_update",
+    "is_patched",
+    "log_decay",
+    "patch",
+    "patched",
+    "patched_modules",
+    "unpatch",
+]
+
+SUPPORTED_MLX_LM = ">=0.32,<0.33"
+_SUPPORTED_LOW, _SUPPORTED_HIGH = (0, 32), (0, 33)  # tested: mlx-lm 0.32.2
+_FUNCTION_NAME = "gated_delta_update"
+_EXPECTED_PARAMETERS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask",
+                        "use_kernel", "lower_bound", "allow_neg_eigval")
+
+
+# --------------------------------------------------------------------------- the computation
+
+
+def log_decay(A_log, a, dt_bias, lower_bound=None):
+    """mlx-lm's decay gate in log space, float32, shaped like ``a + dt_bias``.
+
+    ``-exp(A_log) * softplus(a + dt_bias)`` (= log of mlx-lm's ``compute_g``), or with
+    ``lower_bound``: ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))`` (= log of
+    ``compute_lower_bound_g``). No exp/log round trip: it cannot underflow, and its gradients to
+    A_log, a and dt_bias are exact.
+    """
+    f32 = mx.float32
+    rate = mx.exp(A_log.astype(f32))
+    x = a.astype(f32) + dt_bias.astype(f32)
+    if lower_bound is None:
+        return -rate * mx.logaddexp(x, 0.0)  # softplus
+    return lower_bound * mx.sigmoid(rate * x)
+
+
+def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
+                              use_kernel=True, lower_bound=None, allow_neg_eigval=False,
+                              chunk_size=64):
+    """mlx-lm's ``gated_delta_update`` contract, always computed by `gdngen.mlx.gated_delta`.
+
+    q, k ``[B,T,Hk,Dk]`` (already normalized and scaled by mlx-lm's ``normalize_qk``; no scale is
+    applied here); v ``[B,T,Hv,Dv]``; a ``[B,T,Hv]`` (or ``[B,T,Hv,Dk]`` for per-channel gates);
+    b ``[B,T,Hv]``; state ``[B,Hv,Dv,Dk]`` or None; mask ``[B,T]`` (False: the step leaves the
+    state unchanged and its output is 0). beta = sigmoid(b), doubled with ``allow_neg_eigval``.
+    Returns ``(y [B,T,Hv,Dv] in q's dtype, state [B,Hv,Dv,Dk] float32)``. ``use_kernel`` is
+    accepted for signature compatibility and ignored.
+    """
+    del use_kernel
+    log_g = log_decay(A_log, a, dt_bias, lower_bound)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    if mask is not None and mask.dtype != mx.bool_:
+        mask = mask.astype(mx.bool_)
+    return gdngen_mlx.gated_delta(q, k, v, log_g, beta, state, mask=mask, scale=1.0, gate="log",
+                                  chunk_size=chunk_size)
+
+
+def _takes_chunkwise_path(q, v, a, A_log, dt_bias) -> bool:
+    """Scalar (per-head) gate and head dims in gdngen's range: the calls gdngen speeds up.
+
+    Per-channel gates ``[B,T,Hv,Dk]`` (Kimi Linear, Kimi K3, Bailing V3) would take gdngen's
+    sequential recurrence, measured ~1.2x slower than mlx-lm's own loop, so they stay on mlx-lm.
+    """
+    gate_ndim = len(np.broadcast_shapes(tuple(a.shape), tuple(A_log.shape), tuple(dt_bias.shape)))
+    return gate_ndim == 3 and all(MIN_HEAD_DIM <= d <= MAX_HEAD_DIM
+                                  for d in (q.shape[-1], v.shape[-1]))
+
+
+# --------------------------------------------------------------------------- patch state
+
+
+@dataclass
+class _Patch:
+    original: Callable
+    inference: bool
+    chunk_size: int
+    replaced: list[tuple[ModuleType, str]] = field(default_factory=list)
+
+
+_ACTIVE: _Patch | None = None
+_ORIGINAL: Callable | None = None  # mlx-lm's function, kept for stale references after unpatch
+
+
+def _routed_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
+                               use_kernel=True, lower_bound=None, allow_neg_eigval=False):
+    """What `patch` installs as ``gated_delta_update``.
+
+    Runs gdngen when a patch is active, the call is on the training path (``use_kernel=False``,
+    or any call with ``patch(inference=True)``), the gate is per head (``[B,T,Hv]``) and both
+    head dims are in 16..256; otherwise mlx-lm's original function.
+    """
+    active = _ACTIVE
+    if (active is None or (use_kernel and not active.inference)
+            or not _takes_chunkwise_path(q, v, a, A_log, dt_bias)):
+        return _ORIGINAL(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
+                         lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
+    return gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask,
+                                     lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval,
+                                     chunk_size=active.chunk_size)
+
+
+# --------------------------------------------------------------------------- version / discovery
+
+
+def _parse_version(version: str) -> tuple[int, int]:
+    found = re.match(r"\s*(\d+)\.(\d+)", version)
+    if not found:
+        raise RuntimeError(f"cannot parse the installed mlx-lm version {version!r}; gdngen's "
+                           f"mlx-lm integration supports mlx-lm{SUPPORTED_MLX_LM}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def check_mlx_lm_version(version: str | None = None) -> str:
+    """Return mlx-lm's version (the installed one by default) if it is in `SUPPORTED_MLX_LM`.
+
+    Raises ``RuntimeError`` naming the installed and the supported versions otherwise.
+    """
+    if version is None:
+        import mlx_lm
+
+        version = str(mlx_lm.__version__)
+    if not _SUPPORTED_LOW <= _parse_version(version) < _SUPPORTED_HIGH:
+        raise RuntimeError(f"gdngen's mlx-lm integration supports mlx-lm{SUPPORTED_MLX_LM}, but "
+                           f"mlx-lm {version} is installed; install a supported mlx-lm or "
+                           f"run without gdngen.integrations.mlx_lm.patch()")
+    return version
+
+
+def _check_signature(fn) -> None:
+    names = tuple(inspect.signature(fn).parameters)
+    if names != _EXPECTED_PARAMETERS:
+        raise RuntimeError(f"mlx_lm.models.gated_delta.{_FUNCTION_NAME} has parameters {names}, "
+                           f"expected {_EXPECTED_PARAMETERS}; this mlx-lm is not supported")
+
+
+def _source_mentions(module_name: str, word: str) -> bool:
+    spec = importlib.util.find_spec(module_name)
+    origin = getattr(spec, "origin", None)
+    if not origin or not origin.endswith(".py"):
+        return True  # no readable source: import it and look at its namespace
+    with open(origin, encoding="utf-8") as source:
+        return word in source.read()
+
+
+def _modules_to_scan() -> list[ModuleType]:
+    """mlx_lm.models submodules whose source names ``gated_delta_update`` (imported here; one
+    that fails to import is skipped with a warning) plus every mlx_lm module already imported."""
+    import mlx_lm.models
+
+    for info in pkgutil.iter_modules(mlx_lm.models.__path__, "mlx_lm.models."):
+        if info.name not in sys.modules and _source_mentions(info.name, _FUNCTION_NAME):
+            try:
+                importlib.import_module(info.name)
+            except ImportError as err:  # a missing optional dependency: the model is unusable
+                warnings.warn(f"gdngen: not patching {info.name}, which fails to import: {err}",
+                              stacklevel=3)
+    return [module for name, module in sorted(sys.modules.items())
+            if isinstance(module, ModuleType) and (name == "mlx_lm" or name.startswith("mlx_lm."))]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def patch(*, inference: bool = False, chunk_size: int = 64) -> tuple[str, ...]:
+    """Route mlx-lm's ``gated_delta_update`` training calls to gdngen; return the patched modules.
+
+    Every global of an mlx_lm module bound to mlx-lm's original function is replaced (aliases
+    too). ``inference=True`` also routes ``use_kernel=True`` calls. Idempotent: calling it again
+    re-scans and takes the new options; `unpatch` restores the originals. Patch before building
+    or compiling a train step: an ``mx.compile``d function keeps the path it was traced with.
+    Raises ``RuntimeError`` for an unsupported mlx-lm (before changing anything).
+    """
+    global _ACTIVE, _ORIGINAL
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_mlx_lm_version()
+    from mlx_lm.models import gated_delta as mlx_gated_delta
+
+    original = _ACTIVE.original if _ACTIVE else getattr(mlx_gated_delta, _FUNCTION_NAME)
+    if original is _routed_gated_delta_update:  # installed by hand, not by patch()
+        if _ORIGINAL is None:
+            raise RuntimeError("mlx_lm.models.gated_delta.gated_delta_update was replaced by "
+                               "hand before any patch(); mlx-lm's original is unknown")
+        original = _ORIGINAL
+    _check_signature(original)
+    _ORIGINAL = original
+    if _ACTIVE is None:
+        _ACTIVE = _Patch(original, inference, chunk_size)
+    _ACTIVE.inference, _ACTIVE.chunk_size = bool(inference), chunk_size
+    for module in _modules_to_scan():
+        for name, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, name, _routed_gated_delta_update)
+                _ACTIVE.replaced.append((module, name))
+    return patched_modules()
+
+
+def unpatch() -> None:
+    """Put mlx-lm's original function back wherever `patch` replaced it; no-op if unpatched."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        return
+    for module, name in _ACTIVE.replaced:
+        setattr(module, name, _ACTIVE.original)
+    _ACTIVE = None
+
+
+@contextlib.contextmanager
+def patched(*, inference: bool = False, chunk_size: int = 64) -> Iterator[tuple[str, ...]]:
+    """`patch` for the duration of a ``with`` block, yielding the patched module names.
+
+    On exit the previous state returns: unpatched if it was, else the outer patch's options.
+    """
+    outer = None if _ACTIVE is None else (_ACTIVE.inference, _ACTIVE.chunk_size)
+    modules = patch(inference=inference, chunk_size=chunk_size)
+    try:
+        yield modules
+    finally:
+        if outer is None:
+            unpatch()
+        elif _ACTIVE is not None:
+            _ACTIVE.inference, _ACTIVE.chunk_size = outer
+
+
+def is_patched() -> bool:
+    """Whether a `patch` is active."""
+    return _ACTIVE is not None
+
+
+def patched_modules() -> tuple[str, ...]:
+    """Sorted names of the modules whose ``gated_delta_update`` the active patch replaced."""
+    if _ACTIVE is None:
+        return ()
+    return tuple(sorted({module.__name__ for module, _ in _ACTIVE.replaced}))
