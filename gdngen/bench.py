@@ -37,13 +37,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gdngen.fileio import atomic_write_text
 from gdngen.flops import chunkwise_flops
 
 FRAMEWORKS = ("jax", "mlx")
@@ -379,19 +379,7 @@ def run(cfg: BenchConfig, frameworks=FRAMEWORKS, *, isolate: bool = True) -> lis
 
 def write_json(rows: list[dict], path) -> None:
     """Write ``rows`` as JSON to ``path`` atomically (temporary file + ``os.replace``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(rows, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(rows, indent=2) + "\n")
 
 
 def _fmt(x, spec: str) -> str:
