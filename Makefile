@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test bench lint clean
+.PHONY: install test bench tune lint clean
 
 install: $(STAMP)
 
@@ -19,6 +19,12 @@ test: install
 
 bench: install
 	$(BIN)/gdngen bench
+
+# Autotune on the detected device with a modest budget (a few minutes on a 2-core CPU); results
+# go to the user cache dir. Override, e.g.: make tune TUNE_ARGS='--model qwen3.5 --trials 12'.
+TUNE_ARGS ?= --model qwen3-next --seq 512 --trials 4 --repeats 2
+tune: install
+	$(BIN)/gdngen tune $(TUNE_ARGS)
 
 lint: install
 	$(BIN)/ruff check gdngen tests benchmarks

@@ -7,7 +7,9 @@ modules: problem -> variant -> render -> build -> validate -> time -> cache -> l
 
 __version__ = "0.1.0"
 
+from gdngen.dispatch import load_tuned
 from gdngen.render import Rendered, render
 from gdngen.variant import Problem, Variant, default_variant, variants
 
-__all__ = ["Problem", "Rendered", "Variant", "default_variant", "render", "variants"]
+__all__ = ["Problem", "Rendered", "Variant", "default_variant", "load_tuned", "render",
+           "variants"]

@@ -1,4 +1,4 @@
-"""Command line: ``gdngen validate`` and ``gdngen bench``.
+"""Command line: ``gdngen validate``, ``gdngen bench`` and ``gdngen build``.
 
 Framework packages (jax, mlx) are imported lazily inside the commands, so importing this module
 or running ``gdngen --help`` never imports them.
@@ -12,6 +12,7 @@ import sys
 import click
 
 from gdngen import __version__
+from gdngen.backends import RUNNERS
 
 DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
 
@@ -22,9 +23,37 @@ def main():
     """gdngen: kernel generator and autotuner for the gated delta rule."""
 
 
+def _backend_names(table: dict) -> list[str]:
+    """Names of ``table`` plus their dashed spellings (``pallas-tpu`` for ``pallas_tpu``)."""
+    return sorted(set(table) | {name.replace("_", "-") for name in table})
+
+
+def _parse_variant(backend: str, variant_json: str | None, problem: str | None):
+    """The `Variant` named by ``--variant`` (a JSON params object) or, failing that, the default
+    variant of ``--problem`` (default Hk=2,Hv=4,Dk=128,Dv=128)."""
+    from gdngen.variant import Problem, Variant, default_variant
+
+    try:
+        if variant_json is not None:
+            params = json.loads(variant_json)
+            if not isinstance(params, dict):
+                raise ValueError("expected a JSON object of variant params")
+            return Variant(backend, params)
+        return default_variant(backend, Problem.parse(problem or "Hk=2,Hv=4,Dk=128,Dv=128"))
+    except ValueError as e:
+        hint = "--variant" if variant_json is not None else "--problem"
+        raise click.BadParameter(str(e), param_hint=hint) from None
+
+
 @main.command()
-@click.option("--backend", type=click.Choice(["xla", "mlx"]), required=True,
+@click.option("--backend", type=click.Choice(_backend_names(RUNNERS)), required=True,
               help="Backend whose runner is checked against the float64 reference.")
+@click.option("--variant", "variant_json", default=None, metavar="JSON",
+              help='Validate this variant, e.g. \'{"chunk_size": 32, ...}\' (generated-kernel '
+                   "backends default to the default variant of --problem).")
+@click.option("--problem", default=None, metavar="SPEC",
+              help="Shape class whose default variant is validated, e.g. "
+                   '"Hk=2,Hv=4,Dk=128,Dv=128".')
 @click.option("--dtype", type=DTYPE_CHOICE, default="float32", show_default=True)
 @click.option("--case", "case_names", multiple=True, metavar="NAME",
               help="Run only this battery case (repeatable). Default: the whole battery.")
@@ -32,10 +61,18 @@ def main():
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Chunk size for every case (default: each case's own).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON instead of a table.")
-def validate(backend, dtype, case_names, seed, chunk_size, as_json):
+def validate(backend, variant_json, problem, dtype, case_names, seed, chunk_size, as_json):
     """Run the validation battery on a backend; exit 1 if any case fails."""
+    import dataclasses
+
     from gdngen import cases as cases_mod
     from gdngen import validate as validate_mod
+
+    backend = backend.replace("-", "_")
+    variant = None  # a backend without its own runner module runs through a variant
+    if variant_json is not None or problem is not None or RUNNERS[backend] != \
+            f"gdngen.backends.{backend}":
+        variant = _parse_variant(backend, variant_json, problem)
 
     selected = None
     if case_names:
@@ -45,8 +82,14 @@ def validate(backend, dtype, case_names, seed, chunk_size, as_json):
                 selected.append(cases_mod.get_case(name))
             except (KeyError, ValueError) as e:
                 raise click.BadParameter(str(e), param_hint="--case") from None
-    results = validate_mod.run_battery(backend, dtype=dtype, cases=selected, seed=seed,
-                                       chunk_size=chunk_size)
+    extra = {} if variant is None else {"variant": variant}
+    results = validate_mod.run_battery(None if variant else backend, dtype=dtype, cases=selected,
+                                       seed=seed, chunk_size=chunk_size, **extra)
+    if variant is not None:  # the variant's own tolerance (e.g. its precision policy's)
+        from gdngen.build import variant_tolerance
+
+        tol = variant_tolerance(variant, dtype)
+        results = [dataclasses.replace(r, tolerance=tol) for r in results]
     if as_json:
         out = validate_mod.results_to_json(results)
         click.echo(out if isinstance(out, str) else json.dumps(out, indent=2))
@@ -132,6 +175,262 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, dtype, repeats
         bench_mod.print_table(rows)
     if failed:
         raise click.ClickException(f"bench failed for: {', '.join(failed)}")
+
+
+@main.command()
+@click.option("--backend", required=True, metavar="NAME",
+              help="Backend whose variants are built (e.g. pallas-tpu; dashes or underscores).")
+@click.option("--problem", default="Hk=2,Hv=4,Dk=128,Dv=128", show_default=True, metavar="SPEC",
+              help="Shape class the variants are rendered for, e.g. "
+                   '"Hk=1,Hv=3,Dk=128,Dv=128,dtype=bfloat16".')
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder for the rendered sources and manifest.json.")
+@click.option("--templates", "templates_dir", default=None,
+              type=click.Path(exists=True, file_okay=False),
+              help="Template override folder (files shadow the shipped ones by relative path).")
+@click.option("--variant", "variant_jsons", multiple=True, metavar="JSON",
+              help="Build only this variant (JSON params; repeatable). Default: all of them.")
+@click.option("--case", "case_names", multiple=True, metavar="NAME",
+              help="Validate on this battery case only (repeatable). Default: the battery.")
+@click.option("--seed", type=int, default=None, help="Input seed (default: each case's own).")
+@click.option("--no-validate", is_flag=True, help="Render and write only.")
+@click.option("--resume", is_flag=True,
+              help="Keep the passing variants of an existing manifest in --out (same settings, "
+                   "same sources); build the rest.")
+def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, seed,
+          no_validate, resume):
+    """Enumerate, render, write and validate a backend's variants; exit 1 if any fails."""
+    from gdngen import build as build_mod
+    from gdngen import cases as cases_mod
+    from gdngen.variant import Problem
+
+    try:
+        backend = build_mod.normalize_backend(backend)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--backend") from None
+    try:
+        problem = Problem.parse(problem)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--problem") from None
+    variant_list = [_parse_variant(backend, text, None) for text in variant_jsons] or None
+    try:
+        cases = [cases_mod.get_case(name) for name in case_names] or None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--case") from None
+
+    def progress(result):
+        worst = max(result.worst.items(), key=lambda item: item[1], default=("-", 0.0))
+        click.echo(f"{result.status.upper():6} {result.variant.name()}  worst {worst[0]} "
+                   f"{worst[1]:.1e}  ({result.seconds:.0f}s)")
+        if result.error:
+            click.echo(result.error.rstrip(), err=True)
+
+    results = build_mod.build(backend, problem, out_dir, templates_dir=templates_dir,
+                              cases=cases, seed=seed, variant_list=variant_list,
+                              validate=not no_validate, progress=progress, resume=resume)
+    failed = [r.variant.name() for r in results if not r.ok]
+    click.echo(f"{len(results) - len(failed)}/{len(results)} variants "
+               f"{'rendered' if no_validate else 'passed'}; manifest: {out_dir}/manifest.json")
+    if failed:
+        click.echo(f"FAILED ({len(failed)}/{len(results)}): {', '.join(failed)}", err=True)
+        sys.exit(1)
+
+
+# ------------------------------------------------------------------ tune, devices, show, report
+
+
+def _pair(value, option):
+    try:
+        a, b = (int(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected two comma-separated integers, got {value!r}",
+                                 param_hint=option) from None
+    return a, b
+
+
+@main.command()
+@click.option("--device", default=None, help="Registry name (`gdngen devices`); default: "
+              "the attached device.")
+@click.option("--model", "models", multiple=True, metavar="NAME",
+              help="Model preset (repeatable): qwen3-next, qwen3.5, kimi-linear. Default: all, "
+                   "unless --heads is given.")
+@click.option("--heads", default=None, metavar="HK,HV", help="Custom key,value heads.")
+@click.option("--dim", default="128,128", show_default=True, metavar="DK,DV",
+              help="Head dims for --heads.")
+@click.option("--gate", type=click.Choice(["scalar", "vector"]), default="scalar",
+              show_default=True, help="Gate kind for --heads.")
+@click.option("--dtype", type=DTYPE_CHOICE, default="float32", show_default=True)
+@click.option("--seq", default="2048", show_default=True, callback=_parse_seq_lens,
+              metavar="T[,T...]", help="Sequence length(s) to tune at.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--precision", type=click.Choice(["ieee", "tf32", "bf16"]), default="ieee",
+              show_default=True, help="Matmul precision policy.")
+@click.option("--framework", type=click.Choice(["jax", "mlx", "all"]), default=None,
+              help="Default: mlx on Apple GPUs, jax on TPU/GPU, every installed one on cpu.")
+@click.option("--backend", "backends", multiple=True, help="Only these backends (repeatable).")
+@click.option("--trials", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Variants evaluated per study (all processes together).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Wall seconds this process searches each study.")
+@click.option("--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=900.0,
+              show_default=True, help="Seconds one trial (validate + time) may take.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed runs per trial after a warm-up (median).")
+@click.option("--cases", default=None, metavar="NAME[,NAME...]|all",
+              help="Battery cases each trial validates on (default: ragged,identical_keys).")
+@click.option("--storage", default=None, help="Optuna storage URL (sqlite:///tune.db) or "
+              "journal file; default: a journal in the user cache dir.")
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
+              help="Folder of the tuned <device>.json to write (default: the user cache dir).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dry-run", is_flag=True, help="Render and validate every candidate off-device "
+              "(interpret mode / simulator), without timing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
+def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framework, backends,
+         trials, timeout, trial_timeout, repeats, cases, storage, cache_dir, seed, dry_run,
+         as_json):
+    """Autotune variants for a device: validate each on the battery, time fwd+bwd, cache the
+    best."""
+    from gdngen import devices, presets
+    from gdngen import tune as tune_mod
+    from gdngen.cases import BATTERY
+    from gdngen.variant import Problem
+
+    tune_mod.load_plugins()
+    try:
+        if device is None:
+            device = devices.detect()
+        devices.get_device(device)
+        frameworks = (devices.installed_frameworks() if framework == "all" else
+                      (framework,) if framework else tune_mod.default_frameworks(device))
+        if not frameworks:
+            raise ValueError(f"no framework installed that runs on {device}")
+        if not dry_run:
+            for fw in frameworks:
+                devices.require_attached(device, fw)
+        problems = [presets.get_preset(m).problem(dtype) for m in models]
+        if heads:
+            problems.append(Problem(*_pair(heads, "--heads"), *_pair(dim, "--dim"), dtype, gate))
+        if not problems:
+            problems = [p.problem(dtype) for p in presets.PRESETS.values()]
+        case_names = (tuple(c.name for c in BATTERY) if cases == "all" else
+                      tuple(c.strip() for c in cases.split(",")) if cases else
+                      tune_mod.DEFAULT_CASES)
+        settings = tune_mod.Settings(trials=trials, timeout=timeout, trial_timeout=trial_timeout,
+                                     repeats=repeats, cases=case_names, seed=seed)
+        targets = tune_mod.targets(device, frameworks, problems, precision=precision,
+                                   seq_lens=seq, batch=batch, backends=backends)
+    except (ValueError, KeyError) as e:
+        raise click.UsageError(str(e).strip("'\"")) from None
+    skipped = [(t, tune_mod.skip_reason(t)) for t in targets]
+    for t, why in skipped:
+        if why:
+            click.echo(f"skipping {t.label()}: {why}", err=True)
+    targets = [t for t, why in skipped if not why]
+    if not targets:
+        raise click.UsageError(f"nothing to tune on {device} for frameworks {frameworks}")
+    _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json)
+
+
+def _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json):
+    from rich import progress as rp
+    from rich.console import Console
+
+    columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+               rp.TimeElapsedColumn(), rp.TextColumn("{task.fields[last]}", markup=False))
+    results = []
+    with rp.Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        for target in targets:
+            total = len(target.space()) if dry_run else min(settings.trials,
+                                                             len(target.space()))
+            task = progress.add_task(target.label(), total=total, last="")
+
+            def update(done, total, name, task=task):
+                progress.update(task, completed=done, total=total, last=name)
+
+            if dry_run:
+                results.append((target, tune_mod.dry_run(target, settings, on_variant=update)))
+            else:
+                results.append(tune_mod.tune(target, settings, storage=storage,
+                                             cache_dir=cache_dir, on_trial=update))
+            progress.update(task, completed=total)
+    if dry_run:
+        if as_json:
+            click.echo(json.dumps([{"target": t.label(), "device": t.device, "rows": rows}
+                                   for t, rows in results], indent=2))
+        else:
+            for target, rows in results:
+                click.echo(tune_mod.format_dry_run(target, rows).rstrip("\n"))
+        return
+    if as_json:
+        click.echo(json.dumps([s.to_json() for s in results], indent=2))
+    else:
+        click.echo(tune_mod.format_summaries(results).rstrip("\n"))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the registry and detection as JSON.")
+def devices(as_json):
+    """List the registered devices, marking the attached one(s)."""
+    import dataclasses
+
+    from gdngen import devices as devices_mod
+
+    detected = devices_mod.detect_all()
+    if as_json:
+        click.echo(json.dumps({
+            "devices": [dataclasses.asdict(d) for d in devices_mod.DEVICES.values()],
+            "detected": {fw: dataclasses.asdict(d) for fw, d in detected.items()}}, indent=2))
+    else:
+        click.echo(devices_mod.format_table(detected).rstrip("\n"))
+
+
+@main.command()
+@click.option("--device", default=None, help="Default: the attached device.")
+@click.option("--json", "as_json", is_flag=True)
+def show(device, as_json):
+    """Print the tuned cache (shipped and user files) for a device."""
+    from gdngen import cache, devices
+
+    try:
+        device = device or devices.detect()
+        devices.get_device(device)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    rows = cache.describe(device)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    elif not rows:
+        click.echo(f"no tuned entries for {device} in {[str(d) for d in cache.tuned_dirs()]}")
+    else:
+        click.echo(cache.format_rows(rows).rstrip("\n"))
+
+
+@main.command()
+@click.option("--device", default=None, help="Default: the attached device.")
+@click.option("--storage", default=None, help="Optuna storage of the studies (as for tune).")
+@click.option("--out", "out_dir", default="gdngen-report", show_default=True,
+              type=click.Path(file_okay=False), help="Folder for the PNGs and report.json.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plotted numbers as JSON.")
+def report(device, storage, out_dir, as_json):
+    """Write PNG plots: tuning history per study and speedup vs sequence length."""
+    from gdngen import devices
+    from gdngen import report as report_mod
+
+    try:
+        device = device or devices.detect()
+        devices.get_device(device)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    data = report_mod.report(device, out_dir, storage=storage)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for series in data["speedup"]:
+        points = ", ".join(f"T{p['seq_bucket']}: {p['speedup']:.2f}x" for p in series["points"])
+        click.echo(f"{series['label']}: {points}")
+    for path in data["files"]:
+        click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
 """Device registry: target names, the backends each can run, and their on-chip memory limits.
 
-One table, `DEVICES`; each limit names its source. Detection of the attached device lives in
-`detect` (filled in by the tuner).
+One table, `DEVICES`; each limit names its source. `detect(framework)` maps what JAX
+(``jax.devices()[0].platform`` / ``device_kind``) or MLX (``mx.metal.is_available()``,
+``mx.device_info()["device_name"]``) runs on to a registry name; it imports only the framework
+asked about.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import re
 from dataclasses import dataclass, field
 
 KiB, MiB = 1024, 1024 * 1024
@@ -56,3 +61,145 @@ def get_device(name: str) -> Device:
     if name not in DEVICES:
         raise ValueError(f"device must be one of {sorted(DEVICES)}, got {name!r}")
     return DEVICES[name]
+
+
+# ------------------------------------------------------------------------------ detection
+
+#: frameworks whose attached device `detect` can query.
+FRAMEWORKS = ("jax", "mlx")
+
+# device_kind substrings (lower case) -> registry name, first match wins. JAX reports TPUs as
+# "TPU v4", "TPU v5 lite" (v5e), "TPU v5p" / "TPU v5" (v5p), "TPU v6 lite" / "TPU v6e" (v6e);
+# NVIDIA GPUs as the marketing name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB").
+_TPU_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"), ("v5", "tpu-v5p"),
+              ("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("trillium", "tpu-v6e"),
+              ("v4", "tpu-v4"))
+_GPU_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What one framework sees: ``name`` is the registry name (None when the attached device is
+    not in `DEVICES`), ``description`` the framework's own words for it."""
+
+    framework: str
+    name: str | None
+    description: str
+
+
+def device_from_jax(platform: str, device_kind: str) -> str | None:
+    """Registry name for a JAX device (``jax.devices()[0].platform`` / ``.device_kind``)."""
+    platform, kind = platform.lower(), device_kind.lower()
+    if platform == "cpu":
+        return "cpu"
+    if platform == "tpu":
+        return next((name for part, name in _TPU_KINDS if part in kind), None)
+    if platform in ("gpu", "cuda"):
+        return next((name for part, name in _GPU_KINDS if part in kind), None)
+    return None
+
+
+def device_from_mlx(gpu_default: bool, info: dict) -> str | None:
+    """Registry name for MLX's default device: ``gpu_default`` is True when Metal is available
+    and the default device is the GPU; ``info`` is ``mx.device_info()`` (``device_name`` such as
+    "Apple M3 Max")."""
+    if not gpu_default:
+        return "cpu"
+    match = re.search(r"\bM(\d+)\b", str(info.get("device_name", "")))
+    name = f"apple-m{match.group(1)}" if match else None
+    return name if name in DEVICES else None
+
+
+def _detect_jax() -> Detected:
+    import jax
+
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", "") or device.platform
+    return Detected("jax", device_from_jax(device.platform, kind), f"{device.platform}: {kind}")
+
+
+def _detect_mlx() -> Detected:
+    import mlx.core as mx
+
+    gpu = bool(mx.metal.is_available()) and mx.default_device().type == mx.DeviceType.gpu
+    info_fn = getattr(mx, "device_info", None)  # mlx 0.32; older releases: mx.metal only
+    if info_fn is None and gpu:
+        info_fn = mx.metal.device_info
+    info = dict(info_fn()) if info_fn is not None else {}
+    described = info.get("device_name") or info.get("architecture") or "cpu"
+    return Detected("mlx", device_from_mlx(gpu, info),
+                    f"{'gpu' if gpu else 'cpu'}: {described}")
+
+
+@functools.cache
+def detect_framework(framework: str) -> Detected:
+    """What ``framework`` ("jax" | "mlx") runs on by default (imports that framework only;
+    memoised per process)."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    return _detect_jax() if framework == "jax" else _detect_mlx()
+
+
+def installed_frameworks() -> tuple[str, ...]:
+    """Frameworks importable here (checked without importing them)."""
+    return tuple(fw for fw in FRAMEWORKS if importlib.util.find_spec(fw) is not None)
+
+
+def detect_all() -> dict[str, Detected]:
+    """`detect_framework` for every installed framework."""
+    return {fw: detect_framework(fw) for fw in installed_frameworks()}
+
+
+def detect(framework: str | None = None) -> str:
+    """Registry name of the attached device as ``framework`` sees it; with None, an Apple GPU
+    (MLX Metal) wins, then the JAX device, then "cpu". ValueError when the device is not in the
+    registry (the message says what was found)."""
+    if framework is not None:
+        found = detect_framework(framework)
+        if found.name is None:
+            raise ValueError(f"the device {framework} runs on ({found.description}) is not in "
+                             f"the gdngen device registry {sorted(DEVICES)}")
+        return found.name
+    found = detect_all()
+    for fw in ("mlx", "jax"):
+        if fw in found and found[fw].name not in (None, "cpu"):
+            return found[fw].name
+    return "cpu"
+
+
+def require_attached(name: str, framework: str) -> Device:
+    """The registered device ``name``, checked to be what ``framework`` runs on here; a
+    ValueError saying what was found instead otherwise (fail fast before tuning)."""
+    device = get_device(name)
+    found = detect_framework(framework)
+    if found.name != name:
+        raise ValueError(f"device {name!r} is not attached: {framework} runs on "
+                         f"{found.name or 'an unregistered device'} ({found.description})")
+    return device
+
+
+def format_table(detected: dict) -> str:
+    """``gdngen devices`` table: every registered device, marking the ones ``detected``
+    (framework -> `Detected`) found attached."""
+    import io
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="gdngen devices")
+    for name in ("device", "kind", "backends", "limits", "attached", "source"):
+        table.add_column(name, overflow="fold")
+    for dev in DEVICES.values():
+        seen = [f"{fw} ({d.description})" for fw, d in detected.items() if d.name == dev.name]
+        limits = ", ".join(f"{k}={v // MiB} MiB" if v >= MiB else f"{k}={v // KiB} KiB"
+                           for k, v in dev.limits.items())
+        table.add_row(*map(escape, (dev.name, dev.kind, ", ".join(dev.backends), limits or "-",
+                                    "* " + "; ".join(seen) if seen else "", dev.source)))
+    unknown = [f"{fw}: {d.description}" for fw, d in detected.items() if d.name is None]
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=200, color_system=None, force_terminal=False)
+    console.print(table)
+    if unknown:
+        console.print("attached but not registered: " + "; ".join(unknown))
+    return buffer.getvalue()

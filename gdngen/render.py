@@ -25,7 +25,10 @@ import jinja2
 from gdngen.resources import templates_dir as shipped_templates_dir
 from gdngen.variant import Problem, Variant
 
-TEMPLATED: dict[str, str] = {}
+TEMPLATED: dict[str, str] = {
+    "pallas_tpu": "gdngen.backends.pallas_tpu:render_plan",
+    "metal": "gdngen.backends.metal:render_plan",
+}
 
 PORTABLE_SOURCES = {
     "xla": ("gdngen.chunkwise", "gdngen.backends.xla"),

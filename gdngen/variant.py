@@ -123,6 +123,8 @@ class Variant:
 SPACES = {
     "xla": "gdngen.variant:portable_space",
     "mlx": "gdngen.variant:portable_space",
+    "pallas_tpu": "gdngen.backends.pallas_tpu:variant_space",
+    "metal": "gdngen.backends.metal:variant_space",
 }
 
 

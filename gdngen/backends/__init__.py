@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 
 #: backend name -> module whose ``runner`` validates it on the battery.
-RUNNERS = {"xla": "gdngen.backends.xla", "mlx": "gdngen.backends.mlx"}
+RUNNERS = {"xla": "gdngen.backends.xla", "mlx": "gdngen.backends.mlx",
+           "pallas_tpu": "gdngen.backends.xla", "metal": "gdngen.backends.metal"}
 
 #: backends that implement vector gates ([B,T,Hv,Dk]); the others are scalar-gate only.
 VECTOR_GATE_BACKENDS = ("xla", "mlx")

@@ -1,0 +1,662 @@
+"""Metal backend: generated chunkwise kernels for ``mx.fast.metal_kernel``, forward and backward.
+
+The kernels port `gdngen.chunkwise` (exact unit-lower-triangular inverse by forward substitution,
+decay factors only as exp of segment sums, the straddle-sum gate gradient) to Metal, as Jinja
+bodies under ``templates/metal/`` rendered per `Problem` and `Variant`. A `Plan` lists the
+launches (kernel, grid, threadgroup, template args, buffers, output shapes) of the forward and of
+the backward; the same plan runs on an Apple GPU through MLX (`MLXLauncher`) or, anywhere, in
+`gdngen.metal_sim` (`SimLauncher`), so the simulated path is the shipped path.
+
+Around the kernels everything is `gdngen.chunkwise`: ``chunkwise.gated_delta`` folds the mask,
+pads T and lays the sequence out in chunks, and the O(C^2) gate epilogue is
+``chunkwise.decay_factors_{log,linear}_vjp`` in mx ops on the dD the kernels produce.
+
+Kernels, per chunk n, batch b, value head h (C = chunk, r = Hv / Hk):
+
+================  ====================  ==========================================================
+kernel            threadgroups          computes
+================  ====================  ==========================================================
+fwd_intra[_tinv]  N*B*Hv                T = (I+A)^-1, U = T diag(beta) V, Wk = T diag(beta D0) K
+fwd_scan[_save]   (Dv/dv_tile) x B*Hv   W, y and the state over the chunks (saving S_in, W)
+fwd_scan_states   (Dv/dv_tile) x B*Hv   S_in and W only (the backward's recomputation)
+bwd_scan          (Dv/dv_tile) x B*Hv   dW, dS_out per chunk, dS0 (chunks in reverse)
+bwd_tri           N*B*Hv                dv, dA = -T^T dT T^T and the T-dependent dk, dbeta
+bwd_qk            N*B*Hv                dq, dk, dbeta and the decay cotangent dD
+================  ====================  ==========================================================
+
+This module imports without mlx: the space, the renderer and the plan need no framework.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import math
+import os
+from dataclasses import dataclass
+
+from gdngen.devices import DEVICES
+from gdngen.problem import check_call, dtype_name
+from gdngen.variant import Problem, Variant
+
+BACKEND = "metal"
+CHUNK_SIZES = (16, 32, 64)
+POLICIES = ("ieee", "tf32", "half")
+SIMDGROUPS = (1, 2, 4)
+DV_TILES = (16, 32, 64)
+#: Threadgroup memory a variant may use: the smallest of the Metal devices in gdngen.devices.
+THREADGROUP_MEMORY = min(d.limits["threadgroup_memory"] for d in DEVICES.values()
+                         if BACKEND in d.backends)
+#: Accumulator floats a thread may hold (beyond this the GPU spills registers).
+MAX_ACC_FLOATS = 128
+
+#: Relative L2 error the battery allows per policy (the input dtype's own tolerance applies
+#: when it is looser). ieee: float32 arithmetic throughout. tf32: matmul operands rounded to 10
+#: mantissa bits (unit roundoff 4.9e-4; worst measured 3.6e-3, identical_keys). half: operands
+#: rounded to half, or to bfloat for bfloat16 inputs (unit roundoff 3.9e-3; worst measured
+#: 2.1e-2, identical_keys at bfloat16, whose near-singular solve amplifies operand rounding).
+POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "half": 5e-2}
+
+
+def _shape_problem(problem: Problem) -> None:
+    if problem.gate != "scalar":
+        raise ValueError("the metal backend implements scalar gates only; got "
+                         f"Problem.gate={problem.gate!r}")
+    for name in ("Dk", "Dv"):
+        if getattr(problem, name) % 32:
+            raise ValueError(f"the metal backend needs Problem.{name} to be a multiple of 32, got "
+                             f"{getattr(problem, name)}")
+
+
+def intra_tile(chunk_size: int) -> int:
+    """Columns of Dk / Dv per intra-chunk tile (DW): 32, or 16 for chunk 64 (memory)."""
+    return 32 if chunk_size <= 32 else 16
+
+
+def threadgroup_bytes(params: dict, problem: Problem) -> dict:
+    """Threadgroup memory each kernel declares, in bytes (float32 arrays, see the templates)."""
+    C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
+        intra_tile(params["chunk_size"])
+    floats = {
+        "fwd_intra": C * C + 3 * C,
+        "fwd_intra_tinv": C * C + 3 * C,
+        "fwd_scan": C * C + C * dvt + 4 * C,
+        "fwd_scan_save": C * C + C * dvt + 4 * C,
+        "fwd_scan_states": C * dvt + 4 * C,
+        "bwd_scan": C * max(C, dvt) + C * dvt + 4 * C,
+        "bwd_tri": C * C + 2 * C * dw + 5 * C,
+        "bwd_qk": C * C + C * dw + 7 * C + sg,
+    }
+    return {name: 4 * n for name, n in floats.items()}
+
+
+def _acc_floats(params: dict, M: int, N: int) -> int:
+    """Floats one thread holds for an M x N accumulator tile."""
+    sg = params["simdgroups"]
+    if params["mma"] == "simdgroup":
+        return 2 * math.ceil((M // 8) * (N // 8) / sg)
+    return math.ceil(M * N / (32 * sg))
+
+
+def accumulator_floats(params: dict, problem: Problem) -> int:
+    """Most accumulator floats a thread keeps live in any kernel (a register-pressure bound)."""
+    C, dvt, dw = params["chunk_size"], params["dv_tile"], intra_tile(params["chunk_size"])
+    acc = functools.partial(_acc_floats, params)
+    return max(
+        acc(C, C), acc(C, dw),                                     # fwd_intra
+        acc(C, dvt), acc(dvt, problem.Dk),                         # fwd_scan
+        2 * acc(C, dvt),                                           # bwd_scan
+        acc(C, C) + acc(C, dw),                                    # bwd_tri
+        2 * acc(C, C) + 2 * acc(C, dw),                            # bwd_qk
+    )
+
+
+def params_valid(params: dict, problem: Problem) -> str | None:
+    """None when ``params`` can run ``problem``, else why not."""
+    _shape_problem(problem)
+    if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
+        return f"dv_tile={params['dv_tile']} does not divide Dv={problem.Dv}"
+    if params["mma"] == "fma" and params["policy"] != "ieee":
+        return "mma='fma' is only offered with policy='ieee'"
+    worst = max(threadgroup_bytes(params, problem).values())
+    if worst > THREADGROUP_MEMORY:
+        return f"{worst} bytes of threadgroup memory (limit {THREADGROUP_MEMORY})"
+    acc = accumulator_floats(params, problem)
+    if acc > MAX_ACC_FLOATS:
+        return f"{acc} accumulator floats per thread (limit {MAX_ACC_FLOATS})"
+    return None
+
+
+def variant_space(problem: Problem):
+    """All Metal variants of ``problem`` and the default (see the module doc for the kernels).
+
+    Params: ``chunk_size`` 16/32/64; ``policy`` ieee (float32) / tf32 / half (matmul operand
+    precision); ``mma`` simdgroup (8x8 simdgroup matrices) or fma (scalar FMA, ieee only);
+    ``simdgroups`` per threadgroup; ``dv_tile`` Dv columns per state-scan threadgroup; ``save``
+    (the forward keeps per-chunk states, W and T for the backward, else the backward recomputes
+    them). Variants over 32 KiB of threadgroup memory or `MAX_ACC_FLOATS` are left out.
+    """
+    _shape_problem(problem)
+    space = []
+    for C, policy, mma, sg, dvt, save in itertools.product(
+            CHUNK_SIZES, POLICIES, ("simdgroup", "fma"), SIMDGROUPS, DV_TILES, (True, False)):
+        params = {"chunk_size": C, "policy": policy, "mma": mma, "simdgroups": sg,
+                  "dv_tile": dvt, "save": save}
+        if params_valid(params, problem) is None:
+            space.append(params)
+    default = {"chunk_size": 64, "policy": "ieee", "mma": "simdgroup", "simdgroups": 4,
+               "dv_tile": 32, "save": True}
+    if params_valid(default, problem) is not None:  # unreachable for Dv multiples of 32
+        default = space[0]
+    return space, default
+
+
+def adapt(variant: Variant, problem: Problem) -> Variant:
+    """``variant``'s params for ``problem``'s shape: dv_tile shrinks to the largest valid tile
+    when it does not divide Dv; anything else invalid is a ValueError."""
+    params = variant.as_dict()
+    missing = {"chunk_size", "policy", "mma", "simdgroups", "dv_tile", "save"} - set(params)
+    if variant.backend != BACKEND or missing:
+        raise ValueError(f"variant must be a metal variant with params chunk_size, policy, mma, "
+                         f"simdgroups, dv_tile, save; got {variant}")
+    if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
+        params["dv_tile"] = max(t for t in DV_TILES
+                                if t <= min(params["dv_tile"], problem.Dv) and problem.Dv % t == 0)
+    why = params_valid(params, problem)
+    if why:
+        raise ValueError(f"variant {variant} cannot run {problem.key()}: {why}")
+    return Variant(BACKEND, params)
+
+
+# ---------------------------------------------------------------------------- rendering
+
+def _context(variant: Variant, problem: Problem) -> dict:
+    p = variant.as_dict()
+    return {
+        "C": p["chunk_size"], "DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk,
+        "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
+        "DW": intra_tile(p["chunk_size"]), "policy": p["policy"], "mma": p["mma"],
+        "op_type": "bfloat" if problem.dtype == "bfloat16" else "half",
+    }
+
+
+# kernel -> (template, extra context)
+_KERNEL_TEMPLATES = {
+    "fwd_intra": ("metal/fwd_intra.metal.j2", {"save_inverse": False}),
+    "fwd_intra_tinv": ("metal/fwd_intra.metal.j2", {"save_inverse": True}),
+    "fwd_scan": ("metal/fwd_scan.metal.j2", {"save": False, "write_y": True}),
+    "fwd_scan_save": ("metal/fwd_scan.metal.j2", {"save": True, "write_y": True}),
+    "fwd_scan_states": ("metal/fwd_scan.metal.j2", {"save": True, "write_y": False}),
+    "bwd_scan": ("metal/bwd_scan.metal.j2", {}),
+    "bwd_tri": ("metal/bwd_tri.metal.j2", {}),
+    "bwd_qk": ("metal/bwd_qk.metal.j2", {}),
+}
+
+
+def _kernels_used(save: bool) -> tuple[str, ...]:
+    if save:
+        return ("fwd_intra_tinv", "fwd_scan_save", "bwd_scan", "bwd_tri", "bwd_qk")
+    return ("fwd_intra", "fwd_scan", "fwd_intra_tinv", "fwd_scan_states", "bwd_scan", "bwd_tri",
+            "bwd_qk")
+
+
+def render_plan(variant: Variant, problem: Problem) -> dict:
+    """`gdngen.render` hook: ``{"common.metal": ..., "<kernel>.metal": ...}`` for the kernels
+    this variant launches; each value is ``(template path, context)``."""
+    variant = adapt(variant, problem)
+    ctx = _context(variant, problem)
+    plan = {"common.metal": ("metal/common.metal.j2", ctx)}
+    for name in _kernels_used(variant["save"]):
+        template, extra = _KERNEL_TEMPLATES[name]
+        plan[f"{name}.metal"] = (template, dict(ctx, **extra))
+    return plan
+
+
+# ---------------------------------------------------------------------------- launch plan
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One ``mx.fast.metal_kernel``: its unique name, parameter names, body and header."""
+
+    name: str
+    input_names: tuple
+    output_names: tuple
+    source: str
+    header: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call. ``inputs`` / ``outputs`` name arrays of the plan's environment, in the
+    kernel's parameter order; ``template`` values are ints, bools or dtype names."""
+
+    kernel: str
+    inputs: tuple
+    outputs: tuple
+    output_shapes: tuple
+    output_dtypes: tuple
+    grid: tuple
+    threadgroup: tuple
+    template: tuple
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a forward + backward of one variant runs, for N chunks of batch B.
+
+    Environment names: inputs q, k, v, g, beta, s0, prm (and dy, dsf in the backward); the
+    forward returns ``y`` / ``final_state`` and hands ``saved`` to the backward.
+    """
+
+    variant: Variant
+    problem: Problem
+    N: int
+    B: int
+    kernels: dict
+    forward: tuple
+    backward: tuple
+    saved: tuple
+    threadgroup_bytes: dict
+
+
+_KERNEL_IO = {
+    "fwd_intra": (("k", "v", "g", "beta", "prm"), ("u", "wk")),
+    "fwd_intra_tinv": (("k", "v", "g", "beta", "prm"), ("u", "wk", "tinv")),
+    "fwd_scan": (("q", "k", "g", "s0", "u", "wk", "prm"), ("y_out", "final_state")),
+    "fwd_scan_save": (("q", "k", "g", "s0", "u", "wk", "prm"),
+                      ("y_out", "final_state", "states", "w_out")),
+    "fwd_scan_states": (("k", "g", "s0", "u", "wk", "prm"), ("final_state", "states", "w_out")),
+    "bwd_scan": (("q", "k", "g", "dy", "dsf", "wk", "prm"), ("dw", "dsout", "ds0")),
+    "bwd_tri": (("k", "v", "g", "beta", "dw", "states", "tinv", "prm"),
+                ("da", "dv", "dkt", "vec_out")),
+    "bwd_qk": (("q", "k", "g", "beta", "dy", "w", "states", "dsout", "da", "dkt", "vec_in",
+                "prm"), ("dq", "dk", "dbeta", "dd")),
+}
+# Kernel parameter -> environment name, where they differ.
+_ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
+
+
+def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
+    """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
+    from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder."""
+    return _launch_plan(adapt(variant, problem), problem, N, B,
+                        os.environ.get("GDNGEN_TEMPLATES"))
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) -> Plan:
+    from gdngen.render import render
+
+    rendered = render(variant, problem, templates_dir=templates)
+    p = variant.as_dict()
+    C, sg, dvt = p["chunk_size"], p["simdgroups"], p["dv_tile"]
+    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
+    nt = 32 * sg
+    in_t = problem.dtype
+    header = rendered.sources["common.metal"]
+    kernels = {}
+    for name in _kernels_used(p["save"]):
+        body = rendered.sources[f"{name}.metal"]
+        # Named by its own text: variants that share a kernel share its compiled pipeline.
+        tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
+        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", *_KERNEL_IO[name], body, header)
+    per_chunk = (N, B, Hv)
+    f32 = "float32"
+    shapes = {
+        "u": per_chunk + (C, Dv), "wk": per_chunk + (C, Dk), "tinv": per_chunk + (C, C),
+        "y_out": per_chunk + (C, Dv), "final_state": (B, Hv, Dv, Dk),
+        "states": per_chunk + (Dv, Dk), "w_out": per_chunk + (C, Dv),
+        "dw": per_chunk + (C, Dv), "dsout": per_chunk + (Dv, Dk), "ds0": (B, Hv, Dv, Dk),
+        "da": per_chunk + (C, C), "dv": per_chunk + (C, Dv), "dkt": per_chunk + (C, Dk),
+        "vec_out": per_chunk + (2, C), "dq": per_chunk + (C, Dk), "dk": per_chunk + (C, Dk),
+        "dbeta": per_chunk + (C,), "dd": per_chunk + (C + 1, C + 1),
+    }
+    chunk_grid = (nt, 1, N * B * Hv)
+    scan_grid = (nt, Dv // dvt, B * Hv)
+    grids = {"fwd_intra": chunk_grid, "fwd_intra_tinv": chunk_grid, "fwd_scan": scan_grid,
+             "fwd_scan_save": scan_grid, "fwd_scan_states": scan_grid, "bwd_scan": scan_grid,
+             "bwd_tri": chunk_grid, "bwd_qk": chunk_grid}
+
+    def launch(name):
+        ins, outs = _KERNEL_IO[name]
+        return Launch(
+            kernel=name, inputs=tuple(_ENV_NAME.get(n, n) for n in ins), outputs=outs,
+            output_shapes=tuple(shapes[o] for o in outs),
+            output_dtypes=tuple(in_t if o == "y_out" else f32 for o in outs),
+            grid=grids[name], threadgroup=(nt, 1, 1), template=(("InT", in_t),))
+
+    bwd = ("bwd_scan", "bwd_tri", "bwd_qk")
+    if p["save"]:
+        forward = (launch("fwd_intra_tinv"), launch("fwd_scan_save"))
+        backward = tuple(launch(n) for n in bwd)
+        saved = ("states", "w_out", "tinv", "wk")
+    else:
+        forward = (launch("fwd_intra"), launch("fwd_scan"))
+        backward = tuple(launch(n) for n in ("fwd_intra_tinv", "fwd_scan_states") + bwd)
+        saved = ()
+    tg = threadgroup_bytes(p, problem)
+    return Plan(variant, problem, N, B, kernels, forward, backward, saved,
+                {name: tg[name] for name in kernels})
+
+
+# ---------------------------------------------------------------------------- execution
+
+class MLXLauncher:
+    """Runs launches with ``mx.fast.metal_kernel`` on the Metal GPU."""
+
+    name = "metal"
+
+    @staticmethod
+    @functools.cache
+    def _kernel(spec: KernelSpec):
+        import mlx.core as mx
+
+        return mx.fast.metal_kernel(name=spec.name, input_names=list(spec.input_names),
+                                    output_names=list(spec.output_names), source=spec.source,
+                                    header=spec.header)
+
+    def __call__(self, plan: Plan, launch: Launch, arrays):
+        import mlx.core as mx
+
+        kernel = self._kernel(plan.kernels[launch.kernel])
+        template = [(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template]
+        return kernel(inputs=list(arrays), template=template, grid=launch.grid,
+                      threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
+                      output_dtypes=[getattr(mx, d) for d in launch.output_dtypes])
+
+
+class SimLauncher:
+    """Runs launches in `gdngen.metal_sim` (NumPy in and out of the simulated GPU)."""
+
+    name = "simulator"
+
+    def __init__(self, schedule: str = "forward", seed: int = 0):
+        self.schedule, self.seed = schedule, seed
+        self.threadgroup_bytes = {}  # kernel -> bytes the simulator measured
+
+    @staticmethod
+    @functools.cache
+    def _kernel(spec: KernelSpec):
+        from gdngen import metal_sim
+
+        return metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
+                                      spec.source, spec.header)
+
+    def prepare(self, plan: Plan, env: dict) -> None:
+        """Compile every kernel of ``plan`` before the first launch (see `compile_plan`);
+        ``env`` holds the forward's input arrays."""
+        compile_plan(plan, {n: (dtype_name(a), a.ndim, int(a.size)) for n, a in env.items()})
+
+    def __call__(self, plan: Plan, launch: Launch, arrays):
+        kernel = self._kernel(plan.kernels[launch.kernel])
+        outs = kernel(inputs=[to_numpy(a) for a in arrays], template=list(launch.template),
+                      grid=launch.grid, threadgroup=launch.threadgroup,
+                      output_shapes=list(launch.output_shapes),
+                      output_dtypes=list(launch.output_dtypes), schedule=self.schedule,
+                      seed=self.seed)
+        self.threadgroup_bytes[launch.kernel] = kernel.last_threadgroup_bytes
+        return [from_numpy(o) for o in outs]
+
+
+def plan_input_metas(plan: Plan) -> dict:
+    """``(dtype, ndim, size)`` of the forward's inputs in chunk layout, as MLX passes them."""
+    pb, C = plan.problem, plan.variant["chunk_size"]
+    steps = plan.N * plan.B * C  # time steps of all chunks and batch rows
+    f32 = "float32"
+    return {"q": (pb.dtype, 5, steps * pb.Hk * pb.Dk), "k": (pb.dtype, 5, steps * pb.Hk * pb.Dk),
+            "v": (pb.dtype, 6, steps * pb.Hv * pb.Dv), "g": (f32, 5, steps * pb.Hv),
+            "beta": (f32, 5, steps * pb.Hv), "s0": (f32, 5, plan.B * pb.Hv * pb.Dv * pb.Dk),
+            "prm": (f32, 1, 2)}
+
+
+def compile_plan(plan: Plan, metas: dict | None = None) -> list:
+    """Compile, in parallel, the simulator build of every kernel ``plan`` launches (the full
+    source MLX would compile, g++ against the MSL shim); returns the shared-object paths.
+
+    ``metas`` gives ``(dtype, ndim, size)`` of the forward's inputs (default: as MLX passes
+    them, `plan_input_metas`); every other buffer is declared by the plan.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gdngen import metal_sim
+    from gdngen.metal_sim import compiler, source
+    from gdngen.metal_sim.launch import default_workers
+
+    metas = dict(plan_input_metas(plan) if metas is None else metas)
+    texts = {}
+    for launch in plan.forward + plan.backward:
+        spec = plan.kernels[launch.kernel]
+        kernel = metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
+                                        spec.source, spec.header)
+        text = kernel.kernel_text([metas[n] for n in launch.inputs], launch.output_dtypes,
+                                  launch.template, metas_given=True)
+        texts[source.simulator_source(text)] = f"kernel {text.kernel_name}"
+        for name, shape, dt in zip(launch.outputs, launch.output_shapes, launch.output_dtypes):
+            metas[name] = (dt, len(shape), math.prod(shape))
+        if "y_out" in metas:  # the backward's cotangents are shaped like the outputs
+            metas.setdefault("dy", metas["y_out"])
+            metas.setdefault("dsf", metas["final_state"])
+    with ThreadPoolExecutor(max_workers=default_workers()) as pool:
+        return list(pool.map(lambda item: compiler.kernel_library(*item), texts.items()))
+
+
+def lower_check(variant: Variant, problem: Problem) -> None:
+    """`gdngen.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
+    g++ against the simulator's MSL shim; no Metal device needed). Raises on failure."""
+    compile_plan(launch_plan(variant, problem, 2, 1))
+
+
+def tolerance(variant: Variant, dtype: str) -> float:
+    """`gdngen.build` hook: the battery tolerance of ``variant`` at input ``dtype`` (its
+    policy's `POLICY_TOLERANCES` entry or the dtype's own, whichever is looser)."""
+    from gdngen.validate import tolerance as dtype_tolerance
+
+    return max(POLICY_TOLERANCES[variant["policy"]], dtype_tolerance(dtype))
+
+
+def to_numpy(x):
+    """mx array -> NumPy (bfloat16 through ml_dtypes, bit for bit)."""
+    import mlx.core as mx
+    import numpy as np
+
+    if x.dtype == mx.bfloat16:
+        import ml_dtypes
+
+        return np.array(x.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.array(x)
+
+
+def from_numpy(x):
+    """NumPy -> mx array (bfloat16 bit for bit)."""
+    import mlx.core as mx
+
+    if x.dtype.name == "bfloat16":
+        return mx.array(x.view("uint16")).view(mx.bfloat16)
+    return mx.array(x)
+
+
+@functools.cache
+def default_launcher():
+    """MLX on a Metal GPU, the simulator otherwise (one shared instance)."""
+    import mlx.core as mx
+
+    return MLXLauncher() if mx.metal.is_available() else SimLauncher()
+
+
+def _run(plan: Plan, launches, env: dict, launcher) -> dict:
+    for launch in launches:
+        outs = launcher(plan, launch, [env[n] for n in launch.inputs])
+        env.update(zip(launch.outputs, outs))
+    return env
+
+
+@functools.lru_cache(maxsize=128)
+def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher):
+    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
+    passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP."""
+    import mlx.core as mx
+
+    from gdngen import chunkwise
+    from gdngen.backends.mlx import XP
+
+    prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
+
+    def plan_for(v):
+        N, B = int(v.shape[0]), int(v.shape[1])
+        return launch_plan(variant, problem, N, B)
+
+    # Chunk layout (gdngen.chunkwise.to_chunks): v [N, B, Hk, r, C, Dv], gates / beta
+    # [N, B, Hk, r, C]; q and k hold N, B, Hk, C, Dk in that order (with or without a unit r
+    # axis): the kernels only need their memory order.
+    @mx.custom_function
+    def core(q, k, v, gates, beta, s0):
+        plan = plan_for(v)
+        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta, "s0": s0, "prm": prm}
+        if hasattr(launcher, "prepare"):
+            launcher.prepare(plan, env)
+        env = _run(plan, plan.forward, env, launcher)
+        Y = env["y_out"].reshape(v.shape)
+        S = env["final_state"].reshape(s0.shape)
+        return (Y, S) + tuple(env[n] for n in plan.saved)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, s0 = primals
+        plan = plan_for(v)
+        N, B, Hk, r, C, Dv = v.shape
+        Dk = q.shape[-1]
+        Hv = Hk * r
+        dY = cotangents[0]
+        dY = mx.zeros(outputs[0].shape, q.dtype) if dY is None else dY.astype(q.dtype)
+        dS = cotangents[1]
+        dS = mx.zeros(s0.shape, mx.float32) if dS is None else dS.astype(mx.float32)
+        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta, "s0": s0, "prm": prm,
+               "dy": dY.reshape(N, B, Hv, C, Dv), "dsf": dS.reshape(B, Hv, Dv, Dk)}
+        env.update(zip(plan.saved, outputs[2:]))
+        env = _run(plan, plan.backward, env, launcher)
+        dq = env["dq"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(q.shape)
+        dk = env["dk"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(k.shape)
+        dv = env["dv"].reshape(v.shape)
+        dbeta = env["dbeta"].reshape(beta.shape)
+        dD = env["dd"].reshape(gates.shape[:-1] + (C + 1, C + 1))
+        if gate == "log":
+            D = chunkwise.decay_factors(XP, gates)
+            dgates = chunkwise.decay_factors_log_vjp(XP, gates, D, dD)
+        else:
+            D = chunkwise.decay_factors(XP, XP.log(gates))
+            dgates = chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+        ds0 = env["ds0"].reshape(s0.shape)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, dbeta, ds0)
+
+    return core
+
+
+def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+                variant=None, launcher=None):
+    """Run a Metal ``variant`` (differentiable, through ``mx.custom_function``).
+
+    Shapes and semantics as `gdngen.mlx.gated_delta` (scalar gates only); y has q's dtype, the
+    final state is float32. k and v are cast to q's dtype, gates / beta / state to float32.
+    ``launcher``: `MLXLauncher` (default on a Metal GPU) or `SimLauncher` (default elsewhere).
+    """
+    import mlx.core as mx
+
+    from gdngen import chunkwise
+    from gdngen.backends.mlx import XP
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
+    if shape.vector_gate:
+        raise ValueError(f"g has shape {tuple(g.shape)}: the metal backend implements scalar "
+                         f"gates [B,T,Hv] only (use the mlx backend for vector gates)")
+    if variant is None or variant.backend != BACKEND:
+        raise ValueError(f"variant must be a metal Variant, got {variant!r}")
+    dt = dtype_name(q)
+    problem = Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dt, "scalar")
+    variant = adapt(variant, problem)
+    launcher = default_launcher() if launcher is None else launcher
+    core = _core(variant, problem, gate, float(scale), launcher)
+
+    def core_outputs(*arrays):
+        outs = core(*arrays)
+        return outs[0], outs[1]
+
+    f32 = mx.float32
+    if initial_state is None:
+        initial_state = mx.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    # The scale is applied inside the kernels (in float32), so the layout glue runs with 1.
+    y, state = chunkwise.gated_delta(
+        XP, core_outputs, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32),
+        beta.astype(f32), initial_state.astype(f32), mask, scale=1.0, gate=gate,
+        chunk_size=variant["chunk_size"])
+    return y.astype(q.dtype), state
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def problem_of_inputs(inputs: dict, dtype: str) -> Problem:
+    """The `Problem` of battery-style inputs (q [B,T,Hk,Dk], v [B,T,Hv,Dv])."""
+    _, _, Hk, Dk = inputs["q"].shape
+    Hv, Dv = inputs["v"].shape[2], inputs["v"].shape[3]
+    return Problem(int(Hk), int(Hv), int(Dk), int(Dv), dtype, "scalar")
+
+
+def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, schedule="forward",
+             seed=0):
+    """Forward + VJP of ``variant`` in `gdngen.metal_sim`, through the shipped MLX path.
+
+    ``inputs``: NumPy q, k, v, g, beta and optionally initial_state, mask (shapes as the API);
+    ``cotangents``: ``{"y": dy, "final_state": dS}``. ``scale`` defaults to Dk ** -0.5.
+    Returns ``(outputs, grads)``: ``{"y", "final_state"}`` and ``{"q", "k", "v", "g", "beta",
+    "initial_state"}``, float32 NumPy arrays.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    got = problem_of_inputs(inputs, problem.dtype)
+    if (got.Hk, got.Hv, got.Dk, got.Dv) != (problem.Hk, problem.Hv, problem.Dk, problem.Dv):
+        raise ValueError(f"inputs have shape class {got.key()}, expected {problem.key()}")
+    mdt = getattr(mx, problem.dtype)
+    scale = float(problem.Dk) ** -0.5 if scale is None else float(scale)
+    names = ("q", "k", "v", "g", "beta")
+    args = [mx.array(np.asarray(inputs[n], np.float32)).astype(mdt if n in names[:3] else
+                                                               mx.float32) for n in names]
+    B = args[0].shape[0]
+    s0 = inputs.get("initial_state")
+    s0 = (mx.zeros((B, problem.Hv, problem.Dv, problem.Dk)) if s0 is None
+          else mx.array(np.asarray(s0, np.float32)))
+    mask = inputs.get("mask")
+    mask = None if mask is None else mx.array(np.asarray(mask, bool))
+    launcher = SimLauncher(schedule=schedule, seed=seed)
+
+    def f(q, k, v, g, beta, s0):
+        return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
+                           variant=variant, launcher=launcher)
+
+    cot = [mx.array(np.asarray(cotangents["y"], np.float32)).astype(mdt),
+           mx.array(np.asarray(cotangents["final_state"], np.float32))]
+    (y, S), grads = mx.vjp(f, args + [s0], cot)
+    out = {"y": y, "final_state": S}
+    named = dict(zip(names + ("initial_state",), grads))
+    as_np = {n: np.array(x.astype(mx.float32)) for n, x in {**out, **named}.items()}
+    return ({n: as_np[n] for n in out}, {n: as_np[n] for n in named})
+
+
+def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
+    """Battery runner (docs/CONTRACT.md): forward + VJP through `gdngen.mlx.gated_delta` with
+    a Metal variant, on the GPU when MLX has Metal and in `gdngen.metal_sim` otherwise.
+
+    ``variant`` is adapted to the case's shape (`adapt`); without one the default variant with
+    ``chunk_size`` runs.
+    """
+    from gdngen.backends import mlx as mlx_backend
+    from gdngen.variant import default_variant
+
+    problem = problem_of_inputs(inputs, dtype)
+    if variant is None:
+        base = default_variant(BACKEND, problem)
+        variant = Variant(BACKEND, dict(base.as_dict(), chunk_size=chunk_size))
+    variant = adapt(variant, problem)
+    return mlx_backend.runner(inputs, gate=gate, dtype=dtype, chunk_size=chunk_size, scale=scale,
+                              variant=variant)

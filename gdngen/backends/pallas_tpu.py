@@ -1,0 +1,592 @@
+"""Pallas TPU backend: generated Mosaic kernels for the chunkwise gated delta rule (scalar gates).
+
+The kernels are rendered from ``templates/pallas_tpu/`` (forward and backward module, every
+variant parameter baked in as a constant) and wired into ``jax.custom_vjp``. On a TPU they
+compile with Mosaic; elsewhere they run in TPU interpret mode (``pltpu.InterpretParams``:
+simulated VMEM, uninitialised buffers filled with NaN, dynamic race detection), with a warning
+once per process.
+
+Variant parameters (`variant_space`):
+
+* ``chunk_size`` 32 | 64 | 128: steps per chunk.
+* ``head_tile``: value heads per program, sharing their key head's K K^T and Q K^T (a divisor of
+  the group Hv/Hk; on a problem with another group the largest divisor not above it is used).
+* ``dv_tile``: value columns per grid step (128-multiples dividing Dv; any other value, e.g. Dv
+  itself, means the whole Dv).
+* ``precision``: matmul policy, see `PRECISIONS` and `POLICY_TOLERANCES`. The decay segment sums
+  and the exact unit-lower-triangular inverse always run at float32 (Precision.HIGHEST).
+* ``save_states``: the forward saves each chunk's entering state and T = (I + A)^-1 for the
+  backward, or the backward recomputes them (one more state walk and the inverse).
+
+Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
+rendered or run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import linecache
+import math
+import types
+import warnings
+
+from gdngen import chunkwise
+from gdngen.devices import MiB, get_device
+from gdngen.problem import check_call, dtype_name
+from gdngen.variant import Problem, Variant
+
+BACKEND = "pallas_tpu"
+CHUNK_SIZES = (32, 64, 128)
+#: matmul precision policies: ieee = float32 operands at Precision.HIGHEST; tf32 = three bfloat16
+#: passes (hi*hi + hi*lo + lo*hi; Precision.HIGH where the installed jax lowers it for Mosaic);
+#: bf16 = one bfloat16 pass. Accumulation is float32 in all three.
+PRECISIONS = ("ieee", "tf32", "bf16")
+#: Relative L2 error each policy is validated at (the battery's own tolerance for the input
+#: dtype applies when it is larger). Measured on the battery in TPU interpret mode (worst over
+#: every case, quantity and variant): see docs/CONTRACT.md / the build manifest.
+POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 2e-4, "bf16": 2e-2}
+INPUT_DTYPES = ("float32", "bfloat16")
+#: generation whose VMEM budget `variant_space` plans against.
+DEFAULT_DEVICE = "tpu-v5e"
+#: log gates are clamped to this finite floor inside the kernels (exp gives exactly 0 either
+#: way, and a 0/1 matmul never meets 0 * -inf); the gate cotangent uses the true gates.
+LOG_GATE_FLOOR = -1e30
+
+_PARAMS = ("chunk_size", "dv_tile", "head_tile", "precision", "save_states")
+
+
+# ----------------------------------------------------------------------------- variant space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _dv_tiles(dv: int) -> list[int]:
+    """Dv tiles legal for Mosaic blocks: the whole Dv, or a 128-multiple dividing it."""
+    return [t for t in range(128, dv, 128) if dv % t == 0] + [dv]
+
+
+def _check_problem(problem: Problem) -> None:
+    if problem.gate != "scalar":
+        raise ValueError(f"Problem.gate must be 'scalar' for the {BACKEND} backend (vector gates "
+                         f"run on xla), got {problem.gate!r}")
+    if problem.dtype not in INPUT_DTYPES:
+        raise ValueError(f"Problem.dtype must be one of {INPUT_DTYPES} for the {BACKEND} "
+                         f"backend, got {problem.dtype!r}")
+
+
+def kernel_params(variant: Variant, problem: Problem) -> dict:
+    """The variant's parameters resolved for ``problem``: ``chunk``, ``head_tile`` (a divisor of
+    the group), ``dv_tile`` (dividing Dv), ``precision``, ``save_states``.
+
+    ValueError for a variant of another backend, unknown or missing parameters, bad values.
+    """
+    if variant.backend != BACKEND:
+        raise ValueError(f"variant backend must be {BACKEND!r}, got {variant.backend!r}")
+    params = variant.as_dict()
+    if sorted(params) != sorted(_PARAMS):
+        raise ValueError(f"{BACKEND} variant params must be {_PARAMS}, got {sorted(params)}")
+    _check_problem(problem)
+    chunk, head_tile, dv_tile = params["chunk_size"], params["head_tile"], params["dv_tile"]
+    if chunk not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk!r}")
+    for name, value in (("head_tile", head_tile), ("dv_tile", dv_tile)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if params["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {params['precision']!r}")
+    if type(params["save_states"]) is not bool:
+        raise ValueError(f"save_states must be a bool, got {params['save_states']!r}")
+    return {
+        "chunk": chunk,
+        "head_tile": max(d for d in _divisors(problem.group) if d <= head_tile),
+        "dv_tile": dv_tile if dv_tile in _dv_tiles(problem.Dv) else problem.Dv,
+        "precision": params["precision"],
+        "save_states": params["save_states"],
+    }
+
+
+def _padded_bytes(shape, itemsize: int = 4) -> int:
+    """VMEM footprint of a block: the last two dims padded to the (8 or 16, 128) tile."""
+    *lead, rows, cols = shape
+    sublanes = 8 * (4 // itemsize)
+    return (math.prod(lead) * (-(-rows // sublanes) * sublanes) * (-(-cols // 128) * 128)
+            * itemsize)
+
+
+def vmem_bytes(variant: Variant, problem: Problem) -> int:
+    """Static VMEM estimate of the variant's largest kernel (forward or backward), in bytes:
+    double-buffered blocks, scratch, and a working set of live chunk-sized temporaries."""
+    p = kernel_params(variant, problem)
+    C, ht, tv = p["chunk"], p["head_tile"], p["dv_tile"]
+    Dk, Dv = problem.Dk, problem.Dv
+    isz = 2 if problem.dtype == "bfloat16" else 4
+    tiled = tv < Dv
+
+    def b(shape, itemsize=4):
+        return _padded_bytes(shape, itemsize)
+
+    cc, ck, c1 = b((ht, C, C)), b((ht, C, Dk)), b((ht, C, 1))
+    key, state, tile_state = b((C, Dk), isz), b((ht, Dv, Dk)), b((ht, tv, Dk))
+    values = b((ht, C, tv), isz)
+    gates = 2 * c1 + b((ht, 1, C))  # g_col, beta, g_row
+    forward_blocks = 2 * key + values + gates + state + values + state
+    if p["save_states"]:
+        forward_blocks += tile_state + cc
+    forward_scratch = state + (3 * cc + 2 * ck + c1 + b((ht, 1, 1)) if tiled else 0)
+    temps = 8 * b((C, C)) + 4 * b((C, Dk)) + 3 * b((C, tv)) + 2 * b((tv, Dk))
+    forward = 2 * forward_blocks + forward_scratch + temps
+    backward_blocks = (2 * key + values + gates + tile_state + (cc if p["save_states"] else 0)
+                       + values + state  # inputs: ..., s_in, [tinv], dy, dsf
+                       + 2 * b((C, Dk)) + values + 4 * c1 + cc + b((ht, 1, 1)) + state)
+    backward_scratch = state + ((5 * cc + 4 * ck + 4 * c1 + 2 * b((ht, 1, 1)) + 2 * b((C, C))
+                                 + 2 * ck + c1) if tiled else 0)
+    backward = 2 * backward_blocks + backward_scratch + temps + 4 * b((C, C)) + 2 * b((C, Dk))
+    return max(forward, backward)
+
+
+def _vmem_limit(estimate: int) -> int:
+    """Scoped-VMEM limit passed to Mosaic: the estimate plus 25%, at least 16 MiB."""
+    return max(16 * MiB, -(-int(estimate * 1.25) // MiB) * MiB)
+
+
+def _space(problem: Problem, budget: int):
+    _check_problem(problem)
+    space = []
+    for chunk, precision, head_tile, dv_tile, save in itertools.product(
+            CHUNK_SIZES, PRECISIONS, _divisors(problem.group), _dv_tiles(problem.Dv),
+            (True, False)):
+        params = {"chunk_size": chunk, "precision": precision, "head_tile": head_tile,
+                  "dv_tile": dv_tile, "save_states": save}
+        if vmem_bytes(Variant(BACKEND, params), problem) <= budget:
+            space.append(params)
+    default = {"chunk_size": 64, "precision": "ieee", "head_tile": problem.group,
+               "dv_tile": problem.Dv, "save_states": True}
+    return space, default
+
+
+def variants_for_device(device_name: str, problem: Problem) -> list[Variant]:
+    """Every variant whose `vmem_bytes` fits ``device_name``'s ``vmem_budget`` (gdngen.devices)."""
+    device = get_device(device_name)
+    if "vmem_budget" not in device.limits:
+        raise ValueError(f"device_name must be a TPU generation with a VMEM budget, got "
+                         f"{device_name!r}")
+    return [Variant(BACKEND, p) for p in _space(problem, device.limits["vmem_budget"])[0]]
+
+
+def variant_space(problem: Problem):
+    """``(params list, default params)`` for ``problem``, planned against `DEFAULT_DEVICE`."""
+    return _space(problem, get_device(DEFAULT_DEVICE).limits["vmem_budget"])
+
+
+def tolerance(variant: Variant, dtype: str) -> float:
+    """Relative L2 error the variant is validated at: its precision policy's tolerance, or the
+    battery's tolerance for ``dtype`` when that is larger."""
+    from gdngen.validate import tolerance as dtype_tolerance
+
+    return max(dtype_tolerance(dtype), POLICY_TOLERANCES[variant["precision"]])
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+@functools.cache
+def mosaic_lowers_precision_high() -> bool:
+    """Whether the installed jax lowers ``Precision.HIGH`` matmuls for Mosaic (probed by
+    lowering a tiny kernel for the TPU platform; no TPU needed)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], x_ref[...], precision=jax.lax.Precision.HIGH,
+                             preferred_element_type=jnp.float32)
+
+    def f(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32))(x)
+
+    try:
+        jax.jit(f).trace(jnp.zeros((128, 128), jnp.float32)).lower(lowering_platforms=("tpu",))
+    except Exception:  # noqa: BLE001 - NotImplementedError from the lowering rule, or no Mosaic
+        return False
+    return True
+
+
+def render_plan(variant: Variant, problem: Problem) -> dict:
+    """``{"forward.py": (template, context), "backward.py": (template, context)}``.
+
+    The context holds the parameters resolved for ``problem`` (`kernel_params`), not the raw
+    variant, so variants that resolve alike on a shape render the same sources (one compile).
+    """
+    p = kernel_params(variant, problem)
+    context = {
+        "problem_key": problem.key(),
+        "chunk": p["chunk"],
+        "dk": problem.Dk,
+        "dv": problem.Dv,
+        "dv_tile": p["dv_tile"],
+        "n_dv": problem.Dv // p["dv_tile"],
+        "hk": problem.Hk,
+        "hv": problem.Hv,
+        "group": problem.group,
+        "head_tile": p["head_tile"],
+        "n_head_tiles": problem.group // p["head_tile"],
+        "dtype": problem.dtype,
+        "precision": p["precision"],
+        "tf32_native": p["precision"] == "tf32" and mosaic_lowers_precision_high(),
+        "save_states": p["save_states"],
+        "vmem_limit_bytes": _vmem_limit(vmem_bytes(variant, problem)),
+    }
+    return {"forward.py": ("pallas_tpu/forward.py.j2", context),
+            "backward.py": ("pallas_tpu/backward.py.j2", context)}
+
+
+# ----------------------------------------------------------------------------- loading
+
+_LOADED: dict = {}
+#: XLA options for the interpret-mode executables on the host (compile time dominates there).
+_INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+_INTERPRET_OVERRIDE: list = []
+
+
+@functools.cache
+def _default_interpret_mode():
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+
+    if jax.default_backend() == "tpu":
+        return False
+    warnings.warn(f"gdngen {BACKEND}: no TPU attached; the generated kernels run in TPU "
+                  "interpret mode (slow; for validation)", RuntimeWarning, stacklevel=5)
+    return pltpu.InterpretParams(detect_races=True)
+
+
+def interpret_mode():
+    """False on a TPU (a real Mosaic compile); else the TPU interpret-mode parameters (race
+    detection on, uninitialised memory NaN, one simulated core), with a warning once per
+    process; inside `interpreting` the parameters given there."""
+    return _INTERPRET_OVERRIDE[-1] if _INTERPRET_OVERRIDE else _default_interpret_mode()
+
+
+@contextlib.contextmanager
+def interpreting(params):
+    """Run the kernels with these ``pltpu.InterpretParams`` inside the block (e.g.
+    ``num_cores_or_threads=2``: the parallel grid axes split over two simulated TensorCores,
+    as on megacore chips), whatever device is attached."""
+    _INTERPRET_OVERRIDE.append(params)
+    try:
+        yield params
+    finally:
+        _INTERPRET_OVERRIDE.pop()
+
+
+def clear_cache() -> None:
+    """Drop every loaded variant and jax's compiled executables (a build calls this between
+    variants; interpret-mode executables are large)."""
+    import jax
+
+    _LOADED.clear()
+    _core.cache_clear()
+    jax.clear_caches()
+
+
+def _exec_module(name: str, source: str, sha: str):
+    """A fresh module object holding ``source`` (registered in linecache for tracebacks)."""
+    filename = f"<gdngen {BACKEND} {sha[:16]} {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(f"gdngen_{BACKEND}_{sha[:16]}_{name.removesuffix('.py')}")
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own rendering
+    return module
+
+
+def _jit_pair(fn, static, interpret):
+    """``(top-level jit, nested jit)`` of ``fn``: the first with `_INTERPRET_COMPILER_OPTIONS`
+    in interpret mode (jax accepts compiler options on top-level jits only)."""
+    import jax
+
+    options = _INTERPRET_COMPILER_OPTIONS if interpret else None
+    return (jax.jit(fn, static_argnames=static, compiler_options=options),
+            jax.jit(fn, static_argnames=static))
+
+
+def _call(fns, *args, **kwargs):
+    """Call the right one of a `_jit_pair` for ``args`` (traced: nested)."""
+    import jax
+
+    return fns[any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))](*args,
+                                                                                   **kwargs)
+
+
+def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
+    """Render ``variant`` for ``problem`` and load it (cached by the sources' sha256 and the
+    interpret-mode parameters).
+
+    Returns a namespace: ``forward``/``backward`` (the generated modules), ``run_forward``,
+    ``run_backward`` and, for variants that recompute, ``run_chunk_states`` (their functions
+    jitted with ``scale``/``interpret`` static: a pair, top-level and nested), ``sha256``,
+    ``variant``, ``problem``, ``params`` (`kernel_params`), ``interpret`` (what they run with).
+    """
+    from gdngen.render import render
+
+    rendered = render(variant, problem, templates_dir=templates_dir)
+    key = (rendered.sha256, interpret_mode())
+    if key not in _LOADED:
+        modules = {name: _exec_module(name, source, rendered.sha256)
+                   for name, source in rendered.sources.items()}
+        interpret = interpret_mode()
+        fwd, bwd = modules["forward.py"], modules["backward.py"]
+
+        kernels = types.SimpleNamespace(
+            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
+            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
+            run_forward=_jit_pair(fwd.forward, ("scale", "interpret"), interpret),
+            run_backward=_jit_pair(bwd.backward, ("scale", "interpret"), interpret))
+        if hasattr(fwd, "chunk_states"):
+            kernels.run_chunk_states = _jit_pair(fwd.chunk_states, ("interpret",), interpret)
+        _LOADED[key] = kernels
+    return _LOADED[key]
+
+
+def _check_races(outputs, what: str, interpret) -> None:
+    """Raise if TPU interpret mode's race detector flagged the kernel that produced
+    ``outputs`` (only when they are concrete: under an outer jit the check is skipped)."""
+    import jax
+
+    if not getattr(interpret, "detect_races", False):
+        return
+    leaves = jax.tree.leaves(outputs)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return
+    jax.block_until_ready(leaves)
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+
+    races = getattr(tpu_interpret, "races", None)
+    if races is not None and races.races_found:
+        raise RuntimeError(f"TPU interpret mode detected a data race in the {what} kernel")
+
+
+def _run_kernel(fns, *args, what: str, interpret, **kwargs):
+    """Run a kernel function (``fns``: its top-level and nested jit, see `load_kernels`); in
+    interpret mode, check it for races, and reset the interpreter's shared state if it raised
+    (jax requires that before the next kernel)."""
+    try:
+        outputs = _call(fns, *args, interpret=interpret, **kwargs)
+        _check_races(outputs, what, interpret)
+    except Exception:
+        if interpret:
+            from jax.experimental.pallas import tpu as pltpu
+
+            pltpu.reset_tpu_interpret_mode_state()
+        raise
+    return outputs
+
+
+def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2) -> dict:
+    """Lower the variant's kernels (forward, backward and, if it recomputes, the chunk-state
+    walk) through Mosaic for the TPU platform, which needs no TPU; returns
+    ``{kernel name: StableHLO text}``. Raises what the Mosaic lowering raises (unsupported
+    ops, illegal block shapes, ...). The TPU compiler's own passes run only on a TPU."""
+    import jax
+    import jax.numpy as jnp
+
+    kernels = load_kernels(variant, problem)
+    C, Dk, Dv, Hk, Hv = kernels.params["chunk"], problem.Dk, problem.Dv, problem.Hk, problem.Hv
+    spec = jax.ShapeDtypeStruct
+    f32, dtype = jnp.float32, jnp.dtype(problem.dtype)
+    B, N = batch, chunks
+    key, values = spec((B, Hk, N, C, Dk), dtype), spec((B, Hv, N, C, Dv), dtype)
+    g_col, g_row = spec((B, Hv, N, C, 1), f32), spec((B, Hv, N, 1, C), f32)
+    state, states = spec((B, Hv, Dv, Dk), f32), spec((B, Hv, N, Dv, Dk), f32)
+    tinv = (spec((B, Hv, N, C, C), f32),) if kernels.params["save_states"] else ()
+
+    def lower(fn, *args, **static):
+        return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
+                .lower(lowering_platforms=("tpu",)).as_text())
+
+    static = {"scale": Dk ** -0.5, "interpret": False}
+    lowered = {
+        "forward": lower(kernels.forward.forward, key, key, values, g_col, g_row, g_col, state,
+                         **static),
+        "backward": lower(kernels.backward.backward, key, key, values, g_col, g_row, g_col,
+                          states, *tinv, values, state, **static),
+    }
+    if not kernels.params["save_states"]:
+        lowered["chunk_states"] = lower(kernels.forward.chunk_states, key, values, g_col, g_row,
+                                        g_col, state, interpret=False)
+    for name, text in lowered.items():
+        if "tpu_custom_call" not in text:
+            raise RuntimeError(f"the {name} kernel did not lower to a Mosaic custom call")
+    return lowered
+
+
+# ----------------------------------------------------------------------------- custom VJP core
+
+
+def _to_kernel_layout(q, k, v, gates, beta, S0, gate):
+    """Chunk layout of `gdngen.chunkwise` (q, k [N, B, Hk, C, Dk]; v [N, B, Hk, r, C, Dv];
+    gates, beta [N, B, Hk, r, C]; S0 [B, Hk, r, Dv, Dk]) -> the kernels' layout (see the
+    forward template), as a dict."""
+    import jax.numpy as jnp
+
+    B, Hk, r = v.shape[1:4]
+
+    def keys(x):  # [N, B, Hk, C, Dk] (or with a unit value-head axis) -> [B, Hk, N, C, Dk]
+        return jnp.moveaxis(x.reshape(x.shape[:3] + x.shape[-2:]), 0, 2)
+
+    log_gates = gates if gate == "log" else jnp.log(gates)
+    b = _to_heads(jnp.maximum(log_gates, LOG_GATE_FLOOR))
+    return {"q": keys(q), "k": keys(k), "v": _to_heads(v), "g_col": b[..., None],
+            "g_row": b[..., None, :], "beta": _to_heads(beta)[..., None],
+            "s0": S0.reshape((B, Hk * r) + S0.shape[-2:])}
+
+
+def _to_heads(x):
+    """Chunk layout [N, B, Hk, r, C, ...] -> [B, Hv, N, C, ...]."""
+    import jax.numpy as jnp
+
+    x = jnp.moveaxis(x, 0, 3)
+    return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
+def _from_heads(x, Hk):
+    """[B, Hv, N, C, ...] -> chunk layout [N, B, Hk, r, C, ...]."""
+    import jax.numpy as jnp
+
+    B, Hv = x.shape[:2]
+    return jnp.moveaxis(x.reshape((B, Hk, Hv // Hk) + x.shape[2:]), 3, 0)
+
+
+def _gate_cotangent(gates, gate, dd11, dd0, ddc, ddcc):
+    """d(gates) from the kernels' decay-factor cotangents, by the straddle-sum rule of
+    `gdngen.chunkwise` (``decay_factors_log_vjp`` / ``decay_factors_linear_vjp``: exact at
+    g = 0). Inputs [B, Hv, N, ...]; gates in their own convention."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.xla import XP
+
+    rows = jnp.concatenate([dd0, dd11], axis=-1)  # positions 1..C of dD, columns 0..C
+    last = rows[..., -1, :] + jnp.concatenate([ddcc[..., 0, :], ddc[..., 0]], axis=-1)
+    dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, rows.shape[-1]), rows.dtype),
+                          rows[..., :-1, :], last[..., None, :]], axis=-2)
+    if gate == "log":
+        return chunkwise.decay_factors_log_vjp(XP, gates, chunkwise.decay_factors(XP, gates), dD)
+    D = chunkwise.decay_factors(XP, jnp.log(gates))
+    return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+
+
+def _cotangents(primals, grads, gate):
+    """The kernels' gradients -> cotangents of the core's primals (chunk layout, their dtypes)."""
+    import jax.numpy as jnp
+
+    q, k, v, gates, _, S0 = primals
+    dq, dk, dv, dbeta, dd11, dd0, ddc, ddcc, ds0 = grads
+    B, Hk = v.shape[1:3]
+
+    def key_grad(x, like):  # [B, Hk * tiles, N, C, Dk] partials -> chunk layout
+        x = x.reshape((B, Hk, -1) + x.shape[2:]).sum(axis=2)
+        return jnp.moveaxis(x, 2, 0).reshape(like.shape).astype(like.dtype)
+
+    dgates = _gate_cotangent(_to_heads(gates), gate, dd11, dd0, ddc, ddcc)
+    return (key_grad(dq, q), key_grad(dk, k), _from_heads(dv, Hk).astype(v.dtype),
+            _from_heads(dgates, Hk), _from_heads(dbeta[..., 0], Hk), ds0.reshape(S0.shape))
+
+
+@functools.cache
+def _core(key: tuple, gate: str, scale: float):
+    """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key`` (sha256,
+    interpret parameters), with the
+    generated backward as its ``jax.custom_vjp``. Layout changes and the gate epilogue are
+    jitted on their own; each kernel is its own executable (shared by both gate kinds)."""
+    import jax
+    import jax.numpy as jnp
+
+    kernels = _LOADED[key]
+    interpret = kernels.interpret
+    prepare = _jit_pair(functools.partial(_to_kernel_layout, gate=gate), (), interpret)
+    finish = _jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_final, v, S0):
+        return _from_heads(y, v.shape[2]), s_final.reshape(S0.shape)
+
+    def backward_inputs(dY, dS_final, v, s0):
+        return _to_heads(dY).astype(v.dtype), dS_final.reshape(s0.shape).astype(jnp.float32)
+
+    forward_outputs = _jit_pair(forward_outputs, (), interpret)
+    backward_inputs = _jit_pair(backward_inputs, (), interpret)
+
+    def forward(primals):
+        lay = _call(prepare, *primals)
+        outs = _run_kernel(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"],
+                           lay["g_row"], lay["beta"], lay["s0"], scale=scale, what="forward",
+                           interpret=interpret)
+        return (_call(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
+                (lay, tuple(outs[2:])))
+
+    @jax.custom_vjp
+    def core(q, k, v, gates, beta, S0):
+        return forward((q, k, v, gates, beta, S0))[0]
+
+    def core_fwd(q, k, v, gates, beta, S0):
+        primals = (q, k, v, gates, beta, S0)
+        out, (lay, saved) = forward(primals)
+        return out, (primals, lay, saved)
+
+    def core_bwd(res, cotangents):
+        primals, lay, saved = res
+        if kernels.params["save_states"]:
+            s_in, tinv = saved
+            extra = (tinv,)
+        else:
+            s_in = _run_kernel(kernels.run_chunk_states, lay["k"], lay["v"], lay["g_col"],
+                               lay["g_row"], lay["beta"], lay["s0"], what="chunk-state",
+                               interpret=interpret)
+            extra = ()
+        dy, dsf = _call(backward_inputs, *cotangents, lay["v"], lay["s0"])
+        grads = _run_kernel(kernels.run_backward, lay["q"], lay["k"], lay["v"], lay["g_col"],
+                            lay["g_row"], lay["beta"], s_in, *extra, dy, dsf, scale=scale,
+                            what="backward", interpret=interpret)
+        return _call(finish, primals, grads)
+
+    core.defvjp(core_fwd, core_bwd)
+    return core
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+                variant, templates_dir=None):
+    """Gated delta rule with the generated Pallas TPU kernels of ``variant``; returns
+    ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar gates only; q, k, v
+    float32 or bfloat16). Differentiable (custom VJP) and jit-able."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.xla import XP
+    from gdngen.dispatch import problem_of
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
+                       scale=scale)
+    if shape.vector_gate:
+        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
+                         f"{shape.Hv}): the {BACKEND} backend implements scalar gates only")
+    dtype = dtype_name(q)
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"q has dtype {dtype}, expected one of {INPUT_DTYPES} for the "
+                         f"{BACKEND} backend")
+    interpret_mode()  # decided (and warned about) at the caller's frame
+    kernels = load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
+    f32 = jnp.float32
+    if initial_state is None:
+        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    core = _core((kernels.sha256, kernels.interpret), gate, float(scale))
+    y, state = chunkwise.gated_delta(
+        XP, core, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
+        initial_state.astype(f32), mask, scale=1.0, gate=gate,
+        chunk_size=kernels.params["chunk"])
+    return y.astype(q.dtype), state

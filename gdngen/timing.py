@@ -1,0 +1,201 @@
+"""Time stage for the tuner: forward+backward wall time of variants at one target shape.
+
+`time_fwd_bwd` measures the gradient of ``sum(y * dy) + sum(final_state * dfinal_state)`` with
+respect to q, k, v, g, beta and initial_state (log gate, ``scale = Dk ** -0.5``) for several
+callables on the same inputs: each is warmed up first (the first run compiles), then the timed
+runs are interleaved round-robin so that a load change on the machine hits every callable alike.
+Every run is synchronised (``jax.block_until_ready`` / ``mx.eval``); the median is reported.
+
+Precision policies (`PRECISIONS`, most accurate first): "ieee" full float32 matmuls, "tf32"
+TensorFloat-32, "bf16" bfloat16 passes; a policy is the least accuracy accepted. JAX applies it
+with ``jax.default_matmul_precision``; MLX has no global switch, so its portable backend stays
+float32 under every policy (which satisfies them all), while a backend with its own precision
+parameter is searched over variants at least as accurate as the policy (`gdngen.tune`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gdngen.variant import Problem, Variant
+
+PRECISIONS = ("ieee", "tf32", "bf16")
+JAX_MATMUL_PRECISION = {"ieee": "float32", "tf32": "tensorfloat32", "bf16": "bfloat16"}
+#: relative-error tolerance a precision policy accepts (validation uses the larger of this and
+#: the dtype's tolerance): TF32 keeps 10 mantissa bits, bfloat16 7 (the generated backends'
+#: tf32 / half policies are validated at up to 1e-2 / 2e-2 themselves).
+PRECISION_TOLERANCE_FLOOR = {"ieee": 0.0, "tf32": 1e-2, "bf16": 2e-2}
+FRAMEWORKS = ("jax", "mlx")
+
+
+def check_precision(framework: str, precision: str) -> None:
+    """ValueError unless ``framework`` and ``precision`` are known."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def precision_context(framework: str, precision: str):
+    """Context manager applying ``precision`` to the framework's matmuls while tracing/running."""
+    check_precision(framework, precision)
+    if framework == "jax":
+        import jax
+
+        return jax.default_matmul_precision(JAX_MATMUL_PRECISION[precision])
+    return contextlib.nullcontext()
+
+
+def make_inputs(problem: Problem, batch: int, seq_len: int, seed: int = 0) -> dict:
+    """Float32 NumPy inputs of ``problem`` at ``[batch, seq_len]``: q, k (unit-norm per head), v,
+    g (log-decay; ``[B,T,Hv]`` or ``[B,T,Hv,Dk]`` for a vector gate), beta, initial_state and
+    the cotangents dy, dfinal_state."""
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch and seq_len must be >= 1, got {batch}, {seq_len}")
+    rng = np.random.default_rng(seed)
+    B, T, Hk, Hv, Dk, Dv = batch, seq_len, problem.Hk, problem.Hv, problem.Dk, problem.Dv
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    gate_shape = (B, T, Hv, Dk) if problem.gate == "vector" else (B, T, Hv)
+    arrays = {
+        "q": unit((B, T, Hk, Dk)),
+        "k": unit((B, T, Hk, Dk)),
+        "v": rng.standard_normal((B, T, Hv, Dv)),
+        "g": np.log(rng.uniform(0.9, 0.999, gate_shape)),
+        "beta": rng.uniform(0.1, 0.9, (B, T, Hv)),
+        "initial_state": 0.1 * rng.standard_normal((B, Hv, Dv, Dk)),
+        "dy": rng.standard_normal((B, T, Hv, Dv)),
+        "dfinal_state": rng.standard_normal((B, Hv, Dv, Dk)),
+    }
+    return {name: a.astype(np.float32) for name, a in arrays.items()}
+
+
+def variant_fn(framework: str, variant: Variant):
+    """``fn(q, k, v, g, beta, initial_state, *, scale, gate)`` running exactly ``variant`` through
+    the framework's public ``gated_delta``."""
+    if framework == "jax":
+        from gdngen.jax import gated_delta
+    elif framework == "mlx":
+        from gdngen.mlx import gated_delta
+    else:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    return functools.partial(gated_delta, variant=variant)
+
+
+def sequential_fn(framework: str):
+    """The sequential baseline of ``gdngen bench``: a float32 ``lax.scan`` for JAX, mlx_lm's
+    per-step ``gated_delta_ops`` for MLX (given ``exp(g)`` and ``q * scale``)."""
+    if framework == "jax":
+        from gdngen.backends.xla import sequential_gated_delta
+
+        def baseline(q, k, v, g, beta, initial_state, *, scale, gate):
+            f32 = [x.astype("float32") for x in (q, k, v, g, beta)]
+            return sequential_gated_delta(*f32, initial_state, scale=scale, gate=gate)
+
+        return baseline
+    if framework == "mlx":
+        import mlx.core as mx
+        from mlx_lm.models.gated_delta import gated_delta_ops
+
+        def baseline(q, k, v, g, beta, initial_state, *, scale, gate):
+            linear = mx.exp(g) if gate == "log" else g
+            return gated_delta_ops(q * scale, k, v, linear, beta, initial_state)
+
+        return baseline
+    raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+
+
+@dataclass
+class Timing:
+    """Wall times of one callable: ``first_s`` the first (compiling) run, ``times_s`` the timed
+    runs; ``median_s`` their median."""
+
+    first_s: float
+    times_s: list = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    def to_json(self) -> dict:
+        return {"first_s": self.first_s, "times_s": list(self.times_s),
+                "median_s": self.median_s}
+
+
+def _jax_grad_fns(fns, problem, inputs):
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(problem.dtype)
+    args = tuple(jnp.asarray(inputs[n], dtype) for n in ("q", "k", "v", "g", "beta"))
+    args += tuple(jnp.asarray(inputs[n]) for n in ("initial_state", "dy", "dfinal_state"))
+    scale = problem.Dk ** -0.5
+    calls = {}
+    for name, fn in fns.items():
+        def loss(q, k, v, g, beta, s0, dy, ds, fn=fn):
+            y, s = fn(q, k, v, g, beta, s0, scale=scale, gate="log")
+            return jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(s.astype(jnp.float32) * ds)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
+        calls[name] = functools.partial(grad, *args)
+    return calls, jax.block_until_ready
+
+
+def _mlx_grad_fns(fns, problem, inputs):
+    import mlx.core as mx
+
+    dtype = getattr(mx, problem.dtype)
+    args = tuple(mx.array(inputs[n]).astype(dtype) for n in ("q", "k", "v", "g", "beta"))
+    args += (mx.array(inputs["initial_state"]),)
+    dy, ds = mx.array(inputs["dy"]), mx.array(inputs["dfinal_state"])
+    mx.eval(args, dy, ds)
+    scale = problem.Dk ** -0.5
+    calls = {}
+    for name, fn in fns.items():
+        def loss(q, k, v, g, beta, s0, fn=fn):
+            y, s = fn(q, k, v, g, beta, s0, scale=scale, gate="log")
+            return mx.sum(y.astype(mx.float32) * dy) + mx.sum(s.astype(mx.float32) * ds)
+
+        grad = mx.grad(loss, argnums=[0, 1, 2, 3, 4, 5])
+        calls[name] = functools.partial(grad, *args)
+    return calls, mx.eval
+
+
+def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq_len: int,
+                 precision: str = "ieee", repeats: int = 3, warmup: int = 1,
+                 seed: int = 0) -> dict[str, Timing]:
+    """Time forward+backward of each ``fns[name]`` (signature of `variant_fn`'s result) on the
+    same inputs of ``problem`` at ``[batch, seq_len]``; returns ``{name: Timing}``."""
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats and warmup must be >= 1, got {repeats}, {warmup}")
+    if not fns:
+        raise ValueError("fns must name at least one callable")
+    inputs = make_inputs(problem, batch, seq_len, seed)
+    with precision_context(framework, precision):
+        if framework == "jax":
+            calls, sync = _jax_grad_fns(fns, problem, inputs)
+        else:
+            calls, sync = _mlx_grad_fns(fns, problem, inputs)
+        timings = {}
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            sync(call())
+            timings[name] = Timing(first_s=time.perf_counter() - t0)
+            for _ in range(warmup - 1):
+                sync(call())
+        names = list(calls)
+        for r in range(repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
+                t0 = time.perf_counter()
+                sync(calls[name]())
+                timings[name].times_s.append(time.perf_counter() - t0)
+    return timings

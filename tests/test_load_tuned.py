@@ -1,0 +1,163 @@
+"""Runtime dispatch: load_tuned and the plain gated_delta pick the tuned variant of the call's
+shape class and T bucket, else the default; explain says which and why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gdngen import cache, dispatch
+from gdngen.variant import Problem, Variant, default_variant
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBLEM = Problem(1, 2, 16, 16)
+TUNED = {"chunk_size": 16, "solve_block": 8, "save_states": False}
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "root"))
+    monkeypatch.delenv(dispatch.ENV_NO_TUNED, raising=False)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(cache, "shipped_tuned_dir", lambda: shipped)
+    cache.clear_memo()
+    yield
+    cache.clear_memo()
+
+
+def plant(backend: str, seq_len: int = 64, **changes) -> dict:
+    framework = dispatch.framework_of(backend)
+    e = cache.make_entry(device="cpu", framework=framework, problem=PROBLEM, precision="ieee",
+                         seq_len=seq_len, batch=1, variant=Variant(backend, TUNED),
+                         default=default_variant(backend, PROBLEM), best_s=0.01, default_s=0.02,
+                         worst_error=1e-7, tolerance=5e-5, trials={"run": 4})
+    e.update(changes)
+    cache.write_entry(e)
+    return e
+
+
+def inputs(T, rng):
+    B, Hk, Hv, D = 1, PROBLEM.Hk, PROBLEM.Hv, PROBLEM.Dk
+    k = rng.standard_normal((B, T, Hk, D))
+    return {"q": rng.standard_normal((B, T, Hk, D)).astype(np.float32),
+            "k": (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32),
+            "v": rng.standard_normal((B, T, Hv, D)).astype(np.float32),
+            "g": np.log(rng.uniform(0.8, 1.0, (B, T, Hv))).astype(np.float32),
+            "beta": rng.uniform(0, 1, (B, T, Hv)).astype(np.float32)}
+
+
+@pytest.fixture
+def mlx_calls(monkeypatch):
+    """Records the params each MLX chunkwise call runs with."""
+    from gdngen.backends import mlx as mlx_backend
+
+    calls = []
+    original = mlx_backend.chunkwise_gated_delta
+
+    def spy(*args, **kwargs):
+        calls.append({k: kwargs[k] for k in ("chunk_size", "solve_block", "save_states")})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mlx_backend, "chunkwise_gated_delta", spy)
+    return calls
+
+
+def test_load_tuned_mlx_dispatches_per_bucket_and_explains(mlx_calls):
+    import mlx.core as mx
+
+    import gdngen
+    from gdngen.mlx import gated_delta
+
+    plant("mlx", seq_len=64)
+    tuned = gdngen.load_tuned("mlx")
+    rng = np.random.default_rng()
+    x = {n: mx.array(a) for n, a in inputs(50, rng).items()}  # T=50 -> bucket 64
+    choice = tuned.explain(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert choice.source == "tuned" and choice.variant == Variant("mlx", TUNED)
+    assert "cpu|mlx|hk1-hv2-dk16-dv16-float32-scalar|ieee|T64" in str(choice)
+    y, s = tuned(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.25)
+    assert mlx_calls[-1] == TUNED
+    y_ref, s_ref = gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.25,
+                               variant=Variant("mlx", TUNED))
+    np.testing.assert_array_equal(np.array(y), np.array(y_ref))
+    np.testing.assert_array_equal(np.array(s), np.array(s_ref))
+
+    long = {n: mx.array(a) for n, a in inputs(200, rng).items()}  # bucket 256: not tuned
+    choice = tuned.explain(long["q"], long["k"], long["v"], long["g"], long["beta"])
+    assert choice.source == "default" and choice.variant == default_variant("mlx", PROBLEM)
+    assert "T bucket 256" in choice.reason and "tuned buckets: [64]" in choice.reason
+    tuned(long["q"], long["k"], long["v"], long["g"], long["beta"])
+    assert mlx_calls[-1] == default_variant("mlx", PROBLEM).as_dict()
+
+
+def test_plain_gated_delta_uses_the_cache_unless_disabled(mlx_calls, monkeypatch):
+    import mlx.core as mx
+
+    from gdngen.mlx import gated_delta
+
+    plant("mlx", seq_len=64)
+    x = {n: mx.array(a) for n, a in inputs(64, np.random.default_rng()).items()}
+    gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert mlx_calls[-1] == TUNED
+    gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32)  # explicit chunk
+    assert mlx_calls[-1]["chunk_size"] == 32
+    assert mlx_calls[-1]["solve_block"] == default_variant("mlx", PROBLEM)["solve_block"]
+    monkeypatch.setenv(dispatch.ENV_NO_TUNED, "1")
+    gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert mlx_calls[-1] == default_variant("mlx", PROBLEM).as_dict()
+
+
+def test_stale_entry_falls_back_to_default_and_says_why():
+    import mlx.core as mx
+
+    import gdngen
+
+    plant("mlx", sha256="f" * 64)
+    x = {n: mx.array(a) for n, a in inputs(64, np.random.default_rng()).items()}
+    with pytest.warns(cache.TunedCacheWarning, match="source changed"):
+        choice = gdngen.load_tuned("mlx").explain(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert choice.source == "default" and "source changed" in choice.reason
+
+
+def test_load_tuned_jax_runs_the_tuned_variant_under_jit():
+    import jax
+    import jax.numpy as jnp
+
+    import gdngen
+    from gdngen.jax import gated_delta
+
+    plant("xla", seq_len=64)
+    tuned = gdngen.load_tuned("jax", precision="ieee")
+    x = {n: jnp.asarray(a) for n, a in inputs(40, np.random.default_rng()).items()}
+    assert tuned.explain(x["q"], x["k"], x["v"], x["g"], x["beta"]).variant == \
+        Variant("xla", TUNED)
+    y, s = jax.jit(lambda *a: tuned(*a, scale=0.25))(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    y_ref, s_ref = gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.25,
+                               variant=Variant("xla", TUNED))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=1e-6, atol=1e-6)
+
+
+def test_load_tuned_rejects_absent_device_and_bad_arguments():
+    import gdngen
+
+    with pytest.raises(ValueError, match="not attached.*mlx runs on cpu"):
+        gdngen.load_tuned("mlx", device="apple-m3")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        gdngen.load_tuned("jax", precision="fp8")
+    with pytest.raises(ValueError, match="framework must be one of"):
+        gdngen.load_tuned("torch")
+
+
+def test_import_gdngen_exports_load_tuned_without_frameworks():
+    code = ("import sys, json, gdngen; print(json.dumps([callable(gdngen.load_tuned), "
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'mlx', 'optuna'))]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    assert json.loads(out) == [True, []]

@@ -1,0 +1,265 @@
+"""Generated Metal kernels: the variant space, the launch plan, and the battery in the simulator.
+
+Everything here runs the shipped MLX path (`gdngen.mlx.gated_delta` with a metal variant) with
+`gdngen.metal_sim` standing in for the GPU; the `metal`-marked test runs the same plan on an
+Apple GPU and compares it with the simulator.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gdngen import Problem, Variant, default_variant, metal_sim, render, validate, variants
+from gdngen.backends import RUNNERS, metal
+from gdngen.cases import BATTERY, get_case
+from gdngen.render import TEMPLATED
+from gdngen.variant import SPACES
+
+mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
+pytestmark = pytest.mark.skipif(not metal_sim.available(), reason="no C++ compiler (g++)")
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBLEM = Problem(2, 4, 64, 64)
+GVA3 = Problem(2, 6, 32, 64)
+ADVERSARIAL = ("hard_decay", "gates_exact_one_and_zero", "identical_keys", "padding_mask")
+PARAMS = ("chunk_size", "policy", "mma", "simdgroups", "dv_tile", "save")
+# Every value of every parameter at least once (each checked to be in the enumerated space).
+SAMPLED = tuple(dict(zip(PARAMS, values)) for values in (
+    (16, "ieee", "fma", 1, 16, False),
+    (32, "tf32", "simdgroup", 2, 16, True),
+    (64, "half", "simdgroup", 4, 16, False),
+    (32, "ieee", "simdgroup", 1, 64, False),  # dv_tile > chunk
+    (64, "ieee", "fma", 4, 32, True),
+))
+
+
+def _threshold(variant: Variant, dtype: str) -> float:
+    return max(metal.POLICY_TOLERANCES[variant["policy"]], validate.tolerance(dtype))
+
+
+def _check(results, variant, dtype="float32"):
+    limit = _threshold(variant, dtype)
+    bad = [(r.case, *r.worst) for r in results if r.worst[1] > limit]
+    assert not bad, f"{variant} over {limit:g}: {bad}"
+
+
+# ------------------------------------------------------------------------ space and plan
+
+
+def test_registered_in_every_stage():
+    assert SPACES["metal"] == "gdngen.backends.metal:variant_space"
+    assert TEMPLATED["metal"] == "gdngen.backends.metal:render_plan"
+    assert RUNNERS["metal"] == "gdngen.backends.metal"
+
+
+def test_space_respects_threadgroup_memory_and_holds_the_default():
+    for problem in (PROBLEM, GVA3, Problem(1, 1, 256, 256), Problem(4, 8, 128, 32)):
+        space = variants("metal", problem)
+        assert space and default_variant("metal", problem) in space
+        for v in space:
+            assert max(metal.threadgroup_bytes(v.as_dict(), problem).values()) <= 32 * 1024
+            assert metal.accumulator_floats(v.as_dict(), problem) <= metal.MAX_ACC_FLOATS
+    assert len(variants("metal", PROBLEM)) == 160
+    with pytest.raises(ValueError, match="scalar gates only"):
+        variants("metal", Problem(2, 4, 64, 64, gate="vector"))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        variants("metal", Problem(2, 4, 48, 64))
+
+
+def test_render_and_plan_structure():
+    for save in (True, False):
+        v = Variant("metal", dict(default_variant("metal", PROBLEM).as_dict(), save=save))
+        rendered = render(v, PROBLEM)
+        assert "common.metal" in rendered.sources
+        assert "[[kernel]]" not in rendered.sources["bwd_qk.metal"]  # a body: MLX adds it
+        plan = metal.launch_plan(v, PROBLEM, 3, 2)
+        assert [launch.kernel for launch in plan.forward] == (
+            ["fwd_intra_tinv", "fwd_scan_save"] if save else ["fwd_intra", "fwd_scan"])
+        assert [launch.kernel for launch in plan.backward][-3:] == ["bwd_scan", "bwd_tri",
+                                                                     "bwd_qk"]
+        assert plan.saved == (("states", "w_out", "tinv", "wk") if save else ())
+        scan = plan.forward[1]
+        assert scan.grid == (128, 64 // 32, 2 * 4) and scan.threadgroup == (128, 1, 1)
+        assert dict(zip(scan.outputs, scan.output_shapes))["final_state"] == (2, 4, 64, 64)
+        produced = {"q", "k", "v", "g", "beta", "s0", "prm", "dy", "dsf", *plan.saved}
+        for launch in plan.forward + plan.backward:
+            assert set(launch.inputs) <= produced, launch.kernel
+            produced |= set(launch.outputs)
+
+
+def test_adapt_shrinks_dv_tile_and_rejects_other_backends():
+    v = Variant("metal", dict(SAMPLED[3]))
+    assert metal.adapt(v, Problem(2, 4, 32, 32))["dv_tile"] == 32
+    with pytest.raises(ValueError, match="metal variant"):
+        metal.adapt(Variant("mlx", {"chunk_size": 64}), PROBLEM)
+
+
+def test_space_render_and_plan_import_without_mlx():
+    code = ("import sys; sys.modules['mlx'] = None\n"
+            "from gdngen import Problem, variants, render\n"
+            "from gdngen.backends import metal\n"
+            "p = Problem(2, 4, 64, 64); v = variants('metal', p)[0]\n"
+            "render(v, p); metal.launch_plan(v, p, 2, 1); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ------------------------------------------------------------------------ battery in the simulator
+
+
+def test_default_variant_passes_the_battery():
+    v = default_variant("metal", PROBLEM)
+    results = validate.run_battery(None, variant=v)
+    assert {r.case for r in results} == {c.name for c in BATTERY if not c.vector_gate}
+    _check(results, v)
+    assert all(r.passed for r in results)
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=lambda p: Variant("metal", p).name())
+def test_sampled_variants_pass_adversarial_cases(params):
+    v = Variant("metal", params)
+    assert v in variants("metal", PROBLEM)
+    _check(validate.run_battery(None, variant=v, cases=ADVERSARIAL), v)
+
+
+def test_gva3_problem_variants():
+    space = variants("metal", GVA3)
+    picks = [default_variant("metal", GVA3), space[0], space[len(space) // 2], space[-1]]
+    for v in picks:
+        _check(validate.run_battery(None, variant=v, cases=["gva3"]), v)
+
+
+@pytest.mark.parametrize("dtype, params", [
+    ("bfloat16", None), ("bfloat16", SAMPLED[2]), ("float16", None)])
+def test_low_precision_inputs(dtype, params):
+    problem = Problem(2, 4, 64, 64, dtype)
+    v = default_variant("metal", problem) if params is None else Variant("metal", params)
+    _check(validate.run_battery(None, variant=v, dtype=dtype, cases=["hard_decay", "gva3"]), v,
+           dtype)
+
+
+@pytest.mark.parametrize("Hk, Hv, Dk, Dv, T, params", [
+    (1, 2, 256, 128, 40, None),
+    (1, 1, 128, 256, 33, SAMPLED[0]),
+])
+def test_large_head_dims_against_the_reference(Hk, Hv, Dk, Dv, T, params):
+    """Head dims beyond the battery's (up to 256): every Dk / Dv tile loop, float64 reference."""
+    from gdngen import reference
+
+    problem = Problem(Hk, Hv, Dk, Dv)
+    v = default_variant("metal", problem) if params is None else Variant("metal", params)
+    rng = np.random.default_rng()
+    k = rng.standard_normal((1, T, Hk, Dk))
+    arrays = {"q": rng.standard_normal((1, T, Hk, Dk)), "k": k / np.linalg.norm(k, axis=-1,
+                                                                                keepdims=True),
+              "v": rng.standard_normal((1, T, Hv, Dv)), "g": -rng.uniform(0.01, 0.3, (1, T, Hv)),
+              "beta": rng.uniform(0, 1, (1, T, Hv)),
+              "initial_state": rng.standard_normal((1, Hv, Dv, Dk))}
+    cot = {"y": rng.standard_normal((1, T, Hv, Dv)),
+           "final_state": rng.standard_normal((1, Hv, Dv, Dk))}
+    arrays, cot = ({n: x.astype(np.float32).astype(np.float64) for n, x in d.items()}
+                   for d in (arrays, cot))
+    out, grads = metal.simulate(v, problem, arrays, cot, scale=Dk ** -0.5)
+    ref = reference.vjp(*(arrays[n] for n in ("q", "k", "v", "g", "beta", "initial_state")),
+                        cot["y"], cot["final_state"], scale=Dk ** -0.5, gate="log")
+    errors = {n: validate.relative_error(out[n], ref[n]) for n in out}
+    errors.update({n: validate.relative_error(grads[n], ref["d" + n]) for n in grads})
+    assert max(errors.values()) < 5e-5, errors
+
+
+# ------------------------------------------------------------------------ simulator checks
+
+
+def _simulate(v, case_name, schedule="forward", seed=0):
+    case = get_case(case_name)
+    raw = case.inputs(seed=1)
+    inputs = {"q": raw["q"], "k": raw["k"], "v": raw["v"], "g": raw["g_log"],
+              "beta": raw["beta"], "initial_state": raw["initial_state"], "mask": raw["mask"]}
+    problem = metal.problem_of_inputs(raw, "float32")
+    return metal.simulate(v, problem, inputs, {"y": raw["dy"], "final_state": raw["dfinal_state"]},
+                          scale=case.scale, schedule=schedule, seed=seed)
+
+
+SCHEDULES = (("reverse", 0), ("random", 7), ("low_first", 0), ("high_first", 0))
+
+
+@pytest.mark.parametrize("params", [SAMPLED[1], SAMPLED[4]],
+                         ids=lambda p: Variant("metal", p).name())
+def test_results_do_not_depend_on_thread_order(params):
+    """Other thread orders (LIFO, random, one simdgroup running ahead of the others) give
+    bit-identical outputs: no missing barriers."""
+    v = Variant("metal", params)
+    out, grads = _simulate(v, "padding_mask")
+    for schedule, seed in SCHEDULES:
+        out2, grads2 = _simulate(v, "padding_mask", schedule, seed)
+        for name in out:
+            np.testing.assert_array_equal(out[name], out2[name], err_msg=f"{schedule} {name}")
+        for name in grads:
+            np.testing.assert_array_equal(grads[name], grads2[name],
+                                          err_msg=f"{schedule} d{name}")
+
+
+def test_a_barrier_removed_from_a_generated_kernel_is_caught(tmp_path, monkeypatch):
+    """The race check above can fail: bwd_tri without the barrier between writing a tile and
+    reading its rows (the simdgroup running ahead reads rows the other has not written; the
+    default round-robin order, with simdgroups in near lockstep, happens to hide it)."""
+    shipped = ROOT / "templates" / "metal" / "bwd_tri.metal.j2"
+    text = shipped.read_text()
+    barrier = ("acc_mma(dT, ln, rows(dwp + c0, DV), cols(vp + c0, DV), DW);  // dW V^T\n"
+               "  threadgroup_barrier(mem_flags::mem_threadgroup);\n")
+    assert barrier in text
+    (tmp_path / "metal").mkdir()
+    (tmp_path / "metal" / "bwd_tri.metal.j2").write_text(text.replace(barrier, barrier.split(
+        "\n")[0] + "\n"))
+    monkeypatch.setenv("GDNGEN_TEMPLATES", str(tmp_path))
+    v = Variant("metal", SAMPLED[1])
+    with pytest.raises(metal_sim.SimulatorError, match="bwd_tri.*poison"):
+        _simulate(v, "short", "low_first")
+
+
+def test_threadgroup_memory_matches_the_static_plan():
+    case = get_case("hard_decay")
+    problem = Problem(case.Hk, case.Hv, case.Dk, case.Dv)
+    scale = case.scale
+    for params in SAMPLED[:3]:
+        v = Variant("metal", params)
+        launcher = metal.SimLauncher()
+        raw = case.inputs(seed=2)
+        q, k, vv = (mx.array(raw[n].astype(np.float32)) for n in ("q", "k", "v"))
+        g, beta = mx.array(raw["g_log"].astype(np.float32)), mx.array(
+            raw["beta"].astype(np.float32))
+
+        def loss(q, k, vv, g, beta, v=v, launcher=launcher):
+            y, s = metal.gated_delta(q, k, vv, g, beta, scale=scale, variant=v,
+                                     launcher=launcher)
+            return (y * y).sum() + s.sum()
+
+        mx.eval(mx.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, vv, g, beta))
+        n_chunks = -(-case.T // v["chunk_size"])
+        plan = metal.launch_plan(metal.adapt(v, problem), problem, n_chunks, case.B)
+        assert launcher.threadgroup_bytes == plan.threadgroup_bytes
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs an Apple GPU (MLX Metal backend)")
+def test_gpu_matches_simulator():
+    v = default_variant("metal", PROBLEM)
+    case = get_case("hard_decay")
+    raw = case.inputs(seed=3)
+    args = [mx.array(raw[n].astype(np.float32)) for n in ("q", "k", "v", "g_log", "beta")]
+    results = {}
+    for launcher in (metal.MLXLauncher(), metal.SimLauncher()):
+        def loss(*a, launcher=launcher):
+            y, s = metal.gated_delta(*a, scale=case.scale, variant=v, launcher=launcher)
+            return (y * y).sum() + (s * s).sum()
+
+        value, grads = mx.value_and_grad(loss, argnums=tuple(range(5)))(*args)
+        results[launcher.name] = [np.array(value)] + [np.array(g) for g in grads]
+    for gpu, sim in zip(results["metal"], results["simulator"]):
+        np.testing.assert_allclose(gpu, sim, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,257 @@
+"""Generated Pallas TPU kernels: the battery in TPU interpret mode (race detection on, buffers
+poisoned with NaN), Mosaic lowering for the TPU platform, the variant space and the entry point.
+
+Interpret mode compiles one host executable per kernel and shape (seconds each), so the whole
+battery runs for the default variants only; other variants run a few adversarial cases each.
+The full enumeration is validated by ``gdngen build --backend pallas-tpu`` (see the report in
+the backend's docstring). The tests marked ``tpu`` run the same kernels compiled by Mosaic.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+from gdngen import Problem, Variant, default_variant, reference, validate
+from gdngen.backends import pallas_tpu
+from gdngen.cases import BATTERY, Case
+from gdngen.variant import variants
+
+PROBLEM = Problem(2, 4, 128, 128)
+GVA3 = Problem(1, 3, 128, 128)
+SCALAR_CASES = [case.name for case in BATTERY if not case.vector_gate]
+ON_TPU = jax.default_backend() == "tpu"
+
+
+def _variant(problem=PROBLEM, **changes):
+    return Variant("pallas_tpu", dict(default_variant("pallas_tpu", problem).as_dict(), **changes))
+
+
+def _check(results, variant, dtype):
+    tol = pallas_tpu.tolerance(variant, dtype)
+    for res in results:
+        assert all(err <= tol for err in res.errors.values()), (variant.name(), res.case,
+                                                                 res.worst, tol)
+
+
+# ----------------------------------------------------------------------------- variant space
+
+
+def test_variant_space_and_default():
+    space = variants("pallas_tpu", PROBLEM)
+    assert len(space) == 36  # 3 chunks x 3 policies x head tiles {1, 2} x save {T, F}
+    assert {v["chunk_size"] for v in space} == {32, 64, 128}
+    assert {v["head_tile"] for v in space} == {1, 2}
+    assert {v["head_tile"] for v in variants("pallas_tpu", GVA3)} == {1, 3}
+    assert {v["dv_tile"] for v in variants("pallas_tpu", Problem(1, 2, 64, 256))} == {128, 256}
+    assert default_variant("pallas_tpu", PROBLEM).as_dict() == {
+        "chunk_size": 64, "precision": "ieee", "head_tile": 2, "dv_tile": 128,
+        "save_states": True}
+    for bad, match in ((Problem(2, 4, 128, 128, gate="vector"), "gate"),
+                       (Problem(2, 4, 128, 128, dtype="float16"), "dtype")):
+        with pytest.raises(ValueError, match=match):
+            variants("pallas_tpu", bad)
+
+
+def test_vmem_estimate_excludes_variants_per_generation():
+    big = Problem(1, 8, 256, 256)
+    v4 = pallas_tpu.variants_for_device("tpu-v4", big)
+    v5e = pallas_tpu.variants_for_device("tpu-v5e", big)
+    assert 0 < len(v4) < len(v5e)
+    assert all(pallas_tpu.vmem_bytes(v, big) <= 16 * 2**20 for v in v4)
+    assert any(pallas_tpu.vmem_bytes(v, big) > 16 * 2**20 for v in v5e)
+    small, large = (pallas_tpu.vmem_bytes(_variant(big, chunk_size=c, head_tile=h), big)
+                    for c, h in ((32, 1), (128, 8)))
+    assert small < large
+    with pytest.raises(ValueError, match="device"):
+        pallas_tpu.variants_for_device("h100", big)
+
+
+def test_kernel_params_fit_other_shapes():
+    variant = _variant(GVA3, head_tile=3, dv_tile=128)
+    assert pallas_tpu.kernel_params(variant, Problem(2, 4, 32, 32))["head_tile"] == 2
+    assert pallas_tpu.kernel_params(variant, Problem(2, 6, 32, 64))["head_tile"] == 3
+    assert pallas_tpu.kernel_params(variant, Problem(2, 6, 32, 64))["dv_tile"] == 64
+    assert pallas_tpu.kernel_params(variant, Problem(2, 6, 32, 256))["dv_tile"] == 128
+
+
+# ----------------------------------------------------------------------------- Mosaic lowering
+
+
+@pytest.mark.parametrize("params", [
+    {"chunk_size": 64, "precision": "ieee", "head_tile": 2, "dv_tile": 256, "save_states": True},
+    {"chunk_size": 128, "precision": "tf32", "head_tile": 1, "dv_tile": 128,
+     "save_states": False},
+    {"chunk_size": 32, "precision": "bf16", "head_tile": 2, "dv_tile": 128, "save_states": True},
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_lower_for_mosaic(params, dtype):
+    """Block shapes legal for TPU and every op supported by the Mosaic lowering (no TPU
+    needed; the TPU compiler's own passes run only on a TPU)."""
+    lowered = pallas_tpu.lower_check(Variant("pallas_tpu", params),
+                                     Problem(2, 4, 128, 256, dtype=dtype))
+    expected = {"forward", "backward"} | (set() if params["save_states"] else {"chunk_states"})
+    assert set(lowered) == expected
+    assert all("tpu_custom_call" in text for text in lowered.values())
+
+
+# ----------------------------------------------------------------------------- battery
+
+
+@pytest.mark.parametrize("problem", [PROBLEM, GVA3], ids=["hk2-hv4", "gva3"])
+def test_default_variant_passes_the_battery(problem):
+    """Every scalar-gate case at float32 (vector gates are left out for this backend)."""
+    variant = default_variant("pallas_tpu", problem)
+    cases = SCALAR_CASES if problem is PROBLEM else ["gva3", "equal_heads", "padding_mask"]
+    results = validate.run_battery(None, variant=variant, cases=None if problem is PROBLEM
+                                   else cases, dtype="float32")
+    assert [r.case for r in results] == cases
+    _check(results, variant, "float32")
+
+
+@pytest.mark.parametrize("changes, cases, dtype", [
+    ({"head_tile": 1, "save_states": False, "chunk_size": 32}, ["gva3"], "float32"),
+    ({"chunk_size": 128}, ["identical_keys", "ragged"], "float32"),
+    ({"precision": "tf32"}, ["identical_keys"], "float32"),
+    ({"precision": "bf16", "save_states": False}, ["hard_decay"], "float32"),
+    ({}, ["gates_exact_one_and_zero", "padding_mask"], "bfloat16"),
+], ids=["recompute-gva", "chunk128", "tf32", "bf16-policy", "bf16-inputs"])
+def test_variants_on_adversarial_cases(changes, cases, dtype):
+    problem = Problem(2, 4, 128, 128, dtype=dtype)
+    variant = _variant(problem, **changes)
+    _check(validate.run_battery(None, variant=variant, cases=cases, dtype=dtype), variant, dtype)
+
+
+@pytest.mark.parametrize("save_states", [True, False])
+def test_dv_tiles(save_states):
+    """Dv split into 128-column grid steps (per-chunk factors cached at the first tile, the
+    backward's sums accumulated over the tiles); the battery has no Dv this large."""
+    case = Case("dv_tiles", "Dv = 256 in two tiles, hard gates, beta in [0, 2]", B=1, T=40,
+                Hk=1, Hv=2, Dk=16, Dv=256, chunk_size=32, gates="hard", beta_range=(0.0, 2.0),
+                has_initial_state=True)
+    variant = Variant("pallas_tpu", {"chunk_size": 32, "precision": "ieee", "head_tile": 2,
+                                     "dv_tile": 128, "save_states": save_states})
+    assert pallas_tpu.kernel_params(variant, Problem(1, 2, 16, 256))["dv_tile"] == 128
+    _check([validate.check_case("pallas_tpu", case, variant=variant)], variant, "float32")
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _inputs(B=1, T=20, Hk=1, Hv=2, D=16, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, B, T, Hk, D))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, Hv, D))
+    g = -rng.uniform(0.01, 0.5, (B, T, Hv))
+    beta = rng.uniform(0, 1, (B, T, Hv))
+    s0 = rng.standard_normal((B, Hv, D, D))
+    return q, k, v, g, beta, s0
+
+
+def test_entry_point_under_jit_with_mask_and_gradient():
+    """``gdngen.jax.gated_delta(variant=...)`` inside ``jax.jit`` (kernels inlined, padding to
+    the chunk, a mask) against the float64 reference, values and one gradient."""
+    from gdngen.jax import gated_delta
+
+    q, k, v, g, beta, s0 = _inputs()
+    mask = np.ones((1, 20), bool)
+    mask[0, 3:6] = False
+    variant = Variant("pallas_tpu", {"chunk_size": 32, "precision": "ieee", "head_tile": 2,
+                                     "dv_tile": 128, "save_states": False})
+    scale = 0.25
+
+    def loss(q, k, v, g, beta, s0):
+        y, state = gated_delta(q, k, v, g, beta, s0, mask=jnp.asarray(mask), scale=scale,
+                               variant=variant)
+        return jnp.sum(y ** 2) + jnp.sum(state), (y, state)
+
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
+    (_, (y, state)), dv = jax.jit(jax.value_and_grad(loss, argnums=2, has_aux=True))(*args)
+    ref_y, ref_state = reference.forward(q, k, v, g, beta, s0, mask=mask, scale=scale)
+    assert validate.relative_error(y, ref_y) < 1e-5
+    assert validate.relative_error(state, ref_state) < 1e-5
+    ref = reference.vjp(q, k, v, g, beta, s0, 2 * ref_y, np.ones_like(ref_state), mask=mask,
+                        scale=scale)
+    assert validate.relative_error(dv, ref["dv"]) < 1e-5
+
+
+def test_entry_point_rejects_vector_gates_and_float16():
+    q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in _inputs())
+    variant = _variant(Problem(1, 2, 16, 16))
+    with pytest.raises(ValueError, match=r"g has shape \(1, 20, 2, 16\), expected \(1, 20, 2\)"):
+        pallas_tpu.gated_delta(q, k, v, jnp.repeat(g[..., None], 16, -1), beta, s0,
+                               variant=variant)
+    with pytest.raises(ValueError, match="q has dtype float16"):
+        pallas_tpu.gated_delta(q.astype(jnp.float16), k, v, g, beta, s0, variant=variant)
+
+
+@pytest.mark.skipif(ON_TPU, reason="interpret mode is only used without a TPU")
+def test_interpret_mode_warns_once_and_poisons_buffers():
+    pallas_tpu._default_interpret_mode.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params = pallas_tpu.interpret_mode()
+            assert pallas_tpu.interpret_mode() is params
+        assert [str(w.message) for w in caught if "interpret mode" in str(w.message)] == \
+            [str(caught[0].message)]
+        assert params.detect_races and params.uninitialized_memory == "nan"
+    finally:
+        pallas_tpu._default_interpret_mode.cache_clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pallas_tpu.interpret_mode()
+
+
+def test_two_simulated_tensorcores_are_race_free():
+    """The parallel grid axes (batch, head tile) split over two simulated cores, as on
+    megacore chips: outputs stay right and the race detector stays quiet."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v, g, beta, s0 = _inputs(B=2, T=8, Hk=2, Hv=2)
+    variant = Variant("pallas_tpu", {"chunk_size": 32, "precision": "ieee", "head_tile": 1,
+                                     "dv_tile": 128, "save_states": True})
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
+    with pallas_tpu.interpreting(params):
+        assert pallas_tpu.interpret_mode() is params
+        (y, state), vjp = jax.vjp(functools.partial(pallas_tpu.gated_delta, variant=variant),
+                                  *args)
+        dq = vjp((jnp.ones_like(y), jnp.zeros_like(state)))[0]
+    assert pallas_tpu.interpret_mode() is not params
+    ref = reference.vjp(q, k, v, g, beta, s0, np.ones(y.shape), np.zeros(state.shape))
+    for got, name in ((y, "y"), (state, "final_state"), (dq, "dq")):
+        assert validate.relative_error(got, ref[name]) < 1e-5, name
+
+
+@pytest.mark.skipif(ON_TPU, reason="interpret mode is only used without a TPU")
+def test_detected_race_raises_and_resets_interpreter(monkeypatch):
+    """The race detector's verdict is read after every kernel; a race is an error."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+    from jax.experimental.pallas import tpu as pltpu
+
+    class Flagged:
+        races_found = True
+
+    resets = []
+    monkeypatch.setattr(tpu_interpret, "races", Flagged())
+    monkeypatch.setattr(pltpu, "reset_tpu_interpret_mode_state", lambda: resets.append(1))
+    params = pltpu.InterpretParams(detect_races=True)
+    with pytest.raises(RuntimeError, match="data race in the forward kernel"):
+        pallas_tpu._run_kernel((lambda interpret: jnp.zeros(3), None), what="forward",
+                               interpret=params)
+    assert resets == [1]
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not ON_TPU, reason="needs a TPU: compiles the kernels with Mosaic")
+def test_default_variant_on_tpu():
+    variant = default_variant("pallas_tpu", PROBLEM)
+    _check(validate.run_battery(None, variant=variant, dtype="float32"), variant, "float32")
