@@ -52,10 +52,11 @@ THREADGROUP_MEMORY = min(d.limits["threadgroup_memory"] for d in DEVICES.values(
 MAX_ACC_FLOATS = 128
 
 #: Relative L2 error the battery allows per policy (the input dtype's own tolerance applies
-#: when it is looser). ieee: float32 arithmetic throughout. tf32: matmul operands rounded to 10
-#: mantissa bits (unit roundoff 4.9e-4; worst measured 3.6e-3, identical_keys). half: operands
-#: rounded to half, or to bfloat for bfloat16 inputs (unit roundoff 3.9e-3; worst measured
-#: 2.1e-2, identical_keys at bfloat16, whose near-singular solve amplifies operand rounding).
+#: when it is looser). ieee: float32 arithmetic throughout (worst measured 1.2e-6). tf32: matmul
+#: operands rounded to 10 mantissa bits (unit roundoff 4.9e-4; worst measured 3.6e-3,
+#: identical_keys). half: operands rounded to half, or to bfloat for bfloat16 inputs (unit
+#: roundoff 4.9e-4 / 3.9e-3; worst measured 3.4e-3 / 2.1e-2, identical_keys, whose
+#: near-singular solve amplifies operand rounding).
 POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "half": 5e-2}
 
 
