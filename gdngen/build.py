@@ -34,11 +34,11 @@ import importlib
 import json
 import math
 import os
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
+from gdngen.fileio import atomic_write_text as write_atomic
 from gdngen.render import render
 from gdngen.variant import SPACES, Problem, Variant, variants
 
@@ -64,21 +64,6 @@ def variant_tolerance(variant: Variant, dtype: str) -> float:
 
     hook = getattr(_space_module(variant.backend), "tolerance", None)
     return hook(variant, dtype) if hook is not None else tolerance(dtype)
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager

@@ -15,9 +15,9 @@ trial counts and the date.
 
 Reading never fails: a corrupt file (or entry) is reported once with a `TunedCacheWarning` and
 skipped; an entry whose sha256 or versions differ from this installation is ignored, with one
-warning when a lookup first consults it. Parsed files are kept in memory keyed by (mtime, size, inode), so a lookup is a few
-``stat`` calls. Writes (`write_entry`) merge one entry under a file lock and replace the file
-atomically, so concurrent tuners lose nothing.
+warning when a lookup first consults it. Parsed files are kept in memory keyed by (mtime,
+size, inode), so a lookup is a few ``stat`` calls. Writes (`write_entry`) merge one entry
+under a file lock and replace the file atomically, so concurrent tuners lose nothing.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import functools
 import importlib.metadata
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gdngen.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401 (re-exported)
 from gdngen.variant import Problem, Variant, dumps
 
 FORMAT = 1
@@ -318,27 +318,6 @@ def _lock_path(path: Path) -> Path:
 
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:20]
     return cache_root() / "locks" / f"{path.name}.{digest}.lock"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_entry(entry: dict, directory: str | os.PathLike | None = None) -> Path:
