@@ -620,12 +620,15 @@ def tune(target: Target, settings: Settings = Settings(), *, storage=None,
             study.tell(trial, state=TrialState.PRUNED)
             misses += 1
         else:
-            earlier = [t for t in study.get_trials(deepcopy=False)
-                       if t.number < trial.number and _trial_variant(t) == name
-                       and (t.state == TrialState.RUNNING or t.user_attrs.get("evaluated"))
-                       and t.user_attrs.get("duplicate_of") is None]
-            if earlier:
-                trial.set_user_attr("duplicate_of", earlier[0].number)
+            # Claims are made by writing the "variant" attr, then checking for any other live
+            # claim: of two concurrent claims at least the later checker sees the other and
+            # yields, so no variant is ever evaluated twice (rarely both yield; it stays open).
+            claims = [t for t in study.get_trials(deepcopy=False)
+                      if t.number != trial.number and _trial_variant(t) == name
+                      and (t.state == TrialState.RUNNING or t.user_attrs.get("evaluated"))
+                      and t.user_attrs.get("duplicate_of") is None]
+            if claims:
+                trial.set_user_attr("duplicate_of", claims[0].number)
                 study.tell(trial, state=TrialState.PRUNED)
                 misses += 1
             else:
