@@ -148,6 +148,33 @@ class TunedGatedDelta:
                                gate=gate, variant=chosen)
 
 
+def call(framework: str, portable, f32, zeros, q, k, v, g, beta, initial_state, *, mask, scale,
+         gate, chunk_size, variant):
+    """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant, run it.
+
+    ``portable`` is the framework's portable backend module (its ``chunkwise_gated_delta`` and
+    ``sequential_gated_delta``), ``f32`` its float32 dtype and ``zeros(shape, dtype)`` its zeros.
+    A generated-kernel variant runs through ``gdngen.backends.<backend>.gated_delta``.
+    """
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
+    chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
+    if chosen.backend != FRAMEWORK_BACKENDS[framework][0]:  # a generated-kernel backend
+        module = importlib.import_module(f"gdngen.backends.{chosen.backend}")
+        return module.gated_delta(q, k, v, g, beta, initial_state, mask=mask, scale=float(scale),
+                                  gate=gate, variant=chosen)
+    if initial_state is None:
+        initial_state = zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
+            initial_state.astype(f32), mask)
+    if shape.vector_gate:
+        y, state = portable.sequential_gated_delta(*args, scale=float(scale), gate=gate)
+    else:
+        y, state = portable.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
+                                                  **chosen.as_dict())
+    return y.astype(q.dtype), state
+
+
 def load_tuned(framework: str = "jax", device: str | None = None,
                precision: str = "ieee") -> TunedGatedDelta:
     """A callable with the ``gated_delta`` signature dispatching each call to its tuned variant.

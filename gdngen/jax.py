@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
-
 import jax.numpy as jnp
 
 from gdngen.backends import xla
-from gdngen.dispatch import resolve
-from gdngen.problem import check_call, dtype_name
+from gdngen.dispatch import call
 
 __all__ = ["gated_delta"]
 
@@ -29,21 +26,5 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     this device and shape class runs, else the default. ``chunk_size`` (default 64) overrides the
     chosen variant's chunk.
     """
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
-    chosen = resolve("jax", shape, dtype_name(q), variant, chunk_size)
-    if chosen.backend != "xla":  # a generated-kernel backend
-        module = importlib.import_module(f"gdngen.backends.{chosen.backend}")
-        return module.gated_delta(q, k, v, g, beta, initial_state, mask=mask, scale=float(scale),
-                                  gate=gate, variant=chosen)
-    f32 = jnp.float32
-    if initial_state is None:
-        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
-            initial_state.astype(f32), mask)
-    if shape.vector_gate:
-        y, state = xla.sequential_gated_delta(*args, scale=float(scale), gate=gate)
-    else:
-        y, state = xla.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
-                                             **chosen.as_dict())
-    return y.astype(q.dtype), state
+    return call("jax", xla, jnp.float32, jnp.zeros, q, k, v, g, beta, initial_state,
+                mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant)
