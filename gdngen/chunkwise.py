@@ -55,8 +55,8 @@ def straddle_sum(xp, P):
     """
     C = P.shape[-1] - 1
     from_below = xp.cumsum(P, axis=-2, reverse=True)  # sum over i >= m
-    per_gate = xp.sum(xp.where(xp.tril_mask(C + 1, -1), from_below, 0.0), axis=-1)
-    return per_gate[..., 1:]
+    below = xp.where(xp.tril_mask(C + 1, -1), 1.0, 0.0)  # j < m
+    return xp.einsum("...mj,mj->...m", from_below, below)[..., 1:]
 
 
 def decay_factors_log_vjp(xp, b, D, dD):
@@ -141,6 +141,21 @@ def _T(x):
     return x.swapaxes(-1, -2)
 
 
+def _sum_heads(x):
+    """``[..., r, A, B] -> [..., A, B]``: sum over the value heads of a key head."""
+    return sum(x[..., i, :, :] for i in range(1, x.shape[-3])) + x[..., 0, :, :]
+
+
+def _row_dots(xp, x, y):
+    """``x [..., r, C, K]``, key-head ``y [..., C, K]`` -> ``[..., r, C]``: x[r, c] . y[c].
+
+    One einsum per value head: each is a contraction over the minor axis with every other axis
+    a leading batch axis, which XLA:CPU runs far faster than a fused multiply-reduce.
+    """
+    return xp.stack([xp.einsum("...ck,...ck->...c", x[..., i, :, :], y)
+                     for i in range(x.shape[-3])], axis=-2)
+
+
 def _decay(xp, gates, gate):
     return decay_factors(xp, gates if gate == "log" else xp.log(gates))
 
@@ -163,20 +178,24 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
     The residuals for `backward` are ``(S_in, W, Tinv, Wk)``: the state entering each chunk
     [N,B,H,r,Dv,Dk], the WY pseudo-values W [N,B,H,r,C,Dv], the triangular inverse
     [N,B,H,r,C,C] and Wk = T diag(beta D0) K [N,B,H,r,C,Dk].
+
+    Everything that reads a chunk's state happens inside the chunk walk, while that state is
+    hot in cache; the intra-chunk products that do not need it run batched over all chunks.
     """
+    ein = xp.einsum
     D = _decay(xp, gates, gate)
     Tinv, U, Wk = _wy(xp, k, v, beta, D, solve_block)
     Kc = D[..., -1, 1:, None] * k[..., None, :, :]  # keys decayed to the chunk end
+    Pm = D[..., 1:, 1:] * ein("...ck,...dk->...cd", q, k)[..., None, :, :]
 
     def step(S, xs):
-        U_n, Wk_n, Kc_n, dCC = xs
-        W = U_n - xp.einsum("...ck,...vk->...cv", Wk_n, S)
-        return dCC[..., None, None] * S + xp.einsum("...cv,...ck->...vk", W, Kc_n), (S, W)
+        U_n, Wk_n, Kc_n, q_n, Pm_n, D0_n, dCC = xs
+        W = U_n - ein("...ck,...vk->...cv", Wk_n, S)
+        Y = D0_n[..., None] * ein("...ck,...rvk->...rcv", q_n, S) + Pm_n @ W
+        return dCC[..., None, None] * S + ein("...cv,...ck->...vk", W, Kc_n), (Y, S, W)
 
-    S_final, (S_in, W) = xp.scan(step, S0, (U, Wk, Kc, D[..., -1, 0]), False)
-    QK = xp.einsum("...ck,...dk->...cd", q, k)[..., None, :, :]
-    Y = (D[..., 1:, 0, None] * xp.einsum("...ck,...rvk->...rcv", q, S_in)
-         + (D[..., 1:, 1:] * QK) @ W)
+    S_final, (Y, S_in, W) = xp.scan(step, S0, (U, Wk, Kc, q, Pm, D[..., 1:, 0], D[..., -1, 0]),
+                                    False)
     return Y, S_final, (S_in, W, Tinv, Wk)
 
 
@@ -185,60 +204,59 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
 
     ``residuals``: what `forward` returned (saved, or recomputed by the caller).
     Recomputes the cheap decay factors and K K^T, walks the chunks in reverse for the state
-    cotangent (dW = Pm^T dY + Kc dS_out^T, dS_in = D[C,0] dS_out + (D0 dY)^T Q - dW^T Wk), then
-    forms every input cotangent in parallel. The gate cotangent goes through the straddle-sum rule.
+    cotangent (dW = Pm^T dY + Kc dS_out^T, dS_in = D[C,0] dS_out + (D0 dY)^T Q - dW^T Wk) and,
+    in the same walk, every product with a chunk's state or state cotangent; then forms the
+    input cotangents in parallel. The gate cotangent goes through the straddle-sum rule.
     """
     C = k.shape[-2]
     ein = xp.einsum
     S_in, W, Tinv, Wk = residuals
     D = _decay(xp, gates, gate)
-    D0, D11 = D[..., 1:, 0], D[..., 1:, 1:]
+    D0, D11, D_last = D[..., 1:, 0], D[..., 1:, 1:], D[..., -1, 1:]
     KK = ein("...ck,...dk->...cd", k, k)[..., None, :, :]
     key_scale = beta * D0
-    Kc = D[..., -1, 1:, None] * k[..., None, :, :]
+    Kc = D_last[..., None] * k[..., None, :, :]
     QK = ein("...ck,...dk->...cd", q, k)[..., None, :, :]
     Pm = D11 * QK
     G = _T(Pm) @ dY
-    H = ein("...rcv,...ck->...rvk", D0[..., None] * dY, q)
 
     def step(dS_out, xs):
-        G_n, H_n, Kc_n, Wk_n, dCC = xs
+        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, q_n, k_n, D0_n, D_last_n, dCC = xs
         dW = G_n + ein("...ck,...vk->...cv", Kc_n, dS_out)
-        dS_in = dCC[..., None, None] * dS_out + H_n - ein("...cv,...ck->...vk", dW, Wk_n)
-        return dS_in, (dW, dS_out)
+        dY_S = dY_n @ S_n  # d(Q S^T) per value head
+        dKc = W_n @ dS_out  # S_out = D[C,0] S_in + W^T Kc
+        dS_in = (dCC[..., None, None] * dS_out
+                 + ein("...rcv,...ck->...rvk", D0_n[..., None] * dY_n, q_n)
+                 - ein("...cv,...ck->...vk", dW, Wk_n))
+        return dS_in, (dW, -(dW @ S_n), _sum_heads(D0_n[..., None] * dY_S),
+                       _row_dots(xp, dY_S, q_n), _sum_heads(D_last_n[..., None] * dKc),
+                       _row_dots(xp, dKc, k_n), ein("...vk,...vk->...", dS_out, S_n))
 
-    dS0, (dW, dS_out) = xp.scan(step, dS_final, (G, H, Kc, Wk, D[..., -1, 0]), True)
+    dS0, (dW, dWk, dq, dD0, dk, dDC, ddCC) = xp.scan(
+        step, dS_final, (G, Kc, Wk, W, S_in, dY, q, k, D0, D_last, D[..., -1, 0]), True)
 
     # Y = D0 * (Q S^T) + Pm W
     dPm = dY @ _T(W)
-    dPmD = dPm * D11
-    dY_S = dY @ S_in  # d(Q S^T) per value head, shared by dq and dD0
-    dq = ein("...rc,...rck->...ck", D0, dY_S) + ein("...rcd,...dk->...ck", dPmD, k)
-    dk = ein("...rcd,...ck->...dk", dPmD, q)
+    dPmD_heads = _sum_heads(dPm * D11)
+    dq = dq + dPmD_heads @ k
+    dk = dk + _T(dPmD_heads) @ q
     dD11 = dPm * QK
-    dD0 = ein("...rck,...ck->...rc", dY_S, q)
-    # S_out = D[C,0] S_in + W^T Kc
-    ddCC = xp.sum(xp.sum(dS_out * S_in, axis=-1), axis=-1)
-    dKc = W @ dS_out
-    dk = dk + ein("...rc,...rck->...ck", D[..., -1, 1:], dKc)
-    dDC = ein("...rck,...ck->...rc", dKc, k)
     # W = U - Wk S^T ;  U = T (beta V) ;  Wk = T (beta D0 K)
-    dWk = -(dW @ S_in)
     dTinv = (dW @ _T(beta[..., None] * v)
              + ein("...rck,...dk->...rcd", dWk, k) * key_scale[..., None, :])
     dbv = _T(Tinv) @ dW
     dbk = _T(Tinv) @ dWk
     dv = beta[..., None] * dbv
-    dbk_k = ein("...rck,...ck->...rc", dbk, k)
-    dbeta = xp.sum(dbv * v, axis=-1) + D0 * dbk_k
+    dbk_k = _row_dots(xp, dbk, k)
+    dbeta = ein("...cv,...cv->...c", dbv, v) + D0 * dbk_k
     dD0 = dD0 + beta * dbk_k
-    dk = dk + ein("...rc,...rck->...ck", key_scale, dbk)
+    dk = dk + _sum_heads(key_scale[..., None] * dbk)
     # A = beta_i D_ij (k_i . k_j), strictly lower;  d(L^{-1}) = -L^{-1} dL L^{-1}
     dA = solve_unit_lower_vjp(xp, Tinv, dTinv)
     dA_D = dA * D11
-    dbeta = dbeta + xp.sum(dA_D * KK, axis=-1)
+    dbeta = dbeta + ein("...rcd,...cd->...rc", dA_D, KK[..., 0, :, :])
     dD11 = dD11 + dA * beta[..., :, None] * KK
-    dKK = ein("...rc,...rcd->...cd", beta, dA_D)
+    dKK = _sum_heads(beta[..., None] * dA_D)
     dk = dk + (dKK + _T(dKK)) @ k
     # assemble dD over positions 0..C (row 0 never carries a gate)
     rows = xp.concatenate([dD0[..., None], dD11], axis=-1)  # positions 1..C
