@@ -25,7 +25,8 @@ class XP:
 
     @staticmethod
     def cumsum(x, axis, reverse=False):
-        return jax.lax.cumsum(x, axis % x.ndim, reverse=reverse)
+        # a parallel prefix: XLA:CPU lowers lax.cumsum to a slow blocked reduce-window
+        return jax.lax.associative_scan(jnp.add, x, reverse=reverse, axis=axis % x.ndim)
 
     @staticmethod
     def scan(f, carry, xs, reverse):
@@ -54,6 +55,11 @@ class XP:
 
 # ------------------------------------------------------------------ differentiable chunk core
 
+#: traced under this, every matmul of the chunk core is a true float32 product: the exact
+#: triangular inverse and the decay algebra must not drop to the TF32 / bfloat16 passes that
+#: GPUs and TPUs use for float32 by default.
+_FLOAT32_MATMULS = jax.default_matmul_precision("highest")
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
@@ -63,24 +69,27 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
     triangular inverses) for the backward, or recompute them there (one more sequential pass,
     less memory).
     """
-    Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                      solve_block=solve_block)
+    with _FLOAT32_MATMULS:
+        Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                          solve_block=solve_block)
     return Y, S_final
 
 
 def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states):
-    Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                              solve_block=solve_block)
+    with _FLOAT32_MATMULS:
+        Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                                  solve_block=solve_block)
     return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
 
 
 def _core_bwd(gate, solve_block, save_states, saved, cotangents):
     q, k, v, gates, beta, S0, residuals = saved
-    if residuals is None:
-        residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                      solve_block=solve_block)[2]
     dY, dS_final = cotangents
-    return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
+    with _FLOAT32_MATMULS:
+        if residuals is None:
+            residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                          solve_block=solve_block)[2]
+        return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
 
 
 chunk_core.defvjp(_core_fwd, _core_bwd)
