@@ -1,9 +1,10 @@
 """Framework-neutral chunkwise gated delta rule (WY form), shared by the JAX and MLX backends.
 
-Every function takes ``xp``, a small array namespace (`gdngen.backends.xla.XP`,
-`gdngen.backends.mlx.XP`) exposing: ``exp log where cumsum(x, axis, reverse) sum(x, axis, keepdims)
-concatenate stack swapaxes repeat zeros(shape) eye(n) tril_mask(n, k) pad_time(x, pad, value)
-scan(f, carry, xs, reverse) einsum`` (lax.scan semantics). Arrays are float32.
+Every function takes ``xp``, a small array namespace (an `ArrayNamespace`:
+`gdngen.backends.xla.XP`, `gdngen.backends.mlx.XP`) exposing ``exp log where concatenate stack
+swapaxes einsum repeat zeros(shape) eye(n) pad_time(x, pad, value)`` and the framework-specific
+``cumsum(x, axis, reverse) tril_mask(n, k) scan(f, carry, xs, reverse)`` (lax.scan semantics).
+Arrays are float32.
 
 Chunk algebra, per value head, chunk of C steps entering with state S0 ``[Dv, Dk]``. Positions
 are 0..C with 0 the chunk boundary; ``D[i, j] = prod_{j < m <= i} g_m`` (i >= j) are the decay
@@ -22,6 +23,39 @@ gives an exact 0.
 """
 
 from __future__ import annotations
+
+
+class ArrayNamespace:
+    """Base of the ``xp`` namespaces: subclasses set ``module`` (jax.numpy, mlx.core) and add
+    ``cumsum``, ``tril_mask`` and ``scan``; the rest maps onto the module's own functions."""
+
+    module = None
+    _SAME_NAME = ("exp", "log", "where", "concatenate", "stack", "swapaxes", "einsum")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls._SAME_NAME:
+            if name not in cls.__dict__:  # a subclass may specialise any of them
+                setattr(cls, name, staticmethod(getattr(cls.module, name)))
+
+    @classmethod
+    def repeat(cls, x, n, axis):
+        return cls.module.repeat(x, n, axis=axis)
+
+    @classmethod
+    def pad_time(cls, x, pad, value):
+        """Pad axis 1 (time) of ``x`` at the end with ``pad`` entries of ``value``."""
+        return cls.module.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
+                              constant_values=value)
+
+    @classmethod
+    def zeros(cls, shape):
+        return cls.module.zeros(shape, cls.module.float32)
+
+    @classmethod
+    def eye(cls, n):
+        return cls.module.eye(n, dtype=cls.module.float32)
+
 
 # --------------------------------------------------------------------------- decay factors
 

@@ -14,11 +14,10 @@ import numpy as np
 from gdngen import chunkwise
 
 
-class XP:
+class XP(chunkwise.ArrayNamespace):
     """The array namespace `gdngen.chunkwise` expects, over mlx.core (float32)."""
 
-    exp, log, where, sum, stack, swapaxes = mx.exp, mx.log, mx.where, mx.sum, mx.stack, mx.swapaxes
-    concatenate, einsum = mx.concatenate, mx.einsum
+    module = mx
 
     @staticmethod
     def cumsum(x, axis, reverse=False):
@@ -36,22 +35,6 @@ class XP:
         if isinstance(outs[0], tuple):
             return carry, tuple(mx.stack(list(parts)) for parts in zip(*outs))
         return carry, mx.stack(outs)
-
-    @staticmethod
-    def repeat(x, n, axis):
-        return mx.repeat(x, n, axis=axis)
-
-    @staticmethod
-    def pad_time(x, pad, value):
-        return mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-
-    @staticmethod
-    def zeros(shape):
-        return mx.zeros(shape, mx.float32)
-
-    @staticmethod
-    def eye(n):
-        return mx.eye(n, dtype=mx.float32)
 
     @staticmethod
     def tril_mask(n, k):

@@ -17,11 +17,12 @@ import numpy as np
 from gdngen import chunkwise
 
 
-class XP:
+class XP(chunkwise.ArrayNamespace):
     """The array namespace `gdngen.chunkwise` expects, over jax.numpy (float32)."""
 
-    exp, log, where, sum, stack = jnp.exp, jnp.log, jnp.where, jnp.sum, jnp.stack
-    swapaxes, concatenate, einsum = jnp.swapaxes, jnp.concatenate, jnp.einsum
+    module = jnp
+    #: true float32 products on every device (GPUs and TPUs default to TF32 / bfloat16 passes)
+    einsum = staticmethod(functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST))
 
     @staticmethod
     def cumsum(x, axis, reverse=False):
@@ -31,22 +32,6 @@ class XP:
     @staticmethod
     def scan(f, carry, xs, reverse):
         return jax.lax.scan(f, carry, xs, reverse=reverse)
-
-    @staticmethod
-    def repeat(x, n, axis):
-        return jnp.repeat(x, n, axis=axis)
-
-    @staticmethod
-    def pad_time(x, pad, value):
-        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-
-    @staticmethod
-    def zeros(shape):
-        return jnp.zeros(shape, jnp.float32)
-
-    @staticmethod
-    def eye(n):
-        return jnp.eye(n, dtype=jnp.float32)
 
     @staticmethod
     def tril_mask(n, k):
