@@ -27,6 +27,7 @@ from gdngen.variant import Problem, Variant
 
 TEMPLATED: dict[str, str] = {
     "pallas_tpu": "gdngen.backends.pallas_tpu:render_plan",
+    "pallas_gpu": "gdngen.backends.pallas_gpu:render_plan",
     "metal": "gdngen.backends.metal:render_plan",
 }
 

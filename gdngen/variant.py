@@ -124,6 +124,7 @@ SPACES = {
     "xla": "gdngen.variant:portable_space",
     "mlx": "gdngen.variant:portable_space",
     "pallas_tpu": "gdngen.backends.pallas_tpu:variant_space",
+    "pallas_gpu": "gdngen.backends.pallas_gpu:variant_space",
     "metal": "gdngen.backends.metal:variant_space",
 }
 

@@ -1,0 +1,561 @@
+"""Pallas GPU backend: generated Triton-lowered kernels for the chunkwise gated delta rule
+(scalar gates), for NVIDIA GPUs (a100, h100, h200 in `gdngen.devices`).
+
+The kernels are rendered from ``templates/pallas_gpu/`` (forward and backward module, every
+variant parameter baked in as a constant) and wired into ``jax.custom_vjp``. On a GPU they are
+lowered through ``jax.experimental.pallas.triton``; elsewhere they run in Pallas interpret mode
+(outputs start as NaN, so anything a kernel fails to write poisons the result), with a warning
+once per process. ``GDNGEN_INTERPRET=1`` forces interpret mode (``gdngen tune --dry-run``).
+
+Kernel plan (the template docstrings have the algebra): the O(C^2)/O(C^3) chunk work runs
+chunk-parallel (grid batch * value head x chunk); only the state recurrence walks the chunks in
+order, one program per (batch * value head, BV columns of the state), the state in registers.
+
+Variant parameters (`variant_space`):
+
+* ``chunk_size`` 16 | 32 | 64: steps per chunk.
+* ``bk`` / ``bv``: register tiles over Dk / Dv (powers of two >= 16 dividing the head dim
+  rounded up to 16; a request that does not divide takes the largest power of two that does).
+  Triton dots need power-of-two shapes >= 16, so head dims are zero-padded to a multiple of 16
+  (exact: padded key columns and value rows stay zero through the recurrence).
+* ``precision``: matmul policy, see `PRECISIONS` and `POLICY_TOLERANCES`. The decay segment sums
+  and the exact unit-lower-triangular inverse always run at input precision "ieee".
+* ``num_warps`` / ``num_stages``: Triton launch parameters (``plgpu.CompilerParams``).
+* ``save_states``: the forward saves U, Wk, Pm, T and each chunk's entering state for the
+  backward, or the backward recomputes them (the chunk-parallel kernel and one more state walk).
+
+Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
+rendered or run.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import linecache
+import os
+import types
+import warnings
+
+from gdngen import chunkwise
+from gdngen.devices import get_device
+from gdngen.problem import check_call, dtype_name
+from gdngen.variant import Problem, Variant
+
+BACKEND = "pallas_gpu"
+CHUNK_SIZES = (16, 32, 64)
+#: matmul precision policies: ieee = float32 operands at input precision "ieee"; tf32 = input
+#: precision "tf32" (tensor cores; emulated in interpret mode by rounding the operands to TF32);
+#: bf16 = bfloat16 operands. Accumulation is float32 in all three.
+PRECISIONS = ("ieee", "tf32", "bf16")
+#: Relative L2 error each policy is validated at (the battery's own tolerance for the input
+#: dtype applies when it is larger). Worst error measured in interpret mode, float32 inputs,
+#: default tiles (chunk 64, bk = bv = 64), every scalar-gate battery case and quantity:
+#:
+#:   policy  tolerance  measured worst   (quantity / case that reaches it)
+#:   ieee    5e-5       8.4e-7           dbeta (identical_keys)
+#:   tf32    5e-3       1.7e-3           dbeta (identical_keys; other cases <= 7.2e-4)
+#:   bf16    2e-2       1.4e-2           dbeta (identical_keys; other cases <= 5.3e-3)
+POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 5e-3, "bf16": 2e-2}
+INPUT_DTYPES = ("float32", "bfloat16", "float16")
+#: register tile sizes offered for bk / bv (Triton dots need powers of two >= 16).
+TILES = (16, 32, 64, 128)
+NUM_WARPS = (4, 8)
+NUM_STAGES = (2, 3)
+#: device whose shared memory `variant_space` plans against (h200 has the same 227 KiB).
+DEFAULT_DEVICE = "h100"
+#: log gates are clamped to this finite floor inside the kernels (exp gives exactly 0 either
+#: way, and a 0/1 matmul never meets 0 * -inf); the gate cotangent uses the true gates.
+LOG_GATE_FLOOR = -1e30
+#: environment variable forcing interpret mode (set by ``gdngen tune --dry-run`` workers).
+ENV_INTERPRET = "GDNGEN_INTERPRET"
+
+_PARAMS = ("bk", "bv", "chunk_size", "num_stages", "num_warps", "precision", "save_states")
+
+
+# ----------------------------------------------------------------------------- variant space
+
+
+def padded_dim(d: int) -> int:
+    """Head dim as the kernels see it: rounded up to a multiple of 16."""
+    return -(-d // 16) * 16
+
+
+def tiles(d: int) -> list[int]:
+    """Tiles enumerated for head dim ``d``: the powers of two in `TILES` dividing its padded
+    size, at least 32 when the padded size allows (16-wide tiles only for 16-wide heads)."""
+    padded = padded_dim(d)
+    return [t for t in TILES if padded % t == 0 and t >= min(32, padded)]
+
+
+def _resolve_tile(requested: int, d: int) -> int:
+    """The largest power of two >= 16, not above ``requested``, dividing ``padded_dim(d)``."""
+    padded, tile = padded_dim(d), 16
+    while tile * 2 <= min(requested, padded) and padded % (tile * 2) == 0:
+        tile *= 2
+    return tile
+
+
+def _check_problem(problem: Problem) -> None:
+    if problem.gate != "scalar":
+        raise ValueError(f"Problem.gate must be 'scalar' for the {BACKEND} backend (vector gates "
+                         f"run on xla), got {problem.gate!r}")
+    if problem.dtype not in INPUT_DTYPES:
+        raise ValueError(f"Problem.dtype must be one of {INPUT_DTYPES} for the {BACKEND} "
+                         f"backend, got {problem.dtype!r}")
+
+
+def _check_int(name: str, value, allowed) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def kernel_params(variant: Variant, problem: Problem) -> dict:
+    """The variant's parameters resolved for ``problem``: ``chunk``, ``bk``/``bv`` (tiles
+    dividing the padded head dims), ``dk``/``dv`` (padded head dims), ``precision``,
+    ``num_warps``, ``num_stages``, ``save_states``.
+
+    ValueError for a variant of another backend, unknown or missing parameters, bad values.
+    """
+    if variant.backend != BACKEND:
+        raise ValueError(f"variant backend must be {BACKEND!r}, got {variant.backend!r}")
+    params = variant.as_dict()
+    if sorted(params) != sorted(_PARAMS):
+        raise ValueError(f"{BACKEND} variant params must be {_PARAMS}, got {sorted(params)}")
+    _check_problem(problem)
+    _check_int("chunk_size", params["chunk_size"], CHUNK_SIZES)
+    _check_int("bk", params["bk"], TILES)
+    _check_int("bv", params["bv"], TILES)
+    _check_int("num_warps", params["num_warps"], (1, 2, 4, 8, 16))
+    _check_int("num_stages", params["num_stages"], (1, 2, 3, 4, 5))
+    if params["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {params['precision']!r}")
+    if type(params["save_states"]) is not bool:
+        raise ValueError(f"save_states must be a bool, got {params['save_states']!r}")
+    return {
+        "chunk": params["chunk_size"],
+        "bk": _resolve_tile(params["bk"], problem.Dk),
+        "bv": _resolve_tile(params["bv"], problem.Dv),
+        "dk": padded_dim(problem.Dk),
+        "dv": padded_dim(problem.Dv),
+        "precision": params["precision"],
+        "num_warps": params["num_warps"],
+        "num_stages": params["num_stages"],
+        "save_states": params["save_states"],
+    }
+
+
+def shared_memory_bytes(variant: Variant, problem: Problem) -> int:
+    """Planning estimate of the variant's largest shared-memory use per program, in bytes.
+
+    Triton stages dot operands through shared memory and software-pipelines the loads of a
+    loop ``num_stages`` deep. The sequential walks (forward state walk, reverse state-cotangent
+    walk) load per chunk the key and query tiles (input dtype), Wk (float32), Pm (float32) and
+    a BV-column float32 tile; they hold ``num_stages`` of those, plus one staged dot (Pm times
+    a BV tile). The chunk-parallel kernels stage their largest dot (T times a tile of Dk or
+    Dv). Not the compiler's own figure (that needs the device): a bound to prune variants
+    that cannot fit, not a promise that the rest do.
+    """
+    p = kernel_params(variant, problem)
+    C, bk, bv, dk = p["chunk"], p["bk"], p["bv"], p["dk"]
+    isz = 4 if problem.dtype == "float32" else 2
+    per_chunk = 2 * C * dk * isz + C * dk * 4 + C * C * 4 + C * bv * 4
+    walk = p["num_stages"] * per_chunk + (C * C + C * bv) * 4
+    parallel = 2 * (C * C + C * max(bk, bv)) * 4
+    return max(walk, parallel)
+
+
+def _space(problem: Problem, budget: int):
+    _check_problem(problem)
+    space = []
+    for chunk, precision, bk, bv, warps, stages, save in itertools.product(
+            CHUNK_SIZES, PRECISIONS, tiles(problem.Dk), tiles(problem.Dv), NUM_WARPS,
+            NUM_STAGES, (True, False)):
+        params = {"chunk_size": chunk, "precision": precision, "bk": bk, "bv": bv,
+                  "num_warps": warps, "num_stages": stages, "save_states": save}
+        if shared_memory_bytes(Variant(BACKEND, params), problem) <= budget:
+            space.append(params)
+    default = {"chunk_size": 64, "precision": "ieee", "bk": min(64, tiles(problem.Dk)[-1]),
+               "bv": min(64, tiles(problem.Dv)[-1]), "num_warps": 4, "num_stages": 2,
+               "save_states": True}
+    if shared_memory_bytes(Variant(BACKEND, default), problem) > budget:
+        default = dict(default, chunk_size=32)
+    return space, default
+
+
+def variants_for_device(device_name: str, problem: Problem) -> list[Variant]:
+    """Every variant whose `shared_memory_bytes` fits ``device_name``'s ``shared_memory``
+    (gdngen.devices)."""
+    device = get_device(device_name)
+    if "shared_memory" not in device.limits:
+        raise ValueError(f"device_name must be an NVIDIA GPU with a shared-memory limit, got "
+                         f"{device_name!r}")
+    return [Variant(BACKEND, p) for p in _space(problem, device.limits["shared_memory"])[0]]
+
+
+def variant_space(problem: Problem):
+    """``(params list, default params)`` for ``problem``, planned against `DEFAULT_DEVICE`."""
+    return _space(problem, get_device(DEFAULT_DEVICE).limits["shared_memory"])
+
+
+def tolerance(variant: Variant, dtype: str) -> float:
+    """Relative L2 error the variant is validated at: its precision policy's tolerance, or the
+    battery's tolerance for ``dtype`` when that is larger."""
+    from gdngen.validate import tolerance as dtype_tolerance
+
+    return max(dtype_tolerance(dtype), POLICY_TOLERANCES[variant["precision"]])
+
+
+def numerics_key(variant: Variant, problem: Problem) -> tuple:
+    """What decides the variant's arithmetic on ``problem``: its resolved parameters without
+    the launch parameters (``num_warps``, ``num_stages`` only reach ``plgpu.CompilerParams``)."""
+    p = kernel_params(variant, problem)
+    return tuple(sorted((k, v) for k, v in p.items() if k not in ("num_warps", "num_stages")))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render_plan(variant: Variant, problem: Problem) -> dict:
+    """``{"forward.py": (template, context), "backward.py": (template, context)}``; the context
+    holds the parameters resolved for ``problem`` (`kernel_params`)."""
+    p = kernel_params(variant, problem)
+    context = {
+        "problem_key": problem.key(),
+        "chunk": p["chunk"],
+        "dk": p["dk"],
+        "dv": p["dv"],
+        "bk": p["bk"],
+        "bv": p["bv"],
+        "n_dk": p["dk"] // p["bk"],
+        "n_dv": p["dv"] // p["bv"],
+        "hk": problem.Hk,
+        "hv": problem.Hv,
+        "group": problem.group,
+        "dtype": problem.dtype,
+        "precision": p["precision"],
+        "num_warps": p["num_warps"],
+        "num_stages": p["num_stages"],
+        "save_states": p["save_states"],
+    }
+    return {"forward.py": ("pallas_gpu/forward.py.j2", context),
+            "backward.py": ("pallas_gpu/backward.py.j2", context)}
+
+
+# ----------------------------------------------------------------------------- loading
+
+_LOADED: dict = {}
+#: XLA options for the interpret-mode executables on the host (compile time dominates there).
+_INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+@functools.cache
+def _default_interpret_mode() -> bool:
+    import jax
+
+    if os.environ.get(ENV_INTERPRET, "") not in ("", "0"):
+        return True
+    if jax.default_backend() == "gpu":
+        return False
+    warnings.warn(f"gdngen {BACKEND}: no GPU attached; the generated kernels run in Pallas "
+                  "interpret mode (slow; for validation)", RuntimeWarning, stacklevel=5)
+    return True
+
+
+def interpret_mode() -> bool:
+    """False on a GPU (Triton lowering); True elsewhere or with ``GDNGEN_INTERPRET=1``, with a
+    warning once per process when no GPU is attached."""
+    return _default_interpret_mode()
+
+
+def clear_cache() -> None:
+    """Drop every loaded variant and jax's compiled executables (a build calls this between
+    variants)."""
+    import jax
+
+    _LOADED.clear()
+    _core.cache_clear()
+    jax.clear_caches()
+
+
+def _exec_module(name: str, source: str, sha: str):
+    """A fresh module object holding ``source`` (registered in linecache for tracebacks)."""
+    filename = f"<gdngen {BACKEND} {sha[:16]} {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(f"gdngen_{BACKEND}_{sha[:16]}_{name.removesuffix('.py')}")
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own rendering
+    return module
+
+
+def _jit_pair(fn, static, interpret):
+    """``(top-level jit, nested jit)`` of ``fn``: the first with `_INTERPRET_COMPILER_OPTIONS`
+    in interpret mode (jax accepts compiler options on top-level jits only)."""
+    import jax
+
+    options = _INTERPRET_COMPILER_OPTIONS if interpret else None
+    return (jax.jit(fn, static_argnames=static, compiler_options=options),
+            jax.jit(fn, static_argnames=static))
+
+
+def _call(fns, *args, **kwargs):
+    """Call the right one of a `_jit_pair` for ``args`` (traced: nested)."""
+    import jax
+
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+    return fns[traced](*args, **kwargs)
+
+
+def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
+    """Render ``variant`` for ``problem`` and load it (cached by the sources' sha256 and the
+    interpret mode).
+
+    Returns a namespace: ``forward``/``backward`` (the generated modules), ``run_forward``,
+    ``run_residuals``, ``run_backward`` (their functions jitted with ``scale``/``interpret``
+    static: a pair, top-level and nested), ``sha256``, ``variant``, ``problem``, ``params``
+    (`kernel_params`), ``interpret``.
+    """
+    from gdngen.render import render
+
+    rendered = render(variant, problem, templates_dir=templates_dir)
+    interpret = interpret_mode()
+    key = (rendered.sha256, interpret)
+    if key not in _LOADED:
+        fwd, bwd = (_exec_module(name, rendered.sources[name], rendered.sha256)
+                    for name in ("forward.py", "backward.py"))
+        static = ("scale", "interpret")
+        _LOADED[key] = types.SimpleNamespace(
+            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
+            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
+            run_forward=_jit_pair(fwd.forward, static, interpret),
+            run_residuals=_jit_pair(fwd.residuals, static, interpret),
+            run_backward=_jit_pair(bwd.backward, static, interpret))
+    return _LOADED[key]
+
+
+def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2) -> dict:
+    """Lower the variant's kernels (forward, residual recomputation, backward) through the
+    Pallas Triton lowering for the CUDA platform, which needs no GPU; returns ``{function name:
+    StableHLO text}``. Raises what the lowering raises (non-power-of-two shapes, unsupported
+    ops, scratch memory, ...). Triton's own compilation to PTX runs only on a GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    kernels = load_kernels(variant, problem)
+    p = kernels.params
+    C, Dk, Dv, Hk, Hv = p["chunk"], p["dk"], p["dv"], problem.Hk, problem.Hv
+    B, T, N = batch, chunks * C, chunks
+    spec, f32, dtype = jax.ShapeDtypeStruct, jnp.float32, jnp.dtype(problem.dtype)
+    q = spec((B, T, Hk, Dk), dtype)
+    v = spec((B, T, Hv, Dv), dtype)
+    gates, state = spec((B, Hv, T), f32), spec((B, Hv, Dv, Dk), f32)
+    residuals = (spec((B, Hv, T, Dv), f32), spec((B, Hv, T, Dk), f32), spec((B, Hv, T, C), f32),
+                 spec((B, Hv, T, C), f32), spec((B, Hv, N, Dv, Dk), f32))
+
+    def lower(fn, *args):
+        static = {"scale": Dk ** -0.5, "interpret": False}
+        return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
+                .lower(lowering_platforms=("cuda",)).as_text())
+
+    lowered = {
+        "forward": lower(kernels.forward.forward, q, q, v, gates, gates, state),
+        "residuals": lower(kernels.forward.residuals, q, q, v, gates, gates, state),
+        "backward": lower(kernels.backward.backward, q, q, v, gates, gates, *residuals, v,
+                          state),
+    }
+    for name, text in lowered.items():
+        if "triton" not in text:
+            raise RuntimeError(f"the {name} kernels did not lower to a Triton custom call")
+    return lowered
+
+
+# ----------------------------------------------------------------------------- custom VJP core
+
+
+def _pad_last(x, size: int, axis: int = -1):
+    import jax.numpy as jnp
+
+    extra = size - x.shape[axis]
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _keys_to_kernel(x, dk):
+    """Chunk layout [N, B, Hk, C, Dk] -> [B, T, Hk, DK] (zero-padded head dim)."""
+    N, B, Hk, C, Dk = x.shape
+    return _pad_last(x.transpose(1, 0, 3, 2, 4).reshape(B, N * C, Hk, Dk), dk)
+
+
+def _values_to_kernel(x, dv):
+    """Chunk layout [N, B, Hk, r, C, Dv] -> [B, T, Hv, DV]."""
+    N, B, Hk, r, C, Dv = x.shape
+    return _pad_last(x.transpose(1, 0, 4, 2, 3, 5).reshape(B, N * C, Hk * r, Dv), dv)
+
+
+def _values_from_kernel(x, like):
+    """[B, T, Hv, DV] -> chunk layout [N, B, Hk, r, C, Dv] of ``like``."""
+    N, B, Hk, r, C, Dv = like.shape
+    return x[..., :Dv].reshape(B, N, C, Hk, r, Dv).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _per_step_to_kernel(x):
+    """Chunk layout [N, B, Hk, r, C] -> [B, Hv, T]."""
+    N, B, Hk, r, C = x.shape
+    return x.transpose(1, 2, 3, 0, 4).reshape(B, Hk * r, N * C)
+
+
+def _per_step_from_kernel(x, like):
+    """[B, Hv, T] (or [B, Hv, N, C]) -> chunk layout [N, B, Hk, r, C] of ``like``."""
+    N, B, Hk, r, C = like.shape
+    return x.reshape(B, Hk, r, N, C).transpose(3, 0, 1, 2, 4)
+
+
+def _states_to_kernel(x, dk, dv):
+    """[B, Hk, r, Dv, Dk] -> [B, Hv, DV, DK]."""
+    B, Hk, r, Dv, Dk = x.shape
+    return _pad_last(_pad_last(x.reshape(B, Hk * r, Dv, Dk), dk), dv, axis=-2)
+
+
+def _to_kernel_layout(q, k, v, gates, beta, S0, *, gate, dk, dv):
+    """Chunk layout of `gdngen.chunkwise` -> the kernels' layout (see the forward template), as
+    a dict; log gates clamped to `LOG_GATE_FLOOR`."""
+    import jax.numpy as jnp
+
+    log_gates = gates if gate == "log" else jnp.log(gates)
+    return {"q": _keys_to_kernel(q, dk), "k": _keys_to_kernel(k, dk),
+            "v": _values_to_kernel(v, dv),
+            "g": _per_step_to_kernel(jnp.maximum(log_gates, LOG_GATE_FLOOR)),
+            "beta": _per_step_to_kernel(beta), "s0": _states_to_kernel(S0, dk, dv)}
+
+
+def _gate_cotangent(gates, gate, dd11, dd0):
+    """d(gates) [B, Hv, N, C] from the kernels' decay-factor cotangents (dd11 [B, Hv, T, C],
+    dd0 [B, Hv, T]; the chunk-end terms already folded into their last rows) by the
+    straddle-sum rule of `gdngen.chunkwise` (exact at g = 0); gates [B, Hv, N, C] in their own
+    convention."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.xla import XP
+
+    C = gates.shape[-1]
+    dd11 = dd11.reshape(gates.shape + (C,))
+    rows = jnp.concatenate([dd0.reshape(gates.shape)[..., None], dd11], axis=-1)  # positions 1..C
+    dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, C + 1), rows.dtype), rows], axis=-2)
+    if gate == "log":
+        return chunkwise.decay_factors_log_vjp(XP, gates, chunkwise.decay_factors(XP, gates), dD)
+    D = chunkwise.decay_factors(XP, jnp.log(gates))
+    return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+
+
+def _cotangents(primals, grads, *, gate):
+    """The kernels' gradients -> cotangents of the core's primals (chunk layout, their dtypes)."""
+    q, k, v, gates, beta, S0 = primals
+    dq, dk, dv, dbeta, dd11, dd0, ds0 = grads
+    N, B, Hk, C, Dk = q.shape
+    r = v.shape[3]
+
+    def key_grad(x, like):  # [B, T, Hv, DK] per value head -> summed over the group
+        x = x[..., :Dk].reshape(B, N, C, Hk, r, Dk).sum(axis=4)
+        return x.transpose(1, 0, 3, 2, 4).astype(like.dtype)
+
+    B_, Hv = gates.shape[1], Hk * r
+    per_head = gates.transpose(1, 2, 3, 0, 4).reshape(B_, Hv, N, C)
+    dgates = _gate_cotangent(per_head, gate, dd11, dd0)
+    Dv = v.shape[-1]
+    return (key_grad(dq, q), key_grad(dk, k), _values_from_kernel(dv, v).astype(v.dtype),
+            _per_step_from_kernel(dgates, gates), _per_step_from_kernel(dbeta, beta),
+            ds0[:, :, :Dv, :Dk].reshape(S0.shape))
+
+
+@functools.cache
+def _core(key: tuple, gate: str, scale: float):
+    """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
+    (sha256, interpret mode), with the generated backward as its ``jax.custom_vjp``. Layout
+    changes and the gate epilogue are jitted on their own; each kernel module function is its
+    own executable (shared by both gate kinds)."""
+    import jax
+    import jax.numpy as jnp
+
+    kernels = _LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    prepare = _jit_pair(functools.partial(_to_kernel_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
+                        (), interpret)
+    finish = _jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_final, v, S0):
+        Dv, Dk = S0.shape[-2:]
+        return _values_from_kernel(y, v), s_final[:, :, :Dv, :Dk].reshape(S0.shape)
+
+    def backward_inputs(dY, dS_final, lay_v):
+        return (_values_to_kernel(dY, p["dv"]).astype(lay_v.dtype),
+                _states_to_kernel(dS_final.astype(jnp.float32), p["dk"], p["dv"]))
+
+    forward_outputs = _jit_pair(forward_outputs, (), interpret)
+    backward_inputs = _jit_pair(backward_inputs, (), interpret)
+
+    def forward(primals):
+        lay = _call(prepare, *primals)
+        y, s_final, saved = _call(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g"],
+                                  lay["beta"], lay["s0"], scale=scale, interpret=interpret)
+        return _call(forward_outputs, y, s_final, primals[2], primals[5]), (lay, saved)
+
+    @jax.custom_vjp
+    def core(q, k, v, gates, beta, S0):
+        return forward((q, k, v, gates, beta, S0))[0]
+
+    def core_fwd(q, k, v, gates, beta, S0):
+        primals = (q, k, v, gates, beta, S0)
+        out, (lay, saved) = forward(primals)
+        return out, (primals, lay, saved)
+
+    def core_bwd(res, cotangents):
+        primals, lay, saved = res
+        args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
+        if not p["save_states"]:
+            saved = _call(kernels.run_residuals, *args, lay["s0"], scale=scale,
+                          interpret=interpret)
+        dy, dsf = _call(backward_inputs, *cotangents, lay["v"])
+        grads = _call(kernels.run_backward, *args, *saved, dy, dsf, scale=scale,
+                      interpret=interpret)
+        return _call(finish, primals, grads)
+
+    core.defvjp(core_fwd, core_bwd)
+    return core
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+                variant, templates_dir=None):
+    """Gated delta rule with the generated Pallas GPU kernels of ``variant``; returns
+    ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar gates only; q, k, v
+    float32, bfloat16 or float16). Differentiable (custom VJP) and jit-able."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.xla import XP
+    from gdngen.dispatch import problem_of
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
+                       scale=scale)
+    if shape.vector_gate:
+        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
+                         f"{shape.Hv}): the {BACKEND} backend implements scalar gates only")
+    dtype = dtype_name(q)
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"q has dtype {dtype}, expected one of {INPUT_DTYPES} for the "
+                         f"{BACKEND} backend")
+    interpret_mode()  # decided (and warned about) at the caller's frame
+    kernels = load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
+    f32 = jnp.float32
+    if initial_state is None:
+        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    core = _core((kernels.sha256, kernels.interpret), gate, float(scale))
+    y, state = chunkwise.gated_delta(
+        XP, core, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
+        initial_state.astype(f32), mask, scale=1.0, gate=gate,
+        chunk_size=kernels.params["chunk"])
+    return y.astype(q.dtype), state
