@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import linecache
 import os
 import types
 import warnings
 
 from gdngen import chunkwise
+from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.devices import get_device
 from gdngen.problem import check_call, dtype_name
 from gdngen.variant import Problem, Variant
@@ -245,8 +245,6 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
 # ----------------------------------------------------------------------------- loading
 
 _LOADED: dict = {}
-#: XLA options for the interpret-mode executables on the host (compile time dominates there).
-_INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 @functools.cache
@@ -278,34 +276,6 @@ def clear_cache() -> None:
     jax.clear_caches()
 
 
-def _exec_module(name: str, source: str, sha: str):
-    """A fresh module object holding ``source`` (registered in linecache for tracebacks)."""
-    filename = f"<gdngen {BACKEND} {sha[:16]} {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    module = types.ModuleType(f"gdngen_{BACKEND}_{sha[:16]}_{name.removesuffix('.py')}")
-    module.__file__ = filename
-    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own rendering
-    return module
-
-
-def _jit_pair(fn, static, interpret):
-    """``(top-level jit, nested jit)`` of ``fn``: the first with `_INTERPRET_COMPILER_OPTIONS`
-    in interpret mode (jax accepts compiler options on top-level jits only)."""
-    import jax
-
-    options = _INTERPRET_COMPILER_OPTIONS if interpret else None
-    return (jax.jit(fn, static_argnames=static, compiler_options=options),
-            jax.jit(fn, static_argnames=static))
-
-
-def _call(fns, *args, **kwargs):
-    """Call the right one of a `_jit_pair` for ``args`` (traced: nested)."""
-    import jax
-
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
-    return fns[traced](*args, **kwargs)
-
-
 def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     """Render ``variant`` for ``problem`` and load it (cached by the sources' sha256 and the
     interpret mode).
@@ -321,15 +291,15 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     interpret = interpret_mode()
     key = (rendered.sha256, interpret)
     if key not in _LOADED:
-        fwd, bwd = (_exec_module(name, rendered.sources[name], rendered.sha256)
+        fwd, bwd = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
                     for name in ("forward.py", "backward.py"))
         static = ("scale", "interpret")
         _LOADED[key] = types.SimpleNamespace(
             forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
             problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            run_forward=_jit_pair(fwd.forward, static, interpret),
-            run_residuals=_jit_pair(fwd.residuals, static, interpret),
-            run_backward=_jit_pair(bwd.backward, static, interpret))
+            run_forward=jit_pair(fwd.forward, static, interpret),
+            run_residuals=jit_pair(fwd.residuals, static, interpret),
+            run_backward=jit_pair(bwd.backward, static, interpret))
     return _LOADED[key]
 
 
@@ -481,9 +451,9 @@ def _core(key: tuple, gate: str, scale: float):
 
     kernels = _LOADED[key]
     interpret, p = kernels.interpret, kernels.params
-    prepare = _jit_pair(functools.partial(_to_kernel_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
                         (), interpret)
-    finish = _jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
+    finish = jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
 
     def forward_outputs(y, s_final, v, S0):
         Dv, Dk = S0.shape[-2:]
@@ -493,14 +463,14 @@ def _core(key: tuple, gate: str, scale: float):
         return (_values_to_kernel(dY, p["dv"]).astype(lay_v.dtype),
                 _states_to_kernel(dS_final.astype(jnp.float32), p["dk"], p["dv"]))
 
-    forward_outputs = _jit_pair(forward_outputs, (), interpret)
-    backward_inputs = _jit_pair(backward_inputs, (), interpret)
+    forward_outputs = jit_pair(forward_outputs, (), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
 
     def forward(primals):
-        lay = _call(prepare, *primals)
-        y, s_final, saved = _call(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g"],
+        lay = call_jitted(prepare, *primals)
+        y, s_final, saved = call_jitted(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g"],
                                   lay["beta"], lay["s0"], scale=scale, interpret=interpret)
-        return _call(forward_outputs, y, s_final, primals[2], primals[5]), (lay, saved)
+        return call_jitted(forward_outputs, y, s_final, primals[2], primals[5]), (lay, saved)
 
     @jax.custom_vjp
     def core(q, k, v, gates, beta, S0):
@@ -515,12 +485,12 @@ def _core(key: tuple, gate: str, scale: float):
         primals, lay, saved = res
         args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
         if not p["save_states"]:
-            saved = _call(kernels.run_residuals, *args, lay["s0"], scale=scale,
+            saved = call_jitted(kernels.run_residuals, *args, lay["s0"], scale=scale,
                           interpret=interpret)
-        dy, dsf = _call(backward_inputs, *cotangents, lay["v"])
-        grads = _call(kernels.run_backward, *args, *saved, dy, dsf, scale=scale,
+        dy, dsf = call_jitted(backward_inputs, *cotangents, lay["v"])
+        grads = call_jitted(kernels.run_backward, *args, *saved, dy, dsf, scale=scale,
                       interpret=interpret)
-        return _call(finish, primals, grads)
+        return call_jitted(finish, primals, grads)
 
     core.defvjp(core_fwd, core_bwd)
     return core

@@ -27,12 +27,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import linecache
 import math
 import types
 import warnings
 
 from gdngen import chunkwise
+from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.devices import MiB, get_device
 from gdngen.problem import check_call, dtype_name
 from gdngen.variant import Problem, Variant
@@ -253,8 +253,6 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
 # ----------------------------------------------------------------------------- loading
 
 _LOADED: dict = {}
-#: XLA options for the interpret-mode executables on the host (compile time dominates there).
-_INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 _INTERPRET_OVERRIDE: list = []
@@ -301,34 +299,6 @@ def clear_cache() -> None:
     jax.clear_caches()
 
 
-def _exec_module(name: str, source: str, sha: str):
-    """A fresh module object holding ``source`` (registered in linecache for tracebacks)."""
-    filename = f"<gdngen {BACKEND} {sha[:16]} {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    module = types.ModuleType(f"gdngen_{BACKEND}_{sha[:16]}_{name.removesuffix('.py')}")
-    module.__file__ = filename
-    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own rendering
-    return module
-
-
-def _jit_pair(fn, static, interpret):
-    """``(top-level jit, nested jit)`` of ``fn``: the first with `_INTERPRET_COMPILER_OPTIONS`
-    in interpret mode (jax accepts compiler options on top-level jits only)."""
-    import jax
-
-    options = _INTERPRET_COMPILER_OPTIONS if interpret else None
-    return (jax.jit(fn, static_argnames=static, compiler_options=options),
-            jax.jit(fn, static_argnames=static))
-
-
-def _call(fns, *args, **kwargs):
-    """Call the right one of a `_jit_pair` for ``args`` (traced: nested)."""
-    import jax
-
-    return fns[any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))](*args,
-                                                                                   **kwargs)
-
-
 def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     """Render ``variant`` for ``problem`` and load it (cached by the sources' sha256 and the
     interpret-mode parameters).
@@ -343,7 +313,7 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     rendered = render(variant, problem, templates_dir=templates_dir)
     key = (rendered.sha256, interpret_mode())
     if key not in _LOADED:
-        modules = {name: _exec_module(name, source, rendered.sha256)
+        modules = {name: exec_module(BACKEND, name, source, rendered.sha256)
                    for name, source in rendered.sources.items()}
         interpret = interpret_mode()
         fwd, bwd = modules["forward.py"], modules["backward.py"]
@@ -351,10 +321,10 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
         kernels = types.SimpleNamespace(
             forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
             problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            run_forward=_jit_pair(fwd.forward, ("scale", "interpret"), interpret),
-            run_backward=_jit_pair(bwd.backward, ("scale", "interpret"), interpret))
+            run_forward=jit_pair(fwd.forward, ("scale", "interpret"), interpret),
+            run_backward=jit_pair(bwd.backward, ("scale", "interpret"), interpret))
         if hasattr(fwd, "chunk_states"):
-            kernels.run_chunk_states = _jit_pair(fwd.chunk_states, ("interpret",), interpret)
+            kernels.run_chunk_states = jit_pair(fwd.chunk_states, ("interpret",), interpret)
         _LOADED[key] = kernels
     return _LOADED[key]
 
@@ -382,7 +352,7 @@ def _run_kernel(fns, *args, what: str, interpret, **kwargs):
     interpret mode, check it for races, and reset the interpreter's shared state if it raised
     (jax requires that before the next kernel)."""
     try:
-        outputs = _call(fns, *args, interpret=interpret, **kwargs)
+        outputs = call_jitted(fns, *args, interpret=interpret, **kwargs)
         _check_races(outputs, what, interpret)
     except Exception:
         if interpret:
@@ -514,8 +484,8 @@ def _core(key: tuple, gate: str, scale: float):
 
     kernels = _LOADED[key]
     interpret = kernels.interpret
-    prepare = _jit_pair(functools.partial(_to_kernel_layout, gate=gate), (), interpret)
-    finish = _jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate=gate), (), interpret)
+    finish = jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
 
     def forward_outputs(y, s_final, v, S0):
         return _from_heads(y, v.shape[2]), s_final.reshape(S0.shape)
@@ -523,15 +493,15 @@ def _core(key: tuple, gate: str, scale: float):
     def backward_inputs(dY, dS_final, v, s0):
         return _to_heads(dY).astype(v.dtype), dS_final.reshape(s0.shape).astype(jnp.float32)
 
-    forward_outputs = _jit_pair(forward_outputs, (), interpret)
-    backward_inputs = _jit_pair(backward_inputs, (), interpret)
+    forward_outputs = jit_pair(forward_outputs, (), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
 
     def forward(primals):
-        lay = _call(prepare, *primals)
+        lay = call_jitted(prepare, *primals)
         outs = _run_kernel(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"],
                            lay["g_row"], lay["beta"], lay["s0"], scale=scale, what="forward",
                            interpret=interpret)
-        return (_call(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
+        return (call_jitted(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
                 (lay, tuple(outs[2:])))
 
     @jax.custom_vjp
@@ -553,11 +523,11 @@ def _core(key: tuple, gate: str, scale: float):
                                lay["g_row"], lay["beta"], lay["s0"], what="chunk-state",
                                interpret=interpret)
             extra = ()
-        dy, dsf = _call(backward_inputs, *cotangents, lay["v"], lay["s0"])
+        dy, dsf = call_jitted(backward_inputs, *cotangents, lay["v"], lay["s0"])
         grads = _run_kernel(kernels.run_backward, lay["q"], lay["k"], lay["v"], lay["g_col"],
                             lay["g_row"], lay["beta"], s_in, *extra, dy, dsf, scale=scale,
                             what="backward", interpret=interpret)
-        return _call(finish, primals, grads)
+        return call_jitted(finish, primals, grads)
 
     core.defvjp(core_fwd, core_bwd)
     return core
