@@ -246,14 +246,9 @@ def test_padded_head_dims_and_several_tiles(save_states):
 
 
 def _inputs(B=1, T=20, Hk=1, Hv=2, D=16, seed=None):
-    rng = np.random.default_rng(seed)
-    q, k = rng.standard_normal((2, B, T, Hk, D))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, Hv, D))
-    g = -rng.uniform(0.01, 0.5, (B, T, Hv))
-    beta = rng.uniform(0, 1, (B, T, Hv))
-    s0 = rng.standard_normal((B, Hv, D, D))
-    return q, k, v, g, beta, s0
+    """q, k, v, log g, beta, initial state of a small call, drawn as the battery draws a case."""
+    x = Case("entry_point", "small call", B, T, Hk, Hv, D, D, has_initial_state=True).inputs(seed)
+    return x["q"], x["k"], x["v"], x["g_log"], x["beta"], x["initial_state"]
 
 
 def test_entry_point_under_jit_with_mask_and_gradient():
