@@ -33,13 +33,14 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import sys
 import types
 import warnings
 
 from gdngen import chunkwise
+from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.devices import get_device
-from gdngen.problem import check_call, dtype_name
 from gdngen.variant import Problem, Variant
 
 BACKEND = "pallas_gpu"
@@ -256,7 +257,7 @@ def _default_interpret_mode() -> bool:
     if jax.default_backend() == "gpu":
         return False
     warnings.warn(f"gdngen {BACKEND}: no GPU attached; the generated kernels run in Pallas "
-                  "interpret mode (slow; for validation)", RuntimeWarning, stacklevel=5)
+                  "interpret mode (slow; for validation)", RuntimeWarning, stacklevel=6)
     return True
 
 
@@ -504,28 +505,6 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     """Gated delta rule with the generated Pallas GPU kernels of ``variant``; returns
     ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar gates only; q, k, v
     float32, bfloat16 or float16). Differentiable (custom VJP) and jit-able."""
-    import jax.numpy as jnp
-
-    from gdngen.backends.xla import XP
-    from gdngen.dispatch import problem_of
-
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
-                       scale=scale)
-    if shape.vector_gate:
-        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
-                         f"{shape.Hv}): the {BACKEND} backend implements scalar gates only")
-    dtype = dtype_name(q)
-    if dtype not in INPUT_DTYPES:
-        raise ValueError(f"q has dtype {dtype}, expected one of {INPUT_DTYPES} for the "
-                         f"{BACKEND} backend")
-    interpret_mode()  # decided (and warned about) at the caller's frame
-    kernels = load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
-    f32 = jnp.float32
-    if initial_state is None:
-        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    core = _core((kernels.sha256, kernels.interpret), gate, float(scale))
-    y, state = chunkwise.gated_delta(
-        XP, core, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
-        initial_state.astype(f32), mask, scale=1.0, gate=gate,
-        chunk_size=kernels.params["chunk"])
-    return y.astype(q.dtype), state
+    return generated.gated_delta(sys.modules[__name__], q, k, v, g, beta, initial_state,
+                                 mask=mask, scale=scale, gate=gate, variant=variant,
+                                 templates_dir=templates_dir)
