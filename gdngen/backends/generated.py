@@ -1,5 +1,7 @@
-"""Loading of generated Python kernel modules (the Pallas backends): exec a rendered source as a
-module, and jit its entry points for top-level and nested calls."""
+"""What the generated-kernel backends written in Python (`pallas_tpu`, `pallas_gpu`) share:
+variant and problem checks, exec of a rendered source as a module, jitting its entry points for
+top-level and nested calls, the custom-VJP core, the gate epilogue and the whole-sequence
+entry."""
 
 from __future__ import annotations
 
@@ -8,6 +10,39 @@ import types
 
 from gdngen import chunkwise
 from gdngen.problem import check_call, dtype_name
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_scalar_problem(backend: str, input_dtypes: tuple, problem) -> None:
+    """ValueError unless ``problem`` has scalar gates and one of ``input_dtypes``."""
+    if problem.gate != "scalar":
+        raise ValueError(f"Problem.gate must be 'scalar' for the {backend} backend (vector gates "
+                         f"run on xla), got {problem.gate!r}")
+    if problem.dtype not in input_dtypes:
+        raise ValueError(f"Problem.dtype must be one of {input_dtypes} for the {backend} "
+                         f"backend, got {problem.dtype!r}")
+
+
+def variant_params(backend: str, names: tuple, variant) -> dict:
+    """The params of ``variant``; ValueError for another backend or other parameter names."""
+    if variant.backend != backend:
+        raise ValueError(f"variant backend must be {backend!r}, got {variant.backend!r}")
+    params = variant.as_dict()
+    if sorted(params) != sorted(names):
+        raise ValueError(f"{backend} variant params must be {names}, got {sorted(params)}")
+    return params
+
+
+def policy_tolerance(policy_tolerances: dict, variant, dtype: str) -> float:
+    """Relative L2 error ``variant`` is validated at: its precision policy's tolerance, or the
+    battery's tolerance for ``dtype`` when that is larger."""
+    from gdngen.validate import tolerance as dtype_tolerance
+
+    return max(dtype_tolerance(dtype), policy_tolerances[variant["precision"]])
+
+
+# ------------------------------------------------------------------------------ loading
 
 #: XLA options for the interpret-mode executables on the host (compile time dominates there).
 INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
@@ -40,6 +75,45 @@ def call_jitted(fns, *args, **kwargs):
 
     traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
     return fns[traced](*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------ calling
+
+
+def custom_vjp_core(forward, backward):
+    """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
+    ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->
+    cotangents of the primals``."""
+    import jax
+
+    @jax.custom_vjp
+    def core(q, k, v, gates, beta, S0):
+        return forward((q, k, v, gates, beta, S0))[0]
+
+    def core_fwd(*primals):
+        outputs, saved = forward(primals)
+        return outputs, (primals, saved)
+
+    def core_bwd(residuals, cotangents):
+        primals, saved = residuals
+        return backward(primals, saved, cotangents)
+
+    core.defvjp(core_fwd, core_bwd)
+    return core
+
+
+def gate_cotangent(gates, gate, dD):
+    """d(gates) from the kernels' decay-factor cotangent ``dD [..., C+1, C+1]`` by the
+    straddle-sum rule of `gdngen.chunkwise` (exact at g = 0); gates ``[..., C]`` in their own
+    convention (``gate`` "log" or "linear")."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.xla import XP
+
+    if gate == "log":
+        return chunkwise.decay_factors_log_vjp(XP, gates, chunkwise.decay_factors(XP, gates), dD)
+    D = chunkwise.decay_factors(XP, jnp.log(gates))
+    return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
 
 
 def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant,

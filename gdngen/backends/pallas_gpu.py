@@ -37,7 +37,6 @@ import sys
 import types
 import warnings
 
-from gdngen import chunkwise
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.devices import get_device
@@ -98,12 +97,7 @@ def _resolve_tile(requested: int, d: int) -> int:
 
 
 def _check_problem(problem: Problem) -> None:
-    if problem.gate != "scalar":
-        raise ValueError(f"Problem.gate must be 'scalar' for the {BACKEND} backend (vector gates "
-                         f"run on xla), got {problem.gate!r}")
-    if problem.dtype not in INPUT_DTYPES:
-        raise ValueError(f"Problem.dtype must be one of {INPUT_DTYPES} for the {BACKEND} "
-                         f"backend, got {problem.dtype!r}")
+    generated.check_scalar_problem(BACKEND, INPUT_DTYPES, problem)
 
 
 def _check_int(name: str, value, allowed) -> None:
@@ -118,11 +112,7 @@ def kernel_params(variant: Variant, problem: Problem) -> dict:
 
     ValueError for a variant of another backend, unknown or missing parameters, bad values.
     """
-    if variant.backend != BACKEND:
-        raise ValueError(f"variant backend must be {BACKEND!r}, got {variant.backend!r}")
-    params = variant.as_dict()
-    if sorted(params) != sorted(_PARAMS):
-        raise ValueError(f"{BACKEND} variant params must be {_PARAMS}, got {sorted(params)}")
+    params = generated.variant_params(BACKEND, _PARAMS, variant)
     _check_problem(problem)
     _check_int("chunk_size", params["chunk_size"], CHUNK_SIZES)
     _check_int("bk", params["bk"], TILES)
@@ -202,9 +192,7 @@ def variant_space(problem: Problem):
 def tolerance(variant: Variant, dtype: str) -> float:
     """Relative L2 error the variant is validated at: its precision policy's tolerance, or the
     battery's tolerance for ``dtype`` when that is larger."""
-    from gdngen.validate import tolerance as dtype_tolerance
-
-    return max(dtype_tolerance(dtype), POLICY_TOLERANCES[variant["precision"]])
+    return generated.policy_tolerance(POLICY_TOLERANCES, variant, dtype)
 
 
 def numerics_key(variant: Variant, problem: Problem) -> tuple:
@@ -409,16 +397,11 @@ def _gate_cotangent(gates, gate, dd11, dd0):
     convention."""
     import jax.numpy as jnp
 
-    from gdngen.backends.xla import XP
-
     C = gates.shape[-1]
     dd11 = dd11.reshape(gates.shape + (C,))
     rows = jnp.concatenate([dd0.reshape(gates.shape)[..., None], dd11], axis=-1)  # positions 1..C
     dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, C + 1), rows.dtype), rows], axis=-2)
-    if gate == "log":
-        return chunkwise.decay_factors_log_vjp(XP, gates, chunkwise.decay_factors(XP, gates), dD)
-    D = chunkwise.decay_factors(XP, jnp.log(gates))
-    return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+    return generated.gate_cotangent(gates, gate, dD)
 
 
 def _cotangents(primals, grads, *, gate):
@@ -447,7 +430,6 @@ def _core(key: tuple, gate: str, scale: float):
     (sha256, interpret mode), with the generated backward as its ``jax.custom_vjp``. Layout
     changes and the gate epilogue are jitted on their own; each kernel module function is its
     own executable (shared by both gate kinds)."""
-    import jax
     import jax.numpy as jnp
 
     kernels = _LOADED[key]
@@ -473,17 +455,8 @@ def _core(key: tuple, gate: str, scale: float):
                                   lay["beta"], lay["s0"], scale=scale, interpret=interpret)
         return call_jitted(forward_outputs, y, s_final, primals[2], primals[5]), (lay, saved)
 
-    @jax.custom_vjp
-    def core(q, k, v, gates, beta, S0):
-        return forward((q, k, v, gates, beta, S0))[0]
-
-    def core_fwd(q, k, v, gates, beta, S0):
-        primals = (q, k, v, gates, beta, S0)
-        out, (lay, saved) = forward(primals)
-        return out, (primals, lay, saved)
-
-    def core_bwd(res, cotangents):
-        primals, lay, saved = res
+    def backward(primals, saved_forward, cotangents):
+        lay, saved = saved_forward
         args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
         if not p["save_states"]:
             saved = call_jitted(kernels.run_residuals, *args, lay["s0"], scale=scale,
@@ -493,8 +466,7 @@ def _core(key: tuple, gate: str, scale: float):
                       interpret=interpret)
         return call_jitted(finish, primals, grads)
 
-    core.defvjp(core_fwd, core_bwd)
-    return core
+    return generated.custom_vjp_core(forward, backward)
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -32,7 +32,6 @@ import sys
 import types
 import warnings
 
-from gdngen import chunkwise
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.devices import MiB, get_device
@@ -77,12 +76,7 @@ def _dv_tiles(dv: int) -> list[int]:
 
 
 def _check_problem(problem: Problem) -> None:
-    if problem.gate != "scalar":
-        raise ValueError(f"Problem.gate must be 'scalar' for the {BACKEND} backend (vector gates "
-                         f"run on xla), got {problem.gate!r}")
-    if problem.dtype not in INPUT_DTYPES:
-        raise ValueError(f"Problem.dtype must be one of {INPUT_DTYPES} for the {BACKEND} "
-                         f"backend, got {problem.dtype!r}")
+    generated.check_scalar_problem(BACKEND, INPUT_DTYPES, problem)
 
 
 def kernel_params(variant: Variant, problem: Problem) -> dict:
@@ -91,11 +85,7 @@ def kernel_params(variant: Variant, problem: Problem) -> dict:
 
     ValueError for a variant of another backend, unknown or missing parameters, bad values.
     """
-    if variant.backend != BACKEND:
-        raise ValueError(f"variant backend must be {BACKEND!r}, got {variant.backend!r}")
-    params = variant.as_dict()
-    if sorted(params) != sorted(_PARAMS):
-        raise ValueError(f"{BACKEND} variant params must be {_PARAMS}, got {sorted(params)}")
+    params = generated.variant_params(BACKEND, _PARAMS, variant)
     _check_problem(problem)
     chunk, head_tile, dv_tile = params["chunk_size"], params["head_tile"], params["dv_tile"]
     if chunk not in CHUNK_SIZES:
@@ -192,9 +182,7 @@ def variant_space(problem: Problem):
 def tolerance(variant: Variant, dtype: str) -> float:
     """Relative L2 error the variant is validated at: its precision policy's tolerance, or the
     battery's tolerance for ``dtype`` when that is larger."""
-    from gdngen.validate import tolerance as dtype_tolerance
-
-    return max(dtype_tolerance(dtype), POLICY_TOLERANCES[variant["precision"]])
+    return generated.policy_tolerance(POLICY_TOLERANCES, variant, dtype)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -445,16 +433,11 @@ def _gate_cotangent(gates, gate, dd11, dd0, ddc, ddcc):
     g = 0). Inputs [B, Hv, N, ...]; gates in their own convention."""
     import jax.numpy as jnp
 
-    from gdngen.backends.xla import XP
-
     rows = jnp.concatenate([dd0, dd11], axis=-1)  # positions 1..C of dD, columns 0..C
     last = rows[..., -1, :] + jnp.concatenate([ddcc[..., 0, :], ddc[..., 0]], axis=-1)
     dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, rows.shape[-1]), rows.dtype),
                           rows[..., :-1, :], last[..., None, :]], axis=-2)
-    if gate == "log":
-        return chunkwise.decay_factors_log_vjp(XP, gates, chunkwise.decay_factors(XP, gates), dD)
-    D = chunkwise.decay_factors(XP, jnp.log(gates))
-    return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+    return generated.gate_cotangent(gates, gate, dD)
 
 
 def _cotangents(primals, grads, gate):
@@ -480,7 +463,6 @@ def _core(key: tuple, gate: str, scale: float):
     interpret parameters), with the
     generated backward as its ``jax.custom_vjp``. Layout changes and the gate epilogue are
     jitted on their own; each kernel is its own executable (shared by both gate kinds)."""
-    import jax
     import jax.numpy as jnp
 
     kernels = _LOADED[key]
@@ -505,17 +487,8 @@ def _core(key: tuple, gate: str, scale: float):
         return (call_jitted(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
                 (lay, tuple(outs[2:])))
 
-    @jax.custom_vjp
-    def core(q, k, v, gates, beta, S0):
-        return forward((q, k, v, gates, beta, S0))[0]
-
-    def core_fwd(q, k, v, gates, beta, S0):
-        primals = (q, k, v, gates, beta, S0)
-        out, (lay, saved) = forward(primals)
-        return out, (primals, lay, saved)
-
-    def core_bwd(res, cotangents):
-        primals, lay, saved = res
+    def backward(primals, saved_forward, cotangents):
+        lay, saved = saved_forward
         if kernels.params["save_states"]:
             s_in, tinv = saved
             extra = (tinv,)
@@ -530,8 +503,7 @@ def _core(key: tuple, gate: str, scale: float):
                             what="backward", interpret=interpret)
         return call_jitted(finish, primals, grads)
 
-    core.defvjp(core_fwd, core_bwd)
-    return core
+    return generated.custom_vjp_core(forward, backward)
 
 
 # ----------------------------------------------------------------------------- entry point
