@@ -24,7 +24,9 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from gdngen import Problem, Variant, default_variant, reference, render, validate
+from generated_kernels import check_entry_point_under_jit, small_call_inputs
+
+from gdngen import Problem, Variant, default_variant, render, validate
 from gdngen.backends import pallas_gpu
 from gdngen.cases import BATTERY, Case
 from gdngen.variant import variants
@@ -245,42 +247,13 @@ def test_padded_head_dims_and_several_tiles(save_states):
 # ----------------------------------------------------------------------------- entry point
 
 
-def _inputs(B=1, T=20, Hk=1, Hv=2, D=16, seed=None):
-    """q, k, v, log g, beta, initial state of a small call, drawn as the battery draws a case."""
-    x = Case("entry_point", "small call", B, T, Hk, Hv, D, D, has_initial_state=True).inputs(seed)
-    return x["q"], x["k"], x["v"], x["g_log"], x["beta"], x["initial_state"]
-
-
 def test_entry_point_under_jit_with_mask_and_gradient():
-    """``gdngen.jax.gated_delta(variant=...)`` inside ``jax.jit`` (kernels inlined, padding to
-    the chunk, a mask) against the float64 reference, values and two gradients."""
-    from gdngen.jax import gated_delta
-
-    q, k, v, g, beta, s0 = _inputs()
-    mask = np.ones((1, 20), bool)
-    mask[0, 3:6] = False
-    variant = _variant(chunk_size=16, bk=16, bv=16, save_states=False)
-    scale = 0.25
-
-    def loss(q, k, v, g, beta, s0):
-        y, state = gated_delta(q, k, v, g, beta, s0, mask=jnp.asarray(mask), scale=scale,
-                               variant=variant)
-        return jnp.sum(y ** 2) + jnp.sum(state), (y, state)
-
-    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(2, 3), has_aux=True))
-    (_, (y, state)), (dv, dg) = grad(*args)
-    ref_y, ref_state = reference.forward(q, k, v, g, beta, s0, mask=mask, scale=scale)
-    assert validate.relative_error(y, ref_y) < 1e-5
-    assert validate.relative_error(state, ref_state) < 1e-5
-    ref = reference.vjp(q, k, v, g, beta, s0, 2 * ref_y, np.ones_like(ref_state), mask=mask,
-                        scale=scale)
-    assert validate.relative_error(dv, ref["dv"]) < 1e-5
-    assert validate.relative_error(dg, ref["dg"]) < 1e-5
+    """``gdngen.jax.gated_delta(variant=...)`` under ``jax.jit``, against the float64 reference."""
+    check_entry_point_under_jit(_variant(chunk_size=16, bk=16, bv=16, save_states=False))
 
 
 def test_entry_point_rejects_vector_gates():
-    q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in _inputs())
+    q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in small_call_inputs())
     variant = _variant(bk=16, bv=16)
     with pytest.raises(ValueError, match=r"g has shape \(1, 20, 2, 16\), expected \(1, 20, 2\)"):
         pallas_gpu.gated_delta(q, k, v, jnp.repeat(g[..., None], 16, -1), beta, s0,

@@ -18,6 +18,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+from generated_kernels import check_entry_point_under_jit, small_call_inputs
+
 from gdngen import Problem, Variant, default_variant, reference, validate
 from gdngen.backends import pallas_tpu
 from gdngen.cases import BATTERY, Case
@@ -144,41 +146,15 @@ def test_dv_tiles(save_states):
 # ----------------------------------------------------------------------------- entry point
 
 
-def _inputs(B=1, T=20, Hk=1, Hv=2, D=16, seed=0):
-    """q, k, v, log g, beta, initial state of a small call, drawn as the battery draws a case."""
-    x = Case("entry_point", "small call", B, T, Hk, Hv, D, D, has_initial_state=True).inputs(seed)
-    return x["q"], x["k"], x["v"], x["g_log"], x["beta"], x["initial_state"]
-
-
 def test_entry_point_under_jit_with_mask_and_gradient():
-    """``gdngen.jax.gated_delta(variant=...)`` inside ``jax.jit`` (kernels inlined, padding to
-    the chunk, a mask) against the float64 reference, values and one gradient."""
-    from gdngen.jax import gated_delta
-
-    q, k, v, g, beta, s0 = _inputs()
-    mask = np.ones((1, 20), bool)
-    mask[0, 3:6] = False
-    variant = Variant("pallas_tpu", {"chunk_size": 32, "precision": "ieee", "head_tile": 2,
-                                     "dv_tile": 128, "save_states": False})
-    scale = 0.25
-
-    def loss(q, k, v, g, beta, s0):
-        y, state = gated_delta(q, k, v, g, beta, s0, mask=jnp.asarray(mask), scale=scale,
-                               variant=variant)
-        return jnp.sum(y ** 2) + jnp.sum(state), (y, state)
-
-    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
-    (_, (y, state)), dv = jax.jit(jax.value_and_grad(loss, argnums=2, has_aux=True))(*args)
-    ref_y, ref_state = reference.forward(q, k, v, g, beta, s0, mask=mask, scale=scale)
-    assert validate.relative_error(y, ref_y) < 1e-5
-    assert validate.relative_error(state, ref_state) < 1e-5
-    ref = reference.vjp(q, k, v, g, beta, s0, 2 * ref_y, np.ones_like(ref_state), mask=mask,
-                        scale=scale)
-    assert validate.relative_error(dv, ref["dv"]) < 1e-5
+    """``gdngen.jax.gated_delta(variant=...)`` under ``jax.jit``, against the float64 reference."""
+    check_entry_point_under_jit(Variant("pallas_tpu", {
+        "chunk_size": 32, "precision": "ieee", "head_tile": 2, "dv_tile": 128,
+        "save_states": False}))
 
 
 def test_entry_point_rejects_vector_gates_and_float16():
-    q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in _inputs())
+    q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in small_call_inputs())
     variant = _variant(Problem(1, 2, 16, 16))
     with pytest.raises(ValueError, match=r"g has shape \(1, 20, 2, 16\), expected \(1, 20, 2\)"):
         pallas_tpu.gated_delta(q, k, v, jnp.repeat(g[..., None], 16, -1), beta, s0,
@@ -210,7 +186,7 @@ def test_two_simulated_tensorcores_are_race_free():
     megacore chips: outputs stay right and the race detector stays quiet."""
     from jax.experimental.pallas import tpu as pltpu
 
-    q, k, v, g, beta, s0 = _inputs(B=2, T=8, Hk=2, Hv=2)
+    q, k, v, g, beta, s0 = small_call_inputs(B=2, T=8, Hk=2, Hv=2)
     variant = Variant("pallas_tpu", {"chunk_size": 32, "precision": "ieee", "head_tile": 1,
                                      "dv_tile": 128, "save_states": True})
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
