@@ -105,22 +105,18 @@ def _in_subprocess(framework: str, ns) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+    from gdngen.tables import render_table
 
-    table = Table(title="tuned vs default vs sequential (fwd+bwd, median ms)")
-    for col in ("framework", "model", "T", "tuned variant", "tuned", "default", "sequential",
-                "tuned/default", "seq/tuned"):
-        table.add_column(col, overflow="fold")
+    cells = []
     for r in rows:
         seq = "—" if r["sequential_ms"] is None else f"{r['sequential_ms']:.0f}"
         vs_seq = "—" if r["tuned_vs_sequential"] is None else f"{r['tuned_vs_sequential']:.2f}x"
         variant = r["tuned_variant"] + ("" if r["choice"] == "tuned" else " (default: untuned)")
-        table.add_row(*map(escape, (r["framework"], r["model"], str(r["T"]), variant,
-                                    f"{r['tuned_ms']:.0f}", f"{r['default_ms']:.0f}", seq,
-                                    f"{r['tuned_vs_default']:.2f}x", vs_seq)))
-    Console(width=200).print(table)
+        cells.append((r["framework"], r["model"], str(r["T"]), variant, f"{r['tuned_ms']:.0f}",
+                      f"{r['default_ms']:.0f}", seq, f"{r['tuned_vs_default']:.2f}x", vs_seq))
+    print(render_table("tuned vs default vs sequential (fwd+bwd, median ms)",
+                       ("framework", "model", "T", "tuned variant", "tuned", "default",
+                        "sequential", "tuned/default", "seq/tuned"), cells), end="")
 
 
 def main(argv=None) -> int:

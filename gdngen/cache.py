@@ -412,22 +412,11 @@ def describe(device: str, dirs=None) -> list[dict]:
 
 def format_rows(rows: list[dict]) -> str:
     """``gdngen show`` table of `describe` rows."""
-    import io
+    from gdngen.tables import render_table
 
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title="gdngen tuned cache")
-    for name in ("key", "variant", "best ms", "default ms", "speedup", "worst err", "date",
-                 "status", "file"):
-        table.add_column(name, overflow="fold")
-    for r in rows:
-        err = r["worst_error"]
-        table.add_row(*map(escape, (
-            r["key"], r["variant"], f"{r['best_ms']:.1f}", f"{r['default_ms']:.1f}",
-            f"{r['speedup']:.2f}x", "-" if err is None else f"{err:.1e}", str(r["date"]),
-            r["status"], r["file"])))
-    buffer = io.StringIO()
-    Console(file=buffer, width=220, color_system=None, force_terminal=False).print(table)
-    return buffer.getvalue()
+    cells = [(r["key"], r["variant"], f"{r['best_ms']:.1f}", f"{r['default_ms']:.1f}",
+              f"{r['speedup']:.2f}x", "-" if r["worst_error"] is None else
+              f"{r['worst_error']:.1e}", str(r["date"]), r["status"], r["file"]) for r in rows]
+    return render_table("gdngen tuned cache", ("key", "variant", "best ms", "default ms",
+                                               "speedup", "worst err", "date", "status", "file"),
+                        cells, width=220)

@@ -181,25 +181,16 @@ def require_attached(name: str, framework: str) -> Device:
 def format_table(detected: dict) -> str:
     """``gdngen devices`` table: every registered device, marking the ones ``detected``
     (framework -> `Detected`) found attached."""
-    import io
+    from gdngen.tables import render_table
 
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title="gdngen devices")
-    for name in ("device", "kind", "backends", "limits", "attached", "source"):
-        table.add_column(name, overflow="fold")
+    rows = []
     for dev in DEVICES.values():
         seen = [f"{fw} ({d.description})" for fw, d in detected.items() if d.name == dev.name]
         limits = ", ".join(f"{k}={v // MiB} MiB" if v >= MiB else f"{k}={v // KiB} KiB"
                            for k, v in dev.limits.items())
-        table.add_row(*map(escape, (dev.name, dev.kind, ", ".join(dev.backends), limits or "-",
-                                    "* " + "; ".join(seen) if seen else "", dev.source)))
+        rows.append((dev.name, dev.kind, ", ".join(dev.backends), limits or "-",
+                     "* " + "; ".join(seen) if seen else "", dev.source))
     unknown = [f"{fw}: {d.description}" for fw, d in detected.items() if d.name is None]
-    buffer = io.StringIO()
-    console = Console(file=buffer, width=200, color_system=None, force_terminal=False)
-    console.print(table)
-    if unknown:
-        console.print("attached but not registered: " + "; ".join(unknown))
-    return buffer.getvalue()
+    footer = ["attached but not registered: " + "; ".join(unknown)] if unknown else []
+    return render_table("gdngen devices", ("device", "kind", "backends", "limits", "attached",
+                                           "source"), rows, footer=footer)

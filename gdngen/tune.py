@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import io
 import json
 import math
 import os
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gdngen import cache
+from gdngen.tables import render_table
 from gdngen.variant import Problem, Variant, default_variant, dumps, variants
 
 __all__ = [
@@ -792,49 +792,31 @@ def default_frameworks(device: str) -> tuple[str, ...]:
 
 def format_summaries(summaries) -> str:
     """The end-of-run table: default vs best, speedup, validation error, trial counts."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title="gdngen tune")
-    for name in ("target", "default", "default ms", "best", "best ms", "speedup", "worst err",
-                 "run/failed/infeasible", "notes"):
-        table.add_column(name, overflow="fold")
-
     def ms(x):
         return "-" if x is None else f"{x * 1e3:.1f}"
 
-    for s in summaries:
-        table.add_row(*map(escape, (
-            s.target.label(), str(s.default), ms(s.default_s),
-            "-" if s.best is None else str(s.best), ms(s.best_s),
-            "-" if s.speedup is None else f"{s.speedup:.2f}x",
-            "-" if s.worst_error is None else f"{s.worst_error:.1e}",
-            f"{s.trials_run}/{s.trials_failed}/{s.trials_infeasible}", "; ".join(s.notes))))
-    return _render(table)
+    rows = [(s.target.label(), str(s.default), ms(s.default_s),
+             "-" if s.best is None else str(s.best), ms(s.best_s),
+             "-" if s.speedup is None else f"{s.speedup:.2f}x",
+             "-" if s.worst_error is None else f"{s.worst_error:.1e}",
+             f"{s.trials_run}/{s.trials_failed}/{s.trials_infeasible}", "; ".join(s.notes))
+            for s in summaries]
+    return render_table("gdngen tune", ("target", "default", "default ms", "best", "best ms",
+                                        "speedup", "worst err", "run/failed/infeasible", "notes"),
+                        rows)
 
 
 def format_dry_run(target: Target, rows) -> str:
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"dry run: {target.label()} on {target.device} (no timing)")
-    for name in ("variant", "sha256", "status", "worst err", "where"):
-        table.add_column(name, overflow="fold")
+    """The ``--dry-run`` table: every candidate's sources hash, validation status and worst
+    error."""
+    cells = []
     for r in rows:
         err = "-" if r["worst_error"] is None else f"{r['worst_error']:.1e}"
         where = f"{r['worst_case']}/{r['worst_quantity']}" if r["worst_case"] else \
             r.get("error", "")[-120:]
-        table.add_row(*map(escape, (r["variant"], (r["sha256"] or "-")[:12], r["status"], err,
-                                    where)))
-    return _render(table)
-
-
-def _render(table) -> str:
-    from rich.console import Console
-
-    buffer = io.StringIO()
-    Console(file=buffer, width=200, color_system=None, force_terminal=False).print(table)
-    return buffer.getvalue()
+        cells.append((r["variant"], (r["sha256"] or "-")[:12], r["status"], err, where))
+    return render_table(f"dry run: {target.label()} on {target.device} (no timing)",
+                        ("variant", "sha256", "status", "worst err", "where"), cells)
 
 
 if __name__ == "__main__":

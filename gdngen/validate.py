@@ -13,7 +13,6 @@ A case passes when every error is <= `tolerance(dtype)`.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -206,9 +205,10 @@ def _format_error(err: float | None) -> str:
 def format_table(results) -> str:
     """One row per result: case, dtype, an error per quantity, worst quantity, PASS/FAIL.
 
-    Rendered with rich as plain text (no ANSI codes); a plain fixed-width table if rich is
-    unavailable.
+    Rendered with rich as plain text (no ANSI codes).
     """
+    from gdngen.tables import render_table
+
     header = ["case", "dtype", *QUANTITIES, "worst", "result"]
     rows = []
     for res in results:
@@ -216,21 +216,8 @@ def format_table(results) -> str:
         rows.append([res.case, res.dtype, *(_format_error(res.errors.get(q)) for q in QUANTITIES),
                      f"{worst_name} {_format_error(worst_err)}",
                      "PASS" if res.passed else "FAIL"])
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header, *rows]]
-        return "\n".join(lines)
-    table = Table(title="gated delta battery vs float64 reference")
-    for name in header:
-        table.add_column(name, justify="left" if name in ("case", "dtype", "worst") else "right")
-    for row in rows:
-        table.add_row(*row)
-    buffer = io.StringIO()
-    Console(file=buffer, width=250, color_system=None, force_terminal=False).print(table)
-    return buffer.getvalue()
+    return render_table("gated delta battery vs float64 reference", header, rows, width=250,
+                        right=[*QUANTITIES, "result"])
 
 
 def _json_float(x: float):
