@@ -108,12 +108,14 @@ def gate_cotangent(gates, gate, dD):
     convention (``gate`` "log" or "linear")."""
     import jax.numpy as jnp
 
-    from gdngen.backends.xla import XP
+    from gdngen.backends.xla import FLOAT32_MATMULS, XP
 
-    if gate == "log":
-        return chunkwise.decay_factors_log_vjp(XP, gates, chunkwise.decay_factors(XP, gates), dD)
-    D = chunkwise.decay_factors(XP, jnp.log(gates))
-    return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+    with FLOAT32_MATMULS:  # the straddle sums are einsums
+        if gate == "log":
+            return chunkwise.decay_factors_log_vjp(XP, gates,
+                                                   chunkwise.decay_factors(XP, gates), dD)
+        D = chunkwise.decay_factors(XP, jnp.log(gates))
+        return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
 
 
 def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant,

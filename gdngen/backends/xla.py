@@ -21,8 +21,6 @@ class XP(chunkwise.ArrayNamespace):
     """The array namespace `gdngen.chunkwise` expects, over jax.numpy (float32)."""
 
     module = jnp
-    #: true float32 products on every device (GPUs and TPUs default to TF32 / bfloat16 passes)
-    einsum = staticmethod(functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST))
 
     @staticmethod
     def cumsum(x, axis, reverse=False):
@@ -40,10 +38,10 @@ class XP(chunkwise.ArrayNamespace):
 
 # ------------------------------------------------------------------ differentiable chunk core
 
-#: traced under this, every matmul of the chunk core is a true float32 product: the exact
-#: triangular inverse and the decay algebra must not drop to the TF32 / bfloat16 passes that
-#: GPUs and TPUs use for float32 by default.
-_FLOAT32_MATMULS = jax.default_matmul_precision("highest")
+#: traced under this, every matmul is a true float32 product (the precision is fixed in the
+#: traced dots, their transposes included): the exact triangular inverse, the decay algebra and
+#: the recurrence must not drop to the TF32 / bfloat16 passes GPUs and TPUs use by default.
+FLOAT32_MATMULS = jax.default_matmul_precision("highest")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -54,14 +52,14 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
     triangular inverses) for the backward, or recompute them there (one more sequential pass,
     less memory).
     """
-    with _FLOAT32_MATMULS:
+    with FLOAT32_MATMULS:
         Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                           solve_block=solve_block)
     return Y, S_final
 
 
 def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states):
-    with _FLOAT32_MATMULS:
+    with FLOAT32_MATMULS:
         Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                                   solve_block=solve_block)
     return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
@@ -70,7 +68,7 @@ def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states):
 def _core_bwd(gate, solve_block, save_states, saved, cotangents):
     q, k, v, gates, beta, S0, residuals = saved
     dY, dS_final = cotangents
-    with _FLOAT32_MATMULS:
+    with FLOAT32_MATMULS:
         if residuals is None:
             residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                           solve_block=solve_block)[2]
@@ -101,8 +99,9 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
 @functools.partial(jax.jit, static_argnames=("scale", "gate"))
 def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):
     """Per-step float32 ``lax.scan`` recurrence (vector gates; benchmark baseline)."""
-    return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
-                                            scale=scale, gate=gate)
+    with FLOAT32_MATMULS:
+        return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
+                                                scale=scale, gate=gate)
 
 
 # ------------------------------------------------------------------------------ battery
