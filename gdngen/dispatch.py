@@ -19,7 +19,8 @@ from gdngen.problem import CallShape, check_call, dtype_name
 from gdngen.variant import SPACES, Problem, Variant, default_variant
 
 #: backends each framework can execute, the portable one first (the fallback).
-FRAMEWORK_BACKENDS = {"jax": ("xla", "pallas_tpu", "pallas_gpu"), "mlx": ("mlx", "metal")}
+FRAMEWORK_BACKENDS = {"jax": ("xla", "pallas_tpu", "pallas_gpu", "ffi_cpu"),
+                      "mlx": ("mlx", "metal")}
 ENV_NO_TUNED = "GDNGEN_NO_TUNED"
 
 

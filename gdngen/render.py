@@ -29,6 +29,7 @@ TEMPLATED: dict[str, str] = {
     "pallas_tpu": "gdngen.backends.pallas_tpu:render_plan",
     "pallas_gpu": "gdngen.backends.pallas_gpu:render_plan",
     "metal": "gdngen.backends.metal:render_plan",
+    "ffi_cpu": "gdngen.backends.ffi_cpu:render_plan",
 }
 
 PORTABLE_SOURCES = {

@@ -126,6 +126,7 @@ SPACES = {
     "pallas_tpu": "gdngen.backends.pallas_tpu:variant_space",
     "pallas_gpu": "gdngen.backends.pallas_gpu:variant_space",
     "metal": "gdngen.backends.metal:variant_space",
+    "ffi_cpu": "gdngen.backends.ffi_cpu:variant_space",
 }
 
 

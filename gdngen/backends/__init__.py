@@ -12,7 +12,8 @@ import importlib
 #: backend name -> module whose ``runner`` validates it on the battery.
 RUNNERS = {"xla": "gdngen.backends.xla", "mlx": "gdngen.backends.mlx",
            "pallas_tpu": "gdngen.backends.xla", "pallas_gpu": "gdngen.backends.xla",
-           "metal": "gdngen.backends.metal"}
+           "metal": "gdngen.backends.metal",
+           "ffi_cpu": "gdngen.backends.xla"}
 
 #: backends that implement vector gates ([B,T,Hv,Dk]); the others are scalar-gate only.
 VECTOR_GATE_BACKENDS = ("xla", "mlx")

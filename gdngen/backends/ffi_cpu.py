@@ -1,0 +1,292 @@
+"""ffi_cpu backend: generated C++ kernels for the chunkwise gated delta rule on the host CPU,
+called from JAX as XLA FFI custom calls (scalar gates).
+
+The forward and backward are rendered from ``templates/ffi_cpu/gated_delta.cc.j2`` with the
+chunk size and the padded head dims baked in, compiled with the host C++ compiler
+(``$CXX``, else g++ / c++; ``-O3 -march=native``) into a shared library cached under
+``<gdngen cache>/ffi_cpu/`` (key: source sha256, compiler version, flags, host CPU, jaxlib
+version; written atomically) and registered as XLA FFI targets. Each (batch, value head) is one
+task; tasks run on one thread per available core. The chunk's matmuls run in one register-
+blocked kernel whose output rows are whole 16-float vectors (every width is padded with zeros).
+
+Why it exists: XLA:CPU runs the chunk algorithm's small [C x 128] @ [128 x 128] dots at 20-90
+GFLOP/s here against 230-270 for a square 2048^3 matmul (see docs/NUMERICS.md); the fused
+kernel keeps a chunk's operands in cache and runs those products near the square rate.
+
+Variant parameters (`variant_space`):
+
+* ``chunk_size`` 32 | 64 | 128: steps per chunk.
+* ``row_block`` 4 | 6: output rows per register block of the matmul kernel (4 or 6 rows by
+  up to 64 columns of float32 accumulators).
+
+The forward saves, per chunk, the entering state, W, the triangular inverse and Wk for the
+backward, which walks the chunks in reverse and returns the decay-factor cotangent; the gate
+cotangent is its straddle sum (`gdngen.backends.generated.gate_cotangent`, exact at g = 0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import itertools
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from gdngen.backends import generated
+from gdngen.problem import check_call, dtype_name
+from gdngen.variant import Problem, Variant
+
+BACKEND = "ffi_cpu"
+CHUNK_SIZES = (32, 64, 128)
+ROW_BLOCKS = (4, 6)
+INPUT_DTYPES = ("float32", "bfloat16", "float16")
+TEMPLATE = "ffi_cpu/gated_delta.cc.j2"
+SOURCE_NAME = "gated_delta.cc"
+#: C++ symbols of the two handlers (one pair per shared library, each loaded on its own).
+SYMBOL = "gdngen_gated_delta"
+COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+ENV_COMPILER = "CXX"
+
+_PARAMS = ("chunk_size", "row_block")
+
+
+# ----------------------------------------------------------------------------- variant space
+
+
+def _check_problem(problem: Problem) -> None:
+    generated.check_scalar_problem(BACKEND, INPUT_DTYPES, problem)
+
+
+def padded(dim: int) -> int:
+    """``dim`` rounded up to whole 16-float vectors."""
+    return -(-dim // 16) * 16
+
+
+def kernel_params(variant: Variant, problem: Problem) -> dict:
+    """``{"chunk", "row_block"}`` of ``variant`` for ``problem``; ValueError for a variant of
+    another backend, unknown or missing parameters, bad values, or a problem the backend does
+    not implement."""
+    params = generated.variant_params(BACKEND, _PARAMS, variant)
+    _check_problem(problem)
+    if params["chunk_size"] not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {params['chunk_size']!r}")
+    if params["row_block"] not in ROW_BLOCKS:
+        raise ValueError(f"row_block must be one of {ROW_BLOCKS}, got {params['row_block']!r}")
+    return {"chunk": params["chunk_size"], "row_block": params["row_block"]}
+
+
+def variant_space(problem: Problem):
+    """Every chunk size and row block; default chunk 64, row block 6."""
+    _check_problem(problem)
+    space = [{"chunk_size": c, "row_block": r} for c, r in itertools.product(CHUNK_SIZES, ROW_BLOCKS)]
+    return space, {"chunk_size": 64, "row_block": 6}
+
+
+def render_plan(variant: Variant, problem: Problem) -> dict:
+    """``{"gated_delta.cc": (template, context)}`` for `gdngen.render`."""
+    p = kernel_params(variant, problem)
+    context = {"chunk": p["chunk"], "row_block": p["row_block"], "dk": problem.Dk,
+               "dv": problem.Dv, "dk_pad": padded(problem.Dk), "dv_pad": padded(problem.Dv),
+               "symbol": SYMBOL}
+    return {SOURCE_NAME: (TEMPLATE, context)}
+
+
+# ----------------------------------------------------------------------------- compile + load
+
+
+def compiler() -> str:
+    """The C++ compiler: ``$CXX``, else g++, else c++; RuntimeError when there is none."""
+    found = os.environ.get(ENV_COMPILER) or shutil.which("g++") or shutil.which("c++")
+    if not found:
+        raise RuntimeError(f"the {BACKEND} backend needs a C++17 compiler: set ${ENV_COMPILER} or "
+                           "install g++")
+    return found
+
+
+@functools.cache
+def _toolchain_id() -> str:
+    """What besides the source decides the binary: compiler version, flags, host CPU, jaxlib."""
+    import jaxlib
+
+    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True,
+                             check=True).stdout.splitlines()[0]
+    cpu = ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))),
+                   "")
+        cpu += next((line for line in info.splitlines() if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return "\n".join([version, " ".join(COMPILE_FLAGS), platform.machine(), cpu,
+                      jaxlib.__version__])
+
+
+def library_path(sha256: str) -> Path:
+    """Where the compiled library of rendered sources ``sha256`` is cached on this host."""
+    from gdngen.cache import cache_root
+
+    key = hashlib.sha256((sha256 + "\n" + _toolchain_id()).encode()).hexdigest()
+    return cache_root() / BACKEND / f"{key[:32]}.so"
+
+
+def compile_library(source: str, path: Path) -> Path:
+    """Compile ``source`` into the shared library ``path`` (atomically: built in a temporary
+    folder, then moved into place). RuntimeError with the compiler's output on failure."""
+    import jax
+
+    from gdngen.fileio import atomic_write_bytes
+
+    with tempfile.TemporaryDirectory(prefix="gdngen-ffi-cpu-") as tmp:
+        src, out = Path(tmp) / SOURCE_NAME, Path(tmp) / "kernel.so"
+        src.write_text(source)
+        cmd = [compiler(), *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(src), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{BACKEND}: compiling the rendered kernel failed "
+                               f"({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        return atomic_write_bytes(path, out.read_bytes())
+
+
+class Kernels:
+    """A loaded variant: ``target_forward`` / ``target_backward`` (registered FFI target names),
+    ``sha256`` of the rendered source, ``params`` (`kernel_params`), ``library`` (its path)."""
+
+    def __init__(self, variant: Variant, problem: Problem, sha256: str, library: Path):
+        import jax
+
+        self.variant, self.problem, self.sha256, self.library = variant, problem, sha256, library
+        self.params = kernel_params(variant, problem)
+        self._handle = ctypes.CDLL(str(library))  # kept alive with the registered targets
+        self.target_forward = f"gdngen_ffi_cpu_{sha256[:16]}_forward"
+        self.target_backward = f"gdngen_ffi_cpu_{sha256[:16]}_backward"
+        for target, symbol in ((self.target_forward, f"{SYMBOL}_forward"),
+                               (self.target_backward, f"{SYMBOL}_backward")):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(self._handle, symbol)),
+                                        platform="cpu")
+
+
+_LOADED: dict[str, Kernels] = {}
+
+
+def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None) -> Kernels:
+    """Render ``variant`` for ``problem``, compile it unless cached, load and register it."""
+    from gdngen.render import render
+
+    rendered = render(variant, problem, templates_dir=templates_dir)
+    if rendered.sha256 not in _LOADED:
+        path = library_path(rendered.sha256)
+        if not path.exists():
+            compile_library(rendered.sources[SOURCE_NAME], path)
+        _LOADED[rendered.sha256] = Kernels(variant, problem, rendered.sha256, path)
+    return _LOADED[rendered.sha256]
+
+
+def lower_check(variant: Variant, problem: Problem) -> dict:
+    """Render and compile ``variant`` for ``problem`` (raises on a compile error)."""
+    kernels = load_kernels(variant, problem)
+    return {"library": str(kernels.library)}
+
+
+def threads() -> int:
+    """Worker threads per call: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------- calling
+
+
+@functools.cache
+def _core(sha256: str, gate: str, scale: float):
+    """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
+    (gates in their own convention, already masked), with the generated backward as its
+    ``jax.custom_vjp``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    kernels = _LOADED[sha256]
+    C = kernels.params["chunk"]
+    attrs = {"scale": np.float32(scale), "threads": np.int64(threads())}
+
+    def f32(shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def log_gates(g):
+        return g if gate == "log" else jnp.log(g)
+
+    def forward(primals):
+        q, k, v, g, beta, S0 = primals
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        N, dk, dv = -(-T // C), padded(Dk), padded(Dv)
+        out = jax.ffi.ffi_call(kernels.target_forward, (
+            f32((B, T, Hv, Dv)), f32((B, Hv, Dv, Dk)), f32((B, Hv, N, dk, dv)),
+            f32((B, Hv, N, C, dv)), f32((B, Hv, N, C, C)), f32((B, Hv, N, C, dk))),
+            vmap_method="sequential")(q, k, v, log_gates(g), beta, S0, **attrs)
+        return (out[0], out[1]), tuple(out[2:])
+
+    def backward(primals, saved, cotangents):
+        q, k, v, g, beta, S0 = primals
+        dy, dS_final = cotangents
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        N = -(-T // C)
+        dq, dk, dv, dbeta, dD, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
+            f32((B, T, Hv, Dk)), f32((B, T, Hv, Dk)), f32((B, T, Hv, Dv)), f32((B, T, Hv)),
+            f32((B, Hv, N, C + 1, C + 1)), f32((B, Hv, Dv, Dk))),
+            vmap_method="sequential")(q, k, v, log_gates(g), beta, *saved,
+                                      dy.astype(jnp.float32), dS_final.astype(jnp.float32),
+                                      **attrs)
+        r = Hv // Hk
+        dq = dq.reshape(B, T, Hk, r, Dk).sum(3)
+        dk = dk.reshape(B, T, Hk, r, Dk).sum(3)
+        identity = 0.0 if gate == "log" else 1.0
+        gates = jnp.pad(g, ((0, 0), (0, N * C - T), (0, 0)), constant_values=identity)
+        gates = gates.reshape(B, N, C, Hv).transpose(0, 3, 1, 2)  # [B, Hv, N, C]
+        dg = generated.gate_cotangent(gates, gate, dD)
+        dg = dg.transpose(0, 2, 3, 1).reshape(B, N * C, Hv)[:, :T]
+        return dq, dk, dv, dg, dbeta, dS0
+
+    return generated.custom_vjp_core(forward, backward)
+
+
+def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+                variant, templates_dir=None):
+    """Gated delta rule with the generated C++ kernels of ``variant``; returns ``(y,
+    final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar gates only); computes in
+    float32 whatever the input dtype. Differentiable (custom VJP) and jit-able."""
+    import jax.numpy as jnp
+
+    from gdngen.dispatch import problem_of
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
+                       scale=scale)
+    if shape.vector_gate:
+        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
+                         f"{shape.Hv}): the {BACKEND} backend implements scalar gates only")
+    dtype = dtype_name(q)
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"q has dtype {dtype}, expected one of {INPUT_DTYPES} for the "
+                         f"{BACKEND} backend")
+    kernels = load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
+    f32 = jnp.float32
+    if initial_state is None:
+        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    g, beta = g.astype(f32), beta.astype(f32)
+    if mask is not None:  # a masked step is an identity step; its output is zeroed below
+        g = jnp.where(mask[..., None], g, 0.0 if gate == "log" else 1.0)
+        beta = jnp.where(mask[..., None], beta, 0.0)
+    y, state = _core(kernels.sha256, gate, float(scale))(
+        q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
+    if mask is not None:
+        y = jnp.where(mask[..., None, None], y, 0.0)
+    return y.astype(q.dtype), state
