@@ -19,9 +19,9 @@ Variant parameters (`variant_space`):
 * ``row_block`` 4 | 6: output rows per register block of the matmul kernel (4 or 6 rows by
   up to 64 columns of float32 accumulators).
 
-The forward saves, per chunk, the entering state, W, the triangular inverse and Wk for the
-backward, which walks the chunks in reverse and returns the decay-factor cotangent; the gate
-cotangent is its straddle sum (`gdngen.backends.generated.gate_cotangent`, exact at g = 0).
+The forward saves only the state entering each chunk; the backward walks the chunks in reverse,
+recomputes each chunk's WY form from it, and forms the gate cotangent in-kernel by the
+straddle-sum rule of `gdngen.chunkwise` (exact at g = 0 for linear gates).
 """
 
 from __future__ import annotations
@@ -227,34 +227,26 @@ def _core(sha256: str, gate: str, scale: float):
         q, k, v, g, beta, S0 = primals
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
-        N, dk, dv = -(-T // C), padded(Dk), padded(Dv)
-        out = jax.ffi.ffi_call(kernels.target_forward, (
-            f32((B, T, Hv, Dv)), f32((B, Hv, Dv, Dk)), f32((B, Hv, N, dk, dv)),
-            f32((B, Hv, N, C, dv)), f32((B, Hv, N, C, C)), f32((B, Hv, N, C, dk))),
+        y, s_final, states = jax.ffi.ffi_call(kernels.target_forward, (
+            f32((B, T, Hv, Dv)), f32((B, Hv, Dv, Dk)),
+            f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)))),
             vmap_method="sequential")(q, k, v, log_gates(g), beta, S0, **attrs)
-        return (out[0], out[1]), tuple(out[2:])
+        return (y, s_final), states
 
-    def backward(primals, saved, cotangents):
+    def backward(primals, states, cotangents):
         q, k, v, g, beta, S0 = primals
         dy, dS_final = cotangents
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
-        N = -(-T // C)
-        dq, dk, dv, dbeta, dD, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
+        dq, dk, dv, dbeta, dg, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
             f32((B, T, Hv, Dk)), f32((B, T, Hv, Dk)), f32((B, T, Hv, Dv)), f32((B, T, Hv)),
-            f32((B, Hv, N, C + 1, C + 1)), f32((B, Hv, Dv, Dk))),
-            vmap_method="sequential")(q, k, v, log_gates(g), beta, *saved,
+            f32((B, T, Hv)), f32((B, Hv, Dv, Dk))),
+            vmap_method="sequential")(q, k, v, log_gates(g), beta, states,
                                       dy.astype(jnp.float32), dS_final.astype(jnp.float32),
-                                      **attrs)
+                                      linear=gate == "linear", **attrs)
         r = Hv // Hk
-        dq = dq.reshape(B, T, Hk, r, Dk).sum(3)
-        dk = dk.reshape(B, T, Hk, r, Dk).sum(3)
-        identity = 0.0 if gate == "log" else 1.0
-        gates = jnp.pad(g, ((0, 0), (0, N * C - T), (0, 0)), constant_values=identity)
-        gates = gates.reshape(B, N, C, Hv).transpose(0, 3, 1, 2)  # [B, Hv, N, C]
-        dg = generated.gate_cotangent(gates, gate, dD)
-        dg = dg.transpose(0, 2, 3, 1).reshape(B, N * C, Hv)[:, :T]
-        return dq, dk, dv, dg, dbeta, dS0
+        return (dq.reshape(B, T, Hk, r, Dk).sum(3), dk.reshape(B, T, Hk, r, Dk).sum(3), dv, dg,
+                dbeta, dS0)
 
     return generated.custom_vjp_core(forward, backward)
 
