@@ -204,6 +204,14 @@ def threads() -> int:
 # ----------------------------------------------------------------------------- calling
 
 
+def partial_slots(B: int, Hk: int, group: int, workers: int) -> int:
+    """How many partial dq / dk slots each key head gets in the backward: the value heads of a
+    key head are split into that many tasks (a divisor of ``group``), the fewest that still give
+    every worker a task; each task sums its heads' terms in place."""
+    return next(p for p in range(1, group + 1) if group % p == 0 and (B * Hk * p >= workers
+                                                                        or p == group))
+
+
 @functools.cache
 def _core(sha256: str, gate: str, scale: float):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
@@ -238,15 +246,16 @@ def _core(sha256: str, gate: str, scale: float):
         dy, dS_final = cotangents
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
+        P = partial_slots(B, Hk, Hv // Hk, attrs["threads"])
         dq, dk, dv, dbeta, dg, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
-            f32((B, T, Hv, Dk)), f32((B, T, Hv, Dk)), f32((B, T, Hv, Dv)), f32((B, T, Hv)),
+            f32((B, T, Hk * P, Dk)), f32((B, T, Hk * P, Dk)), f32((B, T, Hv, Dv)), f32((B, T, Hv)),
             f32((B, T, Hv)), f32((B, Hv, Dv, Dk))),
             vmap_method="sequential")(q, k, v, log_gates(g), beta, states,
                                       dy.astype(jnp.float32), dS_final.astype(jnp.float32),
                                       linear=gate == "linear", **attrs)
-        r = Hv // Hk
-        return (dq.reshape(B, T, Hk, r, Dk).sum(3), dk.reshape(B, T, Hk, r, Dk).sum(3), dv, dg,
-                dbeta, dS0)
+        if P > 1:
+            dq, dk = (x.reshape(B, T, Hk, P, Dk).sum(3) for x in (dq, dk))
+        return dq, dk, dv, dg, dbeta, dS0
 
     return generated.custom_vjp_core(forward, backward)
 
