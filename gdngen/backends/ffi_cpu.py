@@ -49,7 +49,8 @@ TEMPLATE = "ffi_cpu/gated_delta.cc.j2"
 SOURCE_NAME = "gated_delta.cc"
 #: C++ symbols of the two handlers (one pair per shared library, each loaded on its own).
 SYMBOL = "gdngen_gated_delta"
-COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-shared",
+                 "-fPIC", "-pthread")
 ENV_COMPILER = "CXX"
 
 _PARAMS = ("chunk_size", "row_block")
