@@ -4,7 +4,10 @@ For each framework and sequence length T this measures the gradient of
 ``sum(y * dy) + sum(final_state * dfinal_state)`` with respect to all six inputs (q, k, v, g,
 beta, initial_state), with g a log-decay gate and ``scale = Dk ** -0.5``:
 
-* chunkwise: ``gdngen.jax.gated_delta`` / ``gdngen.mlx.gated_delta`` (``chunk_size`` = C);
+* chunkwise: ``gdngen.jax.gated_delta`` / ``gdngen.mlx.gated_delta`` running the default
+  variant of ``backend`` with chunk size C. ``backend="auto"`` takes, for JAX, the generated
+  C++ kernels (``ffi_cpu``) on a CPU host that can build them and the portable ``xla`` path
+  elsewhere, and for MLX its portable ``mlx`` path; each row names the backend it ran;
 * baseline (sequential): ``gdngen.backends.xla.sequential_gated_delta`` (a float32
   ``lax.scan``) for JAX, ``mlx_lm.models.gated_delta.gated_delta_ops`` (a per-step loop; it takes
   a linear gate and no scale, so it gets ``exp(g)`` and ``q * scale``) for MLX. Lengths above
@@ -49,7 +52,7 @@ from gdngen.flops import chunkwise_flops
 FRAMEWORKS = ("jax", "mlx")
 DTYPES = ("float32", "bfloat16", "float16")
 ROW_KEYS = (
-    "framework", "device", "T", "B", "Hk", "Hv", "Dk", "Dv", "chunk_size", "dtype", "repeats",
+    "framework", "backend", "device", "T", "B", "Hk", "Hv", "Dk", "Dv", "chunk_size", "dtype", "repeats",
     "chunk_ms", "baseline_ms", "speedup", "chunk_peak_bytes", "baseline_peak_bytes",
     "memory_measure", "flops", "chunk_gflops", "matmul_gflops", "matmul_shape", "matmul_ratio",
     "chunk_matmul_gflops", "chunk_matmul_shape", "chunk_matmul_ratio",
@@ -72,6 +75,7 @@ class BenchConfig:
     dk: int = 128
     dv: int = 128
     chunk_size: int = 64
+    backend: str = "auto"
     dtype: str = "float32"
     repeats: int = 5
     baseline_max_T: int = 2048
@@ -89,6 +93,11 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.hv % self.hk:
             raise ValueError(f"hv ({self.hv}) must be a multiple of hk ({self.hk})")
+        from gdngen.dispatch import FRAMEWORK_BACKENDS
+
+        known = sorted({b for bs in FRAMEWORK_BACKENDS.values() for b in bs})
+        if self.backend != "auto" and self.backend not in known:
+            raise ValueError(f"backend must be 'auto' or one of {known}, got {self.backend!r}")
         if self.matmul_n < 0:
             raise ValueError(f"matmul_n must be >= 0 (0 skips it), got {self.matmul_n}")
 
@@ -138,6 +147,34 @@ def _progress(msg: str) -> None:
 
 
 # --- JAX -----------------------------------------------------------------------------------
+
+
+def chunk_backend(framework: str, cfg: BenchConfig) -> str:
+    """The backend the chunkwise rows of ``framework`` run (see the module docstring for
+    "auto"); ValueError for an explicit backend of another framework."""
+    from gdngen.dispatch import FRAMEWORK_BACKENDS
+
+    if cfg.backend != "auto":
+        if cfg.backend not in FRAMEWORK_BACKENDS[framework]:
+            raise ValueError(f"backend {cfg.backend!r} does not run on {framework}; expected one "
+                             f"of {FRAMEWORK_BACKENDS[framework]}")
+        return cfg.backend
+    if framework == "jax":
+        import jax
+
+        from gdngen.backends import ffi_cpu
+
+        return "ffi_cpu" if jax.devices()[0].platform == "cpu" and ffi_cpu.available() else "xla"
+    return FRAMEWORK_BACKENDS[framework][0]
+
+
+def chunk_variant(framework: str, cfg: BenchConfig):
+    """The default variant of `chunk_backend` for the configured shape, with chunk size C."""
+    from gdngen.variant import Problem, Variant, default_variant
+
+    problem = Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv, cfg.dtype)
+    variant = default_variant(chunk_backend(framework, cfg), problem)
+    return Variant(variant.backend, dict(variant.as_dict(), chunk_size=cfg.chunk_size))
 
 
 def _jax_kernels():
@@ -193,7 +230,8 @@ def _measure_jax(cfg: BenchConfig) -> list[dict]:
 
     chunk_fn, base_fn = _jax_kernels()
     scale = cfg.dk**-0.5
-    chunk_grad = _jax_grad(chunk_fn, scale, chunk_size=cfg.chunk_size)
+    variant = chunk_variant("jax", cfg)
+    chunk_grad = _jax_grad(chunk_fn, scale, variant=variant)
     base_grad = _jax_grad(base_fn, scale)
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", "") or device.platform
@@ -207,13 +245,13 @@ def _measure_jax(cfg: BenchConfig) -> list[dict]:
         args = (cast["q"], cast["k"], cast["v"], cast["g"], cast["beta"],
                 jnp.asarray(x["initial_state"]), jnp.asarray(x["dy"]),
                 jnp.asarray(x["dfinal_state"]))
-        _progress(f"jax T={T}: chunkwise")
+        _progress(f"jax T={T}: chunkwise ({variant})")
         chunk = _jax_time(chunk_grad, args, cfg.repeats)
         base = (None, None)
         if T <= cfg.baseline_max_T:
             _progress(f"jax T={T}: sequential baseline")
             base = _jax_time(base_grad, args, cfg.repeats)
-        rows.append(_row("jax", device_name, cfg, T, chunk, base, matmul))
+        rows.append(_row("jax", variant.backend, device_name, cfg, T, chunk, base, matmul))
     return rows
 
 
@@ -269,6 +307,7 @@ def _measure_mlx(cfg: BenchConfig) -> list[dict]:
 
     chunk_fn, base_fn = _mlx_kernels()
     scale = cfg.dk**-0.5
+    variant = chunk_variant("mlx", cfg)
     device_name = str(mx.default_device())
     _progress(f"mlx on {device_name}: float32 matmul reference")
     matmul = _mlx_matmul(cfg)
@@ -279,13 +318,13 @@ def _measure_mlx(cfg: BenchConfig) -> list[dict]:
         args = tuple(mx.array(x[n]).astype(dtype) for n in ("q", "k", "v", "g", "beta"))
         args += tuple(mx.array(x[n]) for n in ("initial_state", "dy", "dfinal_state"))
         mx.eval(args)
-        _progress(f"mlx T={T}: chunkwise")
-        chunk = _mlx_time(chunk_fn, args, cfg.repeats, scale, chunk_size=cfg.chunk_size)
+        _progress(f"mlx T={T}: chunkwise ({variant})")
+        chunk = _mlx_time(chunk_fn, args, cfg.repeats, scale, variant=variant)
         base = (None, None)
         if T <= cfg.baseline_max_T:
             _progress(f"mlx T={T}: sequential baseline")
             base = _mlx_time(base_fn, args, cfg.repeats, scale)
-        rows.append(_row("mlx", device_name, cfg, T, chunk, base, matmul))
+        rows.append(_row("mlx", variant.backend, device_name, cfg, T, chunk, base, matmul))
     return rows
 
 
@@ -304,7 +343,7 @@ def _matmul_shapes(cfg: BenchConfig) -> dict:
     return shapes
 
 
-def _row(framework, device, cfg: BenchConfig, T, chunk, base, matmul) -> dict:
+def _row(framework, backend, device, cfg: BenchConfig, T, chunk, base, matmul) -> dict:
     chunk_s, chunk_peak = chunk
     base_s, base_peak = base
     matmul_gflops, matmul_shape = matmul.get("square", (None, None))
@@ -313,6 +352,7 @@ def _row(framework, device, cfg: BenchConfig, T, chunk, base, matmul) -> dict:
     chunk_gflops = flops / chunk_s / 1e9
     row = {
         "framework": framework,
+        "backend": backend,
         "device": device,
         "T": T,
         "B": cfg.batch,
@@ -404,7 +444,7 @@ def format_table(rows: list[dict]):
     notes = {}
     for r in rows:
         table.add_row(
-            r["framework"],
+            f"{r['framework']} ({r['backend']})",
             str(r["T"]),
             _fmt(r["chunk_ms"], ".1f"),
             _fmt(r["baseline_ms"], ".1f"),

@@ -127,6 +127,10 @@ def _parse_seq_lens(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--dk", type=int, default=128, show_default=True)
 @click.option("--dv", type=int, default=128, show_default=True)
 @click.option("--chunk-size", type=int, default=64, show_default=True)
+@click.option("--backend", default="auto", show_default=True,
+              help="Backend of the chunkwise rows (its default variant at --chunk-size): 'auto' "
+                   "takes ffi_cpu for JAX on a CPU host with a C++ compiler (else xla) and mlx "
+                   "for MLX; or xla, ffi_cpu, pallas_tpu, pallas_gpu, mlx, metal.")
 @click.option("--dtype", type=DTYPE_CHOICE, default="float32", show_default=True)
 @click.option("--repeats", type=int, default=5, show_default=True,
               help="Timed runs after one warm-up; the median is reported.")
@@ -137,7 +141,7 @@ def _parse_seq_lens(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON, not a table.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows as JSON to this file (atomically).")
-def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, dtype, repeats,
+def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype, repeats,
           baseline_max_t, matmul_n, as_json, out):
     """Time forward+backward of the chunkwise path against the sequential baseline."""
     from gdngen import bench as bench_mod
@@ -145,7 +149,7 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, dtype, repeats
     try:
         cfg = bench_mod.BenchConfig(
             seq_lens=seq_lens, batch=batch, hk=hk, hv=hv, dk=dk, dv=dv, chunk_size=chunk_size,
-            dtype=dtype, repeats=repeats, baseline_max_T=baseline_max_t, matmul_n=matmul_n,
+            backend=backend, dtype=dtype, repeats=repeats, baseline_max_T=baseline_max_t, matmul_n=matmul_n,
         )
     except ValueError as e:
         raise click.UsageError(str(e))
@@ -160,6 +164,14 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, dtype, repeats
         raise click.UsageError(f"{framework} is not installed (pip install 'gdngen[{framework}]')")
     else:
         frameworks = (framework,)
+    if backend != "auto":
+        from gdngen.dispatch import framework_of
+
+        if framework_of(backend) not in frameworks:
+            raise click.UsageError(f"--backend {backend} runs on {framework_of(backend)}, not on "
+                                   f"{', '.join(frameworks)}; pass --framework "
+                                   f"{framework_of(backend)}")
+        frameworks = (framework_of(backend),)
     rows, failed = [], []
     for fw in frameworks:  # one failing framework does not discard the others' figures
         try:

@@ -35,7 +35,7 @@ class Device:
 # NVIDIA: 227 KiB shared memory per block on Hopper (H100/H200), 163 KiB on A100 (CUDA guide).
 DEVICES: dict[str, Device] = {
     d.name: d for d in (
-        Device("cpu", "cpu", ("xla", "mlx")),
+        Device("cpu", "cpu", ("xla", "ffi_cpu", "mlx")),
         Device("tpu-v4", "tpu", ("xla", "pallas_tpu"),
                {"vmem": 16 * MiB, "vmem_budget": 16 * MiB}, "Pallas TPU docs"),
         Device("tpu-v5e", "tpu", ("xla", "pallas_tpu"),

@@ -39,14 +39,24 @@ def framework_of(backend: str) -> str:
 
 
 def runnable_backends(framework: str, problem: Problem) -> tuple[str, ...]:
-    """Registered backends of ``framework`` that implement ``problem``'s gate kind."""
+    """Registered backends of ``framework`` that implement ``problem``'s gate kind and that this
+    host can run (`backend_available`)."""
     from gdngen.backends import VECTOR_GATE_BACKENDS
 
     if framework not in FRAMEWORK_BACKENDS:
         raise ValueError(f"framework must be one of {sorted(FRAMEWORK_BACKENDS)}, "
                          f"got {framework!r}")
     return tuple(b for b in FRAMEWORK_BACKENDS[framework] if b in SPACES
-                 and (problem.gate == "scalar" or b in VECTOR_GATE_BACKENDS))
+                 and (problem.gate == "scalar" or b in VECTOR_GATE_BACKENDS)
+                 and backend_available(b))
+
+
+def backend_available(backend: str) -> bool:
+    """False when ``backend``'s module has an ``available()`` hook saying this host cannot run
+    it (e.g. ffi_cpu without a C++ compiler); True otherwise."""
+    module = importlib.import_module(SPACES[backend].partition(":")[0])
+    hook = getattr(module, "available", None)
+    return hook is None or bool(hook())
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def test_flops_model_by_hand():
         chunkwise_flops(1, 0, 1, 1, 16, 16, 64)
 
 
-def _jax_stand_in(q, k, v, g, beta, s0, *, scale, gate, chunk_size=None):
+def _jax_stand_in(q, k, v, g, beta, s0, *, scale, gate, variant=None):
     import jax
     import jax.numpy as jnp
 
@@ -60,14 +60,33 @@ def test_measure_jax_with_stand_in(monkeypatch):
     assert rows[0]["baseline_ms"] > 0 and rows[0]["speedup"] > 0
     assert rows[1]["baseline_ms"] is None and rows[1]["speedup"] is None  # T > baseline_max_T
     assert "memory_analysis" in rows[0]["memory_measure"]
+    assert {r["backend"] for r in rows} == {bench.chunk_backend("jax", CFG)}
     json.dumps(rows)
+
+
+def test_chunk_backend_auto_and_explicit(monkeypatch):
+    pytest.importorskip("jax")
+    from gdngen.backends import ffi_cpu
+
+    if ffi_cpu.available():
+        assert bench.chunk_backend("jax", CFG) == "ffi_cpu"
+    monkeypatch.setattr(ffi_cpu, "available", lambda: False)
+    assert bench.chunk_backend("jax", CFG) == "xla"  # no compiler: the portable path
+    assert bench.chunk_backend("mlx", CFG) == "mlx"
+    xla = bench.BenchConfig(seq_lens=(8,), chunk_size=32, backend="xla")
+    variant = bench.chunk_variant("jax", xla)
+    assert variant.backend == "xla" and variant["chunk_size"] == 32
+    with pytest.raises(ValueError, match="does not run on mlx"):
+        bench.chunk_backend("mlx", xla)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        bench.BenchConfig(backend="cuda")
 
 
 def test_measure_mlx_with_stand_in(monkeypatch):
     mx = pytest.importorskip("mlx.core")
     gated_delta_ops = pytest.importorskip("mlx_lm.models.gated_delta").gated_delta_ops
 
-    def stand_in(q, k, v, g, beta, s0, *, scale, gate, chunk_size=None):
+    def stand_in(q, k, v, g, beta, s0, *, scale, gate, variant=None):
         return gated_delta_ops(q * scale, k, v, mx.exp(g), beta, s0)
 
     monkeypatch.setattr(bench, "_mlx_kernels", lambda: (stand_in, stand_in))
@@ -82,7 +101,7 @@ def test_measure_mlx_with_stand_in(monkeypatch):
 
 def _fake_row(**over):
     row = dict.fromkeys(bench.ROW_KEYS, 1)
-    row.update(framework="jax", device="cpu", dtype="float32", memory_measure="m",
+    row.update(framework="jax", backend="xla", device="cpu", dtype="float32", memory_measure="m",
                matmul_shape="64x64x64", baseline_ms=None, speedup=None, baseline_peak_bytes=None)
     row.update(over)
     return row

@@ -52,6 +52,9 @@ SYMBOL = "gdngen_gated_delta"
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-shared",
                  "-fPIC", "-pthread")
 ENV_COMPILER = "CXX"
+#: set to 1 to NaN-fill every kernel output before the kernel writes it (tests: an element a
+#: kernel leaves unwritten then shows as NaN).
+ENV_POISON = "GDNGEN_POISON_OUTPUTS"
 
 _PARAMS = ("chunk_size", "row_block")
 
@@ -103,10 +106,23 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
 def compiler() -> str:
     """The C++ compiler: ``$CXX``, else g++, else c++; RuntimeError when there is none."""
     found = os.environ.get(ENV_COMPILER) or shutil.which("g++") or shutil.which("c++")
-    if not found:
+    if not found or not shutil.which(found):
         raise RuntimeError(f"the {BACKEND} backend needs a C++17 compiler: set ${ENV_COMPILER} or "
                            "install g++")
     return found
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this host can build and run the kernels: a C++ compiler and jax's CPU backend."""
+    try:
+        compiler()
+        import jax
+
+        jax.devices("cpu")
+    except (RuntimeError, ImportError):
+        return False
+    return True
 
 
 @functools.cache
@@ -214,7 +230,7 @@ def partial_slots(B: int, Hk: int, group: int, workers: int) -> int:
 
 
 @functools.cache
-def _core(sha256: str, gate: str, scale: float):
+def _core(sha256: str, gate: str, scale: float, poison: bool):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
     (gates in their own convention, already masked), with the generated backward as its
     ``jax.custom_vjp``."""
@@ -224,7 +240,7 @@ def _core(sha256: str, gate: str, scale: float):
 
     kernels = _LOADED[sha256]
     C = kernels.params["chunk"]
-    attrs = {"scale": np.float32(scale), "threads": np.int64(threads())}
+    attrs = {"scale": np.float32(scale), "threads": np.int64(threads()), "poison": poison}
 
     def f32(shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -287,7 +303,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     if mask is not None:  # a masked step is an identity step; its output is zeroed below
         g = jnp.where(mask[..., None], g, 0.0 if gate == "log" else 1.0)
         beta = jnp.where(mask[..., None], beta, 0.0)
-    y, state = _core(kernels.sha256, gate, float(scale))(
+    poison = os.environ.get(ENV_POISON, "") not in ("", "0")
+    y, state = _core(kernels.sha256, gate, float(scale), poison)(
         q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
     if mask is not None:
         y = jnp.where(mask[..., None, None], y, 0.0)
