@@ -112,10 +112,10 @@ def test_padded_head_dims():
 def test_key_head_groups_split_over_many_workers(monkeypatch):
     """With more workers than key heads the backward splits each group of value heads over
     several tasks (partial dq / dk slots summed afterwards)."""
-    assert ffi_cpu.partial_slots(1, 4, 2, 2) == 1
-    assert ffi_cpu.partial_slots(1, 2, 3, 8) == 3
-    assert ffi_cpu.partial_slots(1, 1, 4, 2) == 2
-    assert ffi_cpu.partial_slots(2, 1, 6, 3) == 2
+    assert ffi_cpu.head_splits(1, 4, 2, 2) == 1
+    assert ffi_cpu.head_splits(1, 2, 3, 8) == 3
+    assert ffi_cpu.head_splits(1, 1, 4, 2) == 2
+    assert ffi_cpu.head_splits(2, 1, 6, 3) == 2
     monkeypatch.setattr(ffi_cpu, "threads", lambda: 8)
     ffi_cpu._core.cache_clear()
     try:
@@ -160,7 +160,7 @@ def test_kernel_rejects_head_dims_it_was_not_rendered_for():
         jax.ShapeDtypeStruct((1, 2, 1, 32, 16), f32)))
     with pytest.raises(Exception, match="rendered for Dk=16, Dv=16 called with Dk=32"):
         jax.block_until_ready(call(q, q, v, gates, gates, s0, scale=np.float32(1.0),
-                                   threads=np.int64(1), poison=False))
+                                   threads=np.int64(1), splits=np.int64(1), poison=False))
 
 
 # ----------------------------------------------------------------------------- build + cache

@@ -221,10 +221,11 @@ def threads() -> int:
 # ----------------------------------------------------------------------------- calling
 
 
-def partial_slots(B: int, Hk: int, group: int, workers: int) -> int:
-    """How many partial dq / dk slots each key head gets in the backward: the value heads of a
-    key head are split into that many tasks (a divisor of ``group``), the fewest that still give
-    every worker a task; each task sums its heads' terms in place."""
+def head_splits(B: int, Hk: int, group: int, workers: int) -> int:
+    """Into how many tasks the kernels split each key head's ``group`` value heads: the fewest
+    (a divisor of ``group``) that still give every worker a task. A task shares its key head's
+    per-chunk work (K K^T, Q K^T) among its heads and sums their dq / dk terms into its own
+    partial slot, which the caller adds up."""
     return next(p for p in range(1, group + 1) if group % p == 0 and (B * Hk * p >= workers
                                                                         or p == group))
 
@@ -240,7 +241,8 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
 
     kernels = _LOADED[sha256]
     C = kernels.params["chunk"]
-    attrs = {"scale": np.float32(scale), "threads": np.int64(threads()), "poison": poison}
+    workers = threads()
+    attrs = {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison}
 
     def f32(shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -255,7 +257,8 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
         y, s_final, states = jax.ffi.ffi_call(kernels.target_forward, (
             f32((B, T, Hv, Dv)), f32((B, Hv, Dv, Dk)),
             f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)))),
-            vmap_method="sequential")(q, k, v, log_gates(g), beta, S0, **attrs)
+            vmap_method="sequential")(q, k, v, log_gates(g), beta, S0, **attrs,
+                                      splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
         return (y, s_final), states
 
     def backward(primals, states, cotangents):
@@ -263,13 +266,13 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
         dy, dS_final = cotangents
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
-        P = partial_slots(B, Hk, Hv // Hk, attrs["threads"])
+        P = head_splits(B, Hk, Hv // Hk, workers)
         dq, dk, dv, dbeta, dg, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
             f32((B, T, Hk * P, Dk)), f32((B, T, Hk * P, Dk)), f32((B, T, Hv, Dv)), f32((B, T, Hv)),
             f32((B, T, Hv)), f32((B, Hv, Dv, Dk))),
             vmap_method="sequential")(q, k, v, log_gates(g), beta, states,
                                       dy.astype(jnp.float32), dS_final.astype(jnp.float32),
-                                      linear=gate == "linear", **attrs)
+                                      linear=gate == "linear", splits=np.int64(P), **attrs)
         if P > 1:
             dq, dk = (x.reshape(B, T, Hk, P, Dk).sum(3) for x in (dq, dk))
         return dq, dk, dv, dg, dbeta, dS0
