@@ -52,7 +52,8 @@ from gdngen.flops import chunkwise_flops
 FRAMEWORKS = ("jax", "mlx")
 DTYPES = ("float32", "bfloat16", "float16")
 ROW_KEYS = (
-    "framework", "backend", "device", "T", "B", "Hk", "Hv", "Dk", "Dv", "chunk_size", "dtype", "repeats",
+    "framework", "backend", "device", "T", "B", "Hk", "Hv", "Dk", "Dv", "chunk_size", "dtype",
+    "repeats",
     "chunk_ms", "baseline_ms", "speedup", "chunk_peak_bytes", "baseline_peak_bytes",
     "memory_measure", "flops", "chunk_gflops", "matmul_gflops", "matmul_shape", "matmul_ratio",
     "chunk_matmul_gflops", "chunk_matmul_shape", "chunk_matmul_ratio",

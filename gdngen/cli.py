@@ -149,7 +149,8 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
     try:
         cfg = bench_mod.BenchConfig(
             seq_lens=seq_lens, batch=batch, hk=hk, hv=hv, dk=dk, dv=dv, chunk_size=chunk_size,
-            backend=backend, dtype=dtype, repeats=repeats, baseline_max_T=baseline_max_t, matmul_n=matmul_n,
+            backend=backend, dtype=dtype, repeats=repeats, baseline_max_T=baseline_max_t,
+            matmul_n=matmul_n,
         )
     except ValueError as e:
         raise click.UsageError(str(e))

@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
+from generated_kernels import check_entry_point_under_jit, small_call_inputs
 
-from gdngen import validate  # noqa: E402
-from gdngen.backends import ffi_cpu  # noqa: E402
-from gdngen.cases import Case  # noqa: E402
-from gdngen.render import render  # noqa: E402
-from gdngen.variant import Problem, Variant, default_variant, variants  # noqa: E402
-
-from generated_kernels import check_entry_point_under_jit, small_call_inputs  # noqa: E402
+from gdngen import validate
+from gdngen.backends import ffi_cpu
+from gdngen.cases import Case
+from gdngen.render import render
+from gdngen.variant import Problem, Variant, default_variant, variants
 
 pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
                                 reason="the ffi_cpu backend needs a C++ compiler (g++ or $CXX)")
@@ -148,7 +147,7 @@ def test_entry_point_rejects_vector_gates():
                             variant=_variant())
 
 
-def test_kernel_rejects_head_dims_it_was_not_rendered_for():
+def test_kernel_rejects_shapes_it_was_not_rendered_for():
     kernels = ffi_cpu.load_kernels(_variant(32, 6), Problem(1, 2, 16, 16))
     f32 = jnp.float32
     q = jnp.ones((1, 8, 1, 32), f32)
@@ -161,6 +160,14 @@ def test_kernel_rejects_head_dims_it_was_not_rendered_for():
     with pytest.raises(Exception, match="rendered for Dk=16, Dv=16 called with Dk=32"):
         jax.block_until_ready(call(q, q, v, gates, gates, s0, scale=np.float32(1.0),
                                    threads=np.int64(1), splits=np.int64(1), poison=False))
+    q16 = jnp.ones((1, 8, 1, 16), f32)
+    call = jax.ffi.ffi_call(kernels.target_forward, (
+        jax.ShapeDtypeStruct((1, 8, 2, 16), f32), jax.ShapeDtypeStruct((1, 2, 16, 16), f32),
+        jax.ShapeDtypeStruct((1, 2, 1, 16, 16), f32)))
+    with pytest.raises(Exception, match="splits must divide Hv / Hk = 2, got 3"):
+        jax.block_until_ready(call(q16, q16, v, gates, gates, s0[..., :16],
+                                   scale=np.float32(1.0), threads=np.int64(1),
+                                   splits=np.int64(3), poison=False))
 
 
 # ----------------------------------------------------------------------------- build + cache
