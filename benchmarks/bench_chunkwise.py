@@ -22,13 +22,16 @@ def main(argv=None) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int,
                        default=getattr(defaults, name))
     p.add_argument("--dtype", choices=bench.DTYPES, default=defaults.dtype)
+    p.add_argument("--backend", default=defaults.backend,
+                   help="backend of the chunkwise rows ('auto': see gdngen bench --help)")
     p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
     p.add_argument("--out", help="also write the rows as JSON to this file")
     ns = vars(p.parse_args(argv))
     framework, as_json, out = ns.pop("framework"), ns.pop("json"), ns.pop("out")
     ns["seq_lens"] = tuple(int(t) for t in ns["seq_lens"].split(","))
+    cfg = bench.BenchConfig(**ns)
     frameworks = bench.available_frameworks() if framework == "all" else (framework,)
-    rows = bench.run(bench.BenchConfig(**ns), frameworks)
+    rows = bench.run(cfg, bench.frameworks_for(cfg, frameworks))
     if out:
         bench.write_json(rows, out)
     if as_json:

@@ -169,6 +169,20 @@ def chunk_backend(framework: str, cfg: BenchConfig) -> str:
     return FRAMEWORK_BACKENDS[framework][0]
 
 
+def frameworks_for(cfg: BenchConfig, frameworks) -> tuple[str, ...]:
+    """The frameworks to measure: ``frameworks``, or only the one running ``cfg.backend`` when it
+    is explicit (ValueError when that framework is not among them)."""
+    if cfg.backend == "auto":
+        return tuple(frameworks)
+    from gdngen.dispatch import framework_of
+
+    owner = framework_of(cfg.backend)
+    if owner not in frameworks:
+        raise ValueError(f"backend {cfg.backend} runs on {owner}, not on "
+                         f"{', '.join(frameworks)}")
+    return (owner,)
+
+
 def chunk_variant(framework: str, cfg: BenchConfig):
     """The default variant of `chunk_backend` for the configured shape, with chunk size C."""
     from gdngen.variant import Problem, Variant, default_variant

@@ -165,14 +165,10 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
         raise click.UsageError(f"{framework} is not installed (pip install 'gdngen[{framework}]')")
     else:
         frameworks = (framework,)
-    if backend != "auto":
-        from gdngen.dispatch import framework_of
-
-        if framework_of(backend) not in frameworks:
-            raise click.UsageError(f"--backend {backend} runs on {framework_of(backend)}, not on "
-                                   f"{', '.join(frameworks)}; pass --framework "
-                                   f"{framework_of(backend)}")
-        frameworks = (framework_of(backend),)
+    try:
+        frameworks = bench_mod.frameworks_for(cfg, frameworks)
+    except ValueError as e:
+        raise click.UsageError(str(e))
     rows, failed = [], []
     for fw in frameworks:  # one failing framework does not discard the others' figures
         try:

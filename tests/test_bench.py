@@ -80,6 +80,10 @@ def test_chunk_backend_auto_and_explicit(monkeypatch):
         bench.chunk_backend("mlx", xla)
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
         bench.BenchConfig(backend="cuda")
+    assert bench.frameworks_for(CFG, ("jax", "mlx")) == ("jax", "mlx")
+    assert bench.frameworks_for(xla, ("jax", "mlx")) == ("jax",)
+    with pytest.raises(ValueError, match="backend xla runs on jax, not on mlx"):
+        bench.frameworks_for(xla, ("mlx",))
 
 
 def test_measure_mlx_with_stand_in(monkeypatch):
