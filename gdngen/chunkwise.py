@@ -35,8 +35,7 @@ class ArrayNamespace:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in cls._SAME_NAME:
-            if name not in cls.__dict__:  # a subclass may specialise any of them
-                setattr(cls, name, staticmethod(getattr(cls.module, name)))
+            setattr(cls, name, staticmethod(getattr(cls.module, name)))
 
     @classmethod
     def repeat(cls, x, n, axis):
