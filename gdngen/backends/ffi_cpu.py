@@ -49,8 +49,11 @@ TEMPLATE = "ffi_cpu/gated_delta.cc.j2"
 SOURCE_NAME = "gated_delta.cc"
 #: C++ symbols of the two handlers (one pair per shared library, each loaded on its own).
 SYMBOL = "gdngen_gated_delta"
-COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-shared",
-                 "-fPIC", "-pthread")
+#: flags of every build; on x86-64 GCC also gets -mprefer-vector-width=512, so its own
+#: vectorised loops use AVX-512 registers where the host has them (the matmul kernel's vector
+#: types are 16 floats wide regardless).
+COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread") + (
+    ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
 ENV_COMPILER = "CXX"
 #: set to 1 to NaN-fill every kernel output before the kernel writes it (tests: an element a
 #: kernel leaves unwritten then shows as NaN).
