@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -107,13 +108,15 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
 # ----------------------------------------------------------------------------- compile + load
 
 
-def compiler() -> str:
-    """The C++ compiler: ``$CXX``, else g++, else c++; RuntimeError when there is none."""
-    found = os.environ.get(ENV_COMPILER) or shutil.which("g++") or shutil.which("c++")
-    if not found or not shutil.which(found):
+def compiler() -> list[str]:
+    """The C++ compiler command: ``$CXX`` (split like a shell word list, e.g. "ccache g++"),
+    else g++, else c++; RuntimeError when there is none."""
+    command = shlex.split(os.environ.get(ENV_COMPILER, "")) or [
+        shutil.which("g++") or shutil.which("c++") or ""]
+    if not command[0] or not shutil.which(command[0]):
         raise RuntimeError(f"the {BACKEND} backend needs a C++17 compiler: set ${ENV_COMPILER} or "
-                           "install g++")
-    return found
+                           f"install g++ (got {' '.join(command) or 'none'})")
+    return command
 
 
 @functools.cache
@@ -134,7 +137,7 @@ def _toolchain_id() -> str:
     """What besides the source decides the binary: compiler version, flags, host CPU, jaxlib."""
     import jaxlib
 
-    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True,
+    version = subprocess.run([*compiler(), "--version"], capture_output=True, text=True,
                              check=True).stdout.splitlines()[0]
     cpu = ""
     try:
@@ -166,7 +169,7 @@ def compile_library(source: str, path: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="gdngen-ffi-cpu-") as tmp:
         src, out = Path(tmp) / SOURCE_NAME, Path(tmp) / "kernel.so"
         src.write_text(source)
-        cmd = [compiler(), *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(src), "-o", str(out)]
+        cmd = [*compiler(), *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(src), "-o", str(out)]
         done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{BACKEND}: compiling the rendered kernel failed "
