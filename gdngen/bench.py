@@ -163,9 +163,10 @@ def chunk_backend(framework: str, cfg: BenchConfig) -> str:
     if framework == "jax":
         import jax
 
-        from gdngen.backends import ffi_cpu
+        from gdngen.dispatch import backend_available
 
-        return "ffi_cpu" if jax.devices()[0].platform == "cpu" and ffi_cpu.available() else "xla"
+        on_cpu = jax.devices()[0].platform == "cpu"
+        return "ffi_cpu" if on_cpu and backend_available("ffi_cpu") else "xla"
     return FRAMEWORK_BACKENDS[framework][0]
 
 

@@ -39,7 +39,6 @@ import tempfile
 from pathlib import Path
 
 from gdngen.backends import generated
-from gdngen.problem import check_call, dtype_name
 from gdngen.variant import Problem, Variant
 
 BACKEND = "ffi_cpu"
@@ -296,15 +295,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     from gdngen.dispatch import problem_of
 
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
-                       scale=scale)
-    if shape.vector_gate:
-        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
-                         f"{shape.Hv}): the {BACKEND} backend implements scalar gates only")
-    dtype = dtype_name(q)
-    if dtype not in INPUT_DTYPES:
-        raise ValueError(f"q has dtype {dtype}, expected one of {INPUT_DTYPES} for the "
-                         f"{BACKEND} backend")
+    shape, dtype = generated.check_scalar_call(BACKEND, INPUT_DTYPES, q, k, v, g, beta,
+                                               initial_state, mask, gate=gate, scale=scale)
     kernels = load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
     f32 = jnp.float32
     if initial_state is None:

@@ -42,6 +42,22 @@ def policy_tolerance(policy_tolerances: dict, variant, dtype: str) -> float:
     return max(dtype_tolerance(dtype), policy_tolerances[variant["precision"]])
 
 
+def check_scalar_call(backend: str, input_dtypes: tuple, q, k, v, g, beta, initial_state, mask,
+                      *, gate, scale):
+    """`check_call` for a scalar-gate generated backend: ``(CallShape, input dtype name)``;
+    ValueError for vector gates or a dtype outside ``input_dtypes``."""
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
+                       scale=scale)
+    if shape.vector_gate:
+        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
+                         f"{shape.Hv}): the {backend} backend implements scalar gates only")
+    dtype = dtype_name(q)
+    if dtype not in input_dtypes:
+        raise ValueError(f"q has dtype {dtype}, expected one of {input_dtypes} for the "
+                         f"{backend} backend")
+    return shape, dtype
+
+
 # ------------------------------------------------------------------------------ loading
 
 #: XLA options for the interpret-mode executables on the host (compile time dominates there).
@@ -134,16 +150,8 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     from gdngen.backends.xla import XP
     from gdngen.dispatch import problem_of
 
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
-                       scale=scale)
-    if shape.vector_gate:
-        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
-                         f"{shape.Hv}): the {backend.BACKEND} backend implements scalar gates "
-                         "only")
-    dtype = dtype_name(q)
-    if dtype not in backend.INPUT_DTYPES:
-        raise ValueError(f"q has dtype {dtype}, expected one of {backend.INPUT_DTYPES} for the "
-                         f"{backend.BACKEND} backend")
+    shape, dtype = check_scalar_call(backend.BACKEND, backend.INPUT_DTYPES, q, k, v, g, beta,
+                                     initial_state, mask, gate=gate, scale=scale)
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
     kernels = backend.load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
     f32 = jnp.float32
