@@ -320,6 +320,15 @@ def from_chunks(y, T):
     return y.transpose((1, 0, 4, 2, 3, 5)).reshape(B, N * C, Hk * r, Dv)[:, :T]
 
 
+def fold_mask(xp, g, beta, mask, gate):
+    """Scalar gates ``g``, ``beta`` [B, T, H] with masked steps (``mask`` [B, T] False) made
+    identity steps: log g = 0 (g = 1 for ``gate="linear"``) and beta = 0. ``mask`` None: as is."""
+    if mask is None:
+        return g, beta
+    return (xp.where(mask[..., None], g, 0.0 if gate == "log" else 1.0),
+            xp.where(mask[..., None], beta, 0.0))
+
+
 def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
     """Whole-sequence chunkwise gated delta for scalar gates; float32 arrays, shapes as the API.
 
@@ -332,10 +341,8 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     Hv, Dv = v.shape[2], v.shape[3]
     r, C = Hv // Hk, chunk_size
     N = -(-T // C)
+    g, beta = fold_mask(xp, g, beta, mask, gate)
     identity_gate = 0.0 if gate == "log" else 1.0
-    if mask is not None:
-        g = xp.where(mask[..., None], g, identity_gate)
-        beta = xp.where(mask[..., None], beta, 0.0)
     pad = N * C - T
     if pad:
         q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))

@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from gdngen import chunkwise
 from gdngen.backends import generated
 from gdngen.variant import Problem, Variant
 
@@ -293,6 +294,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     float32 whatever the input dtype. Differentiable (custom VJP) and jit-able."""
     import jax.numpy as jnp
 
+    from gdngen.backends.xla import XP
     from gdngen.dispatch import problem_of
 
     shape, dtype = generated.check_scalar_call(BACKEND, INPUT_DTYPES, q, k, v, g, beta,
@@ -301,10 +303,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    g, beta = g.astype(f32), beta.astype(f32)
-    if mask is not None:  # a masked step is an identity step; its output is zeroed below
-        g = jnp.where(mask[..., None], g, 0.0 if gate == "log" else 1.0)
-        beta = jnp.where(mask[..., None], beta, 0.0)
+    # a masked step is an identity step; its output is zeroed below
+    g, beta = chunkwise.fold_mask(XP, g.astype(f32), beta.astype(f32), mask, gate)
     poison = os.environ.get(ENV_POISON, "") not in ("", "0")
     y, state = _core(kernels.sha256, gate, float(scale), poison)(
         q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
