@@ -99,13 +99,12 @@ def counts(B: int, T: int, H: int, D: int, chunk: int, itemsize: int = 2) -> dic
 
 def candidates(problem, device: str, limit: int, dry_run: bool):
     """The default variant plus an even spread over the device's space (at most ``limit``)."""
-    from gdngen.backends import pallas_gpu
-    from gdngen.variant import default_variant
+    from gdngen.registry import default_variant, variants
 
-    space = (pallas_gpu.variants_for_device(device, problem) if not dry_run
-             else [v for v in pallas_gpu.variants_for_device("h200", problem)
+    space = (variants("pallas_gpu", problem, device) if not dry_run
+             else [v for v in variants("pallas_gpu", problem, "h200")
                    if v["num_warps"] == 4 and v["num_stages"] == 2])
-    default = default_variant("pallas_gpu", problem)
+    default = default_variant("pallas_gpu", problem, device if not dry_run else "h200")
     step = max(1, len(space) // max(1, limit - 1))
     chosen = [default] + [v for v in space[::step] if v != default]
     return chosen[:limit]
@@ -233,7 +232,8 @@ def main(argv=None) -> int:
     from gdngen import devices
     from gdngen.backends import pallas_gpu
     from gdngen.fileio import atomic_write_text
-    from gdngen.variant import Problem, default_variant
+    from gdngen.registry import default_variant
+    from gdngen.variant import Problem
 
     device = devices.detect("jax")
     if device not in ("a100", "h100", "h200") and not args.dry_run:
@@ -253,16 +253,16 @@ def main(argv=None) -> int:
             problem, candidates(problem, device, args.candidates, args.dry_run), out,
             args.dry_run)
         if args.dry_run:
-            best[H] = default_variant("pallas_gpu", problem)
+            best[H] = default_variant("pallas_gpu", problem, "h200")
         else:
             summary = tune_heads(device, problem, args, out)
             header["tuned"][H] = summary.to_json()
-            best[H] = summary.best or default_variant("pallas_gpu", problem)
+            best[H] = summary.best or default_variant("pallas_gpu", problem, device)
         atomic_write_text(out / "results.json", json.dumps({**header, "rows": rows}, indent=2))
     started = time.monotonic()
     for H in args.heads:
         problem = Problem(H, H, dim, dim, DTYPE)
-        chunk = pallas_gpu.kernel_params(best[H], problem)["chunk"]
+        chunk = pallas_gpu.kernel_params(best[H], problem)["chunk_size"]
         for T in args.seq_lens:
             for B in args.batches:
                 if time.monotonic() - started > args.budget_s:

@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def planned_lengths(framework: str, device: str, preset, seq_lens) -> list[int]:
     """``seq_lens`` if given, else the T buckets tuned for this preset (or [1024])."""
     from gdngen import cache
-    from gdngen.dispatch import runnable_backends
+    from gdngen.registry import runnable
 
     if seq_lens:
         return list(seq_lens)
     problem = preset.problem()
-    backends = runnable_backends(framework, problem)
+    backends = runnable(framework, problem, device)
     tuned = sorted({e["seq_bucket"] for e in cache.load(device).entries.values()
                     if e["backend"] in backends and e["problem"] == problem.to_json()
                     and e["precision"] == "ieee"})
@@ -50,7 +50,6 @@ def measure(framework: str, models, seq_lens, repeats: int, baseline_max_t: int)
     """Rows for one framework, measured in this process."""
     from gdngen import devices, dispatch, presets, timing
     from gdngen.problem import CallShape
-    from gdngen.variant import default_variant
 
     device = devices.detect(framework)
     rows = []
@@ -61,8 +60,7 @@ def measure(framework: str, models, seq_lens, repeats: int, baseline_max_t: int)
             shape = CallShape(1, T, problem.Hk, problem.Hv, problem.Dk, problem.Dv,
                               problem.gate == "vector")
             choice = dispatch.choose(framework, shape, problem.dtype, device=device)
-            default = default_variant(dispatch.FRAMEWORK_BACKENDS[framework][0],
-                                               problem)
+            default = dispatch.default_choice(framework, problem, device)[0]
             fns = {"default": timing.variant_fn(framework, default)}
             if choice.variant != default:
                 fns["tuned"] = timing.variant_fn(framework, choice.variant)

@@ -2,14 +2,15 @@
 
 Framework entry points live in submodules so that importing one framework never imports the
 other: ``gdngen.jax.gated_delta`` and ``gdngen.mlx.gated_delta``. The pipeline stages are
-modules: problem -> variant -> render -> build -> validate -> time -> cache -> load.
+modules: problem -> variant -> render -> build -> validate -> time -> cache -> load; the
+backends are declared in `gdngen.registry`.
 """
 
-__version__ = "0.1.0"
-
+from gdngen._version import __version__
 from gdngen.dispatch import load_tuned
+from gdngen.registry import default_variant, variants
 from gdngen.render import Rendered, render
-from gdngen.variant import Problem, Variant, default_variant, variants
+from gdngen.variant import Problem, Variant
 
-__all__ = ["Problem", "Rendered", "Variant", "default_variant", "load_tuned", "render",
-           "variants"]
+__all__ = ["Problem", "Rendered", "Variant", "__version__", "default_variant", "load_tuned",
+           "render", "variants"]

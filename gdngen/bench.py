@@ -8,7 +8,7 @@ beta, initial_state), with g a log-decay gate and ``scale = Dk ** -0.5``:
   variant of ``backend`` with chunk size C. ``backend="auto"`` takes, for JAX, the generated
   C++ kernels (``ffi_cpu``) on a CPU host that can build them and the portable ``xla`` path
   elsewhere, and for MLX its portable ``mlx`` path; each row names the backend it ran;
-* baseline (sequential): ``gdngen.backends.xla.sequential_gated_delta`` (a float32
+* baseline (sequential): ``gdngen.backends.jax_chunkwise.sequential_gated_delta`` (a float32
   ``lax.scan``) for JAX, ``mlx_lm.models.gated_delta.gated_delta_ops`` (a per-step loop; it takes
   a linear gate and no scale, so it gets ``exp(g)`` and ``q * scale``) for MLX. Lengths above
   ``baseline_max_T`` skip it.
@@ -48,8 +48,8 @@ import numpy as np
 
 from gdngen.fileio import atomic_write_text
 from gdngen.flops import chunkwise_flops
+from gdngen.problem import FRAMEWORKS
 
-FRAMEWORKS = ("jax", "mlx")
 DTYPES = ("float32", "bfloat16", "float16")
 ROW_KEYS = (
     "framework", "backend", "device", "T", "B", "Hk", "Hv", "Dk", "Dv", "chunk_size", "dtype",
@@ -94,9 +94,9 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.hv % self.hk:
             raise ValueError(f"hv ({self.hv}) must be a multiple of hk ({self.hk})")
-        from gdngen.dispatch import FRAMEWORK_BACKENDS
+        from gdngen.registry import names
 
-        known = sorted({b for bs in FRAMEWORK_BACKENDS.values() for b in bs})
+        known = sorted(names())
         if self.backend != "auto" and self.backend not in known:
             raise ValueError(f"backend must be 'auto' or one of {known}, got {self.backend!r}")
         if self.matmul_n < 0:
@@ -109,26 +109,13 @@ def available_frameworks() -> tuple[str, ...]:
 
 
 def make_inputs(cfg: BenchConfig, T: int) -> dict[str, np.ndarray]:
-    """Deterministic float32 inputs of length T: q, k (unit-norm), v, g (log-decay), beta,
-    initial_state, and the cotangents dy, dfinal_state."""
-    rng = np.random.default_rng(cfg.seed + T)
-    B, Hk, Hv, Dk, Dv = cfg.batch, cfg.hk, cfg.hv, cfg.dk, cfg.dv
+    """Deterministic float32 inputs of length T (`gdngen.timing.make_inputs`, seed
+    ``cfg.seed + T``): q, k (unit-norm), v, g (log-decay), beta, initial_state, and the
+    cotangents dy, dfinal_state."""
+    from gdngen.timing import make_inputs as problem_inputs
+    from gdngen.variant import Problem
 
-    def unit(shape):
-        x = rng.standard_normal(shape)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-    arrays = {
-        "q": unit((B, T, Hk, Dk)),
-        "k": unit((B, T, Hk, Dk)),
-        "v": rng.standard_normal((B, T, Hv, Dv)),
-        "g": np.log(rng.uniform(0.9, 0.999, (B, T, Hv))),
-        "beta": rng.uniform(0.1, 0.9, (B, T, Hv)),
-        "initial_state": 0.1 * rng.standard_normal((B, Hv, Dv, Dk)),
-        "dy": rng.standard_normal((B, T, Hv, Dv)),
-        "dfinal_state": rng.standard_normal((B, Hv, Dv, Dk)),
-    }
-    return {name: a.astype(np.float32) for name, a in arrays.items()}
+    return problem_inputs(Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv), cfg.batch, T, cfg.seed + T)
 
 
 def _median_seconds(call, sync, repeats: int, before_timing=None) -> float:
@@ -151,23 +138,23 @@ def _progress(msg: str) -> None:
 
 
 def chunk_backend(framework: str, cfg: BenchConfig) -> str:
-    """The backend the chunkwise rows of ``framework`` run (see the module docstring for
-    "auto"); ValueError for an explicit backend of another framework."""
-    from gdngen.dispatch import FRAMEWORK_BACKENDS
+    """The backend the chunkwise rows of ``framework`` run: the explicit ``cfg.backend``, or
+    for "auto" the backend an untuned call runs on the attached device
+    (`gdngen.dispatch.default_choice`); ValueError for an explicit backend of another
+    framework."""
+    from gdngen import registry
 
     if cfg.backend != "auto":
-        if cfg.backend not in FRAMEWORK_BACKENDS[framework]:
+        if cfg.backend not in registry.names(framework):
             raise ValueError(f"backend {cfg.backend!r} does not run on {framework}; expected one "
-                             f"of {FRAMEWORK_BACKENDS[framework]}")
+                             f"of {registry.names(framework)}")
         return cfg.backend
-    if framework == "jax":
-        import jax
+    from gdngen.devices import detect_framework
+    from gdngen.dispatch import default_choice
+    from gdngen.variant import Problem
 
-        from gdngen.dispatch import backend_available
-
-        on_cpu = jax.devices()[0].platform == "cpu"
-        return "ffi_cpu" if on_cpu and backend_available("ffi_cpu") else "xla"
-    return FRAMEWORK_BACKENDS[framework][0]
+    problem = Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv, cfg.dtype)
+    return default_choice(framework, problem, detect_framework(framework).name)[0].backend
 
 
 def frameworks_for(cfg: BenchConfig, frameworks) -> tuple[str, ...]:
@@ -175,7 +162,7 @@ def frameworks_for(cfg: BenchConfig, frameworks) -> tuple[str, ...]:
     is explicit (ValueError when that framework is not among them)."""
     if cfg.backend == "auto":
         return tuple(frameworks)
-    from gdngen.dispatch import framework_of
+    from gdngen.registry import framework_of
 
     owner = framework_of(cfg.backend)
     if owner not in frameworks:
@@ -186,7 +173,8 @@ def frameworks_for(cfg: BenchConfig, frameworks) -> tuple[str, ...]:
 
 def chunk_variant(framework: str, cfg: BenchConfig):
     """The default variant of `chunk_backend` for the configured shape, with chunk size C."""
-    from gdngen.variant import Problem, Variant, default_variant
+    from gdngen.registry import default_variant
+    from gdngen.variant import Problem, Variant
 
     problem = Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv, cfg.dtype)
     variant = default_variant(chunk_backend(framework, cfg), problem)
@@ -195,7 +183,7 @@ def chunk_variant(framework: str, cfg: BenchConfig):
 
 def _jax_kernels():
     """(chunkwise, sequential baseline) JAX callables; both ``(q,k,v,g,beta,s0,*,scale,gate)``."""
-    from gdngen.backends.xla import sequential_gated_delta
+    from gdngen.backends.jax_chunkwise import sequential_gated_delta
     from gdngen.jax import gated_delta
 
     return gated_delta, sequential_gated_delta

@@ -1,14 +1,15 @@
 """Build stage: enumerate a backend's variants for a `Problem`, render each, write the sources
 and validate every variant on the battery; record it all in ``manifest.json``.
 
-Generic over the backends in `gdngen.variant.SPACES`. The module named there may add hooks:
+Generic over the backends of `gdngen.registry`. A variant is validated at
+`gdngen.tolerance.allowed_error` (the rule ``gdngen tune`` uses too); its spec's hooks add:
 
-* ``tolerance(variant, dtype) -> float``: the relative L2 error the variant is validated at
-  (default: `gdngen.validate.tolerance` of the dtype);
 * ``lower_check(variant, problem) -> None``: compile/lowering check without the target hardware
   (raises on failure), recorded as ``lowering`` in the manifest;
 * ``clear_cache() -> None``: drop loaded/compiled kernels (called after each variant, so a
   long build's memory stays flat).
+
+With a ``device``, only the variants that fit that device's limits are built.
 
 Layout of the output folder: ``<out>/<sha256[:16]>/<output name>`` per distinct rendering (the
 problem's own), and ``<out>/manifest.json``::
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -38,32 +38,26 @@ import time
 import traceback
 from pathlib import Path
 
+from gdngen import registry
 from gdngen.fileio import atomic_write_text as write_atomic
 from gdngen.render import render
-from gdngen.variant import SPACES, Problem, Variant, variants
+from gdngen.tolerance import allowed_error
+from gdngen.variant import Problem, Variant
 
 __all__ = ["VariantBuild", "build", "normalize_backend", "variant_tolerance", "write_atomic"]
 
 
 def normalize_backend(name: str) -> str:
-    """``pallas-tpu`` -> ``pallas_tpu``; ValueError unless the result is in `SPACES`."""
+    """``pallas-tpu`` -> ``pallas_tpu``; ValueError unless the result is registered."""
     backend = name.replace("-", "_")
-    if backend not in SPACES:
-        raise ValueError(f"backend must be one of {sorted(SPACES)}, got {name!r}")
+    if backend not in registry.names():
+        raise ValueError(f"backend must be one of {sorted(registry.names())}, got {name!r}")
     return backend
 
 
-def _space_module(backend: str):
-    return importlib.import_module(SPACES[backend].partition(":")[0])
-
-
-def variant_tolerance(variant: Variant, dtype: str) -> float:
-    """The tolerance ``variant`` is validated at: its backend's ``tolerance`` hook, else the
-    battery tolerance of ``dtype``."""
-    from gdngen.validate import tolerance
-
-    hook = getattr(_space_module(variant.backend), "tolerance", None)
-    return hook(variant, dtype) if hook is not None else tolerance(dtype)
+def variant_tolerance(variant: Variant, dtype: str, precision: str = "ieee") -> float:
+    """The tolerance ``variant`` is validated at (`gdngen.tolerance.allowed_error`)."""
+    return allowed_error(variant, dtype, precision)
 
 
 @contextlib.contextmanager
@@ -130,7 +124,7 @@ def _build_one(variant, problem, out_dir, *, templates_dir, cases, seed, validat
             write_atomic(Path(out_dir) / relative, source)
             result.files.append(relative)
         failed = False
-        lower_check = getattr(_space_module(variant.backend), "lower_check", None)
+        lower_check = registry.get(variant.backend).lower_check
         if lower_check is not None:
             try:
                 with _templates_env(templates_dir):
@@ -188,10 +182,11 @@ def _from_entry(variant: Variant, entry: dict) -> VariantBuild:
 
 def build(backend: str, problem: Problem, out_dir, *, templates_dir=None, cases=None,
           seed=None, variant_list=None, validate=True, progress=None,
-          resume=False) -> list[VariantBuild]:
+          resume=False, device=None) -> list[VariantBuild]:
     """Render (and validate) every variant of ``backend`` for ``problem`` into ``out_dir``.
 
-    ``variant_list``: build only these (default: `gdngen.variant.variants`); ``cases``: battery
+    ``variant_list``: build only these (default: `gdngen.registry.variants` on ``device``,
+    else on the backend's reference device); ``cases``: battery
     cases (names or Cases; default the whole battery); ``seed``: input seed (default each
     case's own); ``progress(VariantBuild)`` is called after each variant. ``resume``: keep the
     passing entries of an existing manifest made with the same settings whose sources still
@@ -201,7 +196,7 @@ def build(backend: str, problem: Problem, out_dir, *, templates_dir=None, cases=
     """
     backend = normalize_backend(backend)
     if variant_list is None:
-        variant_list = variants(backend, problem)
+        variant_list = registry.variants(backend, problem, device)
     for v in variant_list:
         if v.backend != backend:
             raise ValueError(f"variant_list holds a {v.backend!r} variant, expected {backend!r}")
@@ -210,7 +205,7 @@ def build(backend: str, problem: Problem, out_dir, *, templates_dir=None, cases=
     out_dir.mkdir(parents=True, exist_ok=True)
     done = (_resumable(out_dir, backend, problem, templates_dir, case_names, seed, validate)
             if resume else {})
-    clear_cache = getattr(_space_module(backend), "clear_cache", None)
+    clear_cache = registry.get(backend).clear_cache
     results = []
     for variant in variant_list:
         entry = done.get(variant.name())

@@ -5,7 +5,7 @@ Files live in two folders, read in this order with later entries winning: the sh
 ``<cache root>/tuned/<device>.json`` (`user_tuned_dir`; the cache root is ``$GDNGEN_CACHE_DIR``
 or platformdirs' user cache dir for "gdngen"). A file is::
 
-    {"format": 1, "device": "cpu", "entries": {KEY: ENTRY, ...}}
+    {"format": 2, "device": "cpu", "entries": {KEY: ENTRY, ...}}
 
 KEY is `entry_key` (device | backend | Problem.key() | precision | T<bucket>); the sequence-length
 bucket of T is the next power of two >= T (`seq_bucket`). An ENTRY (`make_entry`) holds the
@@ -14,10 +14,12 @@ versions, median fwd+bwd times of the tuned and the default variant, the worst v
 trial counts and the date.
 
 Reading never fails: a corrupt file (or entry) is reported once with a `TunedCacheWarning` and
-skipped; an entry whose sha256 or versions differ from this installation is ignored, with one
-warning when a lookup first consults it. Parsed files are kept in memory keyed by (mtime,
-size, inode), so a lookup is a few ``stat`` calls. Writes (`write_entry`) merge one entry
-under a file lock and replace the file atomically, so concurrent tuners lose nothing.
+skipped, and so is a file of another format version (format 1 files predate the typed variant
+configs: their params are not read under the new names); an entry whose sha256 or versions differ
+from this installation is ignored, with one warning when a lookup first consults it. Parsed files
+are kept in memory keyed by (mtime, size, inode), so a lookup is a few ``stat`` calls. Writes
+(`write_entry`) merge one entry under a file lock and replace the file atomically, so concurrent
+tuners lose nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from pathlib import Path
 from gdngen.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401 (re-exported)
 from gdngen.variant import Problem, Variant, dumps
 
-FORMAT = 1
+#: 2: typed variant configs (metal's ``policy``/``save`` became ``precision``/``save_states``).
+FORMAT = 2
 ENV_CACHE_DIR = "GDNGEN_CACHE_DIR"
 #: packages whose versions an entry records, per framework.
 FRAMEWORK_PACKAGES = {"jax": ("jax", "jaxlib"), "mlx": ("mlx",)}
@@ -48,6 +51,10 @@ class TunedCacheWarning(UserWarning):
 
 class CorruptCacheFile(ValueError):
     """A tuned-cache file that is not valid JSON of the expected layout."""
+
+
+class StaleFormatFile(CorruptCacheFile):
+    """A tuned-cache file written by a gdngen with another cache format version."""
 
 
 # ------------------------------------------------------------------------------ locations
@@ -119,7 +126,7 @@ def framework_versions(framework: str) -> dict:
 
 def current_versions(framework: str) -> dict:
     """``{"gdngen": ..., <framework packages>: ...}`` of this installation."""
-    from gdngen import __version__
+    from gdngen._version import __version__
 
     return {"gdngen": __version__, **framework_versions(framework)}
 
@@ -195,6 +202,10 @@ def parse(text: str, path: str | os.PathLike = "<text>") -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise CorruptCacheFile(f"{path}: not JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("format"), int) \
+            and data["format"] != FORMAT:
+        raise StaleFormatFile(f"{path}: cache format {data['format']}, this gdngen reads format "
+                              f"{FORMAT}; its entries are ignored (re-run gdngen tune)")
     if not isinstance(data, dict) or data.get("format") != FORMAT \
             or not isinstance(data.get("entries"), dict):
         raise CorruptCacheFile(f"{path}: expected {{'format': {FORMAT}, 'entries': {{...}}}}")
@@ -247,6 +258,9 @@ def load_file(path: str | os.PathLike) -> dict:
         return cached[1]
     try:
         entries = parse(path.read_text(), path)
+    except StaleFormatFile as e:
+        _warn_once(("stale", str(path), stamp), f"skipping stale tuned cache file: {e}")
+        entries = {}
     except (CorruptCacheFile, OSError, UnicodeDecodeError) as e:
         _warn_once(("corrupt", str(path), stamp), f"skipping corrupt tuned cache file: {e}")
         entries = {}
@@ -283,6 +297,12 @@ class Loaded:
     entries: dict = field(default_factory=dict)
     paths: dict = field(default_factory=dict)
     ignored: dict = field(default_factory=dict)
+
+
+def file_stamps(device: str, dirs=None) -> tuple:
+    """The stat stamps of ``device``'s tuned files (a change in any means: look again)."""
+    return tuple(_stamp(tuned_file(device, d))
+                 for d in (tuned_dirs() if dirs is None else dirs))
 
 
 def load(device: str, dirs=None) -> Loaded:
@@ -336,9 +356,10 @@ def write_entry(entry: dict, directory: str | os.PathLike | None = None) -> Path
             try:
                 entries = parse(path.read_text(), path)
             except (CorruptCacheFile, UnicodeDecodeError) as e:
-                aside = path.with_name(path.name + ".corrupt")
+                aside = path.with_name(path.name + (".stale" if isinstance(e, StaleFormatFile)
+                                                    else ".corrupt"))
                 os.replace(path, aside)
-                warnings.warn(f"moved corrupt tuned cache file to {aside}: {e}",
+                warnings.warn(f"moved unreadable tuned cache file to {aside}: {e}",
                               TunedCacheWarning, stacklevel=2)
         entries[entry["key"]] = entry
         data = {"format": FORMAT, "device": entry["device"],

@@ -1,9 +1,10 @@
 """Framework-neutral chunkwise gated delta rule (WY form), shared by the JAX and MLX backends.
 
 Every function takes ``xp``, a small array namespace (an `ArrayNamespace`:
-`gdngen.backends.xla.XP`, `gdngen.backends.mlx.XP`) exposing ``exp log where concatenate stack
-swapaxes einsum repeat zeros(shape) eye(n) pad_time(x, pad, value)`` and the framework-specific
-``cumsum(x, axis, reverse) tril_mask(n, k) scan(f, carry, xs, reverse)`` (lax.scan semantics).
+`gdngen.backends.jax_chunkwise.XP`, `gdngen.backends.mlx_chunkwise.XP`) exposing ``exp log
+where concatenate stack swapaxes einsum repeat zeros(shape) eye(n) pad_time(x, pad, value)``
+and the framework-specific ``cumsum(x, axis, reverse) tril_mask(n, k) scan(f, carry, xs,
+reverse)`` (lax.scan semantics).
 Arrays are float32.
 
 Chunk algebra, per value head, chunk of C steps entering with state S0 ``[Dv, Dk]``. Positions

@@ -11,8 +11,8 @@ import sys
 
 import click
 
-from gdngen import __version__
-from gdngen.backends import RUNNERS
+from gdngen import registry
+from gdngen._version import __version__
 
 DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
 
@@ -23,22 +23,25 @@ def main():
     """gdngen: kernel generator and autotuner for the gated delta rule."""
 
 
-def _backend_names(table: dict) -> list[str]:
-    """Names of ``table`` plus their dashed spellings (``pallas-tpu`` for ``pallas_tpu``)."""
-    return sorted(set(table) | {name.replace("_", "-") for name in table})
+def _backend_names(names) -> list[str]:
+    """``names`` plus their dashed spellings (``pallas-tpu`` for ``pallas_tpu``)."""
+    return sorted(set(names) | {name.replace("_", "-") for name in names})
 
 
 def _parse_variant(backend: str, variant_json: str | None, problem: str | None):
     """The `Variant` named by ``--variant`` (a JSON params object) or, failing that, the default
     variant of ``--problem`` (default Hk=2,Hv=4,Dk=128,Dv=128)."""
-    from gdngen.variant import Problem, Variant, default_variant
+    from gdngen.registry import check_variant, default_variant
+    from gdngen.variant import Problem, Variant
 
     try:
         if variant_json is not None:
             params = json.loads(variant_json)
             if not isinstance(params, dict):
                 raise ValueError("expected a JSON object of variant params")
-            return Variant(backend, params)
+            variant = Variant(backend, params)
+            check_variant(variant)
+            return variant
         return default_variant(backend, Problem.parse(problem or "Hk=2,Hv=4,Dk=128,Dv=128"))
     except ValueError as e:
         hint = "--variant" if variant_json is not None else "--problem"
@@ -46,8 +49,8 @@ def _parse_variant(backend: str, variant_json: str | None, problem: str | None):
 
 
 @main.command()
-@click.option("--backend", type=click.Choice(_backend_names(RUNNERS)), required=True,
-              help="Backend whose runner is checked against the float64 reference.")
+@click.option("--backend", type=click.Choice(_backend_names(registry.BACKENDS)), required=True,
+              help="Backend checked against the float64 reference.")
 @click.option("--variant", "variant_json", default=None, metavar="JSON",
               help='Validate this variant, e.g. \'{"chunk_size": 32, ...}\' (generated-kernel '
                    "backends default to the default variant of --problem).")
@@ -63,15 +66,12 @@ def _parse_variant(backend: str, variant_json: str | None, problem: str | None):
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON instead of a table.")
 def validate(backend, variant_json, problem, dtype, case_names, seed, chunk_size, as_json):
     """Run the validation battery on a backend; exit 1 if any case fails."""
-    import dataclasses
-
     from gdngen import cases as cases_mod
     from gdngen import validate as validate_mod
 
     backend = backend.replace("-", "_")
-    variant = None  # a backend without its own runner module runs through a variant
-    if variant_json is not None or problem is not None or RUNNERS[backend] != \
-            f"gdngen.backends.{backend}":
+    variant = None  # a portable backend runs its default at each case's own chunk size
+    if variant_json is not None or problem is not None or not registry.get(backend).portable:
         variant = _parse_variant(backend, variant_json, problem)
 
     selected = None
@@ -83,13 +83,9 @@ def validate(backend, variant_json, problem, dtype, case_names, seed, chunk_size
             except (KeyError, ValueError) as e:
                 raise click.BadParameter(str(e), param_hint="--case") from None
     extra = {} if variant is None else {"variant": variant}
+    # with a variant, each case's tolerance is gdngen.tolerance.allowed_error of it
     results = validate_mod.run_battery(None if variant else backend, dtype=dtype, cases=selected,
                                        seed=seed, chunk_size=chunk_size, **extra)
-    if variant is not None:  # the variant's own tolerance (e.g. its precision policy's)
-        from gdngen.build import variant_tolerance
-
-        tol = variant_tolerance(variant, dtype)
-        results = [dataclasses.replace(r, tolerance=tol) for r in results]
     if as_json:
         out = validate_mod.results_to_json(results)
         click.echo(out if isinstance(out, str) else json.dumps(out, indent=2))
@@ -206,8 +202,11 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
 @click.option("--resume", is_flag=True,
               help="Keep the passing variants of an existing manifest in --out (same settings, "
                    "same sources); build the rest.")
+@click.option("--device", default=None, metavar="NAME",
+              help="Build only the variants that fit this device (`gdngen devices`); default: "
+                   "the backend's reference device.")
 def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, seed,
-          no_validate, resume):
+          no_validate, resume, device):
     """Enumerate, render, write and validate a backend's variants; exit 1 if any fails."""
     from gdngen import build as build_mod
     from gdngen import cases as cases_mod
@@ -222,6 +221,11 @@ def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, s
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--problem") from None
     variant_list = [_parse_variant(backend, text, None) for text in variant_jsons] or None
+    if variant_list is None:
+        try:
+            variant_list = registry.variants(backend, problem, device)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--device") from None
     try:
         cases = [cases_mod.get_case(name) for name in case_names] or None
     except ValueError as e:
@@ -388,10 +392,12 @@ def devices(as_json):
     detected = devices_mod.detect_all()
     if as_json:
         click.echo(json.dumps({
-            "devices": [dataclasses.asdict(d) for d in devices_mod.DEVICES.values()],
+            "devices": [dict(dataclasses.asdict(d), backends=list(registry.backends_for(d)))
+                        for d in devices_mod.DEVICES.values()],
             "detected": {fw: dataclasses.asdict(d) for fw, d in detected.items()}}, indent=2))
     else:
-        click.echo(devices_mod.format_table(detected).rstrip("\n"))
+        backends = {name: registry.backends_for(name) for name in devices_mod.DEVICES}
+        click.echo(devices_mod.format_table(detected, backends).rstrip("\n"))
 
 
 @main.command()

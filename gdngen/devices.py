@@ -1,4 +1,7 @@
-"""Device registry: target names, the backends each can run, and their on-chip memory limits.
+"""Device registry: target names, their kind and their on-chip memory limits.
+
+Which backends a device runs is each backend's own declaration (`gdngen.registry.backends_for`:
+the backends whose ``device_kinds`` hold the device's kind).
 
 One table, `DEVICES`; each limit names its source. `detect(framework)` maps what JAX
 (``jax.devices()[0].platform`` / ``device_kind``) or MLX (``mx.metal.is_available()``,
@@ -13,6 +16,8 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 
+from gdngen.problem import FRAMEWORKS, check_framework
+
 KiB, MiB = 1024, 1024 * 1024
 
 
@@ -23,7 +28,6 @@ class Device:
 
     name: str
     kind: str  # "cpu" | "tpu" | "gpu" | "apple"
-    backends: tuple
     limits: dict = field(default_factory=dict)
     source: str = ""
 
@@ -35,22 +39,18 @@ class Device:
 # NVIDIA: 227 KiB shared memory per block on Hopper (H100/H200), 163 KiB on A100 (CUDA guide).
 DEVICES: dict[str, Device] = {
     d.name: d for d in (
-        Device("cpu", "cpu", ("xla", "ffi_cpu", "mlx")),
-        Device("tpu-v4", "tpu", ("xla", "pallas_tpu"),
-               {"vmem": 16 * MiB, "vmem_budget": 16 * MiB}, "Pallas TPU docs"),
-        Device("tpu-v5e", "tpu", ("xla", "pallas_tpu"),
-               {"vmem": 128 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
-        Device("tpu-v5p", "tpu", ("xla", "pallas_tpu"),
-               {"vmem": 95 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
-        Device("tpu-v6e", "tpu", ("xla", "pallas_tpu"),
-               {"vmem": 128 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
-        Device("a100", "gpu", ("xla", "pallas_gpu"), {"shared_memory": 163 * KiB},
+        Device("cpu", "cpu"),
+        Device("tpu-v4", "tpu", {"vmem": 16 * MiB, "vmem_budget": 16 * MiB}, "Pallas TPU docs"),
+        Device("tpu-v5e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
+        Device("tpu-v5p", "tpu", {"vmem": 95 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
+        Device("tpu-v6e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
+        Device("a100", "gpu", {"shared_memory": 163 * KiB},
                "CUDA programming guide, compute capability 8.0"),
-        Device("h100", "gpu", ("xla", "pallas_gpu"), {"shared_memory": 227 * KiB},
+        Device("h100", "gpu", {"shared_memory": 227 * KiB},
                "CUDA programming guide, compute capability 9.0"),
-        Device("h200", "gpu", ("xla", "pallas_gpu"), {"shared_memory": 227 * KiB},
+        Device("h200", "gpu", {"shared_memory": 227 * KiB},
                "CUDA programming guide, compute capability 9.0"),
-        *(Device(f"apple-m{i}", "apple", ("mlx", "metal"), {"threadgroup_memory": 32 * KiB},
+        *(Device(f"apple-m{i}", "apple", {"threadgroup_memory": 32 * KiB},
                  "Metal feature set tables") for i in range(1, 6)),
     )
 }
@@ -65,8 +65,6 @@ def get_device(name: str) -> Device:
 
 # ------------------------------------------------------------------------------ detection
 
-#: frameworks whose attached device `detect` can query.
-FRAMEWORKS = ("jax", "mlx")
 
 # device_kind substrings (lower case) -> registry name, first match wins. JAX reports TPUs as
 # "TPU v4", "TPU v5 lite" (v5e), "TPU v5p" / "TPU v5" (v5p), "TPU v6 lite" / "TPU v6e" (v6e);
@@ -135,8 +133,7 @@ def _detect_mlx() -> Detected:
 def detect_framework(framework: str) -> Detected:
     """What ``framework`` ("jax" | "mlx") runs on by default (imports that framework only;
     memoised per process)."""
-    if framework not in FRAMEWORKS:
-        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    check_framework(framework)
     return _detect_jax() if framework == "jax" else _detect_mlx()
 
 
@@ -178,9 +175,9 @@ def require_attached(name: str, framework: str) -> Device:
     return device
 
 
-def format_table(detected: dict) -> str:
-    """``gdngen devices`` table: every registered device, marking the ones ``detected``
-    (framework -> `Detected`) found attached."""
+def format_table(detected: dict, backends: dict) -> str:
+    """``gdngen devices`` table: every registered device with its ``backends`` (device name ->
+    backend names), marking the ones ``detected`` (framework -> `Detected`) found attached."""
     from gdngen.tables import render_table
 
     rows = []
@@ -188,7 +185,7 @@ def format_table(detected: dict) -> str:
         seen = [f"{fw} ({d.description})" for fw, d in detected.items() if d.name == dev.name]
         limits = ", ".join(f"{k}={v // MiB} MiB" if v >= MiB else f"{k}={v // KiB} KiB"
                            for k, v in dev.limits.items())
-        rows.append((dev.name, dev.kind, ", ".join(dev.backends), limits or "-",
+        rows.append((dev.name, dev.kind, ", ".join(backends.get(dev.name, ())), limits or "-",
                      "* " + "; ".join(seen) if seen else "", dev.source))
     unknown = [f"{fw}: {d.description}" for fw, d in detected.items() if d.name is None]
     footer = ["attached but not registered: " + "; ".join(unknown)] if unknown else []

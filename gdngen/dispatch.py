@@ -1,62 +1,29 @@
 """Load stage: choose the variant that runs a call (explicit, else tuned, else default).
 
-`resolve` is shared by ``gdngen.jax.gated_delta`` and ``gdngen.mlx.gated_delta``. Without an
+`call` is the body of ``gdngen.jax.gated_delta`` and ``gdngen.mlx.gated_delta``. Without an
 explicit variant or chunk size it consults the tuned cache (`gdngen.cache`) for the attached
 device, the call's shape class (`Problem`), precision "ieee" and the call's sequence-length
-bucket; with nothing usable there it takes the backend's default variant. Setting
-``GDNGEN_NO_TUNED=1`` skips the cache. `load_tuned` returns a callable doing the same per call
-for a chosen device and precision policy, with `TunedGatedDelta.explain` saying what it picked
-and why.
+bucket. With nothing usable there it runs the default variant of the device's preferred backend
+that implements the call (`default_choice`: the generated kernels of the device — ffi_cpu on a
+CPU host with a compiler, pallas_tpu on a TPU, pallas_gpu on an NVIDIA GPU, metal on an Apple
+GPU — else the framework's portable path). Setting ``GDNGEN_NO_TUNED=1`` skips the cache.
+
+The decision is memoised per (framework, shape class, T bucket, device, precision) and dropped
+when a tuned file of the device changes (its stat stamp), so at decode length it costs a few
+``stat`` calls and a dictionary lookup. `load_tuned` returns a callable doing the same per call
+for a chosen device and precision policy; `TunedGatedDelta.explain` says what it picked and why.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 
-from gdngen.problem import CallShape, check_call, dtype_name
-from gdngen.variant import SPACES, Problem, Variant, default_variant
+from gdngen import registry
+from gdngen.problem import CallShape, check_call, check_framework, dtype_name
+from gdngen.variant import Problem, Variant, problem_of
 
-#: backends each framework can execute, the portable one first (the fallback).
-FRAMEWORK_BACKENDS = {"jax": ("xla", "pallas_tpu", "pallas_gpu", "ffi_cpu"),
-                      "mlx": ("mlx", "metal")}
 ENV_NO_TUNED = "GDNGEN_NO_TUNED"
-
-
-def problem_of(shape: CallShape, dtype: str) -> Problem:
-    """The `Problem` (shape class) of a checked call with input dtype ``dtype``."""
-    return Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dtype,
-                   "vector" if shape.vector_gate else "scalar")
-
-
-def framework_of(backend: str) -> str:
-    """The framework whose entry point executes ``backend``."""
-    for framework, backends in FRAMEWORK_BACKENDS.items():
-        if backend in backends:
-            return framework
-    raise ValueError(f"backend {backend!r} belongs to no framework; known: {FRAMEWORK_BACKENDS}")
-
-
-def runnable_backends(framework: str, problem: Problem) -> tuple[str, ...]:
-    """Registered backends of ``framework`` that implement ``problem``'s gate kind and that this
-    host can run (`backend_available`)."""
-    from gdngen.backends import VECTOR_GATE_BACKENDS
-
-    if framework not in FRAMEWORK_BACKENDS:
-        raise ValueError(f"framework must be one of {sorted(FRAMEWORK_BACKENDS)}, "
-                         f"got {framework!r}")
-    return tuple(b for b in FRAMEWORK_BACKENDS[framework] if b in SPACES
-                 and (problem.gate == "scalar" or b in VECTOR_GATE_BACKENDS)
-                 and backend_available(b))
-
-
-def backend_available(backend: str) -> bool:
-    """False when ``backend``'s module has an ``available()`` hook saying this host cannot run
-    it (e.g. ffi_cpu without a C++ compiler); True otherwise."""
-    module = importlib.import_module(SPACES[backend].partition(":")[0])
-    hook = getattr(module, "available", None)
-    return hook is None or bool(hook())
 
 
 @dataclass(frozen=True)
@@ -77,52 +44,127 @@ class Choice:
         return f"{self.variant} ({self.source}{where}, precision {self.precision}): {self.reason}"
 
 
+def default_choice(framework: str, problem: Problem, device: str | None,
+                   chunk_size: int | None = None) -> tuple[Variant, str]:
+    """``(variant, reason)``: the default variant of the first backend ``device`` prefers
+    (`gdngen.registry.backends_for`) that implements ``problem`` and, if given, runs
+    ``chunk_size``; else the framework's portable backend."""
+    passed = []
+    for name in (registry.backends_for(device, framework) if device else ()):
+        spec = registry.get(name)
+        if spec.portable:
+            continue
+        ok, why = spec.capability(problem)
+        if ok:
+            variant = registry.default_variant(name, problem, device)
+            try:
+                variant = _with_chunk(variant, chunk_size)
+            except ValueError as e:
+                passed.append(f"{name}: {e}")
+                continue
+            return variant, f"default of {name}, {device}'s generated backend"
+        passed.append(why)
+    name = registry.portable(framework)
+    variant = _with_chunk(registry.default_variant(name, problem), chunk_size)
+    where = "" if device else " (the attached device is not in the device registry)"
+    return variant, f"default of the portable {name} backend{where}" + \
+        (f"; passed over: {'; '.join(passed)}" if passed else "")
+
+
+def _with_chunk(variant: Variant, chunk_size: int | None) -> Variant:
+    if chunk_size is None:
+        return variant
+    changed = Variant(variant.backend, dict(variant.as_dict(), chunk_size=chunk_size))
+    registry.check_variant(changed)
+    return changed
+
+
+_CHOICES: dict = {}  # memo key -> (tuned-file stamps, Choice)
+
+
+def clear_memo() -> None:
+    """Forget memoised dispatch decisions (the next call looks again)."""
+    _CHOICES.clear()
+
+
+def _attached(framework: str) -> tuple[str | None, str]:
+    from gdngen import devices
+
+    found = devices.detect_framework(framework)
+    return found.name, found.description
+
+
 def choose(framework: str, shape: CallShape, dtype: str, *, device: str | None = None,
            precision: str = "ieee") -> Choice:
     """Tuned variant for this call's shape class and T bucket on ``device`` (default: the
-    attached one), else the default variant of the framework's portable backend."""
-    from gdngen import cache, devices
+    attached one), else `default_choice`. Memoised (see the module docstring)."""
+    from gdngen import cache
 
     problem = problem_of(shape, dtype)
-    fallback = default_variant(FRAMEWORK_BACKENDS[framework][0], problem)
-    if os.environ.get(ENV_NO_TUNED, "") not in ("", "0"):
-        return Choice(fallback, "default", f"tuned lookup disabled by {ENV_NO_TUNED}",
-                      device, precision)
+    disabled = os.environ.get(ENV_NO_TUNED, "") not in ("", "0")
+    described = None
     if device is None:
-        found = devices.detect_framework(framework)
-        if found.name is None:
-            return Choice(fallback, "default", f"attached device ({found.description}) is not "
-                          "in the device registry", None, precision)
-        device = found.name
-    result = cache.lookup(device, runnable_backends(framework, problem), problem, precision,
-                          shape.T)
-    if result.entry is None:
-        return Choice(fallback, "default", result.reason, device, precision)
-    return Choice(Variant.from_json(result.entry["variant"]), "tuned", result.reason, device,
-                  precision, result.entry, str(result.path))
+        device, described = _attached(framework)
+    bucket = cache.seq_bucket(shape.T)
+    dirs = tuple(str(d) for d in cache.tuned_dirs())
+    key = (framework, problem, bucket, device, precision, disabled, dirs)
+    stamps = cache.file_stamps(device) if device is not None and not disabled else ()
+    memo = _CHOICES.get(key)
+    if memo is not None and memo[0] == stamps:
+        return memo[1]
+    fallback, why = default_choice(framework, problem, device)
+    if disabled:
+        choice = Choice(fallback, "default", f"tuned lookup disabled by {ENV_NO_TUNED}; {why}",
+                        device, precision)
+    elif device is None:
+        choice = Choice(fallback, "default", f"attached device ({described}) is not in the "
+                        f"device registry; {why}", None, precision)
+    else:
+        result = cache.lookup(device, registry.runnable(framework, problem, device), problem,
+                              precision, shape.T)
+        if result.entry is None:
+            choice = Choice(fallback, "default", f"{result.reason}; {why}", device, precision)
+        else:
+            choice = Choice(Variant.from_json(result.entry["variant"]), "tuned", result.reason,
+                            device, precision, result.entry, str(result.path))
+    _CHOICES[key] = (stamps, choice)
+    return choice
 
 
 def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | None = None,
             chunk_size: int | None = None) -> Variant:
-    """The variant for one call. An explicit ``variant`` must belong to ``framework``; an explicit
-    ``chunk_size`` overrides the default variant's chunk (and must agree with an explicit
-    variant); with neither, the tuned variant for the attached device (precision "ieee") wins
-    over the default (see `choose`)."""
-    backends = FRAMEWORK_BACKENDS[framework]
+    """The variant for one call. An explicit ``variant`` must belong to ``framework`` and be
+    valid for its backend; an explicit ``chunk_size`` overrides the default variant's chunk (and
+    must agree with an explicit variant); with neither, the tuned variant for the attached
+    device (precision "ieee") wins over the default (see `choose`)."""
     if variant is not None:
         if not isinstance(variant, Variant):
             raise ValueError(f"variant must be a gdngen.Variant, got {type(variant).__name__}")
+        backends = registry.names(framework)
         if variant.backend not in backends:
             raise ValueError(f"variant backend {variant.backend!r} does not run on {framework}; "
                              f"expected one of {backends}")
+        registry.check_variant(variant)
         if chunk_size is not None and chunk_size != variant.get("chunk_size", chunk_size):
             raise ValueError(f"chunk_size={chunk_size} conflicts with the variant's chunk_size="
                              f"{variant['chunk_size']}")
         return variant
     if chunk_size is None:
         return choose(framework, shape, dtype).variant
-    chosen = default_variant(backends[0], problem_of(shape, dtype))
-    return Variant(chosen.backend, dict(chosen.as_dict(), chunk_size=chunk_size))
+    return default_choice(framework, problem_of(shape, dtype), _attached(framework)[0],
+                          chunk_size)[0]
+
+
+def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, chunk_size,
+         variant):
+    """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant, run it
+    through its backend's entry point."""
+    check_framework(framework)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
+    chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
+    return registry.get(chosen.backend).run(q, k, v, g, beta, initial_state, mask=mask,
+                                            scale=float(scale), gate=gate, variant=chosen)
 
 
 # ------------------------------------------------------------------------------ load_tuned
@@ -134,7 +176,6 @@ class TunedGatedDelta:
 
     def __init__(self, framework: str, device: str, precision: str):
         self.framework, self.device, self.precision = framework, device, precision
-        self._entry = importlib.import_module(f"gdngen.{framework}").gated_delta
 
     def __repr__(self) -> str:
         return (f"TunedGatedDelta(framework={self.framework!r}, device={self.device!r}, "
@@ -150,40 +191,13 @@ class TunedGatedDelta:
     def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                  gate="log"):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
-        from gdngen.timing import precision_context
+        from gdngen.precision import precision_context
 
         chosen = self.explain(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                               gate=gate).variant
         with precision_context(self.framework, self.precision):
-            return self._entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                               gate=gate, variant=chosen)
-
-
-def call(framework: str, portable, f32, zeros, q, k, v, g, beta, initial_state, *, mask, scale,
-         gate, chunk_size, variant):
-    """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant, run it.
-
-    ``portable`` is the framework's portable backend module (its ``chunkwise_gated_delta`` and
-    ``sequential_gated_delta``), ``f32`` its float32 dtype and ``zeros(shape, dtype)`` its zeros.
-    A generated-kernel variant runs through ``gdngen.backends.<backend>.gated_delta``.
-    """
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
-    chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
-    if chosen.backend != FRAMEWORK_BACKENDS[framework][0]:  # a generated-kernel backend
-        module = importlib.import_module(f"gdngen.backends.{chosen.backend}")
-        return module.gated_delta(q, k, v, g, beta, initial_state, mask=mask, scale=float(scale),
-                                  gate=gate, variant=chosen)
-    if initial_state is None:
-        initial_state = zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
-            initial_state.astype(f32), mask)
-    if shape.vector_gate:
-        y, state = portable.sequential_gated_delta(*args, scale=float(scale), gate=gate)
-    else:
-        y, state = portable.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
-                                                  **chosen.as_dict())
-    return y.astype(q.dtype), state
+            return call(self.framework, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+                        gate=gate, chunk_size=None, variant=chosen)
 
 
 def load_tuned(framework: str = "jax", device: str | None = None,
@@ -196,11 +210,8 @@ def load_tuned(framework: str = "jax", device: str | None = None,
     portable backend stays float32 under every policy).
     """
     from gdngen import devices
-    from gdngen.timing import check_precision
+    from gdngen.precision import check_precision
 
-    if framework not in FRAMEWORK_BACKENDS:
-        raise ValueError(f"framework must be one of {sorted(FRAMEWORK_BACKENDS)}, "
-                         f"got {framework!r}")
     check_precision(framework, precision)
     device = devices.detect(framework) if device is None \
         else devices.require_attached(device, framework).name

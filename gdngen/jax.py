@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from gdngen.backends import xla
 from gdngen.dispatch import call
 
 __all__ = ["gated_delta"]
@@ -23,8 +20,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     Scalar gates run chunkwise (`chunk_size` steps per chunk); vector gates run sequentially.
 
     ``variant`` (a `gdngen.Variant`) runs exactly that variant; without it the tuned variant for
-    this device and shape class runs, else the default. ``chunk_size`` (default 64) overrides the
-    chosen variant's chunk.
+    this device and shape class runs, else the default variant of the device's generated
+    backend when it implements the call, else the portable ``xla`` path. ``chunk_size``
+    overrides the default variant's chunk.
     """
-    return call("jax", xla, jnp.float32, jnp.zeros, q, k, v, g, beta, initial_state,
-                mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant)
+    return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
+                chunk_size=chunk_size, variant=variant)

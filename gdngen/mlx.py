@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-
-from gdngen.backends import mlx as mlx_backend
 from gdngen.dispatch import call
 
 __all__ = ["gated_delta"]
@@ -20,8 +17,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     float32, accumulation float32. Scalar gates run chunkwise, vector gates sequentially.
 
     ``variant`` (a `gdngen.Variant`) runs exactly that variant; without it the tuned variant for
-    this device and shape class runs, else the default. ``chunk_size`` (default 64) overrides the
-    chosen variant's chunk.
+    this device and shape class runs, else the default variant of the device's generated
+    backend (metal on an Apple GPU) when it implements the call, else the portable ``mlx``
+    path. ``chunk_size`` overrides the default variant's chunk.
     """
-    return call("mlx", mlx_backend, mx.float32, mx.zeros, q, k, v, g, beta, initial_state,
-                mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant)
+    return call("mlx", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
+                chunk_size=chunk_size, variant=variant)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: the frameworks with a ``gated_delta`` entry point (`gdngen.jax`, `gdngen.mlx`).
+FRAMEWORKS = ("jax", "mlx")
 GATES = ("log", "linear")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -30,6 +32,12 @@ class CallShape:
     def group(self) -> int:
         """Value heads per key head (Hv / Hk); value head h reads key head h // group."""
         return self.Hv // self.Hk
+
+
+def check_framework(framework: str) -> None:
+    """ValueError unless ``framework`` is one of `FRAMEWORKS`."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
 
 
 def dtype_name(x) -> str:

@@ -1,20 +1,20 @@
 """Render stage: a `Variant` for a `Problem` -> its source text(s) and their sha256.
 
-Templated backends keep Jinja sources under ``templates/<backend>/`` and register in `TEMPLATED`
-a ``"module:function"`` mapping ``(variant, problem)`` to ``{output_name: (template_path,
-context)}``. Templates load first from a user directory (``templates_dir`` argument or the
-``GDNGEN_TEMPLATES`` environment variable), which overrides shipped files by relative path and
-cannot reach outside itself, then from the shipped ``templates/``. Rendering is strict: an
+Templated backends keep Jinja sources under ``templates/<backend>/``; their
+`gdngen.registry.BackendSpec.render_plan` maps ``(variant, problem)`` to ``{output_name:
+(template_path, context)}``. Templates load first from a user directory (``templates_dir`` argument
+or the ``GDNGEN_TEMPLATES`` environment variable), which overrides shipped files by relative path
+and cannot reach outside itself, then from the shipped ``templates/``. Rendering is strict: an
 undefined name is an error, never an empty string.
 
 Portable backends (xla, mlx) are not templated; their "source" is the Python that implements
-them, so the hash still changes whenever their code does.
+them (their spec's ``source_modules``, read, not imported), so the hash still changes whenever
+their code does.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -22,20 +22,9 @@ from pathlib import Path
 
 import jinja2
 
+from gdngen import registry
 from gdngen.resources import templates_dir as shipped_templates_dir
 from gdngen.variant import Problem, Variant
-
-TEMPLATED: dict[str, str] = {
-    "pallas_tpu": "gdngen.backends.pallas_tpu:render_plan",
-    "pallas_gpu": "gdngen.backends.pallas_gpu:render_plan",
-    "metal": "gdngen.backends.metal:render_plan",
-    "ffi_cpu": "gdngen.backends.ffi_cpu:render_plan",
-}
-
-PORTABLE_SOURCES = {
-    "xla": ("gdngen.chunkwise", "gdngen.backends.xla"),
-    "mlx": ("gdngen.chunkwise", "gdngen.backends.mlx"),
-}
 
 
 @dataclass(frozen=True)
@@ -71,16 +60,13 @@ def sources_sha256(sources: dict) -> str:
 def render(variant: Variant, problem: Problem, *,
            templates_dir: str | os.PathLike | None = None) -> Rendered:
     """Render ``variant`` specialised for ``problem``; see the module docstring."""
-    if variant.backend in PORTABLE_SOURCES:
+    spec = registry.get(variant.backend)
+    spec.parse(variant)  # ValueError naming a bad field, before anything is rendered
+    if spec.render_plan is None:
         sources = {name: Path(importlib.util.find_spec(name).origin).read_text()
-                   for name in PORTABLE_SOURCES[variant.backend]}  # read, not imported
-    elif variant.backend in TEMPLATED:
-        module, _, func = TEMPLATED[variant.backend].partition(":")
-        plan = getattr(importlib.import_module(module), func)(variant, problem)
+                   for name in spec.source_modules}  # read, not imported
+    else:
         env = environment(templates_dir)
         sources = {name: env.get_template(path).render(**context)
-                   for name, (path, context) in plan.items()}
-    else:
-        raise ValueError(f"no renderer for backend {variant.backend!r}; known: "
-                         f"{sorted(PORTABLE_SOURCES) + sorted(TEMPLATED)}")
+                   for name, (path, context) in spec.render_plan(variant, problem).items()}
     return Rendered(variant, problem, sources, sources_sha256(sources))

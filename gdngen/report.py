@@ -27,7 +27,7 @@ from gdngen.variant import Problem
 def _parse_study(name: str):
     """`gdngen.tune.Target` of a study name, or None if it is not a gdngen study or cannot be
     rebuilt here (unknown backend, ...)."""
-    from gdngen.dispatch import framework_of
+    from gdngen.registry import framework_of
     from gdngen.tune import Target
 
     match = re.fullmatch(r"gdngen-[^:]+:([^:]+):([^:]+):hk(\d+)-hv(\d+)-dk(\d+)-dv(\d+)-"

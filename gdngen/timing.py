@@ -6,16 +6,11 @@ callables on the same inputs: each is warmed up first (the first run compiles), 
 runs are interleaved round-robin so that a load change on the machine hits every callable alike.
 Every run is synchronised (``jax.block_until_ready`` / ``mx.eval``); the median is reported.
 
-Precision policies (`PRECISIONS`, most accurate first): "ieee" full float32 matmuls, "tf32"
-TensorFloat-32, "bf16" bfloat16 passes; a policy is the least accuracy accepted. JAX applies it
-with ``jax.default_matmul_precision``; MLX has no global switch, so its portable backend stays
-float32 under every policy (which satisfies them all), while a backend with its own precision
-parameter is searched over variants at least as accurate as the policy (`gdngen.tune`).
+Precision policies are `gdngen.precision`'s; `time_fwd_bwd` runs under one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
@@ -23,33 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gdngen.precision import PRECISIONS, check_precision, precision_context  # noqa: F401
+from gdngen.problem import FRAMEWORKS, check_framework
 from gdngen.variant import Problem, Variant
-
-PRECISIONS = ("ieee", "tf32", "bf16")
-JAX_MATMUL_PRECISION = {"ieee": "float32", "tf32": "tensorfloat32", "bf16": "bfloat16"}
-#: relative-error tolerance a precision policy accepts (validation uses the larger of this and
-#: the dtype's tolerance): TF32 keeps 10 mantissa bits, bfloat16 7 (the generated backends'
-#: tf32 / half policies are validated at up to 1e-2 / 2e-2 themselves).
-PRECISION_TOLERANCE_FLOOR = {"ieee": 0.0, "tf32": 1e-2, "bf16": 2e-2}
-FRAMEWORKS = ("jax", "mlx")
-
-
-def check_precision(framework: str, precision: str) -> None:
-    """ValueError unless ``framework`` and ``precision`` are known."""
-    if framework not in FRAMEWORKS:
-        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-
-
-def precision_context(framework: str, precision: str):
-    """Context manager applying ``precision`` to the framework's matmuls while tracing/running."""
-    check_precision(framework, precision)
-    if framework == "jax":
-        import jax
-
-        return jax.default_matmul_precision(JAX_MATMUL_PRECISION[precision])
-    return contextlib.nullcontext()
 
 
 def make_inputs(problem: Problem, batch: int, seq_len: int, seed: int = 0) -> dict:
@@ -82,12 +53,11 @@ def make_inputs(problem: Problem, batch: int, seq_len: int, seed: int = 0) -> di
 def variant_fn(framework: str, variant: Variant):
     """``fn(q, k, v, g, beta, initial_state, *, scale, gate)`` running exactly ``variant`` through
     the framework's public ``gated_delta``."""
+    check_framework(framework)
     if framework == "jax":
         from gdngen.jax import gated_delta
-    elif framework == "mlx":
-        from gdngen.mlx import gated_delta
     else:
-        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+        from gdngen.mlx import gated_delta
     return functools.partial(gated_delta, variant=variant)
 
 
@@ -95,7 +65,7 @@ def sequential_fn(framework: str):
     """The sequential baseline of ``gdngen bench``: a float32 ``lax.scan`` for JAX, mlx_lm's
     per-step ``gated_delta_ops`` for MLX (given ``exp(g)`` and ``q * scale``)."""
     if framework == "jax":
-        from gdngen.backends.xla import sequential_gated_delta
+        from gdngen.backends.jax_chunkwise import sequential_gated_delta
 
         def baseline(q, k, v, g, beta, initial_state, *, scale, gate):
             f32 = [x.astype("float32") for x in (q, k, v, g, beta)]

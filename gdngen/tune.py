@@ -11,7 +11,7 @@ that crashes the process, hangs or fails to compile is recorded as a FAIL trial 
 goes on. The subprocess
 
 1. validates the variant on the battery cases ``Settings.cases`` (`gdngen.validate.run_battery`,
-   at the Problem's dtype; tolerance: the dtype's, raised to the precision policy's floor),
+   at the Problem's dtype; tolerance: `gdngen.tolerance.allowed_error`, as in ``gdngen build``),
    unless the validation memo (keyed by render sha256, params, dtype, precision, cases and
    versions) already knows the answer;
 2. times forward+backward at the target shape (`gdngen.timing.time_fwd_bwd`).
@@ -29,11 +29,12 @@ and an interrupted run resumes: RUNNING trials left by a dead process of this ho
 FAIL (``interrupted``) and their variants are tried again.
 
 `skip_reason` names targets not worth a study (the command skips them): those whose execution
-ignores the variant (`VARIANT_INDEPENDENT`: the portable backends run vector gates on a
-sequential path without tunables) or whose space has a single variant.
+ignores the variant (a gate kind outside the backend's ``tuned_gates``: the portable backends run
+vector gates on a sequential path without tunables) or whose space has a single variant.
 
 ``GDNGEN_PLUGINS`` (comma-separated module names) is imported by the tuner and by every trial
-subprocess, so out-of-tree backends can register their space, runner and renderer. ``--dry-run``
+subprocess, so out-of-tree backends can add themselves to the registry
+(`gdngen.registry.register`). ``--dry-run``
 workers get ``GDNGEN_INTERPRET=1`` so generated backends can select interpret mode / a
 simulator off-device.
 """
@@ -55,8 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gdngen import cache
+from gdngen.registry import default_variant, variants
 from gdngen.tables import render_table
-from gdngen.variant import Problem, Variant, default_variant, dumps, variants
+from gdngen.variant import Problem, Variant, dumps
 
 __all__ = [
     "DEFAULT_CASES", "Settings", "Summary", "Target", "dry_run", "load_plugins", "open_storage",
@@ -84,18 +86,12 @@ def load_plugins() -> list[str]:
 # ------------------------------------------------------------------------------ targets
 
 
-#: accuracy rank of the values backends use for their own precision param ("precision" in
-#: pallas_tpu, "policy" in metal), most accurate first; unknown values are not filtered.
-_PRECISION_RANK = {"ieee": 0, "tf32": 1, "bf16": 2, "half": 2}
-
-
 def _precision_allowed(variant: Variant, policy: str) -> bool:
-    """A variant's own precision param may be as accurate as ``policy`` or more."""
-    for name in ("precision", "policy"):
-        own = variant.get(name)
-        if own in _PRECISION_RANK and _PRECISION_RANK[own] > _PRECISION_RANK[policy]:
-            return False
-    return True
+    """A variant's own ``precision`` param may be as accurate as ``policy`` or more."""
+    from gdngen.precision import rank
+
+    own = variant.get("precision")
+    return own is None or rank(own) <= rank(policy)
 
 
 @dataclass(frozen=True)
@@ -112,18 +108,17 @@ class Target:
     batch: int = 1
 
     def default(self) -> Variant:
-        """The backend's default variant (its own precision param, if any, raised to the
-        policy when the default is less accurate)."""
-        variant = default_variant(self.backend, self.problem)
+        """The backend's default variant on the device (its own precision param, if any,
+        raised to the policy when the default is less accurate)."""
+        variant = default_variant(self.backend, self.problem, self.device)
         if not _precision_allowed(variant, self.precision):
-            name = "precision" if variant.get("precision") is not None else "policy"
-            variant = Variant(variant.backend, dict(variant.as_dict(), **{name: self.precision}))
+            variant = Variant(variant.backend, dict(variant.as_dict(), precision=self.precision))
         return variant
 
     def space(self) -> list[Variant]:
-        """The backend's variants whose own precision param (if any) is at least as accurate
-        as the target's policy."""
-        return [v for v in variants(self.backend, self.problem)
+        """The backend's variants that fit the device and whose own precision param (if any)
+        is at least as accurate as the target's policy."""
+        return [v for v in variants(self.backend, self.problem, self.device)
                 if _precision_allowed(v, self.precision)]
 
     def label(self) -> str:
@@ -134,7 +129,7 @@ class Target:
 def study_name(target: Target) -> str:
     """Study name: the target, the gdngen version and the default variant's render sha256
     prefix, so that a code change starts a fresh study instead of mixing old timings in."""
-    from gdngen import __version__
+    from gdngen._version import __version__
 
     sha = cache.variant_sha256(target.default(), target.problem)
     return (f"gdngen-{__version__}:{target.device}:{target.backend}:{target.problem.key()}:"
@@ -143,20 +138,20 @@ def study_name(target: Target) -> str:
 
 def targets(device: str, frameworks, problems, *, precision: str = "ieee", seq_lens=(2048,),
             batch: int = 1, backends=None) -> list[Target]:
-    """Every (framework, backend, problem, T) the device can tune: backends registered for the
-    framework, listed for the device, implementing the problem's gate kind and (if given) in
-    ``backends``."""
+    """Every (framework, backend, problem, T) the device can tune: backends of the framework
+    targeting the device, implementing the problem and runnable here (`gdngen.registry
+    .runnable`), and (if given) in ``backends``."""
     from gdngen.devices import get_device
-    from gdngen.dispatch import runnable_backends
-    from gdngen.timing import check_precision
+    from gdngen.precision import check_precision
+    from gdngen.registry import runnable
 
-    dev = get_device(device)
+    get_device(device)
     out = []
     for framework in frameworks:
         check_precision(framework, precision)
         for problem in problems:
-            for backend in runnable_backends(framework, problem):
-                if backend not in dev.backends or (backends and backend not in backends):
+            for backend in runnable(framework, problem, device):
+                if backends and backend not in backends:
                     continue
                 out.extend(Target(device, framework, backend, problem, precision, int(t), batch)
                            for t in seq_lens)
@@ -195,12 +190,12 @@ class Settings:
             get_case(name)  # ValueError/KeyError for an unknown case
 
 
-def tolerance_for(problem: Problem, precision: str) -> float:
-    """Validation tolerance: the dtype's, raised to the precision policy's floor."""
-    from gdngen.timing import PRECISION_TOLERANCE_FLOOR
-    from gdngen.validate import tolerance
+def tolerance_for(target: Target, variant: Variant) -> float:
+    """Validation tolerance of ``variant`` in ``target``: `gdngen.tolerance.allowed_error` at
+    the problem's dtype under the target's policy (the rule ``gdngen build`` uses too)."""
+    from gdngen.tolerance import allowed_error
 
-    return max(tolerance(problem.dtype), PRECISION_TOLERANCE_FLOOR[precision])
+    return allowed_error(variant, target.problem.dtype, target.precision)
 
 
 # ------------------------------------------------------------------------------ storage
@@ -294,7 +289,8 @@ def summarize_validation(results, tol: float) -> dict:
 def _worker(spec: dict) -> dict:
     """Validate and/or time one variant as described by ``spec`` (see `_run_worker`)."""
     load_plugins()
-    from gdngen.timing import precision_context, time_fwd_bwd, variant_fn
+    from gdngen.precision import precision_context
+    from gdngen.timing import time_fwd_bwd, variant_fn
 
     framework, precision = spec["framework"], spec["precision"]
     problem = Problem.from_json(spec["problem"])
@@ -306,7 +302,7 @@ def _worker(spec: dict) -> dict:
 
             with precision_context(framework, precision):
                 results = run_battery(None, variant=variant, cases=list(spec["cases"]),
-                                      dtype=problem.dtype)
+                                      dtype=problem.dtype, precision=precision)
             out["validation"] = summarize_validation(results, spec["tolerance"])
         timed = spec.get("time") or {}
         passed = out.get("validation", {}).get("passed", True)
@@ -510,8 +506,7 @@ def _spec(target: Target, settings: Settings, variant: Variant, **extra) -> dict
     return {"framework": target.framework, "precision": target.precision,
             "problem": target.problem.to_json(), "variant": variant.to_json(),
             "batch": target.batch, "seq_len": target.seq_len, "repeats": settings.repeats,
-            "cases": list(settings.cases), "tolerance": tolerance_for(target.problem,
-                                                                      target.precision),
+            "cases": list(settings.cases), "tolerance": tolerance_for(target, variant),
             "seed": settings.seed, **extra}
 
 
@@ -716,8 +711,7 @@ def _finish(study, summary: Summary, target: Target, settings: Settings, cache_d
         device=target.device, framework=target.framework, problem=target.problem,
         precision=target.precision, seq_len=target.seq_len, batch=target.batch,
         variant=chosen, default=default, best_s=chosen_s, default_s=default_s,
-        worst_error=chosen_rec.worst_error, tolerance=tolerance_for(target.problem,
-                                                                    target.precision),
+        worst_error=chosen_rec.worst_error, tolerance=tolerance_for(target, chosen),
         trials={"run": counts[0], "failed": counts[1], "infeasible": counts[2],
                 "skipped": counts[3]},
         study=study.study_name)
@@ -765,14 +759,13 @@ def dry_run(target: Target, settings: Settings = Settings(), on_variant=None) ->
 
 # ------------------------------------------------------------------------------ command glue
 
-#: (backend, gate kind) pairs whose execution ignores the variant: the portable backends run
-#: vector gates as a sequential recurrence without tunables, so every variant is one program.
-VARIANT_INDEPENDENT = {("xla", "vector"), ("mlx", "vector")}
-
-
 def skip_reason(target: Target) -> str | None:
-    """Why tuning ``target`` would be pointless (nothing to choose between), or None."""
-    if (target.backend, target.problem.gate) in VARIANT_INDEPENDENT:
+    """Why tuning ``target`` would be pointless (nothing to choose between), or None: a gate
+    kind outside the backend's ``tuned_gates`` runs a path without tunables (the portable
+    backends' sequential vector-gate recurrence), or the space has a single variant."""
+    from gdngen.registry import get
+
+    if target.problem.gate not in get(target.backend).tuned_gates:
         return (f"{target.backend} runs {target.problem.gate} gates on its sequential path, "
                 "which has no tunables")
     if len(target.space()) < 2:

@@ -8,7 +8,13 @@ quantity in `QUANTITIES`:
 * y, final_state, dq, dk, dv, dbeta, dinitial_state: max over the log and linear runs;
 * dg: the log-gate run's dg (d/d log g); dg_linear: the linear run's dg (d/d g).
 
-A case passes when every error is <= `tolerance(dtype)`.
+A case passes when every error is <= its tolerance: `gdngen.tolerance.allowed_error` of the
+variant under test (the dtype's battery tolerance `tolerance(dtype)` without one).
+
+The battery runners live here too (`runner_for`): each runs one backend on a case's inputs
+through its framework's public ``gated_delta`` with an explicit variant (the backend's default
+for the case's shape at the case's chunk size, when none is given) and returns the outputs and
+the six gradients of the case's cotangents as float64 NumPy arrays (docs/CONTRACT.md).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from gdngen import backends
 from gdngen import cases as cases_mod
+from gdngen import registry
 from gdngen.cases import BATTERY, Case
+from gdngen.tolerance import DTYPE_TOLERANCES, allowed_error, dtype_tolerance
 
 __all__ = [
     "QUANTITIES",
@@ -34,11 +41,12 @@ __all__ = [
     "results_to_json",
     "round_to_dtype",
     "run_battery",
+    "runner_for",
     "tolerance",
 ]
 
 QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear")
-TOLERANCES = {"float32": 5e-5, "bfloat16": 2e-2, "float16": 2e-2}
+TOLERANCES = DTYPE_TOLERANCES
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
                  "float64": np.float64}
 # Quantities taken from both runs (max of the two errors); dg is split by gate convention.
@@ -49,10 +57,7 @@ _ROUNDED_INPUTS = ("q", "k", "v", "beta", "dy", "dfinal_state")
 
 def tolerance(dtype: str) -> float:
     """Relative L2 error a backend may reach at ``dtype``: float32 5e-5, bf16/fp16 2e-2."""
-    try:
-        return TOLERANCES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}, got {dtype!r}") from None
+    return dtype_tolerance(dtype)
 
 
 def relative_error(x, ref) -> float:
@@ -115,7 +120,94 @@ class CaseResult:
 
 def _resolve_runner(runner):
     if isinstance(runner, str):
-        return backends.get_runner(runner)
+        return runner_for(runner)
+    return runner
+
+
+# ------------------------------------------------------------------------------ runners
+
+_NAMES = ("q", "k", "v", "g", "beta")
+_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
+
+
+def _case_problem(inputs: dict, dtype: str):
+    from gdngen.variant import Problem
+
+    _, _, Hk, Dk = inputs["q"].shape
+    _, _, Hv, Dv = inputs["v"].shape
+    gate = "vector" if np.ndim(inputs["g"]) == 4 else "scalar"
+    return Problem(int(Hk), int(Hv), int(Dk), int(Dv), dtype, gate)
+
+
+def _case_variant(backend: str, inputs: dict, dtype: str, chunk_size: int, variant):
+    """``variant``, or ``backend``'s default for the case's shape at ``chunk_size``."""
+    if variant is not None:
+        return variant
+    from gdngen.variant import Variant
+
+    base = registry.default_variant(backend, _case_problem(inputs, dtype))
+    return Variant(backend, dict(base.as_dict(), chunk_size=chunk_size))
+
+
+def _jax_runner(inputs, *, gate, dtype, scale, variant):
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.jax import gated_delta
+
+    jdt = jnp.dtype(dtype)
+    args = [jnp.asarray(inputs[n], jdt) for n in _NAMES]
+    S0 = inputs.get("initial_state")
+    S0 = jnp.zeros((args[0].shape[0], args[2].shape[2], args[2].shape[3], args[0].shape[3]),
+                   jnp.float32) if S0 is None else jnp.asarray(S0, jnp.float32)
+    mask = None if inputs.get("mask") is None else jnp.asarray(inputs["mask"])
+
+    def f(q, k, v, g, beta, s0):
+        return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
+                           variant=variant)
+
+    (y, S), vjp = jax.vjp(f, *args, S0)
+    grads = vjp((jnp.asarray(inputs["dy"], jdt),
+                 jnp.asarray(inputs["dfinal_state"], jnp.float32)))
+    out = {"y": y, "final_state": S, **dict(zip(_GRADS, grads))}
+    return {n: np.asarray(x, np.float64) for n, x in out.items()}
+
+
+def _mlx_runner(inputs, *, gate, dtype, scale, variant):
+    import mlx.core as mx
+
+    from gdngen.mlx import gated_delta
+
+    mdt = getattr(mx, dtype)
+    args = [mx.array(np.asarray(inputs[n], np.float32)).astype(mdt) for n in _NAMES]
+    S0 = inputs.get("initial_state")
+    B, Hv, Dv, Dk = args[0].shape[0], args[2].shape[2], args[2].shape[3], args[0].shape[3]
+    S0 = mx.zeros((B, Hv, Dv, Dk)) if S0 is None else mx.array(np.asarray(S0, np.float32))
+    mask = None if inputs.get("mask") is None else mx.array(inputs["mask"])
+
+    def f(q, k, v, g, beta, s0):
+        return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
+                           variant=variant)
+
+    cot = [mx.array(np.asarray(inputs["dy"], np.float32)).astype(mdt),
+           mx.array(np.asarray(inputs["dfinal_state"], np.float32))]
+    (y, S), grads = mx.vjp(f, args + [S0], cot)
+    out = {"y": y, "final_state": S, **dict(zip(_GRADS, grads))}
+    return {n: np.asarray(x.astype(mx.float32), np.float64) for n, x in out.items()}
+
+
+def runner_for(backend: str):
+    """The battery runner of ``backend`` (protocol in docs/CONTRACT.md): forward + VJP through
+    its framework's ``gated_delta`` with ``variant``, else the backend's default variant for the
+    case's shape at the case's ``chunk_size``."""
+    spec = registry.get(backend)
+    run = _jax_runner if spec.framework == "jax" else _mlx_runner
+
+    def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
+        chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
+        return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen)
+
+    runner.backend = backend
     return runner
 
 
@@ -128,20 +220,22 @@ def _copy_inputs(inputs: dict) -> dict:
 
 
 def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
-               variant=None) -> CaseResult:
+               variant=None, precision="ieee") -> CaseResult:
     """Run ``runner`` (callable or backend name) on ``case`` (Case or name) at ``dtype``.
 
     Inputs q, k, v, beta, dy, dfinal_state and the gate are rounded to ``dtype``;
     initial_state is rounded to float32. Both the runner and the reference see exactly these
     values (the runner gets its own copies). ``chunk_size`` overrides ``case.chunk_size``.
     dinitial_state is skipped when the case has no initial state and the runner returns None
-    for it. A ``variant`` (`gdngen.Variant`) is passed on to the runner, whose chunk it sets.
+    for it. A ``variant`` (`gdngen.Variant`) is passed on to the runner, whose chunk it sets;
+    the case's tolerance is then `gdngen.tolerance.allowed_error` of the variant at ``dtype``
+    under policy ``precision`` (else the dtype's battery tolerance).
     """
     from gdngen import reference
 
     runner = _resolve_runner(runner)
     case = _resolve_case(case)
-    tol = tolerance(dtype)
+    tol = tolerance(dtype) if variant is None else allowed_error(variant, dtype, precision)
     raw = case.inputs(seed)
     base = {name: round_to_dtype(raw[name], dtype) for name in _ROUNDED_INPUTS}
     base["initial_state"] = round_to_dtype(raw["initial_state"], "float32")
@@ -180,7 +274,7 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
 
 
 def run_battery(runner, *, dtype="float32", cases=None, seed=None, chunk_size=None,
-                variant=None) -> list[CaseResult]:
+                variant=None, precision="ieee") -> list[CaseResult]:
     """`check_case` over ``cases`` (Cases or names; default the whole `BATTERY`).
 
     With a ``variant``, ``runner`` may be None (the variant's backend runner is used), and
@@ -192,10 +286,10 @@ def run_battery(runner, *, dtype="float32", cases=None, seed=None, chunk_size=No
         runner = variant.backend
     runner = _resolve_runner(runner)
     selected = BATTERY if cases is None else [_resolve_case(c) for c in cases]
-    if variant is not None and variant.backend not in backends.VECTOR_GATE_BACKENDS:
+    if variant is not None and "vector" not in registry.get(variant.backend).gates:
         selected = [case for case in selected if not case.vector_gate]
     return [check_case(runner, case, dtype=dtype, seed=seed, chunk_size=chunk_size,
-                       variant=variant) for case in selected]
+                       variant=variant, precision=precision) for case in selected]
 
 
 def _format_error(err: float | None) -> str:

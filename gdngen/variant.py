@@ -2,18 +2,12 @@
 
 A `Problem` is the shape class a kernel is specialised for (heads, head dims, input dtype, gate
 kind); a `Variant` names a backend and its parameter values. Both are frozen, hashable and
-round-trip through JSON. ``variants(backend, problem)`` enumerates the valid space and
-``default_variant(backend, problem)`` is the heuristic choice used when nothing is tuned.
-
-Backends register their space in `SPACES` as ``"module:function"`` (imported lazily, so listing
-the portable spaces imports no framework); the function maps a Problem to
-``(list_of_param_dicts, default_param_dict)``.
+round-trip through JSON. Each backend's space, default and typed config are declared in its
+`gdngen.registry.BackendSpec` (`gdngen.registry.variants`, `gdngen.registry.default_variant`).
 """
 
 from __future__ import annotations
 
-import importlib
-import itertools
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -118,44 +112,11 @@ class Variant:
         return self.name()
 
 
-# ---------------------------------------------------------------------------- backend spaces
-
-SPACES = {
-    "xla": "gdngen.variant:portable_space",
-    "mlx": "gdngen.variant:portable_space",
-    "pallas_tpu": "gdngen.backends.pallas_tpu:variant_space",
-    "pallas_gpu": "gdngen.backends.pallas_gpu:variant_space",
-    "metal": "gdngen.backends.metal:variant_space",
-    "ffi_cpu": "gdngen.backends.ffi_cpu:variant_space",
-}
-
-
-def portable_space(problem: Problem):
-    """The framework-ops backends (xla, mlx): chunk size, substitution block of the exact
-    triangular inverse, and whether the forward saves per-chunk states for the backward."""
-    space = [
-        {"chunk_size": c, "solve_block": b, "save_states": s}
-        for c, b, s in itertools.product((16, 32, 64, 128), (4, 8, 16, 32), (True, False))
-        if b <= c
-    ]
-    return space, {"chunk_size": 64, "solve_block": 8, "save_states": True}
-
-
-def _space(backend: str, problem: Problem):
-    if backend not in SPACES:
-        raise ValueError(f"backend must be one of {sorted(SPACES)}, got {backend!r}")
-    module, _, func = SPACES[backend].partition(":")
-    return getattr(importlib.import_module(module), func)(problem)
-
-
-def variants(backend: str, problem: Problem) -> list[Variant]:
-    """Every valid variant of ``backend`` for ``problem``, in a stable order."""
-    return [Variant(backend, p) for p in _space(backend, problem)[0]]
-
-
-def default_variant(backend: str, problem: Problem) -> Variant:
-    """The heuristic choice of ``backend`` for ``problem`` (used when nothing is tuned)."""
-    return Variant(backend, _space(backend, problem)[1])
+def problem_of(shape, dtype: str) -> Problem:
+    """The `Problem` (shape class) of a checked call (`gdngen.problem.CallShape`) with input
+    dtype ``dtype``."""
+    return Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dtype,
+                   "vector" if shape.vector_gate else "scalar")
 
 
 def dumps(obj) -> str:

@@ -70,8 +70,13 @@ def test_chunk_backend_auto_and_explicit(monkeypatch):
 
     if ffi_cpu.available():
         assert bench.chunk_backend("jax", CFG) == "ffi_cpu"
-    monkeypatch.setattr(ffi_cpu, "available", lambda: False)
-    assert bench.chunk_backend("jax", CFG) == "xla"  # no compiler: the portable path
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    ffi_cpu.available.cache_clear()
+    try:
+        assert bench.chunk_backend("jax", CFG) == "xla"  # no compiler: the portable path
+    finally:
+        monkeypatch.delenv("CXX")
+        ffi_cpu.available.cache_clear()
     assert bench.chunk_backend("mlx", CFG) == "mlx"
     xla = bench.BenchConfig(seq_lens=(8,), chunk_size=32, backend="xla")
     variant = bench.chunk_variant("jax", xla)

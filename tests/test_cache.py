@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from gdngen import cache
 from gdngen.cli import main
-from gdngen.variant import Problem, Variant, default_variant
+from gdngen.registry import default_variant
+from gdngen.variant import Problem, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = Problem(1, 2, 16, 16)
@@ -97,7 +98,8 @@ def test_files_are_replaced_atomically_and_memo_follows_mtime(isolated):
 WRITER = """
 import sys
 from gdngen import cache
-from gdngen.variant import Problem, Variant, default_variant
+from gdngen.registry import default_variant
+from gdngen.variant import Problem, Variant
 writer, count = int(sys.argv[1]), int(sys.argv[2])
 problem = Problem(1, 2, 16, 16)
 for i in range(count):
@@ -138,19 +140,31 @@ def test_corrupt_file_is_reported_once_and_skipped(isolated):
     assert str(shipped / "cpu.json") in str(corrupt[0].message)
 
 
-@pytest.mark.parametrize("text", ["not json", "[]", '{"format": 2, "entries": {}}',
-                                  '{"format": 1, "entries": {"k": {"key": "k"}}}'])
+@pytest.mark.parametrize("text", ["not json", "[]", '{"format": 2, "entries": []}',
+                                  '{"format": 2, "entries": {"k": {"key": "k"}}}'])
 def test_corrupt_layouts_never_raise(isolated, text):
     (isolated / "cpu.json").write_text(text)
     with pytest.warns(cache.TunedCacheWarning, match="corrupt"):
         assert cache.load("cpu").entries == {}
 
 
+def test_old_format_file_is_stale_with_one_warning(isolated):
+    """A format-1 file (metal's params had other names then) is never read, and says so once."""
+    old = entry()
+    (isolated / "cpu.json").write_text(json.dumps({"format": 1, "device": "cpu",
+                                                   "entries": {old["key"]: old}}))
+    with pytest.warns(cache.TunedCacheWarning, match="stale.*cache format 1.*re-run gdngen tune"):
+        assert cache.load("cpu").entries == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.load("cpu").entries == {}  # memoised: no second warning
+
+
 def test_writing_over_a_corrupt_file_moves_it_aside(isolated):
     path = cache.user_tuned_dir() / "cpu.json"
     path.parent.mkdir(parents=True)
     path.write_text("garbage")
-    with pytest.warns(cache.TunedCacheWarning, match="moved corrupt"):
+    with pytest.warns(cache.TunedCacheWarning, match="moved unreadable"):
         cache.write_entry(entry())
     assert path.with_name("cpu.json.corrupt").read_text() == "garbage"
     assert len(cache.load("cpu").entries) == 1
@@ -166,7 +180,7 @@ def test_stale_entry_is_ignored_with_one_warning(isolated, changes, reason):
     stale["sha256"] = changes.get("sha256", stale["sha256"])
     stale["versions"] = dict(stale["versions"], **changes.get("versions", {}))
     path = cache.user_tuned_dir() / "cpu.json"
-    cache.atomic_write_text(path, json.dumps({"format": 1, "device": "cpu",
+    cache.atomic_write_text(path, json.dumps({"format": cache.FORMAT, "device": "cpu",
                                               "entries": {stale["key"]: stale}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

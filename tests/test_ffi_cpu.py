@@ -19,8 +19,9 @@ from generated_kernels import check_entry_point_under_jit, small_call_inputs
 from gdngen import validate
 from gdngen.backends import ffi_cpu
 from gdngen.cases import Case
+from gdngen.registry import default_variant, variants
 from gdngen.render import render
-from gdngen.variant import Problem, Variant, default_variant, variants
+from gdngen.variant import Problem, Variant
 
 pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
                                 reason="the ffi_cpu backend needs a C++ compiler (g++ or $CXX)")
@@ -50,7 +51,7 @@ def test_variant_space_and_default():
     names = {v.name() for v in variants("ffi_cpu", problem)}
     assert len(names) == len(ffi_cpu.CHUNK_SIZES) * len(ffi_cpu.ROW_BLOCKS) == 6
     assert default_variant("ffi_cpu", problem) == _variant(64, 6)
-    with pytest.raises(ValueError, match="Problem.gate must be 'scalar'"):
+    with pytest.raises(ValueError, match="Problem.gate must be one of .'scalar',. for"):
         variants("ffi_cpu", Problem(4, 8, 128, 128, gate="vector"))
 
 
@@ -194,7 +195,7 @@ def test_compile_failure_names_the_compiler_output(tmp_path):
 
 
 def test_missing_compiler_makes_the_backend_unavailable(monkeypatch):
-    from gdngen.dispatch import runnable_backends
+    from gdngen.registry import runnable as runnable_backends
 
     problem = Problem(1, 2, 16, 16)
     assert "ffi_cpu" in runnable_backends("jax", problem)

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gdngen import cache, dispatch
-from gdngen.variant import Problem, Variant, default_variant
+from gdngen import cache, dispatch, registry
+from gdngen.registry import default_variant
+from gdngen.variant import Problem, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = Problem(1, 2, 16, 16)
@@ -32,7 +33,7 @@ def isolated(tmp_path, monkeypatch):
 
 
 def plant(backend: str, seq_len: int = 64, **changes) -> dict:
-    framework = dispatch.framework_of(backend)
+    framework = registry.framework_of(backend)
     e = cache.make_entry(device="cpu", framework=framework, problem=PROBLEM, precision="ieee",
                          seq_len=seq_len, batch=1, variant=Variant(backend, TUNED),
                          default=default_variant(backend, PROBLEM), best_s=0.01, default_s=0.02,
@@ -55,7 +56,7 @@ def inputs(T, rng):
 @pytest.fixture
 def mlx_calls(monkeypatch):
     """Records the params each MLX chunkwise call runs with."""
-    from gdngen.backends import mlx as mlx_backend
+    from gdngen.backends import mlx_chunkwise as mlx_backend
 
     calls = []
     original = mlx_backend.chunkwise_gated_delta

@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gdngen import Problem, Variant, default_variant, metal_sim, render, validate, variants
-from gdngen.backends import RUNNERS, metal
+from gdngen import Problem, Variant, default_variant, metal_sim, registry, render, validate, variants
+from gdngen.backends import metal
 from gdngen.cases import BATTERY, get_case
-from gdngen.render import TEMPLATED
-from gdngen.variant import SPACES
+from gdngen.tolerance import allowed_error
 
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
 pytestmark = pytest.mark.skipif(not metal_sim.available(), reason="no C++ compiler (g++)")
@@ -27,19 +26,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = Problem(2, 4, 64, 64)
 GVA3 = Problem(2, 6, 32, 64)
 ADVERSARIAL = ("hard_decay", "gates_exact_one_and_zero", "identical_keys", "padding_mask")
-PARAMS = ("chunk_size", "policy", "mma", "simdgroups", "dv_tile", "save")
+PARAMS = ("chunk_size", "precision", "mma", "simdgroups", "dv_tile", "save_states")
 # Every value of every parameter at least once (each checked to be in the enumerated space).
 SAMPLED = tuple(dict(zip(PARAMS, values)) for values in (
     (16, "ieee", "fma", 1, 16, False),
     (32, "tf32", "simdgroup", 2, 16, True),
-    (64, "half", "simdgroup", 4, 16, False),
+    (64, "bf16", "simdgroup", 4, 16, False),
     (32, "ieee", "simdgroup", 1, 64, False),  # dv_tile > chunk
     (64, "ieee", "fma", 4, 32, True),
 ))
 
 
 def _threshold(variant: Variant, dtype: str) -> float:
-    return max(metal.POLICY_TOLERANCES[variant["policy"]], validate.tolerance(dtype))
+    return allowed_error(variant, dtype)
 
 
 def _check(results, variant, dtype="float32"):
@@ -51,10 +50,11 @@ def _check(results, variant, dtype="float32"):
 # ------------------------------------------------------------------------ space and plan
 
 
-def test_registered_in_every_stage():
-    assert SPACES["metal"] == "gdngen.backends.metal:variant_space"
-    assert TEMPLATED["metal"] == "gdngen.backends.metal:render_plan"
-    assert RUNNERS["metal"] == "gdngen.backends.metal"
+def test_registered_once():
+    spec = registry.get("metal")
+    assert registry.BACKENDS["metal"] == "gdngen.backends.metal" and spec is metal.SPEC
+    assert spec.framework == "mlx" and spec.render_plan is metal.render_plan
+    assert registry.backends_for("apple-m3", "mlx") == ("metal", "mlx")
 
 
 def test_space_respects_threadgroup_memory_and_holds_the_default():
@@ -65,7 +65,7 @@ def test_space_respects_threadgroup_memory_and_holds_the_default():
             assert max(metal.threadgroup_bytes(v.as_dict(), problem).values()) <= 32 * 1024
             assert metal.accumulator_floats(v.as_dict(), problem) <= metal.MAX_ACC_FLOATS
     assert len(variants("metal", PROBLEM)) == 160
-    with pytest.raises(ValueError, match="scalar gates only"):
+    with pytest.raises(ValueError, match="Problem.gate must be one of"):
         variants("metal", Problem(2, 4, 64, 64, gate="vector"))
     with pytest.raises(ValueError, match="multiple of 32"):
         variants("metal", Problem(2, 4, 48, 64))
@@ -73,7 +73,7 @@ def test_space_respects_threadgroup_memory_and_holds_the_default():
 
 def test_render_and_plan_structure():
     for save in (True, False):
-        v = Variant("metal", dict(default_variant("metal", PROBLEM).as_dict(), save=save))
+        v = Variant("metal", dict(default_variant("metal", PROBLEM).as_dict(), save_states=save))
         rendered = render(v, PROBLEM)
         assert "common.metal" in rendered.sources
         assert "[[kernel]]" not in rendered.sources["bwd_qk.metal"]  # a body: MLX adds it
@@ -95,7 +95,7 @@ def test_render_and_plan_structure():
 def test_adapt_shrinks_dv_tile_and_rejects_other_backends():
     v = Variant("metal", dict(SAMPLED[3]))
     assert metal.adapt(v, Problem(2, 4, 32, 32))["dv_tile"] == 32
-    with pytest.raises(ValueError, match="metal variant"):
+    with pytest.raises(ValueError, match="variant backend must be 'metal'"):
         metal.adapt(Variant("mlx", {"chunk_size": 64}), PROBLEM)
 
 

@@ -29,7 +29,8 @@ from generated_kernels import check_entry_point_under_jit, small_call_inputs
 from gdngen import Problem, Variant, default_variant, render, validate
 from gdngen.backends import pallas_gpu
 from gdngen.cases import BATTERY, Case
-from gdngen.variant import variants
+from gdngen.registry import variants
+from gdngen.tolerance import allowed_error
 
 SMALL = Problem(2, 4, 32, 32)
 PROBLEM = Problem(2, 4, 64, 64)
@@ -46,7 +47,7 @@ def _variant(**changes):
 
 
 def _check(results, variant, dtype):
-    tol = pallas_gpu.tolerance(variant, dtype)
+    tol = allowed_error(variant, dtype)
     assert results
     for res in results:
         assert all(err <= tol for err in res.errors.values()), (variant.name(), res.case,
@@ -70,14 +71,14 @@ def test_variant_space_and_default():
     assert default_variant("pallas_gpu", PROBLEM).as_dict() == {
         "chunk_size": 64, "precision": "ieee", "bk": 64, "bv": 64, "num_warps": 4,
         "num_stages": 2, "save_states": True}
-    with pytest.raises(ValueError, match="Problem.gate must be 'scalar'"):
+    with pytest.raises(ValueError, match="Problem.gate must be one of .'scalar',. for"):
         variants("pallas_gpu", Problem(2, 4, 64, 64, gate="vector"))
 
 
 def test_shared_memory_estimate_prunes_per_device():
     big = Problem(1, 8, 128, 128, dtype="float32")
-    a100 = pallas_gpu.variants_for_device("a100", big)
-    h200 = pallas_gpu.variants_for_device("h200", big)
+    a100 = variants("pallas_gpu", big, "a100")
+    h200 = variants("pallas_gpu", big, "h200")
     assert 0 < len(a100) < len(h200) <= len(variants("pallas_gpu", big))
     assert all(pallas_gpu.shared_memory_bytes(v, big) <= 163 * 1024 for v in a100)
     assert any(pallas_gpu.shared_memory_bytes(v, big) > 163 * 1024 for v in h200)
@@ -86,7 +87,7 @@ def test_shared_memory_estimate_prunes_per_device():
                      for s in (3, 2))
     assert deep > shallow
     with pytest.raises(ValueError, match="device_name must be an NVIDIA GPU"):
-        pallas_gpu.variants_for_device("tpu-v5e", big)
+        variants("pallas_gpu", big, "tpu-v5e")
 
 
 @pytest.mark.parametrize("changes, match", [

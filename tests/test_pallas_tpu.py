@@ -23,7 +23,8 @@ from generated_kernels import check_entry_point_under_jit, small_call_inputs
 from gdngen import Problem, Variant, default_variant, reference, validate
 from gdngen.backends import pallas_tpu
 from gdngen.cases import BATTERY, Case
-from gdngen.variant import variants
+from gdngen.registry import variants
+from gdngen.tolerance import allowed_error
 
 PROBLEM = Problem(2, 4, 128, 128)
 GVA3 = Problem(1, 3, 128, 128)
@@ -36,7 +37,7 @@ def _variant(problem=PROBLEM, **changes):
 
 
 def _check(results, variant, dtype):
-    tol = pallas_tpu.tolerance(variant, dtype)
+    tol = allowed_error(variant, dtype)
     for res in results:
         assert all(err <= tol for err in res.errors.values()), (variant.name(), res.case,
                                                                  res.worst, tol)
@@ -63,8 +64,8 @@ def test_variant_space_and_default():
 
 def test_vmem_estimate_excludes_variants_per_generation():
     big = Problem(1, 8, 256, 256)
-    v4 = pallas_tpu.variants_for_device("tpu-v4", big)
-    v5e = pallas_tpu.variants_for_device("tpu-v5e", big)
+    v4 = variants("pallas_tpu", big, "tpu-v4")
+    v5e = variants("pallas_tpu", big, "tpu-v5e")
     assert 0 < len(v4) < len(v5e)
     assert all(pallas_tpu.vmem_bytes(v, big) <= 16 * 2**20 for v in v4)
     assert any(pallas_tpu.vmem_bytes(v, big) > 16 * 2**20 for v in v5e)
@@ -72,7 +73,7 @@ def test_vmem_estimate_excludes_variants_per_generation():
                     for c, h in ((32, 1), (128, 8)))
     assert small < large
     with pytest.raises(ValueError, match="device"):
-        pallas_tpu.variants_for_device("h100", big)
+        variants("pallas_tpu", big, "h100")
 
 
 def test_kernel_params_fit_other_shapes():

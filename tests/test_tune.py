@@ -20,7 +20,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from gdngen import cache, tune
+from gdngen import cache, registry, tune
 from gdngen.variant import Problem, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,17 +37,29 @@ def tiny(seq=64):
 # mode "ok" is correct but does 4x the work; "wrong" is 1% off in y but fast; "crash" kills its
 # process; "hang" never returns.
 PLUGIN = textwrap.dedent('''
-    import dataclasses, importlib, os, sys, time
-    from gdngen import backends, devices, dispatch, variant
+    import dataclasses, os, time
+    from gdngen import registry
+    from gdngen.backends.portable import TOLERANCES
+    from gdngen.config import VariantConfig
     from gdngen.variant import Variant
 
-    render = importlib.import_module("gdngen.render")  # gdngen.render is also a function name
-
     NAME = "planted"
+    MODES = ("ok", "wrong", "crash", "hang")
 
-    def space(problem):
-        modes = ("ok", "wrong", "crash", "hang")
-        return [{"chunk_size": 16, "mode": m} for m in modes], {"chunk_size": 16, "mode": "ok"}
+    @dataclasses.dataclass(frozen=True)
+    class Config(VariantConfig):
+        backend = NAME
+        chunk_size: int = 16
+        mode: str = "ok"
+
+        def check(self):
+            self.check_choice("mode", MODES)
+
+    def space(problem, device=None):
+        return [Config(16, m) for m in MODES]
+
+    def default(problem, device=None):
+        return Config(16, "ok")
 
     def _portable(v):
         return Variant("mlx", {"chunk_size": v["chunk_size"], "solve_block": 8,
@@ -58,15 +70,6 @@ PLUGIN = textwrap.dedent('''
             os._exit(3)
         if mode == "hang":
             time.sleep(3600)
-
-    def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
-        from gdngen.backends import mlx as mlx_backend
-        _act(variant["mode"])
-        out = mlx_backend.runner(inputs, gate=gate, dtype=dtype, chunk_size=chunk_size,
-                                 scale=scale, variant=_portable(variant))
-        if variant["mode"] == "wrong":
-            out["y"] = out["y"] * 1.01
-        return out
 
     def gated_delta(q, k, v, g, beta, initial_state, *, mask, scale, gate, variant):
         from gdngen.mlx import gated_delta as mlx_gated_delta
@@ -82,15 +85,13 @@ PLUGIN = textwrap.dedent('''
             y, s = y + 0.0 * y2, s + 0.0 * s2
         return y, s
 
-    variant.SPACES[NAME] = __name__ + ":space"
-    backends.RUNNERS[NAME] = __name__
-    render.PORTABLE_SOURCES[NAME] = (__name__,)
-    dispatch.FRAMEWORK_BACKENDS["mlx"] = dispatch.FRAMEWORK_BACKENDS["mlx"] + (NAME,)
-    for dev in ("cpu", "apple-m3"):
-        devices.DEVICES[dev] = dataclasses.replace(
-            devices.DEVICES[dev], backends=devices.DEVICES[dev].backends + (NAME,))
-    sys.modules["gdngen.backends." + NAME] = sys.modules[__name__]
+    SPEC = registry.BackendSpec(
+        name=NAME, framework="mlx", config=Config, space=space, default=default,
+        entry=gated_delta, tolerances=TOLERANCES, device_kinds=("cpu", "apple"),
+        source_modules=(__name__,))
+    registry.register(NAME, __name__)
 ''')
+
 
 
 @pytest.fixture
@@ -131,13 +132,23 @@ def test_precision_policy_bounds_the_space_and_the_tolerance():
         return tune._precision_allowed(Variant("b", params), target_policy)
 
     assert allowed("ieee", precision="ieee") and not allowed("ieee", precision="tf32")
-    assert allowed("tf32", precision="ieee") and allowed("tf32", policy="tf32")
-    assert not allowed("tf32", policy="half") and allowed("bf16", policy="half")
+    assert allowed("tf32", precision="ieee") and allowed("tf32", precision="tf32")
+    assert not allowed("tf32", precision="bf16") and allowed("bf16", precision="bf16")
     assert allowed("ieee", chunk_size=64)  # backends without a precision param: unfiltered
     problem = Problem(1, 2, 16, 16)
-    assert tune.tolerance_for(problem, "ieee") == 5e-5
-    assert tune.tolerance_for(problem, "tf32") == 1e-2
-    assert tune.tolerance_for(Problem(1, 2, 16, 16, "bfloat16"), "ieee") == 2e-2
+    xla = Variant("xla", {"chunk_size": 64, "solve_block": 8, "save_states": True})
+
+    def tolerance(precision, variant=xla, problem=problem):
+        return tune.tolerance_for(tune.Target("cpu", "jax", variant.backend, problem,
+                                              precision), variant)
+
+    assert tolerance("ieee") == 5e-5 and tolerance("tf32") == 1e-2
+    assert tolerance("ieee", problem=Problem(1, 2, 16, 16, "bfloat16")) == 2e-2
+    # a variant with its own precision is held to that precision's tolerance under any policy
+    tpu = registry.default_variant("pallas_tpu", Problem(1, 2, 128, 128))
+    assert tolerance("tf32", tpu) == 5e-5
+    tpu_tf32 = Variant("pallas_tpu", dict(tpu.as_dict(), precision="tf32"))
+    assert tolerance("tf32", tpu_tf32) == 2e-4
 
 
 def test_planted_failures_are_recorded_and_never_cached(env, tmp_path):
@@ -155,7 +166,8 @@ def test_planted_failures_are_recorded_and_never_cached(env, tmp_path):
                for t in evaluated(study)}
     wrong = by_mode["wrong"]
     assert wrong.state.name == "COMPLETE" and wrong.value == math.inf
-    assert wrong.user_attrs["feasible"] is False and wrong.user_attrs["worst_quantity"] == "y"
+    # y is 1% off, and so is every gradient that flows back through it
+    assert wrong.user_attrs["feasible"] is False and wrong.user_attrs["worst_error"] > 9e-3
     assert wrong.user_attrs["worst_error"] > wrong.user_attrs["tolerance"]
     assert by_mode["crash"].state.name == "FAIL" and by_mode["crash"].user_attrs["failure"] == \
         "crash"

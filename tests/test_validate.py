@@ -147,12 +147,20 @@ def test_runner_sees_rounded_inputs_case_scale_and_chunk_size():
     assert [s[2] for s in seen] == [16, 16]
 
 
-def test_backend_name_resolves_through_get_runner(monkeypatch):
-    from gdngen import backends
-    monkeypatch.setattr(backends, "get_runner",
+def test_backend_name_resolves_through_runner_for(monkeypatch):
+    monkeypatch.setattr(validate, "runner_for",
                         lambda name: reference_runner if name == "fake" else None)
     (res,) = validate.run_battery("fake", cases=["short"], seed=0)
     assert res.passed and res.case == "short"
+
+
+def test_registered_backend_runner_runs_that_backend():
+    """The runner of a backend name runs that backend's default variant (not whatever a plain
+    call would dispatch to)."""
+    runner = validate.runner_for("xla")
+    assert runner.backend == "xla"
+    (res,) = validate.run_battery("xla", cases=["short"], seed=0)
+    assert res.passed
 
 
 def test_missing_dinitial_state_skipped_only_without_initial_state():

@@ -14,47 +14,31 @@ from gdngen.problem import check_call, dtype_name
 # ------------------------------------------------------------------------------ checks
 
 
-def check_scalar_problem(backend: str, input_dtypes: tuple, problem) -> None:
-    """ValueError unless ``problem`` has scalar gates and one of ``input_dtypes``."""
-    if problem.gate != "scalar":
-        raise ValueError(f"Problem.gate must be 'scalar' for the {backend} backend (vector gates "
-                         f"run on xla), got {problem.gate!r}")
-    if problem.dtype not in input_dtypes:
-        raise ValueError(f"Problem.dtype must be one of {input_dtypes} for the {backend} "
+def check_problem(spec, problem) -> None:
+    """ValueError unless backend ``spec`` implements ``problem`` (gate kind, dtype, shape)."""
+    if problem.gate not in spec.gates:
+        raise ValueError(f"Problem.gate must be one of {spec.gates} for the {spec.name} backend "
+                         f"(vector gates run on the portable backend), got {problem.gate!r}")
+    if problem.dtype not in spec.dtypes:
+        raise ValueError(f"Problem.dtype must be one of {spec.dtypes} for the {spec.name} "
                          f"backend, got {problem.dtype!r}")
+    why = spec.supports(problem) if spec.supports is not None else None
+    if why:
+        raise ValueError(f"the {spec.name} backend cannot run {problem.key()}: {why}")
 
 
-def variant_params(backend: str, names: tuple, variant) -> dict:
-    """The params of ``variant``; ValueError for another backend or other parameter names."""
-    if variant.backend != backend:
-        raise ValueError(f"variant backend must be {backend!r}, got {variant.backend!r}")
-    params = variant.as_dict()
-    if sorted(params) != sorted(names):
-        raise ValueError(f"{backend} variant params must be {names}, got {sorted(params)}")
-    return params
-
-
-def policy_tolerance(policy_tolerances: dict, variant, dtype: str) -> float:
-    """Relative L2 error ``variant`` is validated at: its precision policy's tolerance, or the
-    battery's tolerance for ``dtype`` when that is larger."""
-    from gdngen.validate import tolerance as dtype_tolerance
-
-    return max(dtype_tolerance(dtype), policy_tolerances[variant["precision"]])
-
-
-def check_scalar_call(backend: str, input_dtypes: tuple, q, k, v, g, beta, initial_state, mask,
-                      *, gate, scale):
-    """`check_call` for a scalar-gate generated backend: ``(CallShape, input dtype name)``;
-    ValueError for vector gates or a dtype outside ``input_dtypes``."""
+def check_scalar_call(spec, q, k, v, g, beta, initial_state, mask, *, gate, scale):
+    """`check_call` for the scalar-gate generated backend ``spec``: ``(CallShape, input dtype
+    name)``; ValueError for vector gates or a dtype the backend does not take."""
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
                        scale=scale)
     if shape.vector_gate:
         raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
-                         f"{shape.Hv}): the {backend} backend implements scalar gates only")
+                         f"{shape.Hv}): the {spec.name} backend implements scalar gates only")
     dtype = dtype_name(q)
-    if dtype not in input_dtypes:
-        raise ValueError(f"q has dtype {dtype}, expected one of {input_dtypes} for the "
-                         f"{backend} backend")
+    if dtype not in spec.dtypes:
+        raise ValueError(f"q has dtype {dtype}, expected one of {spec.dtypes} for the "
+                         f"{spec.name} backend")
     return shape, dtype
 
 
@@ -124,7 +108,7 @@ def gate_cotangent(gates, gate, dD):
     convention (``gate`` "log" or "linear")."""
     import jax.numpy as jnp
 
-    from gdngen.backends.xla import FLOAT32_MATMULS, XP
+    from gdngen.backends.jax_chunkwise import FLOAT32_MATMULS, XP
 
     with FLOAT32_MATMULS:  # the straddle sums are einsums
         if gate == "log":
@@ -141,17 +125,17 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     `gdngen.chunkwise.gated_delta` (masks, padding to the chunk, layouts) with the backend's
     custom-VJP core. Returns ``(y [B,T,Hv,Dv] in q's dtype, final_state float32)``.
 
-    ``backend`` provides ``BACKEND``, ``INPUT_DTYPES``, ``interpret_mode()``,
+    ``backend`` provides ``SPEC``, ``interpret_mode()``,
     ``load_kernels(variant, problem, templates_dir=)`` and ``_core((sha256, interpret), gate,
     scale)``.
     """
     import jax.numpy as jnp
 
-    from gdngen.backends.xla import XP
-    from gdngen.dispatch import problem_of
+    from gdngen.backends.jax_chunkwise import XP
+    from gdngen.variant import problem_of
 
-    shape, dtype = check_scalar_call(backend.BACKEND, backend.INPUT_DTYPES, q, k, v, g, beta,
-                                     initial_state, mask, gate=gate, scale=scale)
+    shape, dtype = check_scalar_call(backend.SPEC, q, k, v, g, beta, initial_state, mask,
+                                     gate=gate, scale=scale)
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
     kernels = backend.load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
     f32 = jnp.float32
@@ -161,5 +145,5 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     y, state = chunkwise.gated_delta(
         XP, core, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
         initial_state.astype(f32), mask, scale=1.0, gate=gate,
-        chunk_size=kernels.params["chunk"])
+        chunk_size=kernels.params["chunk_size"])
     return y.astype(q.dtype), state

@@ -36,38 +36,67 @@ import math
 import os
 from dataclasses import dataclass
 
-from gdngen.devices import DEVICES
+from gdngen.config import VariantConfig
+from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
+from gdngen.registry import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "metal"
 CHUNK_SIZES = (16, 32, 64)
-POLICIES = ("ieee", "tf32", "half")
+PRECISIONS = ("ieee", "tf32", "bf16")
 SIMDGROUPS = (1, 2, 4)
 DV_TILES = (16, 32, 64)
-#: Threadgroup memory a variant may use: the smallest of the Metal devices in gdngen.devices.
-THREADGROUP_MEMORY = min(d.limits["threadgroup_memory"] for d in DEVICES.values()
-                         if BACKEND in d.backends)
+#: Threadgroup memory of every Apple GPU in gdngen.devices (a variant is adapted to a shape
+#: within it; spaces are pruned with the device's own limit).
+THREADGROUP_MEMORY = 32 * KiB
 #: Accumulator floats a thread may hold (beyond this the GPU spills registers).
 MAX_ACC_FLOATS = 128
 
-#: Relative L2 error the battery allows per policy (the input dtype's own tolerance applies
-#: when it is looser). ieee: float32 arithmetic throughout (worst measured 1.2e-6). tf32: matmul
-#: operands rounded to 10 mantissa bits (unit roundoff 4.9e-4; worst measured 3.6e-3,
-#: identical_keys). half: operands rounded to half, or to bfloat for bfloat16 inputs (unit
-#: roundoff 4.9e-4 / 3.9e-3; worst measured 3.4e-3 / 2.1e-2, identical_keys, whose
-#: near-singular solve amplifies operand rounding).
-POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "half": 5e-2}
+#: Relative L2 error the battery allows per precision (`gdngen.tolerance`: the input dtype's
+#: own tolerance applies when it is looser). ieee: float32 arithmetic throughout (worst
+#: measured 1.2e-6). tf32: matmul operands rounded to 10 mantissa bits (unit roundoff 4.9e-4;
+#: worst measured 3.6e-3, identical_keys). bf16: operands rounded to bfloat (unit roundoff
+#: 3.9e-3; worst measured 2.1e-2, identical_keys, whose near-singular solve amplifies operand
+#: rounding).
+POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 5e-2}
+
+
+def supports(problem: Problem) -> str | None:
+    """None when the kernels' shape rules allow ``problem``, else why not."""
+    for name in ("Dk", "Dv"):
+        if getattr(problem, name) % 32:
+            return f"Problem.{name} must be a multiple of 32, got {getattr(problem, name)}"
+    return None
 
 
 def _shape_problem(problem: Problem) -> None:
-    if problem.gate != "scalar":
-        raise ValueError("the metal backend implements scalar gates only; got "
-                         f"Problem.gate={problem.gate!r}")
-    for name in ("Dk", "Dv"):
-        if getattr(problem, name) % 32:
-            raise ValueError(f"the metal backend needs Problem.{name} to be a multiple of 32, got "
-                             f"{getattr(problem, name)}")
+    from gdngen.backends.generated import check_problem
+
+    check_problem(SPEC, problem)
+
+
+@dataclass(frozen=True)
+class Config(VariantConfig):
+    """Typed metal parameters (see `variant_space`)."""
+
+    backend = BACKEND
+    chunk_size: int = 64
+    dv_tile: int = 32
+    mma: str = "simdgroup"
+    precision: str = "ieee"
+    save_states: bool = True
+    simdgroups: int = 4
+
+    def check(self) -> None:
+        self.check_choice("chunk_size", CHUNK_SIZES)
+        self.check_choice("dv_tile", DV_TILES)
+        self.check_choice("mma", ("simdgroup", "fma"))
+        self.check_choice("precision", PRECISIONS)
+        self.check_flag("save_states")
+        self.check_choice("simdgroups", SIMDGROUPS)
+        if self.mma == "fma" and self.precision != "ieee":
+            self._fail("mma", "'simdgroup' unless precision is 'ieee'")
 
 
 def intra_tile(chunk_size: int) -> int:
@@ -113,54 +142,59 @@ def accumulator_floats(params: dict, problem: Problem) -> int:
     )
 
 
-def params_valid(params: dict, problem: Problem) -> str | None:
-    """None when ``params`` can run ``problem``, else why not."""
+def params_valid(params: dict, problem: Problem, limit: int = THREADGROUP_MEMORY) -> str | None:
+    """None when ``params`` can run ``problem`` within ``limit`` bytes of threadgroup memory,
+    else why not."""
     _shape_problem(problem)
     if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
         return f"dv_tile={params['dv_tile']} does not divide Dv={problem.Dv}"
-    if params["mma"] == "fma" and params["policy"] != "ieee":
-        return "mma='fma' is only offered with policy='ieee'"
+    if params["mma"] == "fma" and params["precision"] != "ieee":
+        return "mma='fma' is only offered with precision='ieee'"
     worst = max(threadgroup_bytes(params, problem).values())
-    if worst > THREADGROUP_MEMORY:
-        return f"{worst} bytes of threadgroup memory (limit {THREADGROUP_MEMORY})"
+    if worst > limit:
+        return f"{worst} bytes of threadgroup memory (limit {limit})"
     acc = accumulator_floats(params, problem)
     if acc > MAX_ACC_FLOATS:
         return f"{acc} accumulator floats per thread (limit {MAX_ACC_FLOATS})"
     return None
 
 
-def variant_space(problem: Problem):
-    """All Metal variants of ``problem`` and the default (see the module doc for the kernels).
+def variant_space(problem: Problem, device) -> list[Config]:
+    """All Metal variants of ``problem`` that fit ``device`` (see the module doc for the kernels).
 
-    Params: ``chunk_size`` 16/32/64; ``policy`` ieee (float32) / tf32 / half (matmul operand
+    Params: ``chunk_size`` 16/32/64; ``precision`` ieee (float32) / tf32 / bf16 (matmul operand
     precision); ``mma`` simdgroup (8x8 simdgroup matrices) or fma (scalar FMA, ieee only);
-    ``simdgroups`` per threadgroup; ``dv_tile`` Dv columns per state-scan threadgroup; ``save``
-    (the forward keeps per-chunk states, W and T for the backward, else the backward recomputes
-    them). Variants over 32 KiB of threadgroup memory or `MAX_ACC_FLOATS` are left out.
+    ``simdgroups`` per threadgroup; ``dv_tile`` Dv columns per state-scan threadgroup;
+    ``save_states`` (the forward keeps per-chunk states, W and T for the backward, else the
+    backward recomputes them). Variants over the device's threadgroup memory or
+    `MAX_ACC_FLOATS` are left out.
     """
     _shape_problem(problem)
+    limit = device.limits["threadgroup_memory"]
     space = []
-    for C, policy, mma, sg, dvt, save in itertools.product(
-            CHUNK_SIZES, POLICIES, ("simdgroup", "fma"), SIMDGROUPS, DV_TILES, (True, False)):
-        params = {"chunk_size": C, "policy": policy, "mma": mma, "simdgroups": sg,
-                  "dv_tile": dvt, "save": save}
-        if params_valid(params, problem) is None:
-            space.append(params)
-    default = {"chunk_size": 64, "policy": "ieee", "mma": "simdgroup", "simdgroups": 4,
-               "dv_tile": 32, "save": True}
-    if params_valid(default, problem) is not None:  # unreachable for Dv multiples of 32
-        default = space[0]
-    return space, default
+    for C, precision, mma, sg, dvt, save in itertools.product(
+            CHUNK_SIZES, PRECISIONS, ("simdgroup", "fma"), SIMDGROUPS, DV_TILES, (True, False)):
+        if mma == "fma" and precision != "ieee":
+            continue
+        config = Config(C, dvt, mma, precision, save, sg)
+        if params_valid(config.params(), problem, limit) is None:
+            space.append(config)
+    return space
+
+
+def default_config(problem: Problem, device) -> Config:
+    """Chunk 64, ieee, simdgroup matrices, 4 simdgroups, 32-column Dv tiles, saving states (the
+    first variant of the space if that does not fit ``device``)."""
+    config = Config()
+    if params_valid(config.params(), problem, device.limits["threadgroup_memory"]) is not None:
+        config = variant_space(problem, device)[0]
+    return config
 
 
 def adapt(variant: Variant, problem: Problem) -> Variant:
     """``variant``'s params for ``problem``'s shape: dv_tile shrinks to the largest valid tile
     when it does not divide Dv; anything else invalid is a ValueError."""
-    params = variant.as_dict()
-    missing = {"chunk_size", "policy", "mma", "simdgroups", "dv_tile", "save"} - set(params)
-    if variant.backend != BACKEND or missing:
-        raise ValueError(f"variant must be a metal variant with params chunk_size, policy, mma, "
-                         f"simdgroups, dv_tile, save; got {variant}")
+    params = SPEC.parse(variant).params()
     if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
         params["dv_tile"] = max(t for t in DV_TILES
                                 if t <= min(params["dv_tile"], problem.Dv) and problem.Dv % t == 0)
@@ -177,8 +211,10 @@ def _context(variant: Variant, problem: Problem) -> dict:
     return {
         "C": p["chunk_size"], "DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk,
         "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
-        "DW": intra_tile(p["chunk_size"]), "policy": p["policy"], "mma": p["mma"],
-        "op_type": "bfloat" if problem.dtype == "bfloat16" else "half",
+        "DW": intra_tile(p["chunk_size"]), "policy": p["precision"], "mma": p["mma"],
+        # 16-bit operands: bfloat under precision bf16, else (tf32 rounding) half for float16
+        "op_type": "bfloat" if p["precision"] == "bf16" or problem.dtype == "bfloat16"
+        else "half",
     }
 
 
@@ -208,7 +244,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     variant = adapt(variant, problem)
     ctx = _context(variant, problem)
     plan = {"common.metal": ("metal/common.metal.j2", ctx)}
-    for name in _kernels_used(variant["save"]):
+    for name in _kernels_used(variant["save_states"]):
         template, extra = _KERNEL_TEMPLATES[name]
         plan[f"{name}.metal"] = (template, dict(ctx, **extra))
     return plan
@@ -297,7 +333,7 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) 
     in_t = problem.dtype
     header = rendered.sources["common.metal"]
     kernels = {}
-    for name in _kernels_used(p["save"]):
+    for name in _kernels_used(p["save_states"]):
         body = rendered.sources[f"{name}.metal"]
         # Named by its own text: variants that share a kernel share its compiled pipeline.
         tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
@@ -328,7 +364,7 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) 
             grid=grids[name], threadgroup=(nt, 1, 1), template=(("InT", in_t),))
 
     bwd = ("bwd_scan", "bwd_tri", "bwd_qk")
-    if p["save"]:
+    if p["save_states"]:
         forward = (launch("fwd_intra_tinv"), launch("fwd_scan_save"))
         backward = tuple(launch(n) for n in bwd)
         saved = ("states", "w_out", "tinv", "wk")
@@ -448,14 +484,6 @@ def lower_check(variant: Variant, problem: Problem) -> None:
     compile_plan(launch_plan(variant, problem, 2, 1))
 
 
-def tolerance(variant: Variant, dtype: str) -> float:
-    """`gdngen.build` hook: the battery tolerance of ``variant`` at input ``dtype`` (its
-    policy's `POLICY_TOLERANCES` entry or the dtype's own, whichever is looser)."""
-    from gdngen.validate import tolerance as dtype_tolerance
-
-    return max(POLICY_TOLERANCES[variant["policy"]], dtype_tolerance(dtype))
-
-
 def to_numpy(x):
     """mx array -> NumPy (bfloat16 through ml_dtypes, bit for bit)."""
     import mlx.core as mx
@@ -499,7 +527,7 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher)
     import mlx.core as mx
 
     from gdngen import chunkwise
-    from gdngen.backends.mlx import XP
+    from gdngen.backends.mlx_chunkwise import XP
 
     prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
 
@@ -564,7 +592,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     import mlx.core as mx
 
     from gdngen import chunkwise
-    from gdngen.backends.mlx import XP
+    from gdngen.backends.mlx_chunkwise import XP
 
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
     if shape.vector_gate:
@@ -644,20 +672,8 @@ def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, sc
     return ({n: as_np[n] for n in out}, {n: as_np[n] for n in named})
 
 
-def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
-    """Battery runner (docs/CONTRACT.md): forward + VJP through `gdngen.mlx.gated_delta` with
-    a Metal variant, on the GPU when MLX has Metal and in `gdngen.metal_sim` otherwise.
-
-    ``variant`` is adapted to the case's shape (`adapt`); without one the default variant with
-    ``chunk_size`` runs.
-    """
-    from gdngen.backends import mlx as mlx_backend
-    from gdngen.variant import default_variant
-
-    problem = problem_of_inputs(inputs, dtype)
-    if variant is None:
-        base = default_variant(BACKEND, problem)
-        variant = Variant(BACKEND, dict(base.as_dict(), chunk_size=chunk_size))
-    variant = adapt(variant, problem)
-    return mlx_backend.runner(inputs, gate=gate, dtype=dtype, chunk_size=chunk_size, scale=scale,
-                              variant=variant)
+SPEC = BackendSpec(
+    name=BACKEND, framework="mlx", config=Config, space=variant_space, default=default_config,
+    entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("apple",), supports=supports,
+    render_plan=render_plan, lower_check=lower_check, device_limit="threadgroup_memory",
+    reference_device="apple-m1")

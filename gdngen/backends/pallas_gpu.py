@@ -36,10 +36,12 @@ import os
 import sys
 import types
 import warnings
+from dataclasses import dataclass
 
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
-from gdngen.devices import get_device
+from gdngen.config import VariantConfig
+from gdngen.registry import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "pallas_gpu"
@@ -62,15 +64,11 @@ INPUT_DTYPES = ("float32", "bfloat16", "float16")
 TILES = (16, 32, 64, 128)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3)
-#: device whose shared memory `variant_space` plans against (h200 has the same 227 KiB).
-DEFAULT_DEVICE = "h100"
 #: log gates are clamped to this finite floor inside the kernels (exp gives exactly 0 either
 #: way, and a 0/1 matmul never meets 0 * -inf); the gate cotangent uses the true gates.
 LOG_GATE_FLOOR = -1e30
 #: environment variable forcing interpret mode (set by ``gdngen tune --dry-run`` workers).
 ENV_INTERPRET = "GDNGEN_INTERPRET"
-
-_PARAMS = ("bk", "bv", "chunk_size", "num_stages", "num_warps", "precision", "save_states")
 
 
 # ----------------------------------------------------------------------------- variant space
@@ -96,43 +94,49 @@ def _resolve_tile(requested: int, d: int) -> int:
     return tile
 
 
-def _check_problem(problem: Problem) -> None:
-    generated.check_scalar_problem(BACKEND, INPUT_DTYPES, problem)
+@dataclass(frozen=True)
+class Config(VariantConfig):
+    """Typed pallas_gpu parameters (see the module docstring)."""
 
+    backend = BACKEND
+    bk: int = 64
+    bv: int = 64
+    chunk_size: int = 64
+    num_stages: int = 2
+    num_warps: int = 4
+    precision: str = "ieee"
+    save_states: bool = True
 
-def _check_int(name: str, value, allowed) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    def check(self) -> None:
+        self.check_choice("chunk_size", CHUNK_SIZES)
+        self.check_choice("bk", TILES)
+        self.check_choice("bv", TILES)
+        self.check_choice("num_warps", (1, 2, 4, 8, 16))
+        self.check_choice("num_stages", (1, 2, 3, 4, 5))
+        self.check_choice("precision", PRECISIONS)
+        self.check_flag("save_states")
 
 
 def kernel_params(variant: Variant, problem: Problem) -> dict:
-    """The variant's parameters resolved for ``problem``: ``chunk``, ``bk``/``bv`` (tiles
+    """The variant's parameters resolved for ``problem``: ``chunk_size``, ``bk``/``bv`` (tiles
     dividing the padded head dims), ``dk``/``dv`` (padded head dims), ``precision``,
     ``num_warps``, ``num_stages``, ``save_states``.
 
-    ValueError for a variant of another backend, unknown or missing parameters, bad values.
+    ValueError for a variant of another backend, unknown or missing parameters, bad values, or
+    a problem the backend does not implement.
     """
-    params = generated.variant_params(BACKEND, _PARAMS, variant)
-    _check_problem(problem)
-    _check_int("chunk_size", params["chunk_size"], CHUNK_SIZES)
-    _check_int("bk", params["bk"], TILES)
-    _check_int("bv", params["bv"], TILES)
-    _check_int("num_warps", params["num_warps"], (1, 2, 4, 8, 16))
-    _check_int("num_stages", params["num_stages"], (1, 2, 3, 4, 5))
-    if params["precision"] not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {params['precision']!r}")
-    if type(params["save_states"]) is not bool:
-        raise ValueError(f"save_states must be a bool, got {params['save_states']!r}")
+    config = SPEC.parse(variant)
+    generated.check_problem(SPEC, problem)
     return {
-        "chunk": params["chunk_size"],
-        "bk": _resolve_tile(params["bk"], problem.Dk),
-        "bv": _resolve_tile(params["bv"], problem.Dv),
+        "chunk_size": config.chunk_size,
+        "bk": _resolve_tile(config.bk, problem.Dk),
+        "bv": _resolve_tile(config.bv, problem.Dv),
         "dk": padded_dim(problem.Dk),
         "dv": padded_dim(problem.Dv),
-        "precision": params["precision"],
-        "num_warps": params["num_warps"],
-        "num_stages": params["num_stages"],
-        "save_states": params["save_states"],
+        "precision": config.precision,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "save_states": config.save_states,
     }
 
 
@@ -148,7 +152,7 @@ def shared_memory_bytes(variant: Variant, problem: Problem) -> int:
     that cannot fit, not a promise that the rest do.
     """
     p = kernel_params(variant, problem)
-    C, bk, bv, dk = p["chunk"], p["bk"], p["bv"], p["dk"]
+    C, bk, bv, dk = p["chunk_size"], p["bk"], p["bv"], p["dk"]
     isz = 4 if problem.dtype == "float32" else 2
     per_chunk = 2 * C * dk * isz + C * dk * 4 + C * C * 4 + C * bv * 4
     walk = p["num_stages"] * per_chunk + (C * C + C * bv) * 4
@@ -156,43 +160,30 @@ def shared_memory_bytes(variant: Variant, problem: Problem) -> int:
     return max(walk, parallel)
 
 
-def _space(problem: Problem, budget: int):
-    _check_problem(problem)
+def variant_space(problem: Problem, device) -> list[Config]:
+    """Every variant whose `shared_memory_bytes` fits ``device``'s ``shared_memory``
+    (gdngen.devices)."""
+    generated.check_problem(SPEC, problem)
+    budget = device.limits["shared_memory"]
     space = []
     for chunk, precision, bk, bv, warps, stages, save in itertools.product(
             CHUNK_SIZES, PRECISIONS, tiles(problem.Dk), tiles(problem.Dv), NUM_WARPS,
             NUM_STAGES, (True, False)):
-        params = {"chunk_size": chunk, "precision": precision, "bk": bk, "bv": bv,
-                  "num_warps": warps, "num_stages": stages, "save_states": save}
-        if shared_memory_bytes(Variant(BACKEND, params), problem) <= budget:
-            space.append(params)
-    default = {"chunk_size": 64, "precision": "ieee", "bk": min(64, tiles(problem.Dk)[-1]),
-               "bv": min(64, tiles(problem.Dv)[-1]), "num_warps": 4, "num_stages": 2,
-               "save_states": True}
-    if shared_memory_bytes(Variant(BACKEND, default), problem) > budget:
-        default = dict(default, chunk_size=32)
-    return space, default
+        config = Config(bk, bv, chunk, stages, warps, precision, save)
+        if shared_memory_bytes(Variant(BACKEND, config.params()), problem) <= budget:
+            space.append(config)
+    return space
 
 
-def variants_for_device(device_name: str, problem: Problem) -> list[Variant]:
-    """Every variant whose `shared_memory_bytes` fits ``device_name``'s ``shared_memory``
-    (gdngen.devices)."""
-    device = get_device(device_name)
-    if "shared_memory" not in device.limits:
-        raise ValueError(f"device_name must be an NVIDIA GPU with a shared-memory limit, got "
-                         f"{device_name!r}")
-    return [Variant(BACKEND, p) for p in _space(problem, device.limits["shared_memory"])[0]]
-
-
-def variant_space(problem: Problem):
-    """``(params list, default params)`` for ``problem``, planned against `DEFAULT_DEVICE`."""
-    return _space(problem, get_device(DEFAULT_DEVICE).limits["shared_memory"])
-
-
-def tolerance(variant: Variant, dtype: str) -> float:
-    """Relative L2 error the variant is validated at: its precision policy's tolerance, or the
-    battery's tolerance for ``dtype`` when that is larger."""
-    return generated.policy_tolerance(POLICY_TOLERANCES, variant, dtype)
+def default_config(problem: Problem, device) -> Config:
+    """Chunk 64 (32 when that does not fit ``device``), ieee, 64-wide tiles, 4 warps, 2 stages,
+    saving states."""
+    config = Config(min(64, tiles(problem.Dk)[-1]), min(64, tiles(problem.Dv)[-1]), 64, 2, 4,
+                    "ieee", True)
+    if shared_memory_bytes(Variant(BACKEND, config.params()), problem) \
+            > device.limits["shared_memory"]:
+        config = config.replace(chunk_size=32)
+    return config
 
 
 def numerics_key(variant: Variant, problem: Problem) -> tuple:
@@ -211,7 +202,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     p = kernel_params(variant, problem)
     context = {
         "problem_key": problem.key(),
-        "chunk": p["chunk"],
+        "chunk": p["chunk_size"],
         "dk": p["dk"],
         "dv": p["dv"],
         "bk": p["bk"],
@@ -302,7 +293,7 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
 
     kernels = load_kernels(variant, problem)
     p = kernels.params
-    C, Dk, Dv, Hk, Hv = p["chunk"], p["dk"], p["dv"], problem.Hk, problem.Hv
+    C, Dk, Dv, Hk, Hv = p["chunk_size"], p["dk"], p["dv"], problem.Hk, problem.Hv
     B, T, N = batch, chunks * C, chunks
     spec, f32, dtype = jax.ShapeDtypeStruct, jnp.float32, jnp.dtype(problem.dtype)
     q = spec((B, T, Hk, Dk), dtype)
@@ -480,3 +471,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     return generated.gated_delta(sys.modules[__name__], q, k, v, g, beta, initial_state,
                                  mask=mask, scale=scale, gate=gate, variant=variant,
                                  templates_dir=templates_dir)
+
+
+SPEC = BackendSpec(
+    name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
+    entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("gpu",), dtypes=INPUT_DTYPES,
+    render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
+    device_limit="shared_memory", reference_device="h100")

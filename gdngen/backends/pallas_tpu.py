@@ -31,10 +31,13 @@ import math
 import sys
 import types
 import warnings
+from dataclasses import dataclass
 
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
-from gdngen.devices import MiB, get_device
+from gdngen.config import VariantConfig
+from gdngen.devices import MiB
+from gdngen.registry import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "pallas_tpu"
@@ -43,8 +46,9 @@ CHUNK_SIZES = (32, 64, 128)
 #: passes (hi*hi + hi*lo + lo*hi; Precision.HIGH where the installed jax lowers it for Mosaic);
 #: bf16 = one bfloat16 pass. Accumulation is float32 in all three.
 PRECISIONS = ("ieee", "tf32", "bf16")
-#: Relative L2 error each policy is validated at (the battery's own tolerance for the input
-#: dtype applies when it is larger). Worst error measured by ``gdngen build`` in TPU interpret
+#: Relative L2 error each policy is validated at (`gdngen.tolerance`: the battery's own
+#: tolerance for the input dtype applies when it is larger). Worst error measured by
+#: ``gdngen build`` in TPU interpret
 #: mode, float32 inputs, over every scalar-gate battery case, quantity and variant of
 #: Problem(2, 4, 128, 128) and Problem(1, 3, 128, 128) (72 variants, all passing):
 #:
@@ -54,13 +58,9 @@ PRECISIONS = ("ieee", "tf32", "bf16")
 #:   bf16    2e-2       1.6e-2           dbeta (identical_keys; other cases <= 5e-3)
 POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 2e-4, "bf16": 2e-2}
 INPUT_DTYPES = ("float32", "bfloat16")
-#: generation whose VMEM budget `variant_space` plans against.
-DEFAULT_DEVICE = "tpu-v5e"
 #: log gates are clamped to this finite floor inside the kernels (exp gives exactly 0 either
 #: way, and a 0/1 matmul never meets 0 * -inf); the gate cotangent uses the true gates.
 LOG_GATE_FLOOR = -1e30
-
-_PARAMS = ("chunk_size", "dv_tile", "head_tile", "precision", "save_states")
 
 
 # ----------------------------------------------------------------------------- variant space
@@ -75,34 +75,40 @@ def _dv_tiles(dv: int) -> list[int]:
     return [t for t in range(128, dv, 128) if dv % t == 0] + [dv]
 
 
-def _check_problem(problem: Problem) -> None:
-    generated.check_scalar_problem(BACKEND, INPUT_DTYPES, problem)
+@dataclass(frozen=True)
+class Config(VariantConfig):
+    """Typed pallas_tpu parameters (see the module docstring)."""
+
+    backend = BACKEND
+    chunk_size: int = 64
+    dv_tile: int = 128
+    head_tile: int = 1
+    precision: str = "ieee"
+    save_states: bool = True
+
+    def check(self) -> None:
+        self.check_choice("chunk_size", CHUNK_SIZES)
+        self.check_positive_int("dv_tile")
+        self.check_positive_int("head_tile")
+        self.check_choice("precision", PRECISIONS)
+        self.check_flag("save_states")
 
 
 def kernel_params(variant: Variant, problem: Problem) -> dict:
-    """The variant's parameters resolved for ``problem``: ``chunk``, ``head_tile`` (a divisor of
-    the group), ``dv_tile`` (dividing Dv), ``precision``, ``save_states``.
+    """The variant's parameters resolved for ``problem``: ``chunk_size``, ``head_tile`` (a
+    divisor of the group), ``dv_tile`` (dividing Dv), ``precision``, ``save_states``.
 
-    ValueError for a variant of another backend, unknown or missing parameters, bad values.
+    ValueError for a variant of another backend, unknown or missing parameters, bad values, or
+    a problem the backend does not implement.
     """
-    params = generated.variant_params(BACKEND, _PARAMS, variant)
-    _check_problem(problem)
-    chunk, head_tile, dv_tile = params["chunk_size"], params["head_tile"], params["dv_tile"]
-    if chunk not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk!r}")
-    for name, value in (("head_tile", head_tile), ("dv_tile", dv_tile)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if params["precision"] not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {params['precision']!r}")
-    if type(params["save_states"]) is not bool:
-        raise ValueError(f"save_states must be a bool, got {params['save_states']!r}")
+    config = SPEC.parse(variant)
+    generated.check_problem(SPEC, problem)
     return {
-        "chunk": chunk,
-        "head_tile": max(d for d in _divisors(problem.group) if d <= head_tile),
-        "dv_tile": dv_tile if dv_tile in _dv_tiles(problem.Dv) else problem.Dv,
-        "precision": params["precision"],
-        "save_states": params["save_states"],
+        "chunk_size": config.chunk_size,
+        "head_tile": max(d for d in _divisors(problem.group) if d <= config.head_tile),
+        "dv_tile": config.dv_tile if config.dv_tile in _dv_tiles(problem.Dv) else problem.Dv,
+        "precision": config.precision,
+        "save_states": config.save_states,
     }
 
 
@@ -118,7 +124,7 @@ def vmem_bytes(variant: Variant, problem: Problem) -> int:
     """Static VMEM estimate of the variant's largest kernel (forward or backward), in bytes:
     double-buffered blocks, scratch, and a working set of live chunk-sized temporaries."""
     p = kernel_params(variant, problem)
-    C, ht, tv = p["chunk"], p["head_tile"], p["dv_tile"]
+    C, ht, tv = p["chunk_size"], p["head_tile"], p["dv_tile"]
     Dk, Dv = problem.Dk, problem.Dv
     isz = 2 if problem.dtype == "bfloat16" else 4
     tiled = tv < Dv
@@ -150,39 +156,23 @@ def _vmem_limit(estimate: int) -> int:
     return max(16 * MiB, -(-int(estimate * 1.25) // MiB) * MiB)
 
 
-def _space(problem: Problem, budget: int):
-    _check_problem(problem)
+def variant_space(problem: Problem, device) -> list[Config]:
+    """Every variant whose `vmem_bytes` fits ``device``'s ``vmem_budget`` (gdngen.devices)."""
+    generated.check_problem(SPEC, problem)
+    budget = device.limits["vmem_budget"]
     space = []
     for chunk, precision, head_tile, dv_tile, save in itertools.product(
             CHUNK_SIZES, PRECISIONS, _divisors(problem.group), _dv_tiles(problem.Dv),
             (True, False)):
-        params = {"chunk_size": chunk, "precision": precision, "head_tile": head_tile,
-                  "dv_tile": dv_tile, "save_states": save}
-        if vmem_bytes(Variant(BACKEND, params), problem) <= budget:
-            space.append(params)
-    default = {"chunk_size": 64, "precision": "ieee", "head_tile": problem.group,
-               "dv_tile": problem.Dv, "save_states": True}
-    return space, default
+        config = Config(chunk, dv_tile, head_tile, precision, save)
+        if vmem_bytes(Variant(BACKEND, config.params()), problem) <= budget:
+            space.append(config)
+    return space
 
 
-def variants_for_device(device_name: str, problem: Problem) -> list[Variant]:
-    """Every variant whose `vmem_bytes` fits ``device_name``'s ``vmem_budget`` (gdngen.devices)."""
-    device = get_device(device_name)
-    if "vmem_budget" not in device.limits:
-        raise ValueError(f"device_name must be a TPU generation with a VMEM budget, got "
-                         f"{device_name!r}")
-    return [Variant(BACKEND, p) for p in _space(problem, device.limits["vmem_budget"])[0]]
-
-
-def variant_space(problem: Problem):
-    """``(params list, default params)`` for ``problem``, planned against `DEFAULT_DEVICE`."""
-    return _space(problem, get_device(DEFAULT_DEVICE).limits["vmem_budget"])
-
-
-def tolerance(variant: Variant, dtype: str) -> float:
-    """Relative L2 error the variant is validated at: its precision policy's tolerance, or the
-    battery's tolerance for ``dtype`` when that is larger."""
-    return generated.policy_tolerance(POLICY_TOLERANCES, variant, dtype)
+def default_config(problem: Problem, device) -> Config:
+    """Chunk 64, ieee, the whole group per program and the whole Dv per step, saving states."""
+    return Config(64, problem.Dv, problem.group, "ieee", True)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -219,7 +209,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     p = kernel_params(variant, problem)
     context = {
         "problem_key": problem.key(),
-        "chunk": p["chunk"],
+        "chunk": p["chunk_size"],
         "dk": problem.Dk,
         "dv": problem.Dv,
         "dv_tile": p["dv_tile"],
@@ -361,7 +351,7 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
     import jax.numpy as jnp
 
     kernels = load_kernels(variant, problem)
-    C, Dk, Dv, Hk, Hv = kernels.params["chunk"], problem.Dk, problem.Dv, problem.Hk, problem.Hv
+    C, Dk, Dv, Hk, Hv = kernels.params["chunk_size"], problem.Dk, problem.Dv, problem.Hk, problem.Hv
     spec = jax.ShapeDtypeStruct
     f32, dtype = jnp.float32, jnp.dtype(problem.dtype)
     B, N = batch, chunks
@@ -517,3 +507,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     return generated.gated_delta(sys.modules[__name__], q, k, v, g, beta, initial_state,
                                  mask=mask, scale=scale, gate=gate, variant=variant,
                                  templates_dir=templates_dir)
+
+
+SPEC = BackendSpec(
+    name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
+    entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("tpu",), dtypes=INPUT_DTYPES,
+    render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
+    device_limit="vmem_budget", reference_device="tpu-v5e")

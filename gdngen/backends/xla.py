@@ -1,136 +1,37 @@
-"""XLA backend: the portable chunkwise gated delta rule in jax.numpy (any JAX device).
+"""xla: the portable chunkwise gated delta rule in jax.numpy, on any JAX device.
 
-Scalar gates (and masks) take the chunkwise path of `gdngen.chunkwise`, whose hand-derived
-backward (recomputation, straddle-sum gate rule) is wired in with ``jax.custom_vjp``. Vector
-gates take `sequential_gated_delta`, a float32 ``lax.scan`` recurrence (also the benchmark
-baseline).
+The implementation is `gdngen.backends.jax_chunkwise` (imported when a call runs), so this
+declaration imports no framework.
 """
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from gdngen import chunkwise
+from gdngen.backends import portable
+from gdngen.registry import BackendSpec
 
 
-class XP(chunkwise.ArrayNamespace):
-    """The array namespace `gdngen.chunkwise` expects, over jax.numpy (float32)."""
-
-    module = jnp
-
-    @staticmethod
-    def cumsum(x, axis, reverse=False):
-        # a parallel prefix: XLA:CPU lowers lax.cumsum to a slow blocked reduce-window
-        return jax.lax.associative_scan(jnp.add, x, reverse=reverse, axis=axis % x.ndim)
-
-    @staticmethod
-    def scan(f, carry, xs, reverse):
-        return jax.lax.scan(f, carry, xs, reverse=reverse)
-
-    @staticmethod
-    def tril_mask(n, k):
-        return np.tri(n, n, k, dtype=bool)
+@dataclass(frozen=True)
+class Config(portable.PortableConfig):
+    backend = "xla"
 
 
-# ------------------------------------------------------------------ differentiable chunk core
+def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+                variant):
+    """Run an xla ``variant`` (shapes as `gdngen.jax.gated_delta`)."""
+    import jax.numpy as jnp
 
-#: traced under this, every matmul is a true float32 product (the precision is fixed in the
-#: traced dots, their transposes included): the exact triangular inverse, the decay algebra and
-#: the recurrence must not drop to the TF32 / bfloat16 passes GPUs and TPUs use by default.
-FLOAT32_MATMULS = jax.default_matmul_precision("highest")
+    from gdngen.backends import jax_chunkwise
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
-    """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP.
-
-    ``save_states``: keep the forward's residuals (per-chunk entering states, WY pseudo-values,
-    triangular inverses) for the backward, or recompute them there (one more sequential pass,
-    less memory).
-    """
-    with FLOAT32_MATMULS:
-        Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                          solve_block=solve_block)
-    return Y, S_final
+    return portable.gated_delta(jax_chunkwise, jnp.float32, jnp.zeros, q, k, v, g, beta,
+                                initial_state, mask=mask, scale=scale, gate=gate,
+                                config=SPEC.parse(variant))
 
 
-def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states):
-    with FLOAT32_MATMULS:
-        Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                                  solve_block=solve_block)
-    return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
-
-
-def _core_bwd(gate, solve_block, save_states, saved, cotangents):
-    q, k, v, gates, beta, S0, residuals = saved
-    dY, dS_final = cotangents
-    with FLOAT32_MATMULS:
-        if residuals is None:
-            residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                          solve_block=solve_block)[2]
-        return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
-
-
-chunk_core.defvjp(_core_fwd, _core_bwd)
-
-
-# ------------------------------------------------------------------------------ paths
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size", "solve_block",
-                                             "save_states"))
-def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=8, save_states=True):
-    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.jax.gated_delta`.
-
-    ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``xla`` `Variant`.
-    """
-    def core(*arrays):
-        return chunk_core(*arrays, gate, solve_block, save_states)
-
-    return chunkwise.gated_delta(XP, core, q, k, v, g, beta, initial_state, mask, scale=scale,
-                                 gate=gate, chunk_size=chunk_size)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "gate"))
-def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):
-    """Per-step float32 ``lax.scan`` recurrence (vector gates; benchmark baseline)."""
-    with FLOAT32_MATMULS:
-        return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
-                                                scale=scale, gate=gate)
-
-
-# ------------------------------------------------------------------------------ battery
-
-
-def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
-    """Battery runner (docs/CONTRACT.md; ``variant`` runs that variant, else ``chunk_size``):
-    forward + VJP through `gdngen.jax.gated_delta`."""
-    from gdngen.jax import gated_delta
-
-    jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
-    names = ("q", "k", "v", "g", "beta")
-    args = [jnp.asarray(inputs[n], jdt) for n in names]
-    S0 = inputs.get("initial_state")
-    S0 = jnp.zeros((args[0].shape[0], args[2].shape[2], args[2].shape[3], args[0].shape[3]),
-                   jnp.float32) if S0 is None else jnp.asarray(S0, jnp.float32)
-    mask = inputs.get("mask")
-    mask = None if mask is None else jnp.asarray(mask)
-
-    def f(q, k, v, g, beta, s0):
-        if variant is not None:
-            return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
-                               variant=variant)
-        return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
-                           chunk_size=chunk_size)
-
-    (y, S), vjp = jax.vjp(f, *args, S0)
-    cot = (jnp.asarray(inputs["dy"], jdt), jnp.asarray(inputs["dfinal_state"], jnp.float32))
-    grads = vjp(cot)
-    out = {"y": y, "final_state": S}
-    out.update(zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads))
-    return {n: np.asarray(x, np.float64) for n, x in out.items()}
+SPEC = BackendSpec(
+    name="xla", framework="jax", config=Config, space=portable.space(Config),
+    default=portable.default(Config), entry=gated_delta, tolerances=portable.TOLERANCES,
+    device_kinds=("cpu", "tpu", "gpu"), portable=True, gates=("scalar", "vector"),
+    source_modules=("gdngen.chunkwise", "gdngen.backends.portable",
+                    "gdngen.backends.jax_chunkwise"))

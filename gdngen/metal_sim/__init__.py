@@ -219,10 +219,3 @@ def _check_written(kernel_name: str, name: str, view: np.ndarray) -> None:
             f"kernel {kernel_name}: {count} of {view.size} elements of output '{name}' hold the "
             f"poison pattern (first at index {tuple(map(int, first))}): never written, or "
             f"computed from memory that was never written")
-
-
-def run(variant, problem, inputs, cotangents, **kwargs):
-    """Forward + VJP of a Metal variant in the simulator; see `gdngen.backends.metal.simulate`."""
-    from gdngen.backends import metal
-
-    return metal.simulate(variant, problem, inputs, cotangents, **kwargs)

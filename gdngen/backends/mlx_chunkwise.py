@@ -1,0 +1,92 @@
+"""MLX backend: the portable chunkwise gated delta rule in mlx.core (any MLX device).
+
+Scalar gates (and masks) take `gdngen.chunkwise` with its hand-derived backward wired in through
+``mx.custom_function``; vector gates take `sequential_gated_delta`, a per-step float32 loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from gdngen import chunkwise
+
+
+class XP(chunkwise.ArrayNamespace):
+    """The array namespace `gdngen.chunkwise` expects, over mlx.core (float32)."""
+
+    module = mx
+
+    @staticmethod
+    def cumsum(x, axis, reverse=False):
+        return mx.cumsum(x, axis=axis, reverse=reverse)
+
+    @staticmethod
+    def scan(f, carry, xs, reverse):
+        """lax.scan semantics over the leading axis of every array in the tuple ``xs``; ``f``
+        returns ``(carry, out)`` with out an array or a tuple of arrays."""
+        n = xs[0].shape[0]
+        order = range(n - 1, -1, -1) if reverse else range(n)
+        outs = [None] * n
+        for i in order:
+            carry, outs[i] = f(carry, tuple(x[i] for x in xs))
+        if isinstance(outs[0], tuple):
+            return carry, tuple(mx.stack(list(parts)) for parts in zip(*outs))
+        return carry, mx.stack(outs)
+
+    @staticmethod
+    def tril_mask(n, k):
+        return mx.array(np.tri(n, n, k, dtype=bool))
+
+
+@functools.cache
+def chunk_core(gate, solve_block, save_states):
+    """`gdngen.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
+
+    The core returns ``(Y, S_final, *residuals)``. With ``save_states`` the backward reads the
+    forward's residuals (per-chunk entering states, WY pseudo-values, triangular inverses) from
+    its outputs; otherwise it recomputes them.
+    """
+
+    @mx.custom_function
+    def core(q, k, v, gates, beta, S0):
+        Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                                  solve_block=solve_block)
+        return (Y, S_final, *residuals)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, S0 = primals
+        if save_states:
+            residuals = tuple(outputs[2:])
+        else:
+            residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                          solve_block=solve_block)[2]
+        dY, dS_final = cotangents[0], cotangents[1]
+        return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
+
+    return core
+
+
+def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
+                          solve_block=8, save_states=True):
+    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.mlx.gated_delta`.
+
+    ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`.
+    """
+    core = chunk_core(gate, solve_block, save_states)
+
+    def core_outputs(*arrays):
+        Y, S_final, *_ = core(*arrays)
+        return Y, S_final
+
+    return chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
+                                 scale=scale, gate=gate, chunk_size=chunk_size)
+
+
+def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):
+    """Per-step float32 recurrence (vector gates); shapes as the API."""
+    return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
+                                            scale=scale, gate=gate)

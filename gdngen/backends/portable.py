@@ -1,0 +1,72 @@
+"""What the portable backends (xla, mlx) share: their typed config, space and whole-call body.
+
+Both run `gdngen.chunkwise` through framework ops: scalar gates chunkwise with the hand-derived
+backward, vector gates on a per-step sequential path (which ignores the variant). Their
+tolerance is the generic one per precision policy (`TOLERANCES`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from gdngen.config import VariantConfig
+
+CHUNK_SIZES = (16, 32, 64, 128)
+SOLVE_BLOCKS = (4, 8, 16, 32)
+#: relative L2 error per precision policy. ieee: float32 throughout (worst measured 8.9e-7,
+#: dbeta / identical_keys); tf32 and bf16: what those operand roundings allow (TF32 keeps 10
+#: mantissa bits, bfloat16 7); the chunk core itself always traces its matmuls at float32.
+TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
+
+
+@dataclass(frozen=True)
+class PortableConfig(VariantConfig):
+    """``chunk_size``: steps per chunk; ``solve_block``: substitution block of the exact
+    triangular inverse (<= chunk_size); ``save_states``: the forward keeps per-chunk states,
+    WY pseudo-values and inverses for the backward, else the backward recomputes them."""
+
+    chunk_size: int = 64
+    solve_block: int = 8
+    save_states: bool = True
+
+    def check(self) -> None:
+        self.check_positive_int("chunk_size")
+        self.check_choice("solve_block", SOLVE_BLOCKS)
+        self.check_flag("save_states")
+        if self.solve_block > self.chunk_size:
+            self._fail("solve_block", f"<= chunk_size={self.chunk_size}")
+
+
+def space(config_cls):
+    """``space(problem, device)`` of a portable backend: chunk x solve block x save."""
+    def portable_space(problem, device=None):
+        return [config_cls(c, b, s) for c, b, s in
+                itertools.product(CHUNK_SIZES, SOLVE_BLOCKS, (True, False)) if b <= c]
+    return portable_space
+
+
+def default(config_cls):
+    def portable_default(problem, device=None):
+        return config_cls()
+    return portable_default
+
+
+def gated_delta(ops, f32, zeros, q, k, v, g, beta, initial_state, *, mask, scale, gate, config):
+    """Whole-call body of a portable backend over its framework module ``ops`` (with
+    ``chunkwise_gated_delta`` and ``sequential_gated_delta``): float32 inputs, zero initial
+    state when None, vector gates sequential. Returns ``(y in q's dtype, final_state)``."""
+    from gdngen.problem import check_call
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+                       chunk_size=config.chunk_size, scale=scale)
+    if initial_state is None:
+        initial_state = zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
+            initial_state.astype(f32), mask)
+    if shape.vector_gate:
+        y, state = ops.sequential_gated_delta(*args, scale=float(scale), gate=gate)
+    else:
+        y, state = ops.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
+                                             **config.params())
+    return y.astype(q.dtype), state

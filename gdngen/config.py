@@ -1,0 +1,79 @@
+"""Typed variant parameters: each backend's `Config` is a frozen dataclass of this base.
+
+A `gdngen.Variant` names a backend and its parameters as plain JSON values; the backend's
+`Config` is the same point with each field typed and validated. The same meaning has the same
+name in every backend: ``chunk_size`` (steps per chunk), ``precision`` (matmul operand policy,
+one of `gdngen.precision.PRECISIONS`), ``save_states`` (the forward keeps per-chunk states for
+the backward, else the backward recomputes them).
+
+Validation errors are ``ValueError``s naming the backend, the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantConfig:
+    """Base of the backends' typed parameters; subclasses declare fields and `check` them."""
+
+    backend: ClassVar[str] = ""
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError for a bad field value (overridden per backend)."""
+
+    # --------------------------------------------------------------------- conversion
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_params(cls, params: dict) -> VariantConfig:
+        """The config of a params dict; ValueError naming unknown or missing fields."""
+        names = cls.field_names()
+        unknown = sorted(set(params) - set(names))
+        missing = [n for n in names if n not in params]
+        if unknown or missing:
+            parts = ([f"unknown {unknown}"] if unknown else []) + \
+                    ([f"missing {missing}"] if missing else [])
+            raise ValueError(f"{cls.backend} variant params must be {list(names)}: "
+                             f"{', '.join(parts)}")
+        return cls(**{n: params[n] for n in names})
+
+    def params(self) -> dict:
+        """The fields as a plain dict (a `Variant`'s params)."""
+        return {n: getattr(self, n) for n in self.field_names()}
+
+    def replace(self, **changes) -> VariantConfig:
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    # --------------------------------------------------------------------- field checks
+
+    def _fail(self, name: str, expected: str) -> None:
+        raise ValueError(f"{self.backend} variant param {name} must be {expected}, got "
+                         f"{getattr(self, name)!r}")
+
+    def check_choice(self, name: str, allowed) -> None:
+        """The field is one of ``allowed`` (ints must be ints, not bools)."""
+        value = getattr(self, name)
+        if isinstance(value, bool) and not all(isinstance(a, bool) for a in allowed):
+            self._fail(name, f"one of {tuple(allowed)}")
+        if value not in tuple(allowed):
+            self._fail(name, f"one of {tuple(allowed)}")
+
+    def check_flag(self, name: str) -> None:
+        """The field is a bool."""
+        if type(getattr(self, name)) is not bool:
+            self._fail(name, "a bool")
+
+    def check_positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self._fail(name, "a positive int")
