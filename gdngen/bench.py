@@ -23,8 +23,9 @@ run: a square ``matmul_n`` cube (the framework's peak; ``matmul_*`` keys) and on
 product with the kernel's own operand shape, ``B*Hv*ceil(T/C)`` products of ``[C,Dk] @ [Dk,Dv]``
 at the largest T (``chunk_matmul_*`` keys), which is what the chunkwise path is made of.
 
-Each framework runs in a fresh subprocess by default (``run(..., isolate=True)``) so that one
-framework's thread pools and allocator do not disturb the other's figures.
+Each framework runs in a fresh subprocess by default (``run(..., isolate=True)``, speaking
+`gdngen.worker_protocol` as tune's trials do) so that one framework's thread pools and allocator
+do not disturb the other's figures.
 
 Every result row is a dict with exactly the keys in `ROW_KEYS`; ``baseline_*`` and ``speedup``
 are ``None`` where the baseline was skipped.
@@ -36,16 +37,14 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from gdngen import worker_protocol
 from gdngen.fileio import atomic_write_text
 from gdngen.flops import chunkwise_flops
 from gdngen.problem import FRAMEWORKS
@@ -396,18 +395,16 @@ def measure(framework: str, cfg: BenchConfig) -> list[dict]:
 
 
 def _measure_in_subprocess(framework: str, cfg: BenchConfig) -> list[dict]:
-    env = dict(os.environ)
-    src_root = str(Path(__file__).resolve().parent.parent)  # the gdngen the parent imported
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "gdngen.bench", "--worker", framework,
-           "--config", json.dumps(dataclasses.asdict(cfg))]
-    proc = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True, env=env)
-    tagged = [ln for ln in proc.stdout.splitlines() if ln.startswith(_ROWS_TAG)]
-    if proc.returncode != 0 or not tagged:
+    """`measure` in a fresh ``python -m gdngen.bench --worker FRAMEWORK`` (`gdngen
+    .worker_protocol`: the config goes to its stdin; its stderr, progress included, is ours)."""
+    outcome = worker_protocol.call(
+        "gdngen.bench", dataclasses.asdict(cfg), args=("--worker", framework), tag=_ROWS_TAG,
+        capture_stderr=False)
+    if outcome.status != "ok":
         raise RuntimeError(
-            f"bench worker for {framework} failed (exit {proc.returncode}); its error is above"
+            f"bench worker for {framework} failed (exit {outcome.returncode}); its error is above"
         )
-    return json.loads(tagged[-1][len(_ROWS_TAG):])
+    return outcome.result
 
 
 def run(cfg: BenchConfig, frameworks=FRAMEWORKS, *, isolate: bool = True) -> list[dict]:
@@ -487,10 +484,11 @@ def print_table(rows: list[dict]) -> None:
 def _worker_main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="gdngen bench worker (one framework)")
     parser.add_argument("--worker", required=True, choices=FRAMEWORKS)
-    parser.add_argument("--config", required=True, help="BenchConfig fields as JSON")
+    parser.add_argument("--config", default=None,
+                        help="BenchConfig fields as JSON (default: read them from stdin)")
     ns = parser.parse_args(argv)
-    rows = measure(ns.worker, BenchConfig(**json.loads(ns.config)))
-    print(_ROWS_TAG + json.dumps(rows), flush=True)
+    fields = json.loads(ns.config) if ns.config is not None else worker_protocol.read_request()
+    worker_protocol.reply(_ROWS_TAG, measure(ns.worker, BenchConfig(**fields)))
 
 
 if __name__ == "__main__":

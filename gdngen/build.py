@@ -38,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gdngen import registry
+from gdngen import registry, settings
 from gdngen.fileio import atomic_write_text as write_atomic
 from gdngen.render import render
 from gdngen.tolerance import allowed_error
@@ -67,15 +67,15 @@ def _templates_env(templates_dir):
     if templates_dir is None:
         yield
         return
-    old = os.environ.get("GDNGEN_TEMPLATES")
-    os.environ["GDNGEN_TEMPLATES"] = str(Path(templates_dir).resolve())
+    old = os.environ.get(settings.ENV_TEMPLATES)
+    os.environ[settings.ENV_TEMPLATES] = str(Path(templates_dir).resolve())
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("GDNGEN_TEMPLATES", None)
+            os.environ.pop(settings.ENV_TEMPLATES, None)
         else:
-            os.environ["GDNGEN_TEMPLATES"] = old
+            os.environ[settings.ENV_TEMPLATES] = old
 
 
 @dataclasses.dataclass

@@ -33,12 +33,13 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gdngen import settings
 from gdngen.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401 (re-exported)
 from gdngen.variant import Problem, Variant, dumps
 
 #: 2: typed variant configs (metal's ``policy``/``save`` became ``precision``/``save_states``).
 FORMAT = 2
-ENV_CACHE_DIR = "GDNGEN_CACHE_DIR"
+ENV_CACHE_DIR = settings.ENV_CACHE_DIR
 #: packages whose versions an entry records, per framework.
 FRAMEWORK_PACKAGES = {"jax": ("jax", "jaxlib"), "mlx": ("mlx",)}
 _ENTRY_FIELDS = ("key", "device", "framework", "backend", "problem", "precision", "seq_bucket",
@@ -61,13 +62,8 @@ class StaleFormatFile(CorruptCacheFile):
 
 
 def cache_root() -> Path:
-    """gdngen's user cache folder: ``$GDNGEN_CACHE_DIR`` or platformdirs' user cache dir."""
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("gdngen", appauthor=False))
+    """gdngen's user cache folder (`gdngen.settings.cache_root`)."""
+    return settings.cache_root()
 
 
 def user_tuned_dir() -> Path:

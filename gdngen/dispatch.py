@@ -16,14 +16,13 @@ for a chosen device and precision policy; `TunedGatedDelta.explain` says what it
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from gdngen import registry
+from gdngen import registry, settings
 from gdngen.problem import CallShape, check_call, check_framework, dtype_name
 from gdngen.variant import Problem, Variant, problem_of
 
-ENV_NO_TUNED = "GDNGEN_NO_TUNED"
+ENV_NO_TUNED = settings.ENV_NO_TUNED
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def choose(framework: str, shape: CallShape, dtype: str, *, device: str | None =
     from gdngen import cache
 
     problem = problem_of(shape, dtype)
-    disabled = os.environ.get(ENV_NO_TUNED, "") not in ("", "0")
+    disabled = settings.flag(ENV_NO_TUNED)
     described = None
     if device is None:
         device, described = _attached(framework)

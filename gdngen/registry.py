@@ -20,12 +20,14 @@ from the registry).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from gdngen.devices import Device, get_device
-from gdngen.problem import FLOAT_DTYPES
+from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
+
+__all__ = ["BACKENDS", "BackendSpec", "backends_for", "check_variant", "default_variant",
+           "framework_of", "get", "names", "portable", "register", "runnable", "unregister",
+           "variants"]
 
 #: backend name -> module declaring its ``SPEC``; generated backends before portable ones of the
 #: same framework (a device's preference order, see `backends_for`).
@@ -37,108 +39,6 @@ BACKENDS: dict[str, str] = {
     "metal": "gdngen.backends.metal",
     "mlx": "gdngen.backends.mlx",
 }
-
-
-def _always() -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """What a backend is and does, declared once in its module as ``SPEC``.
-
-    * ``framework``: "jax" | "mlx", whose ``gated_delta`` runs it.
-    * ``config``: its typed parameters (a `gdngen.config.VariantConfig` subclass).
-    * ``space(problem, device) -> [config]`` and ``default(problem, device) -> config``: the
-      variants that fit ``device`` (a `gdngen.devices.Device`, or None for a backend with no
-      on-chip limits) and the heuristic choice.
-    * ``entry``: ``gated_delta(q, k, v, g, beta, initial_state, *, mask, scale, gate, variant)``.
-    * ``tolerances``: relative L2 error allowed per precision policy (`gdngen.tolerance`).
-    * ``device_kinds``: the `Device.kind` values it targets.
-    * ``portable``: the framework's fallback path (runs wherever the framework does).
-    * ``gates`` / ``dtypes``: gate kinds and input dtypes it implements; ``tuned_gates`` the gate
-      kinds whose execution depends on the variant (the others have nothing to tune).
-    * ``render_plan(variant, problem)`` (templated) or ``source_modules`` (portable): sources.
-    * ``available()``: whether this host can run it; ``supports(problem)``: None or why not
-      (shape limits beyond gates and dtypes); ``lower_check(variant, problem)``: compile or
-      lowering check without the target hardware; ``clear_cache()``: drop loaded kernels.
-    * ``device_limit``: the `Device.limits` key its space is pruned with; ``reference_device``:
-      the device planned for when none is named.
-    """
-
-    name: str
-    framework: str
-    config: type
-    space: Callable
-    default: Callable
-    entry: Callable
-    tolerances: Mapping
-    device_kinds: tuple
-    portable: bool = False
-    gates: tuple = ("scalar",)
-    dtypes: tuple = FLOAT_DTYPES
-    tuned_gates: tuple = ("scalar",)
-    render_plan: Callable | None = None
-    source_modules: tuple = ()
-    available: Callable = _always
-    supports: Callable | None = None
-    lower_check: Callable | None = None
-    clear_cache: Callable | None = None
-    device_limit: str | None = None
-    reference_device: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.framework not in ("jax", "mlx"):
-            raise ValueError(f"BackendSpec.framework must be 'jax' or 'mlx', got "
-                             f"{self.framework!r}")
-        if (self.render_plan is None) == (not self.source_modules):
-            raise ValueError(f"backend {self.name!r} must declare exactly one of render_plan "
-                             "and source_modules")
-
-    # ------------------------------------------------------------------ capability
-
-    def capability(self, problem: Problem) -> tuple[bool, str]:
-        """``(ok, reason)``: whether this backend implements ``problem`` and runs here."""
-        if problem.gate not in self.gates:
-            return False, (f"{self.name} implements {'/'.join(self.gates)} gates, not "
-                           f"{problem.gate}")
-        if problem.dtype not in self.dtypes:
-            return False, (f"{self.name} takes {'/'.join(self.dtypes)} inputs, not "
-                           f"{problem.dtype}")
-        if self.supports is not None:
-            why = self.supports(problem)
-            if why:
-                return False, why
-        if not self.available():
-            return False, f"{self.name} cannot run on this host"
-        return True, "ok"
-
-    # ------------------------------------------------------------------ configs
-
-    def parse(self, variant: Variant):
-        """The typed config of ``variant``; ValueError for another backend or bad params."""
-        if variant.backend != self.name:
-            raise ValueError(f"variant backend must be {self.name!r}, got {variant.backend!r}")
-        return self.config.from_params(variant.as_dict())
-
-    def device(self, device: str | Device | None) -> Device | None:
-        """The device a space is planned for: ``device``, else `reference_device`."""
-        if device is None:
-            device = self.reference_device
-        if device is None:
-            return None
-        dev = device if isinstance(device, Device) else get_device(device)
-        if self.device_limit is not None and self.device_limit not in dev.limits:
-            raise ValueError(f"device {dev.name!r} has no {self.device_limit} limit: {self.name} "
-                             f"targets {'/'.join(self.device_kinds)} devices")
-        return dev
-
-    def run(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-            variant):
-        """Run ``variant`` of this backend on one call (shapes as `gdngen.jax.gated_delta`)."""
-        return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
-                          variant=variant)
 
 
 # ------------------------------------------------------------------------------ lookup

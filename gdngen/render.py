@@ -1,72 +1,23 @@
 """Render stage: a `Variant` for a `Problem` -> its source text(s) and their sha256.
 
-Templated backends keep Jinja sources under ``templates/<backend>/``; their
-`gdngen.registry.BackendSpec.render_plan` maps ``(variant, problem)`` to ``{output_name:
-(template_path, context)}``. Templates load first from a user directory (``templates_dir`` argument
-or the ``GDNGEN_TEMPLATES`` environment variable), which overrides shipped files by relative path
-and cannot reach outside itself, then from the shipped ``templates/``. Rendering is strict: an
-undefined name is an error, never an empty string.
-
-Portable backends (xla, mlx) are not templated; their "source" is the Python that implements
-them (their spec's ``source_modules``, read, not imported), so the hash still changes whenever
-their code does.
+`render` looks the variant's backend up in `gdngen.registry` and renders it with
+`gdngen.sources` (templates from ``templates/<backend>/``, a user override folder first, strict
+Jinja; portable backends: the Python that implements them). Backends render their own variants
+through their spec (`gdngen.spec.BackendSpec.render`), which needs no registry.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
-from dataclasses import dataclass
-from pathlib import Path
-
-import jinja2
 
 from gdngen import registry
-from gdngen.resources import templates_dir as shipped_templates_dir
+from gdngen.sources import Rendered, environment, sources_sha256
 from gdngen.variant import Problem, Variant
 
-
-@dataclass(frozen=True)
-class Rendered:
-    """Rendered sources of one variant: ``sources`` maps output name -> text."""
-
-    variant: Variant
-    problem: Problem
-    sources: dict
-    sha256: str
-
-
-def environment(templates_dir: str | os.PathLike | None = None) -> jinja2.Environment:
-    """Jinja environment: user directory first (if any), then the shipped templates."""
-    user = templates_dir if templates_dir is not None else os.environ.get("GDNGEN_TEMPLATES")
-    search = [str(Path(user).resolve())] if user else []
-    search.append(str(shipped_templates_dir()))
-    # FileSystemLoader refuses paths that escape its search roots ("../x"), so an override
-    # directory cannot read or shadow anything outside itself.
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(search),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              trim_blocks=True, lstrip_blocks=True)
-
-
-def sources_sha256(sources: dict) -> str:
-    """sha256 over output names and texts, in name order."""
-    digest = hashlib.sha256()
-    for name in sorted(sources):
-        digest.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
-    return digest.hexdigest()
+__all__ = ["Rendered", "environment", "render", "sources_sha256"]
 
 
 def render(variant: Variant, problem: Problem, *,
            templates_dir: str | os.PathLike | None = None) -> Rendered:
-    """Render ``variant`` specialised for ``problem``; see the module docstring."""
-    spec = registry.get(variant.backend)
-    spec.parse(variant)  # ValueError naming a bad field, before anything is rendered
-    if spec.render_plan is None:
-        sources = {name: Path(importlib.util.find_spec(name).origin).read_text()
-                   for name in spec.source_modules}  # read, not imported
-    else:
-        env = environment(templates_dir)
-        sources = {name: env.get_template(path).render(**context)
-                   for name, (path, context) in spec.render_plan(variant, problem).items()}
-    return Rendered(variant, problem, sources, sources_sha256(sources))
+    """Render ``variant`` specialised for ``problem`` (see `gdngen.sources`)."""
+    return registry.get(variant.backend).render(variant, problem, templates_dir=templates_dir)

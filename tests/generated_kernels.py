@@ -1,4 +1,4 @@
-"""Checks shared by the tests of the generated-kernel backends (pallas_tpu, pallas_gpu)."""
+"""Checks shared by the backend tests (the conformance suite and the per-backend files)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def small_call_inputs(B=1, T=20, Hk=1, Hv=2, D=16, seed=None):
     return x["q"], x["k"], x["v"], x["g_log"], x["beta"], x["initial_state"]
 
 
-def check_entry_point_under_jit(variant, seed=None):
+def check_entry_point_under_jit(variant, seed=None, D=16):
     """``gdngen.jax.gated_delta(variant=...)`` inside ``jax.jit`` (kernels inlined, padding to
     the chunk, a mask) against the float64 reference: y, the final state, dv and dg."""
     import jax
@@ -22,7 +22,7 @@ def check_entry_point_under_jit(variant, seed=None):
 
     from gdngen.jax import gated_delta
 
-    q, k, v, g, beta, s0 = small_call_inputs(seed=seed)
+    q, k, v, g, beta, s0 = small_call_inputs(D=D, seed=seed)
     mask = np.ones((1, 20), bool)
     mask[0, 3:6] = False
     scale = 0.25

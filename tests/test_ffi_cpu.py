@@ -16,7 +16,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 from generated_kernels import check_entry_point_under_jit, small_call_inputs
 
-from gdngen import validate
+from gdngen import settings, validate
 from gdngen.backends import ffi_cpu
 from gdngen.cases import Case
 from gdngen.registry import default_variant, variants
@@ -199,7 +199,7 @@ def test_missing_compiler_makes_the_backend_unavailable(monkeypatch):
 
     problem = Problem(1, 2, 16, 16)
     assert "ffi_cpu" in runnable_backends("jax", problem)
-    monkeypatch.setenv(ffi_cpu.ENV_COMPILER, os.path.join(os.sep, "nonexistent", "g++"))
+    monkeypatch.setenv(settings.ENV_COMPILER, os.path.join(os.sep, "nonexistent", "g++"))
     ffi_cpu.available.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"needs a C\+\+17 compiler"):

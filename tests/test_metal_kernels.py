@@ -14,7 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gdngen import Problem, Variant, default_variant, metal_sim, registry, render, validate, variants
+from gdngen import (
+    Problem,
+    Variant,
+    default_variant,
+    metal_sim,
+    registry,
+    render,
+    validate,
+    variants,
+)
 from gdngen.backends import metal
 from gdngen.cases import BATTERY, get_case
 from gdngen.tolerance import allowed_error

@@ -21,6 +21,7 @@ import optuna
 import pytest
 
 from gdngen import cache, registry, tune
+from gdngen.tune import search
 from gdngen.variant import Problem, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -280,8 +281,8 @@ def test_validation_is_memoised_by_render_hash(env, tmp_path, monkeypatch):
     assert all(key.startswith(sha) for key in memo)
     # the second target reuses both validations: its workers are asked to time only
     specs = []
-    original = tune._run_worker
-    monkeypatch.setattr(tune, "_run_worker", lambda spec, *a: specs.append(spec) or
+    original = search._run_worker  # patched where the search calls it
+    monkeypatch.setattr(search, "_run_worker", lambda spec, *a: specs.append(spec) or
                         original(spec, *a))
     second = tune.tune(tune.Target("cpu", "mlx", "mlx", target.problem, "ieee", 32, 1),
                        settings, storage=storage)

@@ -32,17 +32,15 @@ import hashlib
 import itertools
 import os
 import platform
-import shlex
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gdngen import chunkwise
+from gdngen import chunkwise, settings
 from gdngen.backends import generated
 from gdngen.config import VariantConfig
-from gdngen.registry import BackendSpec
+from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "ffi_cpu"
@@ -58,10 +56,9 @@ SYMBOL = "gdngen_gated_delta"
 #: types are 16 floats wide regardless).
 COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread") + (
     ("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ())
-ENV_COMPILER = "CXX"
 #: set to 1 to NaN-fill every kernel output before the kernel writes it (tests: an element a
 #: kernel leaves unwritten then shows as NaN).
-ENV_POISON = "GDNGEN_POISON_OUTPUTS"
+ENV_POISON = settings.ENV_POISON_OUTPUTS
 
 
 # ----------------------------------------------------------------------------- variant space
@@ -118,14 +115,9 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
 
 
 def compiler() -> list[str]:
-    """The C++ compiler command: ``$CXX`` (split like a shell word list, e.g. "ccache g++"),
-    else g++, else c++; RuntimeError when there is none."""
-    command = shlex.split(os.environ.get(ENV_COMPILER, "")) or [
-        shutil.which("g++") or shutil.which("c++") or ""]
-    if not command[0] or not shutil.which(command[0]):
-        raise RuntimeError(f"the {BACKEND} backend needs a C++17 compiler: set ${ENV_COMPILER} or "
-                           f"install g++ (got {' '.join(command) or 'none'})")
-    return command
+    """The C++ compiler command (`gdngen.settings.compiler`: ``$CXX`` split like shell words,
+    e.g. "ccache g++", else g++, else c++); RuntimeError when there is none."""
+    return settings.compiler(f"the {BACKEND} backend")
 
 
 @functools.cache
@@ -162,10 +154,8 @@ def _toolchain_id() -> str:
 
 def library_path(sha256: str) -> Path:
     """Where the compiled library of rendered sources ``sha256`` is cached on this host."""
-    from gdngen.cache import cache_root
-
     key = hashlib.sha256((sha256 + "\n" + _toolchain_id()).encode()).hexdigest()
-    return cache_root() / BACKEND / f"{key[:32]}.so"
+    return settings.cache_root() / BACKEND / f"{key[:32]}.so"
 
 
 def compile_library(source: str, path: Path) -> Path:
@@ -209,9 +199,7 @@ _LOADED: dict[str, Kernels] = {}
 
 def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None) -> Kernels:
     """Render ``variant`` for ``problem``, compile it unless cached, load and register it."""
-    from gdngen.render import render
-
-    rendered = render(variant, problem, templates_dir=templates_dir)
+    rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
     if rendered.sha256 not in _LOADED:
         path = library_path(rendered.sha256)
         if not path.exists():
@@ -314,7 +302,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     # a masked step is an identity step; its output is zeroed below
     g, beta = chunkwise.fold_mask(XP, g.astype(f32), beta.astype(f32), mask, gate)
-    poison = os.environ.get(ENV_POISON, "") not in ("", "0")
+    poison = settings.flag(ENV_POISON)
     y, state = _core(kernels.sha256, gate, float(scale), poison)(
         q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
     if mask is not None:

@@ -69,6 +69,20 @@ def jit_pair(fn, static, interpret):
             jax.jit(fn, static_argnames=static))
 
 
+def call_sequential_under_vmap(fns, *args, **static):
+    """`call_jitted`, with ``jax.vmap`` of the call run as a loop over the mapped axis
+    (``jax.custom_batching.sequential_vmap``): Mosaic's grid carries its own dimension
+    semantics, which batching a ``pallas_call`` does not extend. Only the kernels' own calls
+    go through this (inside the custom VJP, so nothing here is differentiated)."""
+    import jax
+
+    @jax.custom_batching.sequential_vmap
+    def run(*arrays):
+        return call_jitted(fns, *arrays, **static)
+
+    return run(*args)
+
+
 def call_jitted(fns, *args, **kwargs):
     """Call the right one of a `jit_pair` for ``args`` (inside a trace: the nested one)."""
     import jax

@@ -33,13 +33,13 @@ import functools
 import hashlib
 import itertools
 import math
-import os
 from dataclasses import dataclass
 
+from gdngen import settings
 from gdngen.config import VariantConfig
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
-from gdngen.registry import BackendSpec
+from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "metal"
@@ -119,6 +119,11 @@ def threadgroup_bytes(params: dict, problem: Problem) -> dict:
         "bwd_qk": C * C + C * dw + 7 * C + sg,
     }
     return {name: 4 * n for name, n in floats.items()}
+
+
+def max_threadgroup_bytes(variant: Variant, problem: Problem) -> int:
+    """The threadgroup memory of the variant's largest kernel, in bytes."""
+    return max(threadgroup_bytes(variant.as_dict(), problem).values())
 
 
 def _acc_floats(params: dict, M: int, N: int) -> int:
@@ -318,14 +323,12 @@ def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
     """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
     from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder."""
     return _launch_plan(adapt(variant, problem), problem, N, B,
-                        os.environ.get("GDNGEN_TEMPLATES"))
+                        settings.templates_override())
 
 
 @functools.lru_cache(maxsize=64)
 def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) -> Plan:
-    from gdngen.render import render
-
-    rendered = render(variant, problem, templates_dir=templates)
+    rendered = SPEC.render(variant, problem, templates_dir=templates)
     p = variant.as_dict()
     C, sg, dvt = p["chunk_size"], p["simdgroups"], p["dv_tile"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
@@ -675,5 +678,5 @@ def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, sc
 SPEC = BackendSpec(
     name=BACKEND, framework="mlx", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("apple",), supports=supports,
-    render_plan=render_plan, lower_check=lower_check, device_limit="threadgroup_memory",
-    reference_device="apple-m1")
+    render_plan=render_plan, lower_check=lower_check, footprint=max_threadgroup_bytes,
+    device_limit="threadgroup_memory", reference_device="apple-m1")

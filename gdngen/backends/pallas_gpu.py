@@ -32,16 +32,16 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import sys
 import types
 import warnings
 from dataclasses import dataclass
 
+from gdngen import settings
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.config import VariantConfig
-from gdngen.registry import BackendSpec
+from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "pallas_gpu"
@@ -68,7 +68,7 @@ NUM_STAGES = (2, 3)
 #: way, and a 0/1 matmul never meets 0 * -inf); the gate cotangent uses the true gates.
 LOG_GATE_FLOOR = -1e30
 #: environment variable forcing interpret mode (set by ``gdngen tune --dry-run`` workers).
-ENV_INTERPRET = "GDNGEN_INTERPRET"
+ENV_INTERPRET = settings.ENV_INTERPRET
 
 
 # ----------------------------------------------------------------------------- variant space
@@ -231,7 +231,7 @@ _LOADED: dict = {}
 def _default_interpret_mode() -> bool:
     import jax
 
-    if os.environ.get(ENV_INTERPRET, "") not in ("", "0"):
+    if settings.flag(ENV_INTERPRET):
         return True
     if jax.default_backend() == "gpu":
         return False
@@ -265,9 +265,7 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     static: a pair, top-level and nested), ``sha256``, ``variant``, ``problem``, ``params``
     (`kernel_params`), ``interpret``.
     """
-    from gdngen.render import render
-
-    rendered = render(variant, problem, templates_dir=templates_dir)
+    rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
     interpret = interpret_mode()
     key = (rendered.sha256, interpret)
     if key not in _LOADED:
@@ -477,4 +475,4 @@ SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("gpu",), dtypes=INPUT_DTYPES,
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
-    device_limit="shared_memory", reference_device="h100")
+    footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100")

@@ -37,7 +37,7 @@ from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.config import VariantConfig
 from gdngen.devices import MiB
-from gdngen.registry import BackendSpec
+from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "pallas_tpu"
@@ -287,9 +287,7 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     jitted with ``scale``/``interpret`` static: a pair, top-level and nested), ``sha256``,
     ``variant``, ``problem``, ``params`` (`kernel_params`), ``interpret`` (what they run with).
     """
-    from gdngen.render import render
-
-    rendered = render(variant, problem, templates_dir=templates_dir)
+    rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
     key = (rendered.sha256, interpret_mode())
     if key not in _LOADED:
         modules = {name: exec_module(BACKEND, name, source, rendered.sha256)
@@ -331,7 +329,8 @@ def _run_kernel(fns, *args, what: str, interpret, **kwargs):
     interpret mode, check it for races, and reset the interpreter's shared state if it raised
     (jax requires that before the next kernel)."""
     try:
-        outputs = call_jitted(fns, *args, interpret=interpret, **kwargs)
+        outputs = generated.call_sequential_under_vmap(fns, *args, interpret=interpret,
+                                                       **kwargs)
         _check_races(outputs, what, interpret)
     except Exception:
         if interpret:
@@ -513,4 +512,4 @@ SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("tpu",), dtypes=INPUT_DTYPES,
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
-    device_limit="vmem_budget", reference_device="tpu-v5e")
+    footprint=vmem_bytes, device_limit="vmem_budget", reference_device="tpu-v5e")

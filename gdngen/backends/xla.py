@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gdngen.backends import portable
-from gdngen.registry import BackendSpec
+from gdngen.spec import BackendSpec
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Compile the simulator runtime and kernels with g++ and cache the shared objects.
 
-Objects are cached under the user cache directory (``platformdirs``; ``GDNGEN_METAL_SIM_CACHE``
-overrides it), named by the sha256 of everything that determines them: the source text, the
+Objects are cached under ``<gdngen cache root>/metal_sim`` (`gdngen.settings`: the root is
+``$GDNGEN_CACHE_DIR`` or the user cache dir; ``$GDNGEN_METAL_SIM_CACHE`` overrides the folder),
+named by the sha256 of everything that determines them: the source text, the
 shim, the runtime, the compiler and its flags. Writes are atomic (temporary file, then
 ``os.replace``), so concurrent builds of the same source are safe.
 """
@@ -12,11 +13,11 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from gdngen import settings
 from gdngen.fileio import atomic_write_text
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -41,25 +42,16 @@ class CompileError(RuntimeError):
 
 def cache_dir() -> Path:
     """Folder of the cached shared objects (created on first use)."""
-    override = os.environ.get("GDNGEN_METAL_SIM_CACHE")
-    if override:
-        path = Path(override)
-    else:
-        import platformdirs
-
-        path = Path(platformdirs.user_cache_dir("gdngen")) / "metal_sim"
+    override = os.environ.get(settings.ENV_METAL_SIM_CACHE)
+    path = Path(override) if override else settings.cache_root() / "metal_sim"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def compiler() -> str:
-    """Path of the C++ compiler (``CXX`` or g++); RuntimeError when there is none."""
-    cxx = os.environ.get("CXX", "g++")
-    path = shutil.which(cxx)
-    if path is None:
-        raise RuntimeError(f"the Metal simulator needs a C++20 compiler; {cxx!r} was not found "
-                           "(install g++ or set CXX)")
-    return path
+def compiler() -> tuple[str, ...]:
+    """The C++ compiler command (`gdngen.settings.compiler`: ``$CXX``, else g++, else c++);
+    RuntimeError when there is none."""
+    return tuple(settings.compiler("the Metal simulator"))
 
 
 @functools.cache
@@ -92,9 +84,9 @@ def kernel_flags() -> list[str]:
 
 
 @functools.cache
-def _compiler_version(cxx: str) -> str:
-    proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
-    return proc.stdout.splitlines()[0] if proc.stdout else cxx
+def _compiler_version(cxx: tuple[str, ...]) -> str:
+    proc = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=False)
+    return proc.stdout.splitlines()[0] if proc.stdout else " ".join(cxx)
 
 
 def _digest(*parts: str | bytes) -> str:
@@ -120,7 +112,7 @@ def _build(out: Path, source_name: str, source: str, flags: list[str], what: str
         src = Path(tmp) / source_name
         src.write_text(source)
         obj = Path(tmp) / out.name
-        _run_compiler([compiler(), *flags, str(src), "-o", str(obj), *extra], what)
+        _run_compiler([*compiler(), *flags, str(src), "-o", str(obj), *extra], what)
         os.replace(obj, out)
     return out
 
@@ -143,7 +135,7 @@ def include_dir() -> Path:
             (Path(tmp) / "runtime.h").write_text(header)
             (Path(tmp) / "metal_shim.h").write_text(shim)
             gch = Path(tmp) / "metal_shim.h.gch"
-            proc = subprocess.run([cxx, *kernel_flags(), "-I", tmp, "-x", "c++-header",
+            proc = subprocess.run([*cxx, *kernel_flags(), "-I", tmp, "-x", "c++-header",
                                    str(Path(tmp) / "metal_shim.h"), "-o", str(gch)],
                                   capture_output=True, text=True, check=False)
             if proc.returncode == 0:  # without it g++ parses the header every time

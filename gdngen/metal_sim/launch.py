@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gdngen import settings
 from gdngen.metal_sim import compiler
 
 #: Thread orders within a threadgroup: round robin, LIFO, random, and the lowest / highest
@@ -97,7 +98,7 @@ class KernelLibrary:
 
 def default_workers() -> int:
     """OS threads running threadgroups in parallel (``GDNGEN_METAL_SIM_WORKERS`` overrides)."""
-    env = os.environ.get("GDNGEN_METAL_SIM_WORKERS")
+    env = os.environ.get(settings.ENV_METAL_SIM_WORKERS)
     if env:
         return max(1, int(env))
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

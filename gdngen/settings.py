@@ -1,0 +1,75 @@
+"""Every setting gdngen reads from the environment, and the cache root they point into.
+
+=========================  ==================================================================
+variable                   meaning
+=========================  ==================================================================
+``GDNGEN_CACHE_DIR``       root of everything gdngen caches (tuned files, studies, validation
+                           memo, compiled ffi_cpu libraries, Metal simulator objects); default
+                           platformdirs' user cache dir for "gdngen"
+``GDNGEN_METAL_SIM_CACHE`` the Metal simulator's objects (default ``<cache root>/metal_sim``)
+``GDNGEN_METAL_SIM_WORKERS`` threads running simulated threadgroups (default: the usable cores)
+``GDNGEN_TEMPLATES``       a template override folder (shadows shipped templates by path)
+``GDNGEN_NO_TUNED``        1: skip the tuned cache (untuned defaults only)
+``GDNGEN_PLUGINS``         modules imported by the tuner and its trial processes (out-of-tree
+                           backends register themselves there)
+``GDNGEN_INTERPRET``       1: generated GPU kernels run in interpret mode (``tune --dry-run``)
+``GDNGEN_POISON_OUTPUTS``  1: NaN-fill ffi_cpu outputs before the kernels write them (tests)
+``GDNGEN_TUNER_PID``       set by the tuner for its trial processes (internal)
+``CXX``                    the C++ compiler command (split like shell words, e.g. "ccache g++");
+                           default g++, else c++ (ffi_cpu and the Metal simulator alike)
+=========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+ENV_CACHE_DIR = "GDNGEN_CACHE_DIR"
+ENV_METAL_SIM_CACHE = "GDNGEN_METAL_SIM_CACHE"
+ENV_METAL_SIM_WORKERS = "GDNGEN_METAL_SIM_WORKERS"
+ENV_TEMPLATES = "GDNGEN_TEMPLATES"
+ENV_NO_TUNED = "GDNGEN_NO_TUNED"
+ENV_PLUGINS = "GDNGEN_PLUGINS"
+ENV_INTERPRET = "GDNGEN_INTERPRET"
+ENV_POISON_OUTPUTS = "GDNGEN_POISON_OUTPUTS"
+ENV_TUNER_PID = "GDNGEN_TUNER_PID"
+ENV_COMPILER = "CXX"
+
+
+def flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than "" or "0"."""
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def cache_root() -> Path:
+    """gdngen's user cache folder: ``$GDNGEN_CACHE_DIR`` or platformdirs' user cache dir."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("gdngen", appauthor=False))
+
+
+def templates_override() -> str | None:
+    """The template override folder named by ``$GDNGEN_TEMPLATES``, if any."""
+    return os.environ.get(ENV_TEMPLATES) or None
+
+
+def plugins() -> list[str]:
+    """Module names listed in ``$GDNGEN_PLUGINS`` (comma-separated)."""
+    return [n.strip() for n in os.environ.get(ENV_PLUGINS, "").split(",") if n.strip()]
+
+
+def compiler(purpose: str) -> list[str]:
+    """The C++ compiler command: ``$CXX`` split like shell words (e.g. "ccache g++"), else g++,
+    else c++; RuntimeError naming ``purpose`` when there is none."""
+    command = shlex.split(os.environ.get(ENV_COMPILER, "")) or [
+        shutil.which("g++") or shutil.which("c++") or ""]
+    if not command[0] or not shutil.which(command[0]):
+        raise RuntimeError(f"{purpose} needs a C++ compiler: set ${ENV_COMPILER} or install g++ "
+                           f"(got {' '.join(command) or 'none'})")
+    return command
