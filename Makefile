@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test bench tune lint clean
+.PHONY: install test test-all bench tune lint clean
 
 install: $(STAMP)
 
@@ -14,7 +14,12 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m pip install -e '.[jax,mlx,dev]'
 	touch $@
 
+# `make test`: every backend x feature with at least one real case; `make test-all` adds the
+# long sweeps marked slow (whole batteries in interpret mode / the Metal simulator).
 test: install
+	$(BIN)/python -m pytest -q -rs -m "not slow"
+
+test-all: install
 	$(BIN)/python -m pytest -q -rs
 
 bench: install

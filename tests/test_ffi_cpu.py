@@ -14,7 +14,6 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
-from generated_kernels import check_entry_point_under_jit, small_call_inputs
 
 from gdngen import settings, validate
 from gdngen.backends import ffi_cpu
@@ -79,13 +78,6 @@ def test_render_bakes_the_specialisation_in():
 # ----------------------------------------------------------------------------- numerics
 
 
-def test_default_variant_passes_the_battery():
-    variant = default_variant("ffi_cpu", Problem(4, 8, 128, 128))
-    results = validate.run_battery(None, variant=variant)
-    assert len(results) == 13  # every scalar-gate case of the battery
-    _check(results)
-
-
 @pytest.mark.parametrize("chunk_size, row_block", [(32, 4), (128, 6), (64, 4)])
 def test_other_variants_pass_the_hard_cases(chunk_size, row_block):
     results = validate.run_battery(
@@ -122,30 +114,6 @@ def test_key_head_groups_split_over_many_workers(monkeypatch):
         _check(validate.run_battery(None, variant=_variant(32, 6), cases=["gva3", "ragged"]))
     finally:
         ffi_cpu._core.cache_clear()
-
-
-def test_entry_point_under_jit_with_mask_and_gradient():
-    check_entry_point_under_jit(_variant(32, 4))
-
-
-def test_vmap_matches_separate_calls():
-    from gdngen.jax import gated_delta
-
-    variant = _variant(32, 6)
-    calls = [small_call_inputs(seed=seed) for seed in (1, 2)]
-    stacked = [jnp.asarray(np.stack(xs), jnp.float32) for xs in zip(*calls)]
-    ys, states = jax.vmap(lambda *a: gated_delta(*a, variant=variant))(*stacked)
-    for i, inputs in enumerate(calls):
-        y, state = gated_delta(*(jnp.asarray(x, jnp.float32) for x in inputs), variant=variant)
-        np.testing.assert_allclose(ys[i], y, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(states[i], state, rtol=1e-6, atol=1e-6)
-
-
-def test_entry_point_rejects_vector_gates():
-    q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in small_call_inputs())
-    with pytest.raises(ValueError, match=r"g has shape \(1, 20, 2, 16\), expected \(1, 20, 2\)"):
-        ffi_cpu.gated_delta(q, k, v, jnp.repeat(g[..., None], 16, -1), beta, s0,
-                            variant=_variant())
 
 
 def test_kernel_rejects_shapes_it_was_not_rendered_for():

@@ -25,7 +25,7 @@ from gdngen import (
     variants,
 )
 from gdngen.backends import metal
-from gdngen.cases import BATTERY, get_case
+from gdngen.cases import get_case
 from gdngen.tolerance import allowed_error
 
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
@@ -120,14 +120,6 @@ def test_space_render_and_plan_import_without_mlx():
 
 
 # ------------------------------------------------------------------------ battery in the simulator
-
-
-def test_default_variant_passes_the_battery():
-    v = default_variant("metal", PROBLEM)
-    results = validate.run_battery(None, variant=v)
-    assert {r.case for r in results} == {c.name for c in BATTERY if not c.vector_gate}
-    _check(results, v)
-    assert all(r.passed for r in results)
 
 
 @pytest.mark.parametrize("params", SAMPLED, ids=lambda p: Variant("metal", p).name())

@@ -24,11 +24,10 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from generated_kernels import check_entry_point_under_jit, small_call_inputs
 
 from gdngen import Problem, Variant, default_variant, render, validate
 from gdngen.backends import pallas_gpu
-from gdngen.cases import BATTERY, Case
+from gdngen.cases import Case
 from gdngen.registry import variants
 from gdngen.tolerance import allowed_error
 
@@ -176,14 +175,6 @@ def test_kernels_lower_through_triton(changes, problem):
 # ----------------------------------------------------------------------------- battery
 
 
-def test_default_variant_passes_the_battery():
-    """Every scalar-gate case at float32 (vector gates are left out for this backend)."""
-    variant = default_variant("pallas_gpu", PROBLEM)
-    results = validate.run_battery(None, variant=variant, dtype="float32")
-    assert [r.case for r in results] == [c.name for c in BATTERY if not c.vector_gate]
-    _check(results, variant, "float32")
-
-
 #: one small case combining what separates the variants: keys equal within 16-step blocks
 #: (near-singular T in every chunk size; the worst case of every policy), a partial last chunk,
 #: two value heads per key head and an initial state.
@@ -246,19 +237,6 @@ def test_padded_head_dims_and_several_tiles(save_states):
 
 
 # ----------------------------------------------------------------------------- entry point
-
-
-def test_entry_point_under_jit_with_mask_and_gradient():
-    """``gdngen.jax.gated_delta(variant=...)`` under ``jax.jit``, against the float64 reference."""
-    check_entry_point_under_jit(_variant(chunk_size=16, bk=16, bv=16, save_states=False))
-
-
-def test_entry_point_rejects_vector_gates():
-    q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in small_call_inputs())
-    variant = _variant(bk=16, bv=16)
-    with pytest.raises(ValueError, match=r"g has shape \(1, 20, 2, 16\), expected \(1, 20, 2\)"):
-        pallas_gpu.gated_delta(q, k, v, jnp.repeat(g[..., None], 16, -1), beta, s0,
-                               variant=variant)
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpret mode is only used without a GPU")
