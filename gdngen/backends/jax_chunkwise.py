@@ -16,6 +16,10 @@ import numpy as np
 
 from gdngen import chunkwise
 
+#: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
+FLOAT32 = jnp.float32
+zeros = jnp.zeros
+
 
 class XP(chunkwise.ArrayNamespace):
     """The array namespace `gdngen.chunkwise` expects, over jax.numpy (float32)."""

@@ -13,6 +13,10 @@ import numpy as np
 
 from gdngen import chunkwise
 
+#: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
+FLOAT32 = mx.float32
+zeros = mx.zeros
+
 
 class XP(chunkwise.ArrayNamespace):
     """The array namespace `gdngen.chunkwise` expects, over mlx.core (float32)."""

@@ -176,14 +176,21 @@ def variant_space(problem: Problem, device) -> list[Config]:
 
 
 def default_config(problem: Problem, device) -> Config:
-    """Chunk 64 (32 when that does not fit ``device``), ieee, 64-wide tiles, 4 warps, 2 stages,
-    saving states."""
-    config = Config(min(64, tiles(problem.Dk)[-1]), min(64, tiles(problem.Dv)[-1]), 64, 2, 4,
-                    "ieee", True)
-    if shared_memory_bytes(Variant(BACKEND, config.params()), problem) \
-            > device.limits["shared_memory"]:
-        config = config.replace(chunk_size=32)
-    return config
+    """Chunk 64, ieee, 64-wide tiles, 4 warps, 2 stages, saving states; where that does not fit
+    ``device``'s shared memory, the ieee variant that fits and is closest to it (saving states,
+    chunk nearest 64, 4 warps and 2 stages, then the widest tiles)."""
+    ideal = Config(min(64, tiles(problem.Dk)[-1]), min(64, tiles(problem.Dv)[-1]), 64, 2, 4,
+                   "ieee", True)
+    budget = device.limits["shared_memory"]
+    if shared_memory_bytes(Variant(BACKEND, ideal.params()), problem) <= budget:
+        return ideal
+    fits = [c for c in variant_space(problem, device) if c.precision == "ieee"]
+    if not fits:
+        raise ValueError(f"no {BACKEND} variant of {problem.key()} fits the {budget // 1024} KiB "
+                         f"of shared memory of {device.name}")
+    return min(fits, key=lambda c: (not c.save_states, abs(c.chunk_size - 64),
+                                    (c.num_warps, c.num_stages) != (4, 2), -min(c.bk, 64),
+                                    -min(c.bv, 64)))
 
 
 def numerics_key(variant: Variant, problem: Problem) -> tuple:

@@ -171,8 +171,19 @@ def variant_space(problem: Problem, device) -> list[Config]:
 
 
 def default_config(problem: Problem, device) -> Config:
-    """Chunk 64, ieee, the whole group per program and the whole Dv per step, saving states."""
-    return Config(64, problem.Dv, problem.group, "ieee", True)
+    """Chunk 64, ieee, the whole group per program and the whole Dv per step, saving states;
+    where that does not fit ``device``'s VMEM budget, the ieee variant that fits and is closest
+    to it (saving states, chunk nearest 64, then the widest head and Dv tiles)."""
+    ideal = Config(64, problem.Dv, problem.group, "ieee", True)
+    if vmem_bytes(Variant(BACKEND, ideal.params()), problem) <= device.limits["vmem_budget"]:
+        return ideal
+    fits = [c for c in variant_space(problem, device) if c.precision == "ieee"]
+    if not fits:
+        raise ValueError(f"no {BACKEND} variant of {problem.key()} fits the "
+                         f"{device.limits['vmem_budget'] // MiB} MiB VMEM budget of "
+                         f"{device.name}")
+    return min(fits, key=lambda c: (not c.save_states, abs(c.chunk_size - 64), -c.head_tile,
+                                    -c.dv_tile))
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -7,10 +7,13 @@ tolerance is the generic one per precision policy (`TOLERANCES`).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import itertools
 from dataclasses import dataclass
 
 from gdngen.config import VariantConfig
+from gdngen.spec import BackendSpec
 
 CHUNK_SIZES = (16, 32, 64, 128)
 SOLVE_BLOCKS = (4, 8, 16, 32)
@@ -38,30 +41,46 @@ class PortableConfig(VariantConfig):
             self._fail("solve_block", f"<= chunk_size={self.chunk_size}")
 
 
-def space(config_cls):
-    """``space(problem, device)`` of a portable backend: chunk x solve block x save."""
-    def portable_space(problem, device=None):
+def declare(name: str, framework: str, ops: str, device_kinds: tuple):
+    """``(Config, gated_delta, SPEC)`` of the portable backend ``name`` whose framework code is
+    the module ``ops`` (imported when a call runs, so the declaration imports no framework)."""
+    config_cls = dataclasses.make_dataclass("Config", [], bases=(PortableConfig,), frozen=True,
+                                            namespace={"backend": name})
+    config_cls.__module__ = f"gdngen.backends.{name}"
+
+    def space(problem, device=None):
         return [config_cls(c, b, s) for c, b, s in
                 itertools.product(CHUNK_SIZES, SOLVE_BLOCKS, (True, False)) if b <= c]
-    return portable_space
 
-
-def default(config_cls):
-    def portable_default(problem, device=None):
+    def default(problem, device=None):
         return config_cls()
-    return portable_default
+
+    def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+              variant):
+        module = importlib.import_module(ops)
+        return gated_delta(module, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+                           gate=gate, config=spec.parse(variant))
+
+    entry.__doc__ = f"Run a {name} ``variant`` (shapes as `gdngen.{framework}.gated_delta`)."
+    spec = BackendSpec(
+        name=name, framework=framework, config=config_cls, space=space, default=default,
+        entry=entry, tolerances=TOLERANCES, device_kinds=device_kinds, portable=True,
+        gates=("scalar", "vector"), source_modules=("gdngen.chunkwise", __name__, ops))
+    return config_cls, entry, spec
 
 
-def gated_delta(ops, f32, zeros, q, k, v, g, beta, initial_state, *, mask, scale, gate, config):
+def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, config):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
-    ``chunkwise_gated_delta`` and ``sequential_gated_delta``): float32 inputs, zero initial
-    state when None, vector gates sequential. Returns ``(y in q's dtype, final_state)``."""
+    ``FLOAT32``, ``zeros``, ``chunkwise_gated_delta`` and ``sequential_gated_delta``): float32
+    inputs, zero initial state when None, vector gates sequential. Returns ``(y in q's dtype,
+    final_state)``."""
     from gdngen.problem import check_call
 
+    f32 = ops.FLOAT32
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=config.chunk_size, scale=scale)
     if initial_state is None:
-        initial_state = zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+        initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
             initial_state.astype(f32), mask)
     if shape.vector_gate:
