@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
 
     import jax.numpy as jnp
@@ -138,6 +139,10 @@ def main(argv=None) -> int:
                          "min_ms": min(t.times_s) * 1e3, "max_ms": max(t.times_s) * 1e3,
                          "ratio_to_default": t.median_s / base,
                          "variant": str(chosen.variant) if name == "gdngen default" else ""})
+    if args.out:
+        from gdngen.fileio import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(rows, indent=2) + "\n")
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
         f"fwd+bwd, B={args.batch} Hk={hk} Hv={hv} D={args.dim} float32 (median of "
         f"{args.repeats}, interleaved; ratio = time / gdngen default time)",
         ("T", "callable", "median ms", "min ms", "max ms", "x default", "variant"),
-        [(r["T"], r["callable"], f"{r['median_ms']:.1f}", f"{r['min_ms']:.1f}",
+        [(str(r["T"]), r["callable"], f"{r['median_ms']:.1f}", f"{r['min_ms']:.1f}",
           f"{r['max_ms']:.1f}", f"{r['ratio_to_default']:.2f}", r["variant"]) for r in rows]))
     return 0
 

@@ -32,7 +32,10 @@ def _poisoned_outputs(monkeypatch):
 
 
 def _variant(chunk_size=64, row_block=6):
-    return Variant("ffi_cpu", {"chunk_size": chunk_size, "row_block": row_block})
+    """A variant at this host's vector width (`ffi_cpu.host_vector_floats`) and its panel."""
+    width = ffi_cpu.host_vector_floats()
+    return Variant("ffi_cpu", {"chunk_size": chunk_size, "row_block": row_block,
+                               "panel": 64 if width == 16 else 16, "vector_floats": width})
 
 
 def _check(results, dtype="float32"):
@@ -47,8 +50,11 @@ def _check(results, dtype="float32"):
 
 def test_variant_space_and_default():
     problem = Problem(4, 8, 128, 128)
-    names = {v.name() for v in variants("ffi_cpu", problem)}
-    assert len(names) == len(ffi_cpu.CHUNK_SIZES) * len(ffi_cpu.ROW_BLOCKS) == 6
+    space = variants("ffi_cpu", problem)
+    width = ffi_cpu.host_vector_floats()
+    assert len({v.name() for v in space}) == len(space) == \
+        len(ffi_cpu.CHUNK_SIZES) * len(ffi_cpu.ROW_BLOCKS) * len(ffi_cpu.PANELS)
+    assert {v["vector_floats"] for v in space} == {width}
     assert default_variant("ffi_cpu", problem) == _variant(64, 6)
     with pytest.raises(ValueError, match="Problem.gate must be one of .'scalar',. for"):
         variants("ffi_cpu", Problem(4, 8, 128, 128, gate="vector"))
@@ -57,22 +63,34 @@ def test_variant_space_and_default():
 @pytest.mark.parametrize("changes, match", [
     ({"chunk_size": 48}, "chunk_size must be one of"),
     ({"row_block": 5}, "row_block must be one of"),
+    ({"panel": 8}, "panel must be one of"),
+    ({"panel": 16, "vector_floats": 16, "chunk_size": 64}, None),
+    ({"panel": 48}, "panel must be one of"),
+    ({"vector_floats": 4}, "vector_floats must be one of"),
     ({"threads": 2}, "params must be"),
 ])
 def test_kernel_params_reject_bad_variants(changes, match):
     params = dict(_variant().as_dict(), **changes)
+    if match is None:  # a valid combination
+        assert ffi_cpu.kernel_params(Variant("ffi_cpu", params), Problem(1, 2, 16, 16))
+        return
     with pytest.raises(ValueError, match=match):
         ffi_cpu.kernel_params(Variant("ffi_cpu", params), Problem(1, 2, 16, 16))
 
 
+def test_host_vector_width_is_read_from_the_cpu():
+    assert ffi_cpu.host_vector_bits() in (128, 256, 512)
+    assert ffi_cpu.host_vector_floats() == (16 if ffi_cpu.host_vector_bits() == 512 else 8)
+
+
 def test_render_bakes_the_specialisation_in():
     source = render(_variant(32, 4), Problem(1, 3, 24, 40)).sources["gated_delta.cc"]
+    width = ffi_cpu.host_vector_floats()
     for line in ("constexpr int C = 32;", "constexpr int DK = 32;", "constexpr int DV = 48;",
-                 "constexpr int MR = 4;"):
+                 "constexpr int MR = 4;", f"constexpr int VW = {width};"):
         assert line in source
-    shas = {render(v, Problem(2, 4, 128, 128)).sha256
-            for v in variants("ffi_cpu", Problem(2, 4, 128, 128))}
-    assert len(shas) == 6
+    space = variants("ffi_cpu", Problem(2, 4, 128, 128))
+    assert len({render(v, Problem(2, 4, 128, 128)).sha256 for v in space}) == len(space)
 
 
 # ----------------------------------------------------------------------------- numerics

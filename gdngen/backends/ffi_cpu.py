@@ -46,6 +46,12 @@ from gdngen.variant import Problem, Variant
 BACKEND = "ffi_cpu"
 CHUNK_SIZES = (32, 64, 128)
 ROW_BLOCKS = (4, 6)
+#: columns per register panel of the matmul kernel (row_block x panel float32 accumulators):
+#: 64 fills AVX-512's 32 vector registers, 16 AVX2's 16 (a wider panel spills there).
+PANELS = (16, 32, 64)
+#: floats per vector of the matmul and dot kernels: 16 for AVX-512 registers, 8 for AVX2 (a
+#: 16-float vector on an AVX2 host is split in two by the compiler, and spills).
+VECTOR_FLOATS = (8, 16)
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 TEMPLATE = "ffi_cpu/gated_delta.cc.j2"
 SOURCE_NAME = "gated_delta.cc"
@@ -71,15 +77,32 @@ def padded(dim: int) -> int:
 
 @dataclass(frozen=True)
 class Config(VariantConfig):
-    """``chunk_size``: steps per chunk; ``row_block``: output rows per register block."""
+    """``chunk_size``: steps per chunk; ``row_block`` / ``panel``: output rows / columns per
+    register block of the matmul kernel; ``vector_floats``: floats per vector register."""
 
     backend = BACKEND
     chunk_size: int = 64
+    panel: int = 64
     row_block: int = 6
+    vector_floats: int = 16
 
     def check(self) -> None:
         self.check_choice("chunk_size", CHUNK_SIZES)
+        self.check_choice("panel", PANELS)
         self.check_choice("row_block", ROW_BLOCKS)
+        self.check_choice("vector_floats", VECTOR_FLOATS)  # every panel holds whole vectors
+
+
+@functools.cache
+def host_vector_bits() -> int:
+    """Widest float vector registers of this host: 512 with AVX-512F, 256 with AVX/AVX2, else
+    128 (read from /proc/cpuinfo; 128 where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return 128
+    return 512 if "avx512f" in flags else 256 if "avx" in flags else 128
 
 
 def kernel_params(variant: Variant, problem: Problem) -> dict:
@@ -92,20 +115,32 @@ def kernel_params(variant: Variant, problem: Problem) -> dict:
 
 
 def variant_space(problem: Problem, device=None) -> list[Config]:
-    """Every chunk size and row block (the kernels have no on-chip limit to prune with)."""
+    """Every chunk size, panel and row block at this host's vector width (`host_vector_floats`;
+    no on-chip limit to prune with)."""
     generated.check_problem(SPEC, problem)
-    return [Config(c, r) for c, r in itertools.product(CHUNK_SIZES, ROW_BLOCKS)]
+    width = host_vector_floats()
+    return [Config(c, p, r, width) for c, p, r in
+            itertools.product(CHUNK_SIZES, PANELS, ROW_BLOCKS)]
 
 
 def default_config(problem: Problem, device=None) -> Config:
-    """Chunk 64, row block 6."""
-    return Config(64, 6)
+    """Chunk 64, row block 6, at this host's vector width, with the panel its registers hold:
+    64 columns of 16-float vectors with AVX-512 (24 of 32 registers), else 16 columns (12 of
+    AVX2's 16 registers)."""
+    width = host_vector_floats()
+    return Config(64, 64 if width == 16 else 16, 6, width)
+
+
+def host_vector_floats() -> int:
+    """The `VECTOR_FLOATS` entry of this host: 16 with AVX-512, else 8."""
+    return 16 if host_vector_bits() >= 512 else 8
 
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
     """``{"gated_delta.cc": (template, context)}`` for `gdngen.render`."""
     p = kernel_params(variant, problem)
-    context = {"chunk": p["chunk_size"], "row_block": p["row_block"], "dk": problem.Dk,
+    context = {"chunk": p["chunk_size"], "row_block": p["row_block"], "panel": p["panel"],
+               "vector_floats": p["vector_floats"], "dk": problem.Dk,
                "dv": problem.Dv, "dk_pad": padded(problem.Dk), "dv_pad": padded(problem.Dv),
                "symbol": SYMBOL}
     return {SOURCE_NAME: (TEMPLATE, context)}
