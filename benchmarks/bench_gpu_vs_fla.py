@@ -227,8 +227,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from gdngen import settings
+
     if args.dry_run:
-        os.environ["GDNGEN_INTERPRET"] = "1"
+        os.environ[settings.ENV_INTERPRET] = "1"
     from gdngen import devices
     from gdngen.backends import pallas_gpu
     from gdngen.fileio import atomic_write_text

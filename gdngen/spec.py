@@ -7,7 +7,7 @@ the backends by name), so the declaration and the lookup never import each other
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gdngen.devices import Device, get_device
 from gdngen.problem import FLOAT_DTYPES
@@ -64,7 +64,6 @@ class BackendSpec:
     device_limit: str | None = None
     footprint: Callable | None = None
     reference_device: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.framework not in ("jax", "mlx"):
