@@ -50,10 +50,6 @@ class VariantConfig:
         """The fields as a plain dict (a `Variant`'s params)."""
         return {n: getattr(self, n) for n in self.field_names()}
 
-    def replace(self, **changes) -> VariantConfig:
-        """A copy with ``changes`` applied (validated)."""
-        return dataclasses.replace(self, **changes)
-
     # --------------------------------------------------------------------- field checks
 
     def _fail(self, name: str, expected: str) -> None:
