@@ -8,7 +8,8 @@ the state walked with ``lax.scan`` and the backward left to JAX's autodiff. It i
 against the float64 reference before it is timed.
 
 All callables are timed in one process on the same inputs, interleaved round-robin
-(`gdngen.timing.time_fwd_bwd`), median of ``--repeats``; the table gives each one's ratio to
+(`gdngen.timing.time_fwd_bwd`; ``--settle``: each timed run preceded by an untimed one of the
+same callable), median of ``--repeats``; the table gives each one's ratio to
 the plain call from the same run. Run from the repo root::
 
     python benchmarks/bench_default.py [--seq-lens 2048,4096] [--scan-max-t 2048] [--json]
@@ -104,6 +105,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the rows as JSON to this file")
+    p.add_argument("--settle", action="store_true",
+                   help="an untimed call of each callable before each of its timed runs "
+                        "(`gdngen.timing.time_fwd_bwd`)")
     args = p.parse_args(argv)
 
     import jax.numpy as jnp
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
         if T <= args.scan_max_t:
             fns["lax.scan"] = timing.sequential_fn("jax")
         res = timing.time_fwd_bwd("jax", fns, problem, batch=args.batch, seq_len=T,
-                                  repeats=args.repeats)
+                                  repeats=args.repeats, settle=args.settle)
         base = res["gdngen default"].median_s
         for name, t in res.items():
             rows.append({"T": T, "callable": name, "median_ms": t.median_s * 1e3,

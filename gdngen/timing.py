@@ -142,9 +142,14 @@ def _mlx_grad_fns(fns, problem, inputs):
 
 def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq_len: int,
                  precision: str = "ieee", repeats: int = 3, warmup: int = 1,
-                 seed: int = 0) -> dict[str, Timing]:
+                 seed: int = 0, settle: bool = False) -> dict[str, Timing]:
     """Time forward+backward of each ``fns[name]`` (signature of `variant_fn`'s result) on the
-    same inputs of ``problem`` at ``[batch, seq_len]``; returns ``{name: Timing}``."""
+    same inputs of ``problem`` at ``[batch, seq_len]``; returns ``{name: Timing}``.
+
+    ``settle``: run each callable once, untimed, right before each of its timed runs, so it does
+    not pay for what the callable before it left behind (a sequential baseline's gigabytes of
+    buffers are released after it returns: measured here, the call after a 3 GB ``lax.scan``
+    ran 3.5x slower than the one after that)."""
     if repeats < 1 or warmup < 1:
         raise ValueError(f"repeats and warmup must be >= 1, got {repeats}, {warmup}")
     if not fns:
@@ -165,6 +170,8 @@ def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq
         names = list(calls)
         for r in range(repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
+                if settle:
+                    sync(calls[name]())
                 t0 = time.perf_counter()
                 sync(calls[name]())
                 timings[name].times_s.append(time.perf_counter() - t0)

@@ -137,3 +137,24 @@ def test_config_validation():
         bench.BenchConfig(dtype="float64")
     with pytest.raises(ValueError, match="seq_lens"):
         bench.BenchConfig(seq_lens=())
+
+
+@pytest.mark.parametrize("settle", [False, True])
+def test_time_fwd_bwd_interleaves_and_settles(settle, monkeypatch):
+    """Each callable: one compile run, then ``repeats`` timed runs in rotating order; with
+    ``settle`` an untimed run of the same callable right before each timed one."""
+    from gdngen import timing
+    from gdngen.variant import Problem
+
+    runs = []
+
+    def fake_grad_fns(fns, problem, inputs):
+        return {name: (lambda name=name: runs.append(name)) for name in fns}, lambda x: x
+
+    monkeypatch.setattr(timing, "_jax_grad_fns", fake_grad_fns)
+    res = timing.time_fwd_bwd("jax", {"a": None, "b": None}, Problem(1, 2, 16, 16), batch=1,
+                              seq_len=8, repeats=3, settle=settle)
+    assert all(len(t.times_s) == 3 for t in res.values())
+    timed = [["a", "b"], ["b", "a"], ["a", "b"]]  # the order rotates each repeat
+    expected = ["a", "b"] + [n for rep in timed for n in rep for _ in range(2 if settle else 1)]
+    assert runs == expected
