@@ -78,18 +78,29 @@ class BackendSpec:
 
     # ------------------------------------------------------------------ capability
 
+    def unsupported(self, problem: Problem) -> str | None:
+        """Why this backend does not implement ``problem`` (gate kind, dtype, its shape rules),
+        or None."""
+        if problem.gate not in self.gates:
+            return (f"Problem.gate must be one of {self.gates} for the {self.name} backend "
+                    f"(vector gates run on the portable backend), got {problem.gate!r}")
+        if problem.dtype not in self.dtypes:
+            return (f"Problem.dtype must be one of {self.dtypes} for the {self.name} backend, "
+                    f"got {problem.dtype!r}")
+        why = self.supports(problem) if self.supports is not None else None
+        return f"the {self.name} backend cannot run {problem.key()}: {why}" if why else None
+
+    def check(self, problem: Problem) -> None:
+        """ValueError saying why, unless this backend implements ``problem``."""
+        why = self.unsupported(problem)
+        if why:
+            raise ValueError(why)
+
     def capability(self, problem: Problem) -> tuple[bool, str]:
         """``(ok, reason)``: whether this backend implements ``problem`` and runs here."""
-        if problem.gate not in self.gates:
-            return False, (f"{self.name} implements {'/'.join(self.gates)} gates, not "
-                           f"{problem.gate}")
-        if problem.dtype not in self.dtypes:
-            return False, (f"{self.name} takes {'/'.join(self.dtypes)} inputs, not "
-                           f"{problem.dtype}")
-        if self.supports is not None:
-            why = self.supports(problem)
-            if why:
-                return False, why
+        why = self.unsupported(problem)
+        if why:
+            return False, why
         if not self.available():
             return False, f"{self.name} cannot run on this host"
         return True, "ok"

@@ -110,14 +110,14 @@ def kernel_params(variant: Variant, problem: Problem) -> dict:
     of another backend, unknown or missing parameters, bad values, or a problem the backend
     does not implement."""
     config = SPEC.parse(variant)
-    generated.check_problem(SPEC, problem)
+    SPEC.check(problem)
     return config.params()
 
 
 def variant_space(problem: Problem, device=None) -> list[Config]:
     """Every chunk size, panel and row block at this host's vector width (`host_vector_floats`;
     no on-chip limit to prune with)."""
-    generated.check_problem(SPEC, problem)
+    SPEC.check(problem)
     width = host_vector_floats()
     return [Config(c, p, r, width) for c, p, r in
             itertools.product(CHUNK_SIZES, PANELS, ROW_BLOCKS)]

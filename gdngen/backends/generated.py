@@ -14,19 +14,6 @@ from gdngen.problem import check_call, dtype_name
 # ------------------------------------------------------------------------------ checks
 
 
-def check_problem(spec, problem) -> None:
-    """ValueError unless backend ``spec`` implements ``problem`` (gate kind, dtype, shape)."""
-    if problem.gate not in spec.gates:
-        raise ValueError(f"Problem.gate must be one of {spec.gates} for the {spec.name} backend "
-                         f"(vector gates run on the portable backend), got {problem.gate!r}")
-    if problem.dtype not in spec.dtypes:
-        raise ValueError(f"Problem.dtype must be one of {spec.dtypes} for the {spec.name} "
-                         f"backend, got {problem.dtype!r}")
-    why = spec.supports(problem) if spec.supports is not None else None
-    if why:
-        raise ValueError(f"the {spec.name} backend cannot run {problem.key()}: {why}")
-
-
 def check_scalar_call(spec, q, k, v, g, beta, initial_state, mask, *, gate, scale):
     """`check_call` for the scalar-gate generated backend ``spec``: ``(CallShape, input dtype
     name)``; ValueError for vector gates or a dtype the backend does not take."""

@@ -70,12 +70,6 @@ def supports(problem: Problem) -> str | None:
     return None
 
 
-def _shape_problem(problem: Problem) -> None:
-    from gdngen.backends.generated import check_problem
-
-    check_problem(SPEC, problem)
-
-
 @dataclass(frozen=True)
 class Config(VariantConfig):
     """Typed metal parameters (see `variant_space`)."""
@@ -150,7 +144,7 @@ def accumulator_floats(params: dict, problem: Problem) -> int:
 def params_valid(params: dict, problem: Problem, limit: int = THREADGROUP_MEMORY) -> str | None:
     """None when ``params`` can run ``problem`` within ``limit`` bytes of threadgroup memory,
     else why not."""
-    _shape_problem(problem)
+    SPEC.check(problem)
     if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
         return f"dv_tile={params['dv_tile']} does not divide Dv={problem.Dv}"
     if params["mma"] == "fma" and params["precision"] != "ieee":
@@ -174,7 +168,7 @@ def variant_space(problem: Problem, device) -> list[Config]:
     backward recomputes them). Variants over the device's threadgroup memory or
     `MAX_ACC_FLOATS` are left out.
     """
-    _shape_problem(problem)
+    SPEC.check(problem)
     limit = device.limits["threadgroup_memory"]
     space = []
     for C, precision, mma, sg, dvt, save in itertools.product(

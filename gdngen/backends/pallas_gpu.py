@@ -126,7 +126,7 @@ def kernel_params(variant: Variant, problem: Problem) -> dict:
     a problem the backend does not implement.
     """
     config = SPEC.parse(variant)
-    generated.check_problem(SPEC, problem)
+    SPEC.check(problem)
     return {
         "chunk_size": config.chunk_size,
         "bk": _resolve_tile(config.bk, problem.Dk),
@@ -163,7 +163,7 @@ def shared_memory_bytes(variant: Variant, problem: Problem) -> int:
 def variant_space(problem: Problem, device) -> list[Config]:
     """Every variant whose `shared_memory_bytes` fits ``device``'s ``shared_memory``
     (gdngen.devices)."""
-    generated.check_problem(SPEC, problem)
+    SPEC.check(problem)
     budget = device.limits["shared_memory"]
     space = []
     for chunk, precision, bk, bv, warps, stages, save in itertools.product(

@@ -102,7 +102,7 @@ def kernel_params(variant: Variant, problem: Problem) -> dict:
     a problem the backend does not implement.
     """
     config = SPEC.parse(variant)
-    generated.check_problem(SPEC, problem)
+    SPEC.check(problem)
     return {
         "chunk_size": config.chunk_size,
         "head_tile": max(d for d in _divisors(problem.group) if d <= config.head_tile),
@@ -158,7 +158,7 @@ def _vmem_limit(estimate: int) -> int:
 
 def variant_space(problem: Problem, device) -> list[Config]:
     """Every variant whose `vmem_bytes` fits ``device``'s ``vmem_budget`` (gdngen.devices)."""
-    generated.check_problem(SPEC, problem)
+    SPEC.check(problem)
     budget = device.limits["vmem_budget"]
     space = []
     for chunk, precision, head_tile, dv_tile, save in itertools.product(
