@@ -291,8 +291,16 @@ def _pair(value, option):
               help="Timed runs per trial after a warm-up (median).")
 @click.option("--cases", default=None, metavar="NAME[,NAME...]|all",
               help="Battery cases each trial validates on (default: ragged,identical_keys).")
-@click.option("--storage", default=None, help="Optuna storage URL (sqlite:///tune.db) or "
-              "journal file; default: a journal in the user cache dir.")
+@click.option("--storage", default=None, help="Optuna storage URL (sqlite:///tune.db, "
+              "postgresql://user@host:5432/db with gdngen[postgres]) or journal file, shared "
+              "by every tuner of a study; default: a journal in the user cache dir.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Local tuner processes sharing the storage (one progress bar).")
+@click.option("--heartbeat", type=click.IntRange(min=1), default=10, show_default=True,
+              metavar="SECONDS", help="A trial in flight says it is alive this often.")
+@click.option("--heartbeat-grace", type=click.IntRange(min=2), default=60, show_default=True,
+              metavar="SECONDS", help="A trial silent this long (its tuner killed, on any "
+              "host) is failed and its variant re-queued.")
 @click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
               help="Folder of the tuned <device>.json to write (default: the user cache dir).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -300,8 +308,8 @@ def _pair(value, option):
               "(interpret mode / simulator), without timing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
 def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framework, backends,
-         trials, timeout, trial_timeout, repeats, cases, storage, cache_dir, seed, dry_run,
-         as_json):
+         trials, timeout, trial_timeout, repeats, cases, storage, workers, heartbeat,
+         heartbeat_grace, cache_dir, seed, dry_run, as_json):
     """Autotune variants for a device: validate each on the battery, time fwd+bwd, cache the
     best."""
     from gdngen import devices, presets
@@ -329,8 +337,17 @@ def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framewo
         case_names = (tuple(c.name for c in BATTERY) if cases == "all" else
                       tuple(c.strip() for c in cases.split(",")) if cases else
                       tune_mod.DEFAULT_CASES)
+        if heartbeat_grace <= heartbeat:
+            raise click.BadParameter(f"{heartbeat_grace} is not above --heartbeat "
+                                     f"({heartbeat})", param_hint="--heartbeat-grace")
+        if workers > 1 and dry_run:
+            raise click.BadParameter("--dry-run validates without a study; it takes no "
+                                     "workers", param_hint="--workers")
         settings = tune_mod.Settings(trials=trials, timeout=timeout, trial_timeout=trial_timeout,
-                                     repeats=repeats, cases=case_names, seed=seed)
+                                     repeats=repeats, cases=case_names, seed=seed,
+                                     heartbeat=tune_mod.Heartbeat(heartbeat, heartbeat_grace))
+        if tune_mod.is_url(storage):
+            tune_mod.check_storage_url(storage)
         targets = tune_mod.targets(device, frameworks, problems, precision=precision,
                                    seq_lens=seq, batch=batch, backends=backends)
     except (ValueError, KeyError) as e:
@@ -342,10 +359,15 @@ def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framewo
     targets = [t for t, why in skipped if not why]
     if not targets:
         raise click.UsageError(f"nothing to tune on {device} for frameworks {frameworks}")
-    _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json)
+    if not dry_run and workers == 1:
+        try:  # fail fast, before any target starts
+            storage = tune_mod.open_storage(storage, device, settings.heartbeat)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+    _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json, workers)
 
 
-def _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json):
+def _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json, workers=1):
     from rich import progress as rp
     from rich.console import Console
 
@@ -353,7 +375,10 @@ def _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json)
                rp.TimeElapsedColumn(), rp.TextColumn("{task.fields[last]}", markup=False))
     results = []
     with rp.Progress(*columns, console=Console(stderr=True), transient=False) as progress:
-        for target in targets:
+        if workers > 1:
+            results = _run_workers(tune_mod, progress, targets, settings, storage, cache_dir,
+                                   workers)
+        for target in targets if workers == 1 else ():
             total = len(target.space()) if dry_run else min(settings.trials,
                                                              len(target.space()))
             task = progress.add_task(target.label(), total=total, last="")
@@ -379,6 +404,25 @@ def _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json)
         click.echo(json.dumps([s.to_json() for s in results], indent=2))
     else:
         click.echo(tune_mod.format_summaries(results).rstrip("\n"))
+
+
+def _run_workers(tune_mod, progress, targets, settings, storage, cache_dir, workers):
+    """``--workers N``: one bar per target fed by every worker (`gdngen.tune.pool`)."""
+    tasks = [progress.add_task(f"{t.label()} ({workers} workers)",
+                               total=min(settings.trials, len(t.space())), last="")
+             for t in targets]
+
+    def update(i, done, total, name):
+        progress.update(tasks[i], completed=done, total=total, last=name)
+
+    try:
+        results = tune_mod.run_workers(targets, settings, workers, storage=storage,
+                                       cache_dir=cache_dir, on_progress=update)
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
+    for task in tasks:
+        progress.update(task, completed=progress.tasks[task].total)
+    return results
 
 
 @main.command()

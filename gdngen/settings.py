@@ -15,6 +15,8 @@ variable                   meaning
 ``GDNGEN_INTERPRET``       1: generated GPU kernels run in interpret mode (``tune --dry-run``)
 ``GDNGEN_POISON_OUTPUTS``  1: NaN-fill ffi_cpu outputs before the kernels write them (tests)
 ``GDNGEN_TUNER_PID``       set by the tuner for its trial processes (internal)
+``GDNGEN_HOST``            this tuner's host name in shared studies (default the hostname): set
+                           it where hosts (containers) share a hostname but not their pids
 ``CXX``                    the C++ compiler command (split like shell words, e.g. "ccache g++");
                            default g++, else c++ (ffi_cpu and the Metal simulator alike)
 =========================  ==================================================================
@@ -36,6 +38,7 @@ ENV_PLUGINS = "GDNGEN_PLUGINS"
 ENV_INTERPRET = "GDNGEN_INTERPRET"
 ENV_POISON_OUTPUTS = "GDNGEN_POISON_OUTPUTS"
 ENV_TUNER_PID = "GDNGEN_TUNER_PID"
+ENV_HOST = "GDNGEN_HOST"
 ENV_COMPILER = "CXX"
 
 
@@ -52,6 +55,14 @@ def cache_root() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("gdngen", appauthor=False))
+
+
+def host_id() -> str:
+    """This host's name in shared studies: ``$GDNGEN_HOST`` or the hostname. Tuners with one
+    name must see each other's pids (a dead pid of this name is recovered at once)."""
+    import socket
+
+    return os.environ.get(ENV_HOST) or socket.gethostname()
 
 
 def templates_override() -> str | None:

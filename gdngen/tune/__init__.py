@@ -13,7 +13,9 @@ tuned cache. The parts:
 * `gdngen.tune.worker`: the trial subprocess (``python -m gdngen.tune --worker``, speaking
   `gdngen.worker_protocol`), `load_plugins` (``GDNGEN_PLUGINS``);
 * `gdngen.tune.memo`: the validation memo (`memo_get`, `memo_put`, `summarize_validation`);
-* `gdngen.tune.storage`: Optuna storages (`open_storage`) and `recover_interrupted`;
+* `gdngen.tune.storage`: Optuna storages (`open_storage`, `check_storage_url`), trial heartbeats
+  (`Heartbeat`) and `recover_interrupted` (trials of a tuner killed on any host re-queued);
+* `gdngen.tune.pool`: `run_workers`, N local tuner processes on one storage (``--workers``);
 * `gdngen.tune.dryrun`: `dry_run`, validation of every candidate off-device;
 * `gdngen.tune.tables`: `format_summaries`, `format_dry_run`.
 
@@ -27,8 +29,16 @@ from gdngen.settings import ENV_INTERPRET, ENV_PLUGINS
 from gdngen.tune.dryrun import dry_run
 from gdngen.tune.memo import _memo_key as _memo_key
 from gdngen.tune.memo import memo_get, memo_put, summarize_validation
+from gdngen.tune.pool import run_workers
 from gdngen.tune.search import DEFAULT_CASES, Record, Settings, Summary, select_best, tune
-from gdngen.tune.storage import default_storage_path, open_storage, recover_interrupted
+from gdngen.tune.storage import (
+    Heartbeat,
+    check_storage_url,
+    default_storage_path,
+    is_url,
+    open_storage,
+    recover_interrupted,
+)
 from gdngen.tune.tables import format_dry_run, format_summaries
 from gdngen.tune.target import (
     Target,
@@ -45,9 +55,10 @@ from gdngen.tune.worker import _worker as _worker
 from gdngen.tune.worker import _worker_main as _worker_main
 
 __all__ = [
-    "DEFAULT_CASES", "ENV_INTERPRET", "ENV_PLUGINS", "RESULT_TAG", "Record", "Settings",
-    "Summary", "Target", "default_frameworks", "default_storage_path", "dry_run",
-    "format_dry_run", "format_summaries", "load_plugins", "memo_get", "memo_put",
-    "open_storage", "recover_interrupted", "select_best", "skip_reason", "study_name",
-    "summarize_validation", "targets", "tolerance_for", "tune",
+    "DEFAULT_CASES", "ENV_INTERPRET", "ENV_PLUGINS", "RESULT_TAG", "Heartbeat", "Record",
+    "Settings", "Summary", "Target", "check_storage_url", "default_frameworks",
+    "default_storage_path", "dry_run", "format_dry_run", "format_summaries", "is_url",
+    "load_plugins", "memo_get", "memo_put", "open_storage", "recover_interrupted",
+    "run_workers", "select_best", "skip_reason", "study_name", "summarize_validation",
+    "targets", "tolerance_for", "tune",
 ]

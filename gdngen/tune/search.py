@@ -5,7 +5,12 @@ suggests one value per tunable of the backend (categorical over the values its s
 combination outside the space, or one already evaluated or in flight anywhere in the study, is
 recorded as a PRUNED trial and not run again (after a run of such misses a not-yet-tried variant
 is enqueued, so small spaces are covered). The first trial is the backend's default variant.
-Each evaluated trial runs in its own subprocess (`gdngen.tune.worker`).
+Each evaluated trial runs in its own subprocess (`gdngen.tune.worker`) while the tuner beats its
+heartbeat (`gdngen.tune.storage.beating`); trials abandoned by a tuner killed on any host are
+failed and their variants re-queued (`gdngen.tune.storage.recover_interrupted`). A tuner leaves a
+study once the budget is evaluated: while the rest of it is in flight in other tuners it waits
+for those trials to finish (or to go stale and be re-queued), so every tuner of a study ends on
+the whole study and caches its best.
 
 A variant failing validation is COMPLETE with value inf and user attrs ``feasible=False`` and its
 worst error; it never becomes best (only the default variant is still timed, for the speedup).
@@ -20,13 +25,14 @@ import dataclasses
 import math
 import os
 import random
-import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from gdngen import cache
+from gdngen import settings as env_settings
 from gdngen.tune.memo import _memo_key, memo_get, memo_put
-from gdngen.tune.storage import open_storage, recover_interrupted
+from gdngen.tune.storage import Heartbeat, beating, open_storage, recover_interrupted
 from gdngen.tune.target import Target, study_name, tolerance_for
 from gdngen.tune.worker import _run_worker
 from gdngen.variant import Variant
@@ -43,7 +49,8 @@ class Settings:
     together); ``timeout``: wall seconds for this process's search of one study (None: no
     limit); ``trial_timeout``: seconds one trial subprocess may take; ``repeats``: timed runs
     per trial (median); ``confirm_repeats``: interleaved re-timing of best vs default (0: skip);
-    ``min_gain``: fraction by which the best must beat the default there."""
+    ``min_gain``: fraction by which the best must beat the default there; ``heartbeat``: how
+    often a trial in flight says it is alive and how long a silent one is trusted."""
 
     trials: int = 8
     timeout: float | None = None
@@ -53,6 +60,7 @@ class Settings:
     min_gain: float = 0.02
     cases: tuple = DEFAULT_CASES
     seed: int = 0
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
 
     def __post_init__(self):
         if self.trials < 1:
@@ -144,6 +152,7 @@ class Summary:
     trials_failed: int = 0
     trials_infeasible: int = 0
     trials_skipped: int = 0
+    workers: dict = field(default_factory=dict)  # "host:pid" -> trials that tuner evaluated
     entry_path: str | None = None
     notes: list = field(default_factory=list)
 
@@ -166,6 +175,7 @@ class Summary:
                 "trials": {"run": self.trials_run, "failed": self.trials_failed,
                            "infeasible": self.trials_infeasible,
                            "skipped": self.trials_skipped},
+                "workers": dict(self.workers),
                 "cache": self.entry_path, "notes": list(self.notes)}
 
 
@@ -227,31 +237,36 @@ def _create_study(target: Target, settings: Settings, storage):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # Trials carry their validation verdict as a constraint (Trial.set_constraint), which the
     # TPE sampler reads, so infeasible variants inform the search without ever ranking best.
-    sampler = optuna.samplers.TPESampler(seed=settings.seed,
+    # Its seed differs per tuner process: tuners sharing a study would otherwise suggest the
+    # same variants in lockstep (after the startup trials, measured times steer it anyway).
+    seed = random.Random(f"{settings.seed}:{env_settings.host_id()}:{os.getpid()}")
+    sampler = optuna.samplers.TPESampler(seed=seed.randrange(2**31),
                                          n_startup_trials=max(2, min(5, settings.trials // 2)))
     return optuna.create_study(study_name=study_name(target), storage=storage,
                                sampler=sampler, direction="minimize", load_if_exists=True)
 
 
 def tune(target: Target, settings: Settings = Settings(), *, storage=None,
-         cache_dir: str | os.PathLike | None = None, on_trial=None) -> Summary:
+         cache_dir: str | os.PathLike | None = None, on_trial=None,
+         finish: bool = True) -> Summary:
     """Tune one target (see the module docstring); write the chosen variant to the tuned cache
     in ``cache_dir`` (default the user's) and return a `Summary`. ``storage``: an Optuna storage
     object, URL or journal path (default: the device's journal file). ``on_trial(evaluated,
-    total, message)`` is called after each trial of this process."""
+    total, message)`` is called after each trial of this process. ``finish`` False: only search
+    (no confirmation run, no cache write; the summary has the study's counts, no best), for
+    extra local workers of a study another worker of this host finishes."""
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
     if not hasattr(storage, "get_all_studies"):
-        storage = open_storage(storage, target.device)
+        storage = open_storage(storage, target.device, settings.heartbeat)
     study = _create_study(target, settings, storage)
-    recovered = recover_interrupted(study, storage)
+    recovered = recover_interrupted(study, storage, settings.heartbeat)
     space = target.space()
     space_names = {v.name(): v for v in space}
     default = target.default()
     choices = _param_choices(space)
     summary = Summary(target, study.study_name, default)
-    if recovered:
-        summary.notes.append(f"{recovered} interrupted trial(s) marked failed and retried")
 
     evaluated, running = _study_state(study)
     waiting = {_decode(target.backend, t.params).name()
@@ -262,58 +277,82 @@ def tune(target: Target, settings: Settings = Settings(), *, storage=None,
     started, misses = time.monotonic(), 0
     budget = min(settings.trials, len(space))
     while True:
-        recover_interrupted(study, storage)  # a concurrent tuner may have died meanwhile
+        # a concurrent tuner may have died meanwhile
+        recovered += recover_interrupted(study, storage, settings.heartbeat)
         evaluated, running = _study_state(study)
-        if len(evaluated) + len(running) >= budget:
+        if len(evaluated) >= budget:
             break
         if settings.timeout is not None and time.monotonic() - started > settings.timeout:
             summary.notes.append(f"stopped after the {settings.timeout:g} s timeout")
             break
+        if len(evaluated) + len(running) >= budget:
+            time.sleep(min(1.0, settings.heartbeat.interval / 2))  # the rest is in flight
+            continue
         trial = study.ask()
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("pid", os.getpid())
-        params = {name: trial.suggest_categorical(name, values)
-                  for name, values in choices.items()}
-        variant = _decode(target.backend, params)
-        name = variant.name()
-        trial.set_user_attr("variant", name)
-        if name not in space_names:
-            trial.set_user_attr("skipped", "outside the backend's space")
-            study.tell(trial, state=TrialState.PRUNED)
+        try:
+            with beating(storage, trial, settings.heartbeat):
+                outcome = _trial(study, trial, target, settings, choices, space_names, default)
+        except UpdateFinishedTrialError:
+            # silent past the grace (a stalled host): another tuner failed and re-queued it
+            summary.notes.append(f"trial {trial.number} was declared stale meanwhile; its "
+                                 "result was dropped")
+            continue
+        if outcome is None:
             misses += 1
         else:
-            # Claims are made by writing the "variant" attr, then checking for any other live
-            # claim: of two concurrent claims at least the later checker sees the other and
-            # yields, so no variant is ever evaluated twice (rarely both yield; it stays open).
-            claims = [t for t in study.get_trials(deepcopy=False)
-                      if t.number != trial.number and _trial_variant(t) == name
-                      and (t.state == TrialState.RUNNING or t.user_attrs.get("evaluated"))
-                      and t.user_attrs.get("duplicate_of") is None]
-            if claims:
-                trial.set_user_attr("duplicate_of", claims[0].number)
-                study.tell(trial, state=TrialState.PRUNED)
-                misses += 1
-            else:
-                misses = 0
-                _evaluate(study, trial, target, settings, variant, name == default.name())
-                if on_trial is not None:
-                    done = len(_study_state(study)[0])
-                    on_trial(min(done, budget), budget, f"{name}")
+            misses = 0
+            if on_trial is not None:
+                done = len(_study_state(study)[0])
+                on_trial(min(done, budget), budget, outcome)
         if misses >= _MAX_MISSES:
             evaluated, running = _study_state(study)
             fresh = [v for v in space if v.name() not in evaluated | running]
             if fresh:
                 study.enqueue_trial(_encode(rng.choice(fresh), choices))
             misses = 0
-    _finish(study, summary, target, settings, cache_dir)
+    if recovered:
+        summary.notes.append(f"{recovered} interrupted trial(s) marked failed and retried")
+    _finish(study, summary, target, settings, cache_dir, finish)
     return summary
 
 
+def _trial(study, trial, target: Target, settings: Settings, choices, space_names,
+           default: Variant) -> str | None:
+    """Suggest a variant in ``trial``, claim it and evaluate it; the variant's name, or None
+    when the suggestion was pruned (outside the space, or claimed elsewhere)."""
+    from optuna.trial import TrialState
+
+    trial.set_user_attr("host", env_settings.host_id())
+    trial.set_user_attr("pid", os.getpid())
+    params = {name: trial.suggest_categorical(name, values) for name, values in choices.items()}
+    variant = _decode(target.backend, params)
+    name = variant.name()
+    trial.set_user_attr("variant", name)
+    if name not in space_names:
+        trial.set_user_attr("skipped", "outside the backend's space")
+        study.tell(trial, state=TrialState.PRUNED)
+        return None
+    # Claims are made by writing the "variant" attr, then checking for any other live claim:
+    # of two concurrent claims at least the later checker sees the other and yields, so no
+    # variant is ever evaluated twice (rarely both yield; it stays open).
+    claims = [t for t in study.get_trials(deepcopy=False)
+              if t.number != trial.number and _trial_variant(t) == name
+              and (t.state == TrialState.RUNNING or t.user_attrs.get("evaluated"))
+              and t.user_attrs.get("duplicate_of") is None]
+    if claims:
+        trial.set_user_attr("duplicate_of", claims[0].number)
+        study.tell(trial, state=TrialState.PRUNED)
+        return None
+    _evaluate(study, trial, target, settings, variant, name == default.name())
+    return name
+
+
 def _records(study, target: Target):
-    """(records of evaluated trials, counts) from the study."""
+    """(records of evaluated trials, counts, evaluated trials per "host:pid") from the study."""
     from optuna.trial import TrialState
 
     records, failed, infeasible, skipped, run = [], 0, 0, 0, 0
+    workers = Counter()
     space = {v.name(): v for v in target.space()}
     for t in study.get_trials(deepcopy=False):
         if t.state == TrialState.PRUNED:
@@ -322,6 +361,7 @@ def _records(study, target: Target):
         if not t.user_attrs.get("evaluated"):
             continue
         run += 1
+        workers[f"{t.user_attrs.get('host')}:{t.user_attrs.get('pid')}"] += 1
         if t.state == TrialState.FAIL:
             failed += 1
         feasible = bool(t.user_attrs.get("feasible", False))
@@ -331,14 +371,19 @@ def _records(study, target: Target):
         if name in space and t.state == TrialState.COMPLETE:
             records.append(Record(space[name], feasible, t.user_attrs.get("median_s"),
                                   t.user_attrs.get("worst_error"), t.user_attrs.get("sha256")))
-    return records, (run, failed, infeasible, skipped)
+    return records, (run, failed, infeasible, skipped), dict(sorted(workers.items()))
 
 
-def _finish(study, summary: Summary, target: Target, settings: Settings, cache_dir) -> None:
-    """Pick the best feasible variant, confirm it against the default, write the cache."""
-    records, counts = _records(study, target)
+def _finish(study, summary: Summary, target: Target, settings: Settings, cache_dir,
+            finish: bool = True) -> None:
+    """Count the study's trials; unless ``finish`` is False, pick the best feasible variant,
+    confirm it against the default and write the cache."""
+    records, counts, summary.workers = _records(study, target)
     (summary.trials_run, summary.trials_failed, summary.trials_infeasible,
      summary.trials_skipped) = counts
+    if not finish:
+        summary.notes.append("searched only; another worker of this host caches the best")
+        return
     current = {r.variant: cache.variant_sha256(r.variant, target.problem) for r in records}
     default = summary.default
     default_rec = next((r for r in records if r.variant == default
