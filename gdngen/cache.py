@@ -19,7 +19,9 @@ configs: their params are not read under the new names); an entry whose sha256 o
 from this installation is ignored, with one warning when a lookup first consults it. Parsed files
 are kept in memory keyed by (mtime, size, inode), so a lookup is a few ``stat`` calls. Writes
 (`write_entry`) merge one entry under a file lock and replace the file atomically, so concurrent
-tuners lose nothing.
+tuners lose nothing. The lock lives in this host's cache root: tuners on several hosts each write
+their own user cache, and `merge_files` (``gdngen merge``) folds copies of other hosts' files in
+(per key, the entry that saw more of its study wins).
 """
 
 from __future__ import annotations
@@ -340,10 +342,44 @@ def write_entry(entry: dict, directory: str | os.PathLike | None = None) -> Path
     """Merge ``entry`` into ``<directory>/<device>.json`` (default the user's tuned folder)
     under a file lock, replacing the file atomically; returns its path. A corrupt existing file
     is moved aside to ``<name>.corrupt`` (with a warning) and a fresh one started."""
+    _check_entry(entry.get("key", ""), entry)
+    path, _ = _merge_into(entry["device"], [entry], directory, lambda new, old: True)
+    return path
+
+
+def _fuller(new: dict, old: dict) -> bool:
+    """Whether ``new`` saw more of its study than ``old`` (more trials run; then newer)."""
+    def rank(e):
+        return (int((e.get("trials") or {}).get("run", 0)), str(e.get("date", "")))
+
+    return rank(new) > rank(old)
+
+
+def merge_files(paths, directory: str | os.PathLike | None = None) -> dict:
+    """Merge the tuned files ``paths`` (e.g. copied from other hosts that tuned shared studies)
+    into ``<directory>/<device>.json`` (default the user's tuned folder), locked and atomic as
+    `write_entry`: per key an incoming entry replaces the present one only if it saw more of
+    its study (more trials run, then a newer date). Returns ``{"taken": [...], "kept": [...]}``
+    (keys); CorruptCacheFile for a source that is not a tuned file of this format."""
+    by_device: dict = {}
+    for source in paths:
+        source = Path(source)
+        for entry in parse(source.read_text(), source).values():
+            by_device.setdefault(entry["device"], []).append(entry)
+    taken, kept = [], []
+    for device, entries in sorted(by_device.items()):
+        _, took = _merge_into(device, entries, directory, _fuller)
+        taken += took
+        kept += [e["key"] for e in entries if e["key"] not in took]
+    return {"taken": sorted(set(taken)), "kept": sorted(set(kept) - set(taken))}
+
+
+def _merge_into(device: str, incoming, directory, prefer) -> tuple[Path, list]:
+    """Put each of ``incoming`` in the device's tuned file where its key is absent or
+    ``prefer(new, old)``, under the file's lock; (path, keys written)."""
     from filelock import FileLock
 
-    _check_entry(entry.get("key", ""), entry)
-    path = tuned_file(entry["device"], directory)
+    path = tuned_file(device, directory)
     lock = _lock_path(path)
     lock.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock)):
@@ -356,12 +392,17 @@ def write_entry(entry: dict, directory: str | os.PathLike | None = None) -> Path
                                                     else ".corrupt"))
                 os.replace(path, aside)
                 warnings.warn(f"moved unreadable tuned cache file to {aside}: {e}",
-                              TunedCacheWarning, stacklevel=2)
-        entries[entry["key"]] = entry
-        data = {"format": FORMAT, "device": entry["device"],
+                              TunedCacheWarning, stacklevel=3)
+        written = []
+        for entry in incoming:
+            old = entries.get(entry["key"])
+            if old is None or prefer(entry, old):
+                entries[entry["key"]] = entry
+                written.append(entry["key"])
+        data = {"format": FORMAT, "device": device,
                 "entries": {k: entries[k] for k in sorted(entries)}}
         atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-    return path
+    return path, written
 
 
 # ------------------------------------------------------------------------------ lookup

@@ -408,7 +408,7 @@ def _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json,
 
 def _run_workers(tune_mod, progress, targets, settings, storage, cache_dir, workers):
     """``--workers N``: one bar per target fed by every worker (`gdngen.tune.pool`)."""
-    tasks = [progress.add_task(f"{t.label()} ({workers} workers)",
+    tasks = [progress.add_task(f"{workers} workers: {t.label()}",
                                total=min(settings.trials, len(t.space())), last="")
              for t in targets]
 
@@ -448,8 +448,12 @@ def devices(as_json):
 @click.option("--device", default=None, help="Default: the attached device.")
 @click.option("--json", "as_json", is_flag=True)
 def show(device, as_json):
-    """Print the tuned cache (shipped and user files) for a device."""
+    """Print the tuned cache (shipped and user files) for a device (``GDNGEN_PLUGINS``
+    backends included)."""
     from gdngen import cache, devices
+    from gdngen.tune.worker import load_plugins
+
+    load_plugins()
 
     try:
         device = device or devices.detect()
@@ -463,6 +467,30 @@ def show(device, as_json):
         click.echo(f"no tuned entries for {device} in {[str(d) for d in cache.tuned_dirs()]}")
     else:
         click.echo(cache.format_rows(rows).rstrip("\n"))
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
+              help="Folder of the tuned <device>.json to merge into (default: the user cache "
+                   "dir, which `gdngen show` lists).")
+@click.option("--json", "as_json", is_flag=True, help="Print the taken/kept keys as JSON.")
+def merge(files, cache_dir, as_json):
+    """Merge tuned files of other hosts (their <cache>/tuned/<device>.json) into this one: per
+    key, the entry that saw more of its study (more trials run, then newer) wins."""
+    from gdngen import cache
+
+    try:
+        result = cache.merge_files(files, cache_dir)
+    except cache.CorruptCacheFile as e:
+        raise click.UsageError(f"FILES: {e}") from None
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    for key in result["taken"]:
+        click.echo(f"merged {key}")
+    for key in result["kept"]:
+        click.echo(f"kept   {key} (the present entry saw as much of its study)")
 
 
 @main.command()

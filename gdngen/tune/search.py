@@ -26,6 +26,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -101,6 +102,17 @@ def _trial_variant(t) -> str | None:
     return t.user_attrs.get("variant")
 
 
+def _was_evaluated(t) -> bool:
+    """Whether the finished trial ``t`` holds its variant's result: COMPLETE, or FAIL with the
+    ``failure`` it recorded (a trial failed for a lapsed heartbeat after its variant ran, whose
+    tuner then could not tell the result, holds none: its re-queued copy runs it again)."""
+    from optuna.trial import TrialState
+
+    return bool(t.user_attrs.get("evaluated")) and (
+        t.state == TrialState.COMPLETE
+        or (t.state == TrialState.FAIL and "failure" in t.user_attrs))
+
+
 def _study_state(study):
     """(evaluated variant names, in-flight variant names) of the study."""
     from optuna.trial import TrialState
@@ -112,7 +124,7 @@ def _study_state(study):
             continue
         if t.state == TrialState.RUNNING:
             running.add(name)
-        elif t.user_attrs.get("evaluated"):
+        elif _was_evaluated(t):
             evaluated.add(name)
     return evaluated, running
 
@@ -288,7 +300,9 @@ def tune(target: Target, settings: Settings = Settings(), *, storage=None,
         if len(evaluated) + len(running) >= budget:
             time.sleep(min(1.0, settings.heartbeat.interval / 2))  # the rest is in flight
             continue
-        trial = study.ask()
+        with warnings.catch_warnings():  # Optuna expects heartbeats from Study.optimize only
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = study.ask()
         try:
             with beating(storage, trial, settings.heartbeat):
                 outcome = _trial(study, trial, target, settings, choices, space_names, default)
@@ -337,7 +351,7 @@ def _trial(study, trial, target: Target, settings: Settings, choices, space_name
     # variant is ever evaluated twice (rarely both yield; it stays open).
     claims = [t for t in study.get_trials(deepcopy=False)
               if t.number != trial.number and _trial_variant(t) == name
-              and (t.state == TrialState.RUNNING or t.user_attrs.get("evaluated"))
+              and (t.state == TrialState.RUNNING or _was_evaluated(t))
               and t.user_attrs.get("duplicate_of") is None]
     if claims:
         trial.set_user_attr("duplicate_of", claims[0].number)
@@ -358,7 +372,7 @@ def _records(study, target: Target):
         if t.state == TrialState.PRUNED:
             skipped += 1
             continue
-        if not t.user_attrs.get("evaluated"):
+        if not _was_evaluated(t):
             continue
         run += 1
         workers[f"{t.user_attrs.get('host')}:{t.user_attrs.get('pid')}"] += 1

@@ -34,8 +34,8 @@ from pathlib import Path
 from gdngen import settings
 
 _UNCLAIMED_RUNNING_S = 120.0  # a RUNNING trial without an owner pid this old is abandoned
-#: storage URL backends whose driver an extra of gdngen installs (``pip install 'gdngen[X]'``).
-DRIVER_EXTRAS = {"postgresql": "postgres"}
+#: database drivers an extra of gdngen installs (``pip install 'gdngen[X]'``).
+DRIVER_EXTRAS = {"psycopg": "postgres"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,15 @@ def is_url(storage) -> bool:
     return storage is not None and "://" in str(storage)
 
 
+def database_url(url: str) -> str:
+    """``url`` with the driver gdngen's ``postgres`` extra installs made explicit: a plain
+    ``postgresql://`` (or ``postgres://``) URL becomes ``postgresql+psycopg://`` whatever
+    SQLAlchemy's default driver; any other URL is returned as it is."""
+    scheme, sep, rest = str(url).partition("://")
+    return f"postgresql+psycopg://{rest}" if sep and scheme in ("postgresql", "postgres") \
+        else str(url)
+
+
 def check_storage_url(url: str) -> None:
     """ValueError unless ``url`` is a database URL whose driver is importable; a missing driver
     names the extra that installs it (``pip install 'gdngen[postgres]'``)."""
@@ -71,7 +80,7 @@ def check_storage_url(url: str) -> None:
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
     try:
-        parsed = make_url(url)
+        parsed = make_url(database_url(url))
         dialect = parsed.get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
         raise ValueError(f"--storage {url!r} is not a database URL Optuna can open "
@@ -81,12 +90,12 @@ def check_storage_url(url: str) -> None:
         (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()
     except ImportError as e:
         backend = parsed.get_backend_name()
-        extra = DRIVER_EXTRAS.get(backend)
+        extra = DRIVER_EXTRAS.get(dialect.driver)
         hint = (f"pip install 'gdngen[{extra}]'" if extra else
                 f"install the Python package of the {dialect.driver} driver")
         raise ValueError(f"--storage {parsed.render_as_string(hide_password=True)}: the "
-                         f"{backend} driver ({dialect.driver}) is not installed ({e}); "
-                         f"{hint}") from None
+                         f"{backend} driver ({dialect.driver}) is not installed: {hint} "
+                         f"(import failed: {e})") from None
 
 
 def open_storage(storage: str | os.PathLike | None, device: str,
@@ -103,7 +112,7 @@ def open_storage(storage: str | os.PathLike | None, device: str,
         path = Path(storage) if storage is not None else default_storage_path(device)
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
-    url = str(storage)
+    url = database_url(str(storage))
     check_storage_url(url)
     return _open_rdb(url, heartbeat)
 
