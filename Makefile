@@ -4,22 +4,34 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all bench tune lint clean
+.PHONY: install postgres-server test test-all bench tune lint clean
 
 install: $(STAMP)
 
 # Reinstalls only when the packaging files change (the stamp is newer otherwise).
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -e '.[jax,mlx,dev]'
+	$(BIN)/python -m pip install -e '.[jax,mlx,dev,postgres]'
 	touch $@
+
+# The PostgreSQL server tests/test_shared_study.py starts (initdb on a loopback port): Debian's
+# postgresql package, installed with apt-get (as root, else through sudo) when no initdb is on
+# PATH or under /usr/lib/postgresql/*/bin. Without apt-get it only says what is missing.
+postgres-server:
+	@if command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; \
+	then :; elif command -v apt-get >/dev/null 2>&1; then \
+	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$sudo apt-get update && $$sudo env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y --no-install-recommends postgresql; \
+	else echo "note: no PostgreSQL server (initdb) found; install one for the shared-study tests"; \
+	fi
 
 # `make test`: every backend x feature with at least one real case; `make test-all` adds the
 # long sweeps marked slow (whole batteries in interpret mode / the Metal simulator).
-test: install
+test: install postgres-server
 	$(BIN)/python -m pytest -q -rs -m "not slow"
 
-test-all: install
+test-all: install postgres-server
 	$(BIN)/python -m pytest -q -rs
 
 bench: install
