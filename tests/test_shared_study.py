@@ -11,17 +11,12 @@ known time per call (the ranking is the sleeps'), at a tiny shape.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import pwd
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -29,6 +24,7 @@ from pathlib import Path
 import optuna
 import pytest
 from click.testing import CliRunner
+from postgres_server import free_port, server_bin, temporary_server
 
 from gdngen import cli, tune
 
@@ -88,67 +84,17 @@ TINY = ["--framework", "mlx", "--device", "cpu", "--heads", "1,2", "--dim", "16,
 
 # ------------------------------------------------------------------------------ the server
 
-def _server_bin() -> Path | None:
-    """The folder of PostgreSQL's server binaries (initdb, pg_ctl, postgres), if installed."""
-    found = shutil.which("initdb")
-    if found:
-        return Path(os.path.realpath(found)).parent
-    dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                  key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name
-                  .isdigit() else 0)
-    return Path(dirs[-1]).parent if dirs else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def postgres():
-    """A PostgreSQL server on a loopback port for this module: yields a function that makes a
-    fresh database and returns its URL; stopped (and its folder removed) afterwards."""
-    bindir = _server_bin()
+    """A PostgreSQL server on a loopback port for this module (`postgres_server`): yields a
+    function that makes a fresh database and returns its URL; stopped afterwards."""
+    bindir = server_bin()
     if bindir is None:
         pytest.skip("no PostgreSQL server binaries (initdb) on PATH or in /usr/lib/postgresql; "
-                    "install Debian's postgresql package (make install does)")
+                    "install Debian's postgresql package (make test does)")
     pytest.importorskip("psycopg", reason="the postgres extra: pip install 'gdngen[postgres]'")
-    import psycopg
-
-    as_user = []
-    folder = Path(tempfile.mkdtemp(prefix="gdngen-pg-"))
-    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
-        user = pwd.getpwnam("postgres")  # KeyError: the Debian package creates this user
-        os.chown(folder, user.pw_uid, user.pw_gid)
-        as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = folder / "data", _free_port()
-
-    def run(*args):
-        proc = subprocess.run([*as_user, *map(str, args)], capture_output=True, text=True,
-                              timeout=120, check=False)
-        assert proc.returncode == 0, f"{args[0]}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-
-    run(bindir / "initdb", "-D", data, "-A", "trust", "-U", "gdngen", "-E", "UTF8",
-        "--no-sync")
-    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {folder} -c fsync=off"
-    run(bindir / "pg_ctl", "-D", data, "-o", options, "-l", folder / "server.log", "-w",
-        "start")
-    base = f"postgresql://gdngen@127.0.0.1:{port}"
-    made = []
-
-    def database() -> str:
-        name = f"study{len(made)}"
-        with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")
-        made.append(name)
-        return f"{base}/{name}"
-
-    try:
+    with temporary_server(bindir) as database:
         yield database
-    finally:
-        run(bindir / "pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ the workers
@@ -335,7 +281,7 @@ def test_storage_url_without_its_driver_names_the_extra(monkeypatch):
 
 
 def test_unreachable_storage_is_a_clear_error(env):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     proc = subprocess.run([sys.executable, "-m", "gdngen.cli", "tune", *TINY, "--storage",
                            f"postgresql://me:secret@127.0.0.1:{port}/db"], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
@@ -353,3 +299,35 @@ def test_bad_worker_and_heartbeat_options_are_named(args, hint):
     result = _tune_in_process(*args)
     assert result.exit_code == 2, result.output
     assert re.search(f"Invalid value for '?{hint}'?:", result.output), result.output
+
+
+def test_merge_takes_the_entry_that_saw_more_of_its_study(tmp_path, monkeypatch):
+    from gdngen import cache, registry
+    from gdngen.variant import Problem
+
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "root"))
+    problem = Problem(1, 2, 16, 16)
+    variant = registry.default_variant("mlx", problem)
+
+    def entry(run, best_s):
+        return cache.make_entry(device="cpu", framework="mlx", problem=problem,
+                                precision="ieee", seq_len=64, batch=1, variant=variant,
+                                default=variant, best_s=best_s, default_s=0.01,
+                                worst_error=1e-7, tolerance=5e-5,
+                                trials={"run": run, "failed": 0, "infeasible": 0,
+                                        "skipped": 0}, study="s")
+
+    here = cache.write_entry(entry(8, 0.004))
+    fuller = cache.write_entry(entry(9, 0.005), tmp_path / "host-b")
+    partial = cache.write_entry(entry(5, 0.003), tmp_path / "host-c")
+    result = CliRunner().invoke(cli.main, ["merge", str(partial), str(fuller), "--json"])
+    assert result.exit_code == 0, result.output
+    key = entry(1, 1.0)["key"]
+    assert json.loads(result.output) == {"taken": [key], "kept": []}  # the 9-trial one
+    assert cache.load_file(here)[key]["trials"]["run"] == 9
+    result = CliRunner().invoke(cli.main, ["merge", str(partial), "--json"])
+    assert json.loads(result.output) == {"taken": [], "kept": [key]}
+    assert cache.load_file(here)[key]["best_ms"] == 5.0
+    (tmp_path / "bad.json").write_text("{}")
+    result = CliRunner().invoke(cli.main, ["merge", str(tmp_path / "bad.json")])
+    assert result.exit_code == 2 and "expected {'format'" in result.output
