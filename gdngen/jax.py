@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from gdngen import sharding
 from gdngen.dispatch import call
+from gdngen.problem import check_call
 
 __all__ = ["gated_delta"]
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                chunk_size=None, variant=None):
+                chunk_size=None, variant=None, context_axis=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -23,6 +25,22 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     this device and shape class runs, else the default variant of the device's generated
     backend when it implements the call, else the portable ``xla`` path. ``chunk_size``
     overrides the default variant's chunk.
+
+    Many chips (`gdngen.sharding`): inside ``jax.shard_map`` each shard runs its own batch rows
+    and GVA groups (q, k sharded over Hk; v, g, beta, initial_state over Hv, in contiguous
+    blocks); under a ``jax.jit`` with inputs sharded over batch and/or heads the kernels run per
+    shard. ``context_axis="seq"``, inside ``jax.shard_map`` with the time axis of q, k, v, g, beta
+    and mask split in order over mesh axis ``"seq"``: ``initial_state`` enters shard 0 and the
+    returned ``final_state`` (both replicated over that axis) leaves the last shard; ``y`` is
+    the shard's own tokens.
     """
-    return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
-                chunk_size=chunk_size, variant=variant)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
+
+    def one_call(q, k, v, g, beta, initial_state, mask):
+        return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
+                    chunk_size=chunk_size, variant=variant)
+
+    arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+              "mask": mask}
+    return sharding.run(one_call, arrays, shape, context_axis=context_axis)

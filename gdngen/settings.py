@@ -14,6 +14,9 @@ variable                   meaning
                            backends register themselves there)
 ``GDNGEN_INTERPRET``       1: generated GPU kernels run in interpret mode (``tune --dry-run``)
 ``GDNGEN_POISON_OUTPUTS``  1: NaN-fill ffi_cpu outputs before the kernels write them (tests)
+``GDNGEN_NO_PARTITIONING`` 1: a JAX call outside ``jax.shard_map`` on a host with several
+                           devices is the plain call, not custom_partitioning ops (whose
+                           backward re-runs the forward); a sharded jit then gathers its inputs
 ``GDNGEN_TUNER_PID``       set by the tuner for its trial processes (internal)
 ``GDNGEN_HOST``            this tuner's host name in shared studies (default the hostname): set
                            it where hosts (containers) share a hostname but not their pids
@@ -37,6 +40,7 @@ ENV_NO_TUNED = "GDNGEN_NO_TUNED"
 ENV_PLUGINS = "GDNGEN_PLUGINS"
 ENV_INTERPRET = "GDNGEN_INTERPRET"
 ENV_POISON_OUTPUTS = "GDNGEN_POISON_OUTPUTS"
+ENV_NO_PARTITIONING = "GDNGEN_NO_PARTITIONING"
 ENV_TUNER_PID = "GDNGEN_TUNER_PID"
 ENV_HOST = "GDNGEN_HOST"
 ENV_COMPILER = "CXX"

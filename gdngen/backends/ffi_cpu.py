@@ -283,8 +283,8 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
     workers = threads()
     attrs = {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison}
 
-    def f32(shape):
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
+    def f32(shape, like):
+        return generated.result_type(shape, jnp.float32, like)
 
     def log_gates(g):
         return g if gate == "log" else jnp.log(g)
@@ -294,8 +294,8 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         y, s_final, states = jax.ffi.ffi_call(kernels.target_forward, (
-            f32((B, T, Hv, Dv)), f32((B, Hv, Dv, Dk)),
-            f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)))),
+            f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
+            f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
             vmap_method="sequential")(q, k, v, log_gates(g), beta, S0, **attrs,
                                       splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
         return (y, s_final), states
@@ -307,8 +307,8 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
         Hv, Dv = v.shape[2], v.shape[3]
         P = head_splits(B, Hk, Hv // Hk, workers)
         dq, dk, dv, dbeta, dg, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
-            f32((B, T, Hk * P, Dk)), f32((B, T, Hk * P, Dk)), f32((B, T, Hv, Dv)), f32((B, T, Hv)),
-            f32((B, T, Hv)), f32((B, Hv, Dv, Dk))),
+            f32((B, T, Hk * P, Dk), q), f32((B, T, Hk * P, Dk), q), f32((B, T, Hv, Dv), q),
+            f32((B, T, Hv), q), f32((B, T, Hv), q), f32((B, Hv, Dv, Dk), q)),
             vmap_method="sequential")(q, k, v, log_gates(g), beta, states,
                                       dy.astype(jnp.float32), dS_final.astype(jnp.float32),
                                       linear=gate == "linear", splits=np.int64(P), **attrs)

@@ -81,6 +81,21 @@ def call_jitted(fns, *args, **kwargs):
 # ------------------------------------------------------------------------------ calling
 
 
+def result_type(shape, dtype, like):
+    """The ``jax.ShapeDtypeStruct`` of a kernel result (an ``ffi_call`` or ``pallas_call``
+    output) that varies over the manual axes of an enclosing ``jax.shard_map`` as ``like``
+    does, so that under ``check_vma=True`` the custom VJP's cotangents have its primals' type."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    aval = jax.typeof(like)
+    if not aval.manual_axis_type.varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                sharding=NamedSharding(aval.sharding.mesh, PartitionSpec()),
+                                manual_axis_type=aval.manual_axis_type)
+
+
 def custom_vjp_core(forward, backward):
     """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
     ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->

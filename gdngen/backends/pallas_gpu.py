@@ -30,6 +30,7 @@ rendered or run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -247,10 +248,25 @@ def _default_interpret_mode() -> bool:
     return True
 
 
+_INTERPRET_OVERRIDE: list = []
+
+
 def interpret_mode() -> bool:
     """False on a GPU (Triton lowering); True elsewhere or with ``GDNGEN_INTERPRET=1``, with a
-    warning once per process when no GPU is attached."""
-    return _default_interpret_mode()
+    warning once per process when no GPU is attached; False inside `compiling_for_gpu`."""
+    return _INTERPRET_OVERRIDE[-1] if _INTERPRET_OVERRIDE else _default_interpret_mode()
+
+
+@contextlib.contextmanager
+def compiling_for_gpu():
+    """Inside the block the kernels take the Triton lowering whatever device is attached: for
+    lowering a whole program for CUDA off-GPU (``.lower(lowering_platforms=("cuda",))``), not
+    for running it."""
+    _INTERPRET_OVERRIDE.append(False)
+    try:
+        yield
+    finally:
+        _INTERPRET_OVERRIDE.pop()
 
 
 def clear_cache() -> None:

@@ -1,0 +1,312 @@
+"""Checks of `gdngen.sharding` on a many-device host, run in a subprocess (the device count is
+fixed when jax is imported): ``python tests/sharding_checks.py JSON`` prints one JSON object.
+
+The request: ``{"mode": ..., "backend": name, "cases": [battery case names], "check_vma":
+bool}``. Each case goes through `gdngen.validate.check_case` with a runner that places the call
+as the mode says — "shard_map" over data x heads, "jit" of inputs sharded over data x heads
+(auto mesh axes), "explicit" the same with explicit axes, "context" parallelism over data x seq,
+"context3" over data x seq x heads — so errors are against the float64 reference with the
+case's own inputs (a case without an initial state passes None), and each case also reports
+its largest difference to the one-device call. "jit" / "explicit" also report the collectives
+in the compiled forward + VJP and the output specs. Other modes: "errors", "communication",
+"lower_gpu", "vmap" (see their functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("GDNGEN_POISON_OUTPUTS", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gdngen import registry, validate
+from gdngen.jax import gated_delta
+from gdngen.variant import Problem, Variant
+
+COLLECTIVES = r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\("
+SEQ_SHARDS = 4
+
+
+def _variant(backend, inputs, dtype, chunk_size, extra_rows=0):
+    """``backend``'s default variant for the case (value rows widened by ``extra_rows``)."""
+    _, _, Hk, Dk = inputs["q"].shape
+    _, _, Hv, Dv = inputs["v"].shape
+    gate = "vector" if np.ndim(inputs["g"]) == 4 else "scalar"
+    base = registry.default_variant(backend, Problem(Hk, Hv, Dk, Dv + extra_rows, dtype, gate))
+    return Variant(backend, dict(base.as_dict(), chunk_size=chunk_size))
+
+
+def _arrays(inputs, dtype):
+    jdt = jnp.dtype(dtype)
+    arrays = {n: jnp.asarray(inputs[n], jdt) for n in ("q", "k", "v", "g", "beta")}
+    S0 = inputs.get("initial_state")
+    arrays["initial_state"] = None if S0 is None else jnp.asarray(S0, jnp.float32)
+    arrays["mask"] = None if inputs.get("mask") is None else jnp.asarray(inputs["mask"])
+    return arrays, (jnp.asarray(inputs["dy"], jdt), jnp.asarray(inputs["dfinal_state"],
+                                                                 jnp.float32))
+
+
+def _specs(names, time_axis, head_axis):
+    token = P("data", time_axis, head_axis)
+    by_name = {"q": token, "k": token, "v": token, "g": token, "beta": token,
+               "initial_state": P("data", head_axis), "mask": P("data", time_axis)}
+    return tuple(by_name[n] for n in names)
+
+
+def _outputs(y, S, grads, names):
+    out = {"y": y, "final_state": S}
+    out.update({"d" + ("initial_state" if n == "initial_state" else n): x
+                for n, x in zip(names, grads)})
+    return {n: np.asarray(x, np.float64) for n, x in out.items()}
+
+
+def _interpreter(mode, backend):
+    """pallas_tpu under a sharded jit runs in the plain Pallas interpreter: the TPU interpreter
+    calls back into Python (ordered effects), which a custom_partitioning lowering cannot
+    carry. A real TPU compiles with Mosaic and needs neither."""
+    if mode in ("jit", "explicit") and backend == "pallas_tpu":
+        from gdngen.backends import pallas_tpu
+
+        return pallas_tpu.interpreting(True)
+    return contextlib.nullcontext()
+
+
+def _spec_text(spec) -> str:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return str(P(*entries))
+
+
+def _mesh_context(mode, mesh):
+    return jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext()
+
+
+def runner_for(mode, backend, check_vma, report):
+    def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
+        arrays, cotangents = _arrays(inputs, dtype)
+        mask = arrays.pop("mask")
+        names = tuple(n for n, x in arrays.items() if x is not None)
+        context = mode in ("context", "context3")
+        variant = variant or _variant(backend, inputs, dtype, chunk_size,
+                                      extra_rows=inputs["q"].shape[-1] if context else 0)
+
+        def call(*args):
+            *diff, m = args if mask is not None else (*args, None)
+            kw = dict(zip(names, diff))
+            return gated_delta(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"],
+                               kw.get("initial_state"), mask=m, scale=scale, gate=gate,
+                               variant=variant, context_axis="seq" if context else None)
+
+        extra = (mask,) if mask is not None else ()
+        diff_args = tuple(arrays[n] for n in names)
+        if mode in ("shard_map", "context", "context3"):
+            time_axis, head_axis = {"shard_map": (None, "heads"), "context": ("seq", None),
+                                    "context3": ("seq", "heads")}[mode]
+            axes = ("data",) + tuple(a for a in (time_axis, head_axis) if a)
+            shape = {"shard_map": (2, 2), "context": (2, 4), "context3": (2, 2, 2)}[mode]
+            mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+            in_specs = _specs(names + (("mask",) if extra else ()), time_axis, head_axis)
+            out_specs = (P("data", time_axis, head_axis), P("data", head_axis))
+            fn = jax.shard_map(call, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                               check_vma=check_vma)
+        else:  # "jit" over auto mesh axes, "explicit": shardings in the types
+            kinds = (AxisType.Explicit if mode == "explicit" else AxisType.Auto,) * 2
+            mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "heads"),
+                        axis_types=kinds)
+            specs = _specs(names + (("mask",) if extra else ()), None, "heads")
+            diff_args = tuple(jax.device_put(x, NamedSharding(mesh, s))
+                              for x, s in zip(diff_args, specs))
+            extra = tuple(jax.device_put(x, NamedSharding(mesh, s))
+                          for x, s in zip(extra, specs[len(diff_args):]))
+            cotangents = (jax.device_put(cotangents[0], NamedSharding(mesh, specs[2])),
+                          jax.device_put(cotangents[1], NamedSharding(mesh, P("data", "heads"))))
+            fn = call
+
+        def fwd_bwd(diff_args, extra, cotangents):
+            out, vjp = jax.vjp(lambda *d: fn(*d, *extra), *diff_args)
+            return out, vjp(cotangents)
+
+        jitted = jax.jit(fwd_bwd)
+        with _interpreter(mode, backend), _mesh_context(mode, mesh):
+            (y, S), grads = jitted(diff_args, extra, cotangents)
+            if mode in ("jit", "explicit"):
+                text = jitted.lower(diff_args, extra, cotangents).compile().as_text()
+        if mode in ("jit", "explicit"):
+            report["collectives"] = sorted({m[0] for m in re.findall(COLLECTIVES, text)})
+            report["output_specs"] = [_spec_text(x.sharding.spec) for x in (y, S, *grads)]
+        out = _outputs(y, S, grads, names)
+        plain = validate._jax_runner(inputs, gate=gate, dtype=dtype, scale=scale,
+                                     variant=_variant(backend, inputs, dtype, chunk_size))
+        differences = [validate.relative_error(out[n], plain[n]) for n in out
+                       if plain.get(n) is not None]
+        report["vs_unsharded"] = max(differences + [report.get("vs_unsharded", 0.0)])
+        return out
+
+    return runner
+
+
+def bad_shardings() -> dict:
+    """The error of a sharded jit for each sharding the kernels cannot run per shard, and the
+    exception type of the same call on the concrete arrays."""
+    q, k, v, g, beta, _ = _problem_arrays(2, 16, 2, 8, 16)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    layouts = {
+        "time": (P(None, "model"), P(None, "model"), P(None, "model"), P(None, "model"),
+                 P(None, "model")),
+        "gva_group": (P(None, None, None), P(None, None, None), P(None, None, "model"),
+                      P(None, None, "model"), P(None, None, "model")),
+        "head_dim": (P(), P(), P(None, None, None, "model"), P(), P()),
+    }
+    errors, eager_types = {}, {}
+    for name, specs in layouts.items():
+        args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in
+                zip((q, k, v, g, beta), specs)]
+        try:  # under jit the partitioner raises; the compiler reports its message
+            jax.jit(lambda *a: gated_delta(*a)[0]).lower(*args).compile()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            errors[name] = str(e)
+        try:  # on concrete sharded arrays the same check raises at the call
+            gated_delta(*args)
+            eager_types[name] = None
+        except Exception as e:  # noqa: BLE001
+            eager_types[name] = type(e).__name__
+    errors["eager_types"] = eager_types
+    return errors
+
+
+def vmap_on_many_devices(backend: str) -> dict:
+    """Largest relative difference between ``jax.vmap`` of a call (and its gradients) and the
+    per-row calls stacked, on this many-device host (the partitioned path under vmap)."""
+    rng = np.random.default_rng(1)
+    V, B, T, H, D = 3, 2, 20, 2, 16
+    q = jnp.asarray(rng.standard_normal((V, B, T, H, D)), jnp.float32)
+    k = q[::-1] / jnp.linalg.norm(q[::-1], axis=-1, keepdims=True)
+    g = -jnp.asarray(rng.uniform(0.1, 1.0, (V, B, T, H)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (V, B, T, H)), jnp.float32)
+    S0 = jnp.asarray(rng.standard_normal((B, H, D, D)), jnp.float32)  # shared by every row
+    variant = registry.default_variant(backend, Problem(H, H, D, D, "float32", "scalar"))
+
+    def loss(q, k, g, beta, S0):
+        y, S = gated_delta(q, k, q, g, beta, S0, variant=variant)
+        return (y * y).sum() + (S * S).sum()
+
+    mapped = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)),
+                              in_axes=(0, 0, 0, 0, None)))(q, k, g, beta, S0)
+    rows = [jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(q[i], k[i], g[i],
+                                                                       beta[i], S0)
+            for i in range(V)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
+    diffs = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+             for a, b in zip(jax.tree.leaves(mapped), jax.tree.leaves(stacked))]
+    return {"max_relative_difference": max(diffs), "n": len(diffs)}
+
+
+def _problem_arrays(B, T, Hk, Hv, D, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.01, 1.0, (B, T, Hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (B, T, Hv)), jnp.float32)
+    S0 = jnp.asarray(rng.standard_normal((B, Hv, D, D)), jnp.float32)
+    return q, k, v, g, beta, S0
+
+
+def _collective_bytes(text: str) -> dict:
+    """Bytes each kind of collective in compiled HLO ``text`` produces, per device."""
+    sizes = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "pred": 1}
+    out = {}
+    for line in text.splitlines():
+        found = re.search(r"= (.*?) " + COLLECTIVES, line)
+        if found:
+            total = sum(sizes[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                        for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", found.group(1)))
+            out[found.group(2)] = out.get(found.group(2), 0) + total
+    return out
+
+
+def context_communication() -> dict:
+    """Collective bytes per device of a context-parallel forward + backward (2 x 4 mesh of
+    data x seq; B=2, Hk=2, Hv=4, D=16) at two lengths."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "seq"))
+    tokens = P("data", "seq")
+
+    def layer(q, k, v, g, beta, S0):
+        return gated_delta(q, k, v, g, beta, S0, context_axis="seq")
+
+    sharded = jax.shard_map(layer, mesh=mesh, in_specs=(tokens,) * 5 + (P("data"),),
+                            out_specs=(tokens, P("data")))
+
+    def loss(*args):
+        y, S = sharded(*args)
+        return (y * y).sum() + (S * S).sum()
+
+    step = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+    return {f"T={T}": _collective_bytes(step.lower(*_problem_arrays(2, T, 2, 4, 16))
+                                        .compile().as_text()) for T in (64, 256)}
+
+
+def pallas_gpu_lowering() -> dict:
+    """Triton kernel calls in the CUDA lowering of a checked (check_vma=True) shard_map of
+    pallas_gpu's forward + backward, lowered without a GPU over an abstract mesh."""
+    from jax.sharding import AbstractMesh
+
+    from gdngen.backends import pallas_gpu
+
+    B, T, Hk, Hv, D = 2, 128, 4, 8, 16
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in
+               _problem_arrays(B, T, Hk, Hv, D)]
+    variant = registry.default_variant("pallas_gpu", Problem(Hk, Hv, D, D, "float32",
+                                                            "scalar"), "h100")
+
+    def loss(*args):
+        y, S = gated_delta(*args, variant=variant)
+        return (y * y).sum() + (S * S).sum()
+
+    specs = (P("data", None, "heads"),) * 5 + (P("data", "heads"),)
+    step = jax.shard_map(jax.grad(loss, argnums=tuple(range(6))),
+                         mesh=AbstractMesh((2, 4), ("data", "heads")), in_specs=specs,
+                         out_specs=specs, check_vma=True)
+    with pallas_gpu.compiling_for_gpu():
+        text = jax.jit(step).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+    return {"triton_calls": text.count("@__gpu$xla.gpu.triton("),
+            "manual_computation": "sdy.manual_computation" in text}
+
+
+def main(request: dict) -> dict:
+    if request["mode"] == "errors":
+        return bad_shardings()
+    if request["mode"] == "communication":
+        return context_communication()
+    if request["mode"] == "lower_gpu":
+        return pallas_gpu_lowering()
+    if request["mode"] == "vmap":
+        return vmap_on_many_devices(request["backend"])
+    report = {"cases": {}}
+    runner = runner_for(request["mode"], request["backend"], request.get("check_vma", True),
+                        report)
+    for name in request["cases"]:
+        result = validate.check_case(runner, name, seed=request.get("seed"))
+        report["cases"][name] = {"errors": result.errors, "tolerance": result.tolerance,
+                                 "passed": result.passed,
+                                 "output_specs": report.pop("output_specs", None),
+                                 "collectives": report.pop("collectives", None),
+                                 "vs_unsharded": report.pop("vs_unsharded")}
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))
