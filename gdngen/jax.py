@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gdngen import sharding
+from gdngen import layer_inputs, sharding
 from gdngen.dispatch import call
 from gdngen.problem import check_call
 
@@ -10,7 +10,8 @@ __all__ = ["gated_delta"]
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                chunk_size=None, variant=None, context_axis=None):
+                chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
+                dt_bias=None, lower_bound=None, beta_activation=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -33,7 +34,19 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     and mask split in order over mesh axis ``"seq"``: ``initial_state`` enters shard 0 and the
     returned ``final_state`` (both replicated over that axis) leaves the last shard; ``y`` is
     the shard's own tokens.
+
+    Layer inputs (`gdngen.layer_inputs`, computed once before the call today, for every
+    backend; gradients reach the raw arrays): ``qk_norm=True`` L2-normalises q and k per head
+    over Dk (``x * rsqrt(sum(x^2) + 1e-6)``); ``gate="softplus"`` takes g as the raw projection
+    ``a`` with ``A_log``, ``dt_bias`` ``[Hv]`` (per-channel g: ``[Hv]``, ``[Hv,1]`` or
+    ``[Hv,Dk]``), ``log g = -exp(A_log) * softplus(a + dt_bias)``; ``gate="sigmoid_bound"``
+    with ``lower_bound < 0``: ``log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``;
+    ``beta_activation="sigmoid"``: beta given as logits. Inside ``jax.shard_map`` A_log and
+    dt_bias are the shard's value heads, like v.
     """
+    q, k, g, beta, gate = layer_inputs.prepare(
+        "jax", q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, scale=scale)
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
 

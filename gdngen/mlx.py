@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from gdngen import layer_inputs
 from gdngen.dispatch import call
 
 __all__ = ["gated_delta"]
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                chunk_size=None, variant=None):
+                chunk_size=None, variant=None, qk_norm=False, A_log=None, dt_bias=None,
+                lower_bound=None, beta_activation=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     Same contract as `gdngen.jax.gated_delta`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g
@@ -20,6 +22,14 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     this device and shape class runs, else the default variant of the device's generated
     backend (metal on an Apple GPU) when it implements the call, else the portable ``mlx``
     path. ``chunk_size`` overrides the default variant's chunk.
+
+    Layer inputs, as in `gdngen.jax.gated_delta` (`gdngen.layer_inputs`; computed once before
+    the call today, gradients reach the raw arrays): ``qk_norm``; ``gate="softplus"`` /
+    ``"sigmoid_bound"`` with ``A_log``, ``dt_bias`` (and ``lower_bound``), g then the raw gate
+    projection; ``beta_activation="sigmoid"``.
     """
+    q, k, g, beta, gate = layer_inputs.prepare(
+        "mlx", q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, scale=scale)
     return call("mlx", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
                 chunk_size=chunk_size, variant=variant)

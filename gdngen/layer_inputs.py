@@ -1,0 +1,238 @@
+"""Layer inputs: q/k L2 norm, gates given by their parameters, beta as logits (both frameworks).
+
+``gated_delta(..., qk_norm=, gate=, A_log=, dt_bias=, lower_bound=, beta_activation=)`` turns a
+GatedDeltaNet layer's raw projections into the ordinary call (normalised q, k; a log gate; beta
+in [0, 1])::
+
+    qk_norm=True             q <- q * rsqrt(sum_Dk(q^2) + 1e-6), k likewise (per head)
+    gate="softplus"          log g = -exp(A_log) * softplus(g + dt_bias)
+    gate="sigmoid_bound"     log g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+    beta_activation="sigmoid"   beta <- sigmoid(beta)
+
+With a parameterised gate, ``g`` is the raw projection (mlx-lm's ``a``) ``[B,T,Hv]`` or, for a
+per-channel gate, ``[B,T,Hv,Dk]``. ``A_log`` and ``dt_bias`` are ``[Hv]`` for a per-head gate;
+for a per-channel gate each is ``[Hv]``, ``[Hv,1]`` (mlx-lm's Kimi Linear / Bailing V3 pass
+``A_log.reshape(Hv, 1)``) or ``[Hv,Dk]``, and ``[Hv]`` means one value per head (it broadcasts
+over Dk, not over the heads).
+
+Today every backend gets the transformed inputs: `prepare` computes them once, before the call,
+as ordinary differentiable array operations, so the gradients reach the raw q, k, g, A_log,
+dt_bias and beta logits through the framework's autodiff, and the normalised q, k are kept as
+activations of that autodiff. Fusing the gate into a kernel's in-chunk cumulative sums and the
+norms into its loads is not done yet.
+
+Numerics: everything is computed in float32. The gate is produced directly in log space (never
+``log(exp(...))``), so strong decay (log g around -37 and below) neither underflows nor loses the
+gradients to A_log and dt_bias; softplus is the framework's ``logaddexp(x, 0)`` (x for large x,
+exp(x) for very negative x, derivative sigmoid(x) everywhere, 1/2 at 0). The L2 norm adds eps to
+the sum of squares, ``x * rsqrt(sum(x^2) + eps)`` with eps = 1e-6: the formula of mlx-lm's
+``normalize_qk`` (used by qwen3_next, qwen3_5, ...), which computes it as
+``Dk**-0.5 * rms_norm(x, eps / Dk)``. Normalised q, k are cast back to q's dtype (so y keeps q's
+dtype, as in mlx-lm, whose ``rms_norm`` returns its input's dtype); log g and activated beta
+are float32.
+
+This module imports no framework at import time; `namespace` imports the requested one.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from gdngen.problem import FLOAT_DTYPES, GATES, check_call, check_framework, dtype_name
+
+#: gates given by their parameters (``g`` is the raw projection, plus A_log and dt_bias)
+PARAMETER_GATES = ("softplus", "sigmoid_bound")
+#: every value the ``gate`` argument of ``gated_delta`` takes
+LAYER_GATES = GATES + PARAMETER_GATES
+BETA_ACTIVATIONS = (None, "sigmoid")
+#: added to sum(x^2) over Dk by ``qk_norm=True`` (mlx-lm's ``normalize_qk(..., eps=1e-6)``)
+QK_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """The checked layer-input options of one call (`check_layer_inputs`).
+
+    ``gate`` is the caller's gate; ``vector_gate`` whether ``g`` is ``[B,T,Hv,Dk]``.
+    """
+
+    qk_norm: bool
+    gate: str
+    lower_bound: float | None
+    beta_activation: str | None
+    vector_gate: bool
+
+    @property
+    def call_gate(self) -> str:
+        """The gate the backends receive: "log" for a parameterised gate, else the caller's."""
+        return "log" if self.gate in PARAMETER_GATES else self.gate
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether the inputs pass through unchanged (no norm, no parameters, no activation)."""
+        return (not self.qk_norm and self.gate not in PARAMETER_GATES
+                and self.beta_activation is None)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _parameter_shapes(Hv: int, Dk: int, vector_gate: bool) -> tuple[tuple[int, ...], ...]:
+    """Accepted shapes of A_log and dt_bias: ``(Hv,)`` per head; per channel also ``(Hv, 1)``
+    and ``(Hv, Dk)``."""
+    return ((Hv,), (Hv, 1), (Hv, Dk)) if vector_gate else ((Hv,),)
+
+
+def _listed(shapes) -> str:
+    names = [str(tuple(s)) for s in shapes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check_layer_inputs(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
+                       qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
+                       beta_activation=None, scale=1.0) -> LayerInputs:
+    """Check the layer-input options of a ``gated_delta`` call; return them as `LayerInputs`.
+
+    Only shapes and Python values are read (no array data), so it runs under ``jax.jit`` /
+    ``mx.compile``. The ordinary arguments are checked by `gdngen.problem.check_call` first when
+    an option is active, so Hv and Dk are known. Errors are ValueErrors naming the argument.
+    """
+    if gate not in LAYER_GATES:
+        raise ValueError(f"gate must be one of {LAYER_GATES}, got {gate!r}")
+    if not isinstance(qk_norm, bool):
+        raise ValueError(f"qk_norm must be a bool, got {qk_norm!r}")  # noqa: TRY004 - options: ValueError
+    if beta_activation not in BETA_ACTIVATIONS:
+        raise ValueError(f"beta_activation must be None or 'sigmoid', got {beta_activation!r}")
+    if gate not in PARAMETER_GATES:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if value is not None:
+                raise ValueError(f"{name} is only for gate='softplus' or gate='sigmoid_bound' "
+                                 f"(g is then the raw gate projection); got gate={gate!r}")
+    if gate != "sigmoid_bound" and lower_bound is not None:
+        raise ValueError(f"lower_bound is only for gate='sigmoid_bound', got gate={gate!r}")
+    options = LayerInputs(qk_norm, gate, lower_bound, beta_activation, vector_gate=False)
+    if options.is_identity:
+        return options
+    if gate in PARAMETER_GATES and (A_log is None or dt_bias is None):
+        missing = " and ".join(n for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is None)
+        raise ValueError(f"gate={gate!r} needs A_log and dt_bias ({missing} not given)")
+    if gate == "sigmoid_bound":
+        if lower_bound is None:
+            raise ValueError("gate='sigmoid_bound' needs lower_bound (a negative float)")
+        if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
+            raise ValueError(f"lower_bound must be a Python float, got "
+                             f"{type(lower_bound).__name__}")
+        if not -float("inf") < lower_bound < 0:
+            raise ValueError(f"lower_bound must be < 0 (and finite), got {lower_bound!r}")
+        lower_bound = float(lower_bound)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate="log", scale=scale)
+    if gate in PARAMETER_GATES:
+        accepted = _parameter_shapes(shape.Hv, shape.Dk, shape.vector_gate)
+        kind = "per-channel g" if shape.vector_gate else "per-head g"
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if tuple(x.shape) not in accepted:
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {_listed(accepted)}"
+                                 f" for Hv={shape.Hv}, Dk={shape.Dk} ({kind} {tuple(g.shape)})")
+            if dtype_name(x) not in FLOAT_DTYPES:
+                raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of "
+                                 f"{FLOAT_DTYPES}")
+    return LayerInputs(qk_norm, gate, lower_bound, beta_activation, shape.vector_gate)
+
+
+# --------------------------------------------------------------------------- the math, once
+
+
+def l2_normalize(xp, x):
+    """``x [..., D] -> x * rsqrt(sum_D(x^2) + QK_NORM_EPS)`` in float32."""
+    x = xp.float32(x)
+    return x * xp.rsqrt((x * x).sum(axis=-1, keepdims=True) + QK_NORM_EPS)
+
+
+def log_gate(xp, a, A_log, dt_bias, lower_bound=None):
+    """Log decay from the gate's parameters, float32, shaped like ``a + dt_bias``.
+
+    ``-exp(A_log) * softplus(a + dt_bias)``, or with ``lower_bound``:
+    ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``. ``A_log`` and ``dt_bias`` must
+    already broadcast against ``a``.
+    """
+    rate = xp.exp(xp.float32(A_log))
+    x = xp.float32(a) + xp.float32(dt_bias)
+    if lower_bound is None:
+        return -rate * xp.softplus(x)
+    return lower_bound * xp.sigmoid(rate * x)
+
+
+def _per_head(x, vector_gate: bool):
+    """A gate parameter ``[Hv]`` as ``[Hv, 1]`` against a per-channel ``g [B,T,Hv,Dk]``."""
+    return x.reshape(x.shape[0], 1) if vector_gate and len(x.shape) == 1 else x
+
+
+def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None):
+    """``(q, k, g, beta)`` for the backends: normalised q, k (q's dtype), the log gate and the
+    activated beta (float32), each unchanged where its option is off."""
+    if options.qk_norm:
+        q, k = (xp.astype(l2_normalize(xp, x), q.dtype) for x in (q, k))
+    if options.gate in PARAMETER_GATES:
+        vg = options.vector_gate
+        g = log_gate(xp, g, _per_head(A_log, vg), _per_head(dt_bias, vg), options.lower_bound)
+    if options.beta_activation == "sigmoid":
+        beta = xp.sigmoid(xp.float32(beta))
+    return q, k, g, beta
+
+
+# --------------------------------------------------------------------------- per framework
+
+
+@functools.cache
+def namespace(framework: str):
+    """The ``xp`` of `transform` for ``framework``: its chunkwise ``XP`` namespace
+    (`gdngen.backends.jax_chunkwise.XP`, `gdngen.backends.mlx_chunkwise.XP`) plus
+    ``float32 astype sigmoid softplus rsqrt``."""
+    check_framework(framework)
+    if framework == "jax":
+        import jax
+        import jax.numpy as module
+
+        from gdngen.backends.jax_chunkwise import XP
+
+        sigmoid, rsqrt = jax.nn.sigmoid, jax.lax.rsqrt
+    else:
+        import mlx.core as module
+
+        from gdngen.backends.mlx_chunkwise import XP
+
+        sigmoid, rsqrt = module.sigmoid, module.rsqrt
+
+    class LayerXP(XP):
+        @staticmethod
+        def float32(x):
+            return x.astype(module.float32)
+
+        @staticmethod
+        def astype(x, dtype):
+            return x.astype(dtype)
+
+        @staticmethod
+        def softplus(x):
+            return module.logaddexp(x, 0.0)
+
+    LayerXP.sigmoid, LayerXP.rsqrt = staticmethod(sigmoid), staticmethod(rsqrt)
+    LayerXP.__name__ = LayerXP.__qualname__ = f"LayerXP[{framework}]"
+    return LayerXP
+
+
+def prepare(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
+            qk_norm=False, A_log=None, dt_bias=None, lower_bound=None, beta_activation=None,
+            scale=1.0):
+    """Check the layer-input options and apply them; return ``(q, k, g, beta, gate)`` for the
+    ordinary call (``gate`` "log" after a parameterised gate). With every option off the
+    arguments come back as given, after only the Python-value checks."""
+    options = check_layer_inputs(q, k, v, g, beta, initial_state, mask, gate=gate,
+                                 qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=lower_bound, beta_activation=beta_activation,
+                                 scale=scale)
+    if options.is_identity:
+        return q, k, g, beta, gate
+    q, k, g, beta = transform(namespace(framework), options, q, k, g, beta, A_log, dt_bias)
+    return q, k, g, beta, options.call_gate

@@ -1,0 +1,393 @@
+"""Fused layer inputs (qk_norm, gate="softplus" / "sigmoid_bound", beta_activation) on both
+frameworks, against a float64 NumPy reference of the transform composed with `gdngen.reference`.
+
+The reference gradients of the transform are the chain rule, written out below in float64, on
+top of `gdngen.reference.vjp`'s dq, dk, dg, dbeta (a finite-difference cross-check of that chain
+rule is a test of its own). Errors are relative L2 norms (`gdngen.validate.relative_error`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from gdngen import layer_inputs, reference
+from gdngen.validate import relative_error
+
+FRAMEWORKS = ("jax", "mlx")
+B, T, Hk, Hv, Dk, Dv = 1, 40, 2, 4, 16, 32
+SCALE = Dk ** -0.5
+RTOL = 5e-5  # y, final state and every gradient, float32
+#: raw inputs, in the order the gradient functions take them
+ARRAY_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+GRAD_NAMES = ("q", "k", "g", "A_log", "dt_bias", "beta")
+
+
+# --------------------------------------------------------------------------- float64 reference
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)), written so that neither tail cancels or overflows."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _softplus(x):
+    return np.logaddexp(x, 0.0)
+
+
+def _l2_normalize(x, eps=1e-6):
+    """``x / r`` with ``r = sqrt(sum_D x^2 + eps)``; returns both."""
+    r = np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+    return x / r, r
+
+
+def _l2_normalize_vjp(x_hat, r, d_hat):
+    """d/dx of <x / r, d_hat>: ``(d_hat - x_hat (x_hat . d_hat)) / r``."""
+    return (d_hat - x_hat * (x_hat * d_hat).sum(axis=-1, keepdims=True)) / r
+
+
+def _as_gate_parameter(p, vector_gate):
+    """A per-head parameter ``[Hv]`` as ``[Hv, 1]`` against a per-channel gate."""
+    return p.reshape(-1, 1) if vector_gate and p.ndim == 1 else p
+
+
+def _sum_to(x, shape):
+    """Sum a gate-shaped gradient ``[B,T,Hv(,Dk)]`` down to a parameter's ``shape``."""
+    per_head = x.sum(axis=(0, 1))
+    if per_head.shape == shape:
+        return per_head
+    return per_head.sum(axis=-1).reshape(shape)
+
+
+@dataclass
+class Setup:
+    """One configuration: the raw float64 inputs and the layer-input options."""
+
+    name: str
+    arrays: dict
+    options: dict = field(default_factory=dict)
+
+    @property
+    def vector_gate(self):
+        return self.arrays["g"].ndim == 4
+
+
+def reference_forward_and_grads(setup: Setup, dy, dstate):
+    """Float64 y, final state and the gradients w.r.t. every raw input of the loss
+    ``<y, dy> + <final_state, dstate>``."""
+    x, opt = setup.arrays, setup.options
+    q, k, g, beta = x["q"], x["k"], x["g"], x["beta"]
+    if opt.get("qk_norm"):
+        (q, rq), (k, rk) = _l2_normalize(q), _l2_normalize(k)
+    gate = opt.get("gate", "log")
+    if gate != "log":
+        A = _as_gate_parameter(x["A_log"], setup.vector_gate)
+        dt = _as_gate_parameter(x["dt_bias"], setup.vector_gate)
+        pre = g + dt  # the raw projection plus its bias
+        if gate == "softplus":
+            log_g = -np.exp(A) * _softplus(pre)
+        else:
+            z = np.exp(A) * pre
+            log_g = opt["lower_bound"] * _sigmoid(z)
+    else:
+        log_g = g
+    if opt.get("beta_activation") == "sigmoid":
+        beta = _sigmoid(beta)
+
+    out = reference.vjp(q, k, x["v"], log_g, beta, None, dy, dstate, scale=SCALE, gate="log")
+    grads = {"dq": out["dq"], "dk": out["dk"], "dg": out["dg"], "dbeta": out["dbeta"]}
+    if opt.get("qk_norm"):
+        grads["dq"] = _l2_normalize_vjp(q, rq, out["dq"])
+        grads["dk"] = _l2_normalize_vjp(k, rk, out["dk"])
+    if gate == "softplus":  # d log g / d pre = -exp(A) sigmoid(pre), d log g / d A = log g
+        d_pre = out["dg"] * -np.exp(A) * _sigmoid(pre)
+        d_A = out["dg"] * log_g
+    elif gate == "sigmoid_bound":  # d log g / dz = lb s (1 - s), dz / d pre = exp(A), dz/dA = z
+        s = _sigmoid(z)
+        dz = out["dg"] * opt["lower_bound"] * s * (1.0 - s)
+        d_pre, d_A = dz * np.exp(A), dz * z
+    if gate != "log":
+        grads["dg"] = d_pre
+        grads["dA_log"] = _sum_to(d_A, x["A_log"].shape)
+        grads["ddt_bias"] = _sum_to(d_pre, x["dt_bias"].shape)
+    if opt.get("beta_activation") == "sigmoid":
+        grads["dbeta"] = out["dbeta"] * beta * (1.0 - beta)
+    return out["y"], out["final_state"], grads, log_g
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def _setup(name, gate="log", vector_gate=False, A_shape=None, dt_shape=None, seed=0,
+           lower_bound=None, qk_norm=True, beta_logits=True, g=None, A_log=None):
+    rng = np.random.default_rng(seed)
+    gate_shape = (B, T, Hv, Dk) if vector_gate else (B, T, Hv)
+    arrays = {"q": rng.standard_normal((B, T, Hk, Dk)) * 2.0,  # not unit norm: the norm matters
+              "k": rng.standard_normal((B, T, Hk, Dk)) * 0.5,
+              "v": rng.standard_normal((B, T, Hv, Dv)),
+              "beta": rng.standard_normal((B, T, Hv)) if beta_logits
+              else rng.uniform(0.1, 0.9, (B, T, Hv))}
+    if not qk_norm:
+        arrays["k"] = arrays["k"] / np.linalg.norm(arrays["k"], axis=-1, keepdims=True)
+    options = {"qk_norm": qk_norm, "beta_activation": "sigmoid" if beta_logits else None}
+    if gate == "log":
+        arrays["g"] = -rng.uniform(0.01, 1.0, gate_shape)
+    else:
+        options["gate"] = gate
+        arrays["g"] = rng.standard_normal(gate_shape) if g is None else g(rng, gate_shape)
+        arrays["A_log"] = (rng.uniform(-1.0, 1.0, A_shape) if A_log is None
+                           else np.broadcast_to(A_log, A_shape).copy())
+        arrays["dt_bias"] = rng.uniform(-0.5, 0.5, dt_shape)
+    if lower_bound is not None:
+        options["lower_bound"] = lower_bound
+    return Setup(name, arrays, options)
+
+
+def _strong_decay_gate(rng, shape):
+    """Raw projection giving log g ~ -37 on even steps (exp(4) * softplus(~0)) and ~ -2.7 on
+    odd steps (exp(4) * softplus(-3)), with A_log = 4 and dt_bias near 0."""
+    steps = np.arange(shape[1]).reshape((1, -1) + (1,) * (len(shape) - 2))
+    return np.where(steps % 2 == 0, 0.0, -3.0) + 0.05 * rng.standard_normal(shape)
+
+
+SETUPS = {
+    s.name: s for s in [
+        _setup("softplus_per_head", "softplus", A_shape=(Hv,), dt_shape=(Hv,)),
+        _setup("sigmoid_bound_per_head", "sigmoid_bound", A_shape=(Hv,), dt_shape=(Hv,),
+               lower_bound=-5.0, seed=1),
+        # mlx-lm's Kimi Linear / Bailing V3 shapes: A_log [Hv, 1], dt_bias [Hv, Dk]
+        _setup("softplus_per_channel_kimi", "softplus", vector_gate=True, A_shape=(Hv, 1),
+               dt_shape=(Hv, Dk), seed=2),
+        _setup("softplus_per_channel_full", "softplus", vector_gate=True, A_shape=(Hv, Dk),
+               dt_shape=(Hv, Dk), seed=3),
+        _setup("sigmoid_bound_per_channel_per_head_params", "sigmoid_bound", vector_gate=True,
+               A_shape=(Hv,), dt_shape=(Hv,), lower_bound=-3.0, seed=4),
+        _setup("qk_norm_only", "log", seed=5, beta_logits=False),
+        _setup("beta_logits_only", "log", qk_norm=False, seed=6),
+        _setup("strong_decay", "softplus", A_shape=(Hv,), dt_shape=(Hv,), seed=7,
+               g=_strong_decay_gate, A_log=4.0),
+    ]
+}
+SETUPS["strong_decay"].arrays["dt_bias"] *= 0.1
+
+
+# --------------------------------------------------------------------------- frameworks
+
+
+class Framework:
+    """Arrays in and out, and ``value_and_grads(fn, arrays, names)`` for one framework."""
+
+    def __init__(self, name):
+        self.name = name
+        if name == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            import gdngen.jax
+
+            self.jax, self.np, self.gated_delta = jax, jnp, gdngen.jax.gated_delta
+        else:
+            import mlx.core as mx
+
+            import gdngen.mlx
+
+            self.mx, self.np, self.gated_delta = mx, mx, gdngen.mlx.gated_delta
+
+    def array(self, x, dtype=None):
+        x = np.asarray(x, np.float32)
+        if self.name == "jax":
+            return self.np.asarray(x, dtype)
+        out = self.mx.array(x)
+        return out if dtype is None else out.astype(dtype)
+
+    def numpy(self, x):
+        if self.name == "mlx":
+            x = x.astype(self.mx.float32)
+        return np.asarray(x, np.float64)
+
+    def grads(self, fn, args):
+        """Gradients of scalar ``fn(*args)`` w.r.t. every argument."""
+        if self.name == "jax":
+            return self.jax.grad(fn, argnums=tuple(range(len(args))))(*args)
+        grads = self.mx.grad(fn, argnums=list(range(len(args))))(*args)
+        return tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
+
+
+@pytest.fixture(params=FRAMEWORKS, scope="module")
+def fw(request):
+    return Framework(request.param)
+
+
+def _call(fw, setup, arrays, **extra):
+    """``gated_delta`` on raw framework arrays (a dict by name) with the setup's options."""
+    parameters = {n: arrays[n] for n in ("A_log", "dt_bias") if n in arrays}
+    return fw.gated_delta(arrays["q"], arrays["k"], arrays["v"], arrays["g"], arrays["beta"],
+                          scale=SCALE, **setup.options, **parameters, **extra)
+
+
+def _cotangents(seed=11):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((B, T, Hv, Dv)), rng.standard_normal((B, Hv, Dv, Dk))
+
+
+def framework_forward_and_grads(fw, setup, dy, dstate):
+    names = [n for n in ARRAY_NAMES if n in setup.arrays]
+    args = [fw.array(setup.arrays[n]) for n in names]
+    dy_f, dstate_f = fw.array(dy), fw.array(dstate)
+
+    def loss(*args):
+        y, state = _call(fw, setup, dict(zip(names, args)))
+        return (y * dy_f).sum() + (state * dstate_f).sum()
+
+    y, state = _call(fw, setup, dict(zip(names, args)))
+    grads = dict(zip(names, fw.grads(loss, args)))
+    return (fw.numpy(y), fw.numpy(state),
+            {f"d{n}": fw.numpy(grads[n]) for n in GRAD_NAMES if n in grads})
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_values_and_gradients_match_float64_reference(fw, name):
+    setup = SETUPS[name]
+    dy, dstate = _cotangents()
+    y_ref, state_ref, grads_ref, log_g = reference_forward_and_grads(setup, dy, dstate)
+    y, state, grads = framework_forward_and_grads(fw, setup, dy, dstate)
+    errors = {"y": relative_error(y, y_ref), "final_state": relative_error(state, state_ref)}
+    assert set(grads) == set(grads_ref)
+    errors.update({n: relative_error(grads[n], grads_ref[n]) for n in grads_ref})
+    if name == "strong_decay":
+        strong = log_g < -30
+        assert strong.any() and log_g.max() > -5  # strong and mild steps both present
+        errors["dg (strong steps)"] = relative_error(grads["dg"][strong],
+                                                     grads_ref["dg"][strong])
+    print(f"{fw.name} {name}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    worst = max(errors.items(), key=lambda item: item[1])
+    assert worst[1] <= RTOL, (name, worst)
+
+
+def test_chain_rule_reference_agrees_with_finite_differences():
+    """The float64 chain rule above against central differences of the float64 forward."""
+    setup = SETUPS["sigmoid_bound_per_channel_per_head_params"]
+    dy, dstate = _cotangents()
+    _, _, grads, _ = reference_forward_and_grads(setup, dy, dstate)
+    rng = np.random.default_rng(3)
+
+    def loss(arrays):
+        shifted = Setup(setup.name, arrays, setup.options)
+        y, state, _, _ = reference_forward_and_grads(shifted, dy, dstate)
+        return (y * dy).sum() + (state * dstate).sum()
+
+    h = 1e-6
+    for name in GRAD_NAMES:
+        direction = rng.standard_normal(setup.arrays[name].shape)
+        plus, minus = dict(setup.arrays), dict(setup.arrays)
+        plus[name] = setup.arrays[name] + h * direction
+        minus[name] = setup.arrays[name] - h * direction
+        numeric = (loss(plus) - loss(minus)) / (2 * h)
+        analytic = (grads[f"d{name}"] * direction).sum()
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), name
+
+
+def test_log_gate_is_stable_at_extreme_projections(fw):
+    """softplus is x for large x and exp(x) for very negative x: no overflow to inf, no
+    underflow to 0 while exp(x) is a normal float32; the gradient is -exp(A_log) sigmoid(x)."""
+    xp = layer_inputs.namespace(fw.name)
+    pre = np.array([-80.0, -50.0, -20.0, 0.0, 20.0, 50.0, 80.0])
+    A_log = np.array([1.5])
+    got = fw.numpy(layer_inputs.log_gate(xp, fw.array(pre), fw.array(A_log), fw.array([0.0])))
+    want = -np.exp(A_log) * _softplus(pre)
+    assert np.all(np.abs(got - want) <= 4e-6 * np.abs(want))  # a few float32 ulps
+
+    def total(a):
+        return layer_inputs.log_gate(xp, a, fw.array(A_log), fw.array([0.0])).sum()
+
+    (grad,) = fw.grads(total, [fw.array(pre)])
+    want_grad = -np.exp(A_log) * _sigmoid(pre)
+    assert np.all(np.abs(fw.numpy(grad) - want_grad) <= 4e-6 * np.abs(want_grad))
+
+
+def test_qk_norm_matches_mlx_lm_normalize_qk():
+    """qk_norm's formula is mlx-lm's normalize_qk with inv_scale = Dk**-0.5 (k exactly; q
+    carries the Dk**-0.5 readout scale there, passed as ``scale`` here)."""
+    mx = pytest.importorskip("mlx.core")
+    gated_delta = pytest.importorskip("mlx_lm.models.gated_delta")
+    rng = np.random.default_rng(0)
+    q, k = (mx.array(rng.standard_normal((B, T, Hk, Dk)).astype(np.float32) * 3)
+            for _ in range(2))
+    ref_q, ref_k = gated_delta.normalize_qk(q, k, inv_scale=Dk ** -0.5, eps=1e-6)
+    xp = layer_inputs.namespace("mlx")
+    got_q, got_k = (layer_inputs.l2_normalize(xp, x) for x in (q, k))
+    assert relative_error(np.array(got_k), np.array(ref_k)) < 1e-6
+    assert relative_error(np.array(got_q) * Dk ** -0.5, np.array(ref_q)) < 1e-6
+
+
+def test_output_dtype_follows_q_and_compiled_matches_eager(fw):
+    setup = SETUPS["softplus_per_channel_kimi"]
+    arrays = {n: fw.array(x) for n, x in setup.arrays.items()}
+    for n in ("q", "k", "v"):
+        arrays[n] = arrays[n].astype(fw.np.bfloat16)
+    y, state = _call(fw, setup, arrays)
+    assert "bfloat16" in str(y.dtype) and "float32" in str(state.dtype)
+
+    names = sorted(arrays)
+
+    def f(*args):
+        return _call(fw, setup, dict(zip(names, args)))
+
+    compiled = fw.jax.jit(f) if fw.name == "jax" else fw.mx.compile(f)
+    for eager, traced in zip(f(*(arrays[n] for n in names)), compiled(*(arrays[n] for n in names))):
+        np.testing.assert_allclose(fw.numpy(traced), fw.numpy(eager), rtol=1e-5, atol=1e-6)
+
+
+def test_defaults_pass_the_arrays_through_unchanged(fw):
+    arrays = [fw.array(x) for x in (np.ones((B, T, Hk, Dk)), np.ones((B, T, Hk, Dk)),
+                                    np.ones((B, T, Hv, Dv)), -np.ones((B, T, Hv)),
+                                    np.ones((B, T, Hv)))]
+    q, k, v, g, beta = arrays
+    out = layer_inputs.prepare(fw.name, q, k, v, g, beta)
+    assert all(a is b for a, b in zip(out, (q, k, g, beta))) and out[4] == "log"
+
+
+def _bad(gate="softplus", vector_gate=False, **options):
+    return gate, vector_gate, options
+
+
+_A, _A_VEC = np.zeros(Hv), np.zeros((Hv, Dk))
+BAD = [
+    (_bad(), "gate='softplus' needs A_log and dt_bias \\(A_log and dt_bias not given\\)"),
+    (_bad(A_log=_A), "gate='softplus' needs A_log and dt_bias \\(dt_bias not given\\)"),
+    (_bad("sigmoid_bound", A_log=_A, dt_bias=_A), "gate='sigmoid_bound' needs lower_bound"),
+    (_bad(A_log=_A, dt_bias=_A, lower_bound=-5.0),
+     "lower_bound is only for gate='sigmoid_bound', got gate='softplus'"),
+    (_bad("sigmoid_bound", A_log=_A, dt_bias=_A, lower_bound=0.0), "lower_bound must be < 0"),
+    (_bad("sigmoid_bound", A_log=_A, dt_bias=_A, lower_bound=True),
+     "lower_bound must be a Python float"),
+    (_bad("log", A_log=_A), "A_log is only for gate='softplus' or gate='sigmoid_bound'"),
+    (_bad("linear", dt_bias=_A), "dt_bias is only for gate='softplus' or gate='sigmoid_bound'"),
+    (_bad(A_log=np.zeros(3), dt_bias=_A),
+     "A_log has shape \\(3,\\), expected \\(4,\\) for Hv=4, Dk=16"),
+    (_bad(A_log=_A_VEC, dt_bias=_A), "A_log has shape \\(4, 16\\), expected \\(4,\\) for"),
+    (_bad(vector_gate=True, A_log=_A, dt_bias=np.zeros((Hv, Dk + 1))),
+     ("dt_bias has shape \\(4, 17\\), expected \\(4,\\), \\(4, 1\\) or \\(4, 16\\) for Hv=4, "
+      "Dk=16 \\(per-channel g")),
+    (_bad("log", beta_activation="softmax"), "beta_activation must be None or 'sigmoid'"),
+    (_bad("log", qk_norm=1), "qk_norm must be a bool"),
+    (_bad("exp"), "gate must be one of \\('log', 'linear', 'softplus', 'sigmoid_bound'\\)"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD, ids=[m.split(" ")[0] + str(i)
+                                                   for i, (_, m) in enumerate(BAD)])
+def test_bad_combinations_raise_a_value_error_naming_the_argument(fw, bad, message):
+    gate, vector_gate, options = bad
+    setup = _setup("bad", "log", vector_gate=vector_gate)
+    arrays = {n: fw.array(x) for n, x in setup.arrays.items()}
+    options = {n: fw.array(x) if isinstance(x, np.ndarray) else x for n, x in options.items()}
+    with pytest.raises(ValueError, match=message):
+        fw.gated_delta(arrays["q"], arrays["k"], arrays["v"], arrays["g"], arrays["beta"],
+                       gate=gate, **options)
