@@ -3,8 +3,11 @@
 mlx-lm's linear-attention layers call ``gated_delta_update(..., use_kernel=not self.training)``,
 so every training step runs ``gated_delta_ops``, a per-token loop. `patch` replaces that function
 in every mlx-lm module that imported it; calls made with ``use_kernel=False`` (the training path)
-and a per-head gate then run `gdngen.mlx.gated_delta` with the gate taken in log space straight
-from the layer's parameters. Calls with ``use_kernel=True`` (inference; mlx-lm's Metal kernel
+and a per-head gate then run `gdngen.mlx.gated_delta` on the raw gate projection and beta logits
+with the layer's parameters (``gate="softplus"`` or ``"sigmoid_bound"``, ``A_log``, ``dt_bias``,
+``beta_activation="sigmoid"``: the gate is taken in log space, `gdngen.layer_inputs`). q and k
+arrive normalised (mlx-lm's models call ``normalize_qk`` before ``gated_delta_update``), so
+``qk_norm`` stays off. Calls with ``use_kernel=True`` (inference; mlx-lm's Metal kernel
 where it has one) keep mlx-lm's function unless ``patch(inference=True)``.
 
     from gdngen.integrations import mlx_lm as gdn_mlx_lm
@@ -33,6 +36,7 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 
+from gdngen import layer_inputs
 from gdngen import mlx as gdngen_mlx
 from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM
 
@@ -63,15 +67,11 @@ def log_decay(A_log, a, dt_bias, lower_bound=None):
 
     ``-exp(A_log) * softplus(a + dt_bias)`` (= log of mlx-lm's ``compute_g``), or with
     ``lower_bound``: ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))`` (= log of
-    ``compute_lower_bound_g``). No exp/log round trip: it cannot underflow, and its gradients to
-    A_log, a and dt_bias are exact.
+    ``compute_lower_bound_g``): `gdngen.layer_inputs.log_gate`, the formula
+    ``gdngen.mlx.gated_delta(..., gate="softplus" | "sigmoid_bound")`` applies. No exp/log round
+    trip: it cannot underflow, and its gradients to A_log, a and dt_bias are exact.
     """
-    f32 = mx.float32
-    rate = mx.exp(A_log.astype(f32))
-    x = a.astype(f32) + dt_bias.astype(f32)
-    if lower_bound is None:
-        return -rate * mx.logaddexp(x, 0.0)  # softplus
-    return lower_bound * mx.sigmoid(rate * x)
+    return layer_inputs.log_gate(layer_inputs.namespace("mlx"), a, A_log, dt_bias, lower_bound)
 
 
 def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
@@ -82,30 +82,41 @@ def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=No
     q, k ``[B,T,Hk,Dk]`` (already normalized and scaled by mlx-lm's ``normalize_qk``; no scale is
     applied here); v ``[B,T,Hv,Dv]``; a ``[B,T,Hv]`` (or ``[B,T,Hv,Dk]`` for per-channel gates);
     b ``[B,T,Hv]``; state ``[B,Hv,Dv,Dk]`` or None; mask ``[B,T]`` (False: the step leaves the
-    state unchanged and its output is 0). beta = sigmoid(b), doubled with ``allow_neg_eigval``.
-    Returns ``(y [B,T,Hv,Dv] in q's dtype, state [B,Hv,Dv,Dk] float32)``. ``use_kernel`` is
-    accepted for signature compatibility and ignored.
+    state unchanged and its output is 0). beta = sigmoid(b), doubled with ``allow_neg_eigval``;
+    ``A_log``, ``dt_bias`` broadcast against a's head (and channel) axes, as in mlx-lm. The gate
+    ``log g = -exp(A_log) softplus(a + dt_bias)`` (or the ``lower_bound`` form) and, without
+    ``allow_neg_eigval``, ``sigmoid(b)`` are computed by ``gdngen.mlx.gated_delta`` itself
+    (``gate="softplus"`` / ``"sigmoid_bound"``, ``beta_activation="sigmoid"``). Returns
+    ``(y [B,T,Hv,Dv] in q's dtype, state [B,Hv,Dv,Dk] float32)``. ``use_kernel`` is accepted for
+    signature compatibility and ignored.
     """
     del use_kernel
-    log_g = log_decay(A_log, a, dt_bias, lower_bound)
-    beta = mx.sigmoid(b.astype(mx.float32))
-    if allow_neg_eigval:
-        beta = beta * 2.0
+    if allow_neg_eigval:  # beta in [0, 2]: not one of gdngen's activations, so taken here
+        beta, beta_activation = 2.0 * mx.sigmoid(b.astype(mx.float32)), None
+    else:
+        beta, beta_activation = b, "sigmoid"
+    # mlx-lm broadcasts A_log and dt_bias against a; gdngen takes them per head ([Hv]) or per
+    # head and channel ([Hv, Dk]), which is that broadcast onto a's trailing axes
+    A_log, dt_bias = (mx.broadcast_to(p, a.shape[2:]) for p in (A_log, dt_bias))
     if mask is not None and mask.dtype != mx.bool_:
         mask = mask.astype(mx.bool_)
-    return gdngen_mlx.gated_delta(q, k, v, log_g, beta, state, mask=mask, scale=1.0, gate="log",
-                                  chunk_size=chunk_size)
+    return gdngen_mlx.gated_delta(
+        q, k, v, a, beta, state, mask=mask, scale=1.0,
+        gate="softplus" if lower_bound is None else "sigmoid_bound", A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation,
+        chunk_size=chunk_size)
 
 
-def _takes_chunkwise_path(q, v, a, A_log, dt_bias) -> bool:
-    """Scalar (per-head) gate and head dims in gdngen's range: the calls gdngen speeds up.
+def _takes_chunkwise_path(q, v, a, A_log, dt_bias, lower_bound=None) -> bool:
+    """Scalar (per-head) gate and head dims in gdngen's range: the calls gdngen speeds up
+    (and a decaying ``lower_bound``: None or < 0, which gdngen's ``gate="sigmoid_bound"`` takes).
 
     Per-channel gates ``[B,T,Hv,Dk]`` (Kimi Linear, Kimi K3, Bailing V3) would take gdngen's
     sequential recurrence, measured ~1.2x slower than mlx-lm's own loop, so they stay on mlx-lm.
     """
     gate_ndim = len(np.broadcast_shapes(tuple(a.shape), tuple(A_log.shape), tuple(dt_bias.shape)))
-    return gate_ndim == 3 and all(MIN_HEAD_DIM <= d <= MAX_HEAD_DIM
-                                  for d in (q.shape[-1], v.shape[-1]))
+    return (gate_ndim == 3 and (lower_bound is None or lower_bound < 0)
+            and all(MIN_HEAD_DIM <= d <= MAX_HEAD_DIM for d in (q.shape[-1], v.shape[-1])))
 
 
 # --------------------------------------------------------------------------- patch state
@@ -133,7 +144,7 @@ def _routed_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
     """
     active = _ACTIVE
     if (active is None or (use_kernel and not active.inference)
-            or not _takes_chunkwise_path(q, v, a, A_log, dt_bias)):
+            or not _takes_chunkwise_path(q, v, a, A_log, dt_bias, lower_bound)):
         return _ORIGINAL(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
                          lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
     return gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask,
