@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gdngen import registry, settings
+from gdngen import layer_inputs, registry, settings
 from gdngen.problem import CallShape, check_call, check_framework, dtype_name
 from gdngen.variant import Problem, Variant, problem_of
 
@@ -181,16 +181,28 @@ class TunedGatedDelta:
                 f"precision={self.precision!r})")
 
     def explain(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
-                gate="log") -> Choice:
+                gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
+                beta_activation=None) -> Choice:
         """Which variant a call with these arguments runs, and why (`str()` it to read)."""
-        shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
+        options = layer_inputs.check_layer_inputs(
+            q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm, A_log=A_log,
+            dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation,
+            scale=scale)
+        shape = check_call(q, k, v, g, beta, initial_state, mask, gate=options.call_gate,
+                           scale=scale)
         return choose(self.framework, shape, dtype_name(q), device=self.device,
                       precision=self.precision)
 
     def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
-                 gate="log"):
+                 gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
+                 beta_activation=None):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
         from gdngen.precision import precision_context
+
+        q, k, g, beta, gate = layer_inputs.prepare(
+            self.framework, q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            beta_activation=beta_activation, scale=scale)
 
         chosen = self.explain(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                               gate=gate).variant

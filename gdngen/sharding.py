@@ -87,7 +87,8 @@ def run(call, arrays: dict, shape, *, context_axis):
         return context_parallel(call, arrays, shape, axis=context_axis)
     if axes:
         return per_shard(call, arrays)
-    if jax.device_count() > 1 and not settings.flag(settings.ENV_NO_PARTITIONING):
+    if jax.device_count() > 1 and not settings.flag(settings.ENV_NO_PARTITIONING) \
+            and not _on_one_device(arrays):
         known = known_shardings(arrays, shape)
         if known:
             mesh = next(iter(known.values())).sharding.mesh
@@ -96,6 +97,17 @@ def run(call, arrays: dict, shape, *, context_axis):
                 return explicit_shard_map(call, arrays, shape, mesh, batch, heads)
         return partitioned(call, arrays, shape)
     return call(**arrays)
+
+
+def _on_one_device(arrays: dict) -> bool:
+    """Whether every array is concrete and lives on a single device (an eager call that no
+    partitioner will see)."""
+    import jax
+
+    present = [x for x in arrays.values() if x is not None]
+    if any(isinstance(x, jax.core.Tracer) for x in present):
+        return False
+    return all(len(x.sharding.device_set) == 1 for x in present if hasattr(x, "sharding"))
 
 
 def per_shard(call, arrays: dict):
@@ -343,8 +355,12 @@ def context_parallel(call, arrays: dict, shape, *, axis: str):
                             initial_state=vary(S_ext, local_axes), mask=mask)
     y0, yI = y_ext[..., :Dv].astype(f32), y_ext[..., Dv:].astype(f32)
     N, M = final_ext[:, :, :Dv], final_ext[:, :, Dv:]          # [B,Hv,Dv,Dk], [B,Hv,Dk,Dk]
-    Ms = jax.lax.all_gather(M, axis, to="invarying")            # [P,B,Hv,Dk,Dk]
-    Ns = jax.lax.all_gather(N, axis, to="invarying")            # [P,B,Hv,Dv,Dk]
+    # With check_vma the gathered transitions are invariant over the axis (their transpose is
+    # a slice after JAX's psum of the varying uses); without it JAX tracks no such types, and
+    # the varying gather's transpose (a reduce-scatter) does the summing.
+    to = "invarying" if axis in local_axes else "varying"
+    Ms = jax.lax.all_gather(M, axis, to=to)                     # [P,B,Hv,Dk,Dk]
+    Ns = jax.lax.all_gather(N, axis, to=to)                     # [P,B,Hv,Dv,Dk]
     S = jnp.zeros((B, Hv, Dv, Dk), f32) if S0 is None else S0.astype(f32)
     entering = []
     with jax.default_matmul_precision("highest"):

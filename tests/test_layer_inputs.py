@@ -391,3 +391,21 @@ def test_bad_combinations_raise_a_value_error_naming_the_argument(fw, bad, messa
     with pytest.raises(ValueError, match=message):
         fw.gated_delta(arrays["q"], arrays["k"], arrays["v"], arrays["g"], arrays["beta"],
                        gate=gate, **options)
+
+
+def test_load_tuned_takes_the_layer_input_keywords(fw):
+    import gdngen
+
+    setup = SETUPS["softplus_per_head"]
+    arrays = {n: fw.array(x) for n, x in setup.arrays.items()}
+    tuned = gdngen.load_tuned(fw.name)
+    parameters = {n: arrays[n] for n in ("A_log", "dt_bias")}
+    args = (arrays["q"], arrays["k"], arrays["v"], arrays["g"], arrays["beta"])
+    y, state = tuned(*args, scale=SCALE, **setup.options, **parameters)
+    y_plain, state_plain = _call(fw, setup, arrays)
+    assert relative_error(fw.numpy(y), fw.numpy(y_plain)) < 1e-6
+    assert relative_error(fw.numpy(state), fw.numpy(state_plain)) < 1e-6
+    choice = tuned.explain(*args, scale=SCALE, **setup.options, **parameters)
+    assert choice.variant.backend in gdngen.registry.names(fw.name)
+    with pytest.raises(ValueError, match="A_log and dt_bias"):
+        tuned.explain(*args, scale=SCALE, gate="softplus")
