@@ -3,9 +3,9 @@
 Runs ``gdngen tune`` on a fresh database (and fresh cache roots, so no validation memo is
 shared between the runs) first with one worker, then with ``--workers`` processes posing as
 hosts ``host-0..`` (``GDNGEN_HOST``, each its own cache root); in that run the worker whose trial
-is first in flight after two evaluated trials is SIGKILLed. Prints, per run: the wall time,
+starts a trial after two evaluated trials is SIGKILLed mid-trial. Prints, per run: the wall time,
 evaluated trials per worker, duplicates (evaluated trials minus distinct variants), lost trials
-(left RUNNING or WAITING, or re-queued and never evaluated), the killed trial's fate, and the
+(left RUNNING, or re-queued and never evaluated), the killed trial's fate, and the
 tuned entries (each host's, then merged with ``gdngen merge`` and listed by ``gdngen show``).
 Without ``--storage`` it starts a throwaway server (Debian's postgresql package).
 
@@ -45,8 +45,8 @@ def _cli(*args, env) -> str:
 def _tune_args(ns, url) -> list[str]:
     return ["tune", "--device", "cpu", "--framework", ns.framework, "--backend", ns.backend,
             "--heads", ns.heads, "--dim", ns.dim, "--seq", ns.seq, "--trials", str(ns.trials),
-            "--repeats", str(ns.repeats), "--storage", url, "--heartbeat", str(ns.heartbeat),
-            "--heartbeat-grace", str(ns.grace), "--json"]
+            "--repeats", str(ns.repeats), "--cases", ns.cases, "--storage", url,
+            "--heartbeat", str(ns.heartbeat), "--heartbeat-grace", str(ns.grace), "--json"]
 
 
 def _run(ns, url, folder: Path, workers: int, kill: bool) -> dict:
@@ -60,8 +60,8 @@ def _run(ns, url, folder: Path, workers: int, kill: bool) -> dict:
         [sys.executable, "-m", "gdngen.cli", *_tune_args(ns, url)],
         env=dict(os.environ, GDNGEN_HOST=h, GDNGEN_CACHE_DIR=str(folder / h)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in hosts}
-    victim = None
-    if kill:
+    victim, seen = None, set()
+    if kill:  # a trial seen running for the first time, after two evaluated: mid-trial
         while victim is None:
             time.sleep(0.05)
             try:
@@ -69,9 +69,12 @@ def _run(ns, url, folder: Path, workers: int, kill: bool) -> dict:
             except ValueError:
                 continue
             trials = study.get_trials()
-            if sum(1 for t in trials if t.user_attrs.get("evaluated")) >= 2:
-                victim = next((t for t in trials if t.state.name == "RUNNING"
-                               and "sha256" in t.user_attrs), None)
+            running = [t for t in trials if t.state.name == "RUNNING" and "sha256" in
+                       t.user_attrs]
+            fresh = [t for t in running if t.number not in seen]
+            seen.update(t.number for t in running)
+            if fresh and sum(1 for t in trials if t.user_attrs.get("evaluated")) >= 2:
+                victim = fresh[0]
         os.kill(procs[victim.user_attrs["host"]].pid, signal.SIGKILL)
     outputs = {h: p.communicate() for h, p in procs.items()}
     wall = time.monotonic() - started
@@ -86,8 +89,10 @@ def _run(ns, url, folder: Path, workers: int, kill: bool) -> dict:
         per_worker[key] = per_worker.get(key, 0) + 1
     out = {"workers": workers, "wall_s": round(wall, 1), "evaluated": len(done),
            "trials_per_worker": per_worker, "duplicates": len(names) - len(set(names)),
-           "lost": len([t for t in trials if t.state.name in ("RUNNING", "WAITING")])
+           "lost": len([t for t in trials if t.state.name == "RUNNING"])
            + len([t for t in requeued if not t.user_attrs.get("evaluated")]),
+           "states": {s: sum(t.state.name == s for t in trials)
+                      for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")},
            "exit_codes": {h: p.returncode for h, p in procs.items()}}
     if victim is not None:
         killed = trials[victim.number]
@@ -129,6 +134,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq", default="256")
     p.add_argument("--trials", type=int, default=12)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--cases", default="short", help="battery cases each trial validates on")
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--heartbeat", type=int, default=2)
     p.add_argument("--grace", type=int, default=10)
