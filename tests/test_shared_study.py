@@ -3,7 +3,7 @@
 nothing is lost or left RUNNING after the heartbeat grace, the killed variant is evaluated
 exactly once, and the cache holds the study's best. Plus ``--workers`` and the storage errors.
 
-The server is Debian's ``postgresql`` package (``make install`` installs it): ``initdb`` in a
+The server is Debian's ``postgresql`` package (``make test`` installs it): ``initdb`` in a
 temporary folder, listening on a loopback port, run as the ``postgres`` user when the tests run
 as root (PostgreSQL refuses root). Trials tune a planted MLX backend whose variants sleep a
 known time per call (the ranking is the sleeps'), at a tiny shape.
