@@ -113,6 +113,14 @@ def _was_evaluated(t) -> bool:
         or (t.state == TrialState.FAIL and "failure" in t.user_attrs))
 
 
+def _pending_retries(study) -> list:
+    """WAITING trials that re-queue a failed (killed, stale) trial's variant."""
+    from optuna.trial import TrialState
+
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+            if "retry_of" in t.user_attrs]
+
+
 def _study_state(study):
     """(evaluated variant names, in-flight variant names) of the study."""
     from optuna.trial import TrialState
@@ -292,12 +300,14 @@ def tune(target: Target, settings: Settings = Settings(), *, storage=None,
         # a concurrent tuner may have died meanwhile
         recovered += recover_interrupted(study, storage, settings.heartbeat)
         evaluated, running = _study_state(study)
-        if len(evaluated) >= budget:
+        # a killed trial's re-queued variant runs even when the budget is reached meanwhile
+        retries = _pending_retries(study)
+        if len(evaluated) >= budget and not retries:
             break
         if settings.timeout is not None and time.monotonic() - started > settings.timeout:
             summary.notes.append(f"stopped after the {settings.timeout:g} s timeout")
             break
-        if len(evaluated) + len(running) >= budget:
+        if len(evaluated) + len(running) >= budget and not retries:
             time.sleep(min(1.0, settings.heartbeat.interval / 2))  # the rest is in flight
             continue
         with warnings.catch_warnings():  # Optuna expects heartbeats from Study.optimize only
@@ -353,6 +363,9 @@ def _trial(study, trial, target: Target, settings: Settings, choices, space_name
               if t.number != trial.number and _trial_variant(t) == name
               and (t.state == TrialState.RUNNING or _was_evaluated(t))
               and t.user_attrs.get("duplicate_of") is None]
+    if "retry_of" not in trial.user_attrs:  # a killed trial's re-queued variant is taken
+        claims += [t for t in _pending_retries(study)
+                   if _decode(target.backend, t.params).name() == name]
     if claims:
         trial.set_user_attr("duplicate_of", claims[0].number)
         study.tell(trial, state=TrialState.PRUNED)
