@@ -28,6 +28,10 @@ JAX_BACKENDS = ("xla", "ffi_cpu", "pallas_tpu", "pallas_gpu")
 CHECK_VMA = {"pallas_gpu": False}
 CONTEXT_CASES = ("strong_decay", "hard_decay", "identical_keys", "gates_exact_one_and_zero",
                  "padding_mask", "gva3")
+#: the interpret-mode backends skip the two Dk = Dv = 64 cases (a local pass of 128 value rows
+#: in the interpreters on 8 devices takes most of an hour); the combine is the same code for
+#: every backend, and xla / ffi_cpu run the whole list
+INTERPRETED_CONTEXT_CASES = ("strong_decay", "gates_exact_one_and_zero", "padding_mask", "gva3")
 
 
 def run_checks(request: dict, timeout: int = 900) -> dict:
@@ -109,9 +113,10 @@ def test_context_parallel_composes_with_head_sharding():
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", JAX_BACKENDS)
 def test_context_parallel_battery(backend):
-    report = run_checks({"mode": "context", "backend": backend, "cases": CONTEXT_CASES,
+    cases = INTERPRETED_CONTEXT_CASES if backend.startswith("pallas") else CONTEXT_CASES
+    report = run_checks({"mode": "context", "backend": backend, "cases": cases,
                          "check_vma": CHECK_VMA.get(backend, True)}, timeout=3000)
-    assert_cases_pass(report, CONTEXT_CASES)
+    assert_cases_pass(report, cases)
 
 
 def test_context_parallel_communication_does_not_grow_with_T():
