@@ -24,6 +24,7 @@ from pathlib import Path
 import optuna
 import pytest
 from click.testing import CliRunner
+from polling import wait_for
 from postgres_server import free_port, server_bin, temporary_server
 
 from gdngen import cli, tune
@@ -123,16 +124,6 @@ def _start(args, env, **extra):
                             stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _study(storage):
     try:
         [summary] = optuna.get_all_study_summaries(storage)
@@ -174,7 +165,7 @@ def run_killed_study(storage_arg: str, storage, env, tmp_path) -> dict:
         return fresh[0] if fresh and len(_evaluated(study)) >= 2 else None
 
     try:
-        victim = _wait_for(in_flight_after_two, 120, "two trials and one in flight")
+        victim = wait_for(in_flight_after_two, 120, "two trials and one in flight")
         host = victim.user_attrs["host"]
         assert victim.user_attrs["pid"] == procs[host].pid
         os.kill(procs[host].pid, signal.SIGKILL)

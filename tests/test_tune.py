@@ -14,11 +14,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import optuna
 import pytest
+from polling import wait_for
 
 from gdngen import cache, registry, tune
 from gdngen.tune import search
@@ -196,16 +196,6 @@ def test_dry_run_renders_and_validates_off_device(env):
     assert not (Path(env["GDNGEN_CACHE_DIR"]) / "studies").exists()  # nothing was timed
 
 
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_sigkilled_study_resumes_without_losing_trials(env, tmp_path):
     storage_path = tmp_path / "kill.journal"
     args = ["tune", *tiny(), "--trials", "7", "--storage", str(storage_path), "--json"]
@@ -224,7 +214,8 @@ def test_sigkilled_study_resumes_without_losing_trials(env, tmp_path):
         return (study, running[0]) if len(evaluated(study)) >= 2 and running else None
 
     try:
-        study, running = _wait_for(in_flight_after_two, 120, "two trials and one in flight")
+        study, running = wait_for(in_flight_after_two, 120, "two trials and one in flight",
+                                  every=0.1)
         before = {t.number: (t.user_attrs["variant"], t.value) for t in evaluated(study)}
         os.kill(proc.pid, signal.SIGKILL)
     finally:
