@@ -322,11 +322,13 @@ def from_chunks(y, T):
 
 
 def fold_mask(xp, g, beta, mask, gate):
-    """Scalar gates ``g``, ``beta`` [B, T, H] with masked steps (``mask`` [B, T] False) made
-    identity steps: log g = 0 (g = 1 for ``gate="linear"``) and beta = 0. ``mask`` None: as is."""
+    """Gates ``g`` [B, T, H] (or per-channel [B, T, H, Dk]) and ``beta`` [B, T, H] with masked
+    steps (``mask`` [B, T] False) made identity steps: log g = 0 (g = 1 for ``gate="linear"``)
+    and beta = 0. ``mask`` None: as is."""
     if mask is None:
         return g, beta
-    return (xp.where(mask[..., None], g, 0.0 if gate == "log" else 1.0),
+    return (xp.where(mask.reshape(mask.shape + (1,) * (g.ndim - 2)), g,
+                     0.0 if gate == "log" else 1.0),
             xp.where(mask[..., None], beta, 0.0))
 
 
@@ -356,6 +358,40 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     if mask is not None:
         y = xp.where(mask[..., None, None], y, 0.0)
     return y, S_final.reshape(B, Hv, Dv, Dk)
+
+
+def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate):
+    """The recurrence's forward one step at a time, the state carried whole (the portable
+    backends' recurrent path; no VJP of its own, see `gdngen.config.recurrent_switch`).
+
+    float32 arrays in the API layout, masked steps already folded into g and beta
+    (`fold_mask`); g scalar ``[B,T,Hv]`` or per-channel ``[B,T,Hv,Dk]``. Returns ``(y [B,T,Hv,Dv],
+    S_T)``. With a the step's decay of the state's columns (q already scaled), each step reads
+    the state twice and writes it once: ``u = beta (v - S (a k))``, ``S' = S diag(a) + u k^T``,
+    and ``y = S' q = S (a q) + u (k.q)`` (expanded, so S' is not read again).
+    """
+    r = v.shape[2] // q.shape[2]
+    a = xp.exp(g) if gate == "log" else g  # exp of log g <= 0 only; -inf gives exactly 0
+    q, k = (xp.repeat(x, r, axis=2) for x in (q * scale, k))
+    per_channel = a.ndim == 4
+
+    def step(S, xs):
+        q_t, k_t, v_t, a_t, beta_t = xs  # [B, Hv, Dk] / [B, Hv, Dv] / a [B, Hv(, Dk)], [B, Hv]
+        if per_channel:
+            Sk = (S * (a_t * k_t)[..., None, :]).sum(axis=-1)  # [B, Hv, Dv]
+            Sq = (S * (a_t * q_t)[..., None, :]).sum(axis=-1)
+            decay = a_t[..., None, :]
+        else:
+            Sk = a_t[..., None] * (S * k_t[..., None, :]).sum(axis=-1)
+            Sq = a_t[..., None] * (S * q_t[..., None, :]).sum(axis=-1)
+            decay = a_t[..., None, None]
+        u = beta_t[..., None] * (v_t - Sk)
+        y_t = Sq + u * (k_t * q_t).sum(axis=-1)[..., None]
+        return S * decay + u[..., None] * k_t[..., None, :], y_t
+
+    S, y = xp.scan(step, initial_state, tuple(x.swapaxes(0, 1) for x in (q, k, v, a, beta)),
+                   False)
+    return y.swapaxes(0, 1), S
 
 
 def sequential_gated_delta(xp, q, k, v, g, beta, initial_state, mask, *, scale, gate):

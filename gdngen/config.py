@@ -4,7 +4,8 @@ A `gdngen.Variant` names a backend and its parameters as plain JSON values; the 
 `Config` is the same point with each field typed and validated. The same meaning has the same
 name in every backend: ``chunk_size`` (steps per chunk), ``precision`` (matmul operand policy,
 one of `gdngen.precision.PRECISIONS`), ``save_states`` (the forward keeps per-chunk states for
-the backward, else the backward recomputes them).
+the backward, else the backward recomputes them), ``recurrent_below`` (calls with fewer steps
+than this run the backend's recurrent kernel forward, see `recurrent_switch`).
 
 Validation errors are ``ValueError``s naming the backend, the field and the allowed values.
 """
@@ -13,6 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
+
+
+def recurrent_switch(default: int):
+    """The ``recurrent_below`` field of a backend's `VariantConfig`: a call of T steps with
+    T < recurrent_below runs its forward through the backend's recurrent kernel (the state held
+    on-chip, walked one step at a time, nothing saved); longer calls, and every forward whose
+    gradient is taken, run the chunk kernels. 0 never takes the recurrent kernel. Keyword-only,
+    so positional construction of a config keeps its other fields' order; its value is the
+    crossover T the tuner measures (`gdngen.tune.crossover`), else ``default``."""
+    return dataclasses.field(default=default, kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +79,12 @@ class VariantConfig:
         """The field is a bool."""
         if type(getattr(self, name)) is not bool:
             self._fail(name, "a bool")
+
+    def check_count(self, name: str) -> None:
+        """The field is an int >= 0 (not a bool)."""
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            self._fail(name, "an int >= 0")
 
     def check_positive_int(self, name: str) -> None:
         value = getattr(self, name)

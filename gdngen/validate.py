@@ -6,7 +6,10 @@
 quantity in `QUANTITIES`:
 
 * y, final_state, dq, dk, dv, dbeta, dinitial_state: max over the log and linear runs;
-* dg: the log-gate run's dg (d/d log g); dg_linear: the linear run's dg (d/d g).
+* dg: the log-gate run's dg (d/d log g); dg_linear: the linear run's dg (d/d g);
+* y_recurrent, final_state_recurrent (max over both runs, when the runner returns them): the
+  outputs of a forward-only call through the variant's recurrent kernel
+  (`gdngen.config.recurrent_switch`, forced on for the case whatever its T).
 
 A case passes when every error is <= its tolerance: `gdngen.tolerance.allowed_error` of the
 variant under test (the dtype's battery tolerance `tolerance(dtype)` without one).
@@ -45,12 +48,15 @@ __all__ = [
     "tolerance",
 ]
 
-QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear")
+QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear",
+              "y_recurrent", "final_state_recurrent")
 TOLERANCES = DTYPE_TOLERANCES
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
                  "float64": np.float64}
 # Quantities taken from both runs (max of the two errors); dg is split by gate convention.
 _SHARED = ("y", "final_state", "dq", "dk", "dv", "dbeta", "dinitial_state")
+# Outputs of the forward-only call through the recurrent kernel, checked against y / final_state.
+_RECURRENT = {"y_recurrent": "y", "final_state_recurrent": "final_state"}
 # Inputs rounded to the tested dtype (the gate is rounded separately, per convention).
 _ROUNDED_INPUTS = ("q", "k", "v", "beta", "dy", "dfinal_state")
 
@@ -149,7 +155,7 @@ def _case_variant(backend: str, inputs: dict, dtype: str, chunk_size: int, varia
     return Variant(backend, dict(base.as_dict(), chunk_size=chunk_size))
 
 
-def _jax_runner(inputs, *, gate, dtype, scale, variant):
+def _jax_runner(inputs, *, gate, dtype, scale, variant, recurrent):
     import jax
     import jax.numpy as jnp
 
@@ -170,10 +176,13 @@ def _jax_runner(inputs, *, gate, dtype, scale, variant):
     grads = vjp((jnp.asarray(inputs["dy"], jdt),
                  jnp.asarray(inputs["dfinal_state"], jnp.float32)))
     out = {"y": y, "final_state": S, **dict(zip(_GRADS, grads))}
+    if recurrent is not None:
+        out["y_recurrent"], out["final_state_recurrent"] = gated_delta(
+            *args, S0, mask=mask, scale=scale, gate=gate, variant=recurrent)
     return {n: np.asarray(x, np.float64) for n, x in out.items()}
 
 
-def _mlx_runner(inputs, *, gate, dtype, scale, variant):
+def _mlx_runner(inputs, *, gate, dtype, scale, variant, recurrent):
     import mlx.core as mx
 
     from gdngen.mlx import gated_delta
@@ -193,19 +202,34 @@ def _mlx_runner(inputs, *, gate, dtype, scale, variant):
            mx.array(np.asarray(inputs["dfinal_state"], np.float32))]
     (y, S), grads = mx.vjp(f, args + [S0], cot)
     out = {"y": y, "final_state": S, **dict(zip(_GRADS, grads))}
+    if recurrent is not None:
+        out["y_recurrent"], out["final_state_recurrent"] = gated_delta(
+            *args, S0, mask=mask, scale=scale, gate=gate, variant=recurrent)
     return {n: np.asarray(x.astype(mx.float32), np.float64) for n, x in out.items()}
+
+
+def _always_recurrent(variant):
+    """``variant`` with its recurrent kernel taken at every T (None for a backend without
+    one)."""
+    from gdngen.variant import Variant
+
+    if "recurrent_below" not in variant.as_dict():
+        return None
+    return Variant(variant.backend, dict(variant.as_dict(), recurrent_below=1 << 30))
 
 
 def runner_for(backend: str):
     """The battery runner of ``backend`` (protocol in docs/CONTRACT.md): forward + VJP through
     its framework's ``gated_delta`` with ``variant``, else the backend's default variant for the
-    case's shape at the case's ``chunk_size``."""
+    case's shape at the case's ``chunk_size``; and a forward-only call through the variant's
+    recurrent kernel (``y_recurrent``, ``final_state_recurrent``)."""
     spec = registry.get(backend)
     run = _jax_runner if spec.framework == "jax" else _mlx_runner
 
     def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
         chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
-        return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen)
+        return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
+                   recurrent=_always_recurrent(chosen))
 
     runner.backend = backend
     return runner
@@ -257,6 +281,9 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
                     and out.get(name) is None):
                 continue
             errors[name] = relative_error(out.get(name), ref[name])
+        for name, of in _RECURRENT.items():
+            if name in out:
+                errors[name] = relative_error(out[name], ref[of])
         per_gate[gate] = errors
 
     errors = {}

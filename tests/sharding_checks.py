@@ -147,7 +147,8 @@ def runner_for(mode, backend, check_vma, report):
             report["output_specs"] = [_spec_text(x.sharding.spec) for x in (y, S, *grads)]
         out = _outputs(y, S, grads, names)
         plain = validate._jax_runner(inputs, gate=gate, dtype=dtype, scale=scale,
-                                     variant=_variant(backend, inputs, dtype, chunk_size))
+                                     variant=_variant(backend, inputs, dtype, chunk_size),
+                                     recurrent=None)
         differences = [validate.relative_error(out[n], plain[n]) for n in out
                        if plain.get(n) is not None]
         report["vs_unsharded"] = max(differences + [report.get("vs_unsharded", 0.0)])

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from gdngen import chunkwise, settings
 from gdngen.backends import generated
-from gdngen.config import VariantConfig
+from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
@@ -74,6 +74,9 @@ def padded(dim: int) -> int:
     """``dim`` rounded up to whole 16-float vectors."""
     return -(-dim // 16) * 16
 
+#: untuned crossover T (`gdngen.config.recurrent_switch`), measured on this 2-core host (see
+#: benchmarks/bench_small_t.py)
+RECURRENT_BELOW = 16
 
 @dataclass(frozen=True)
 class Config(VariantConfig):
@@ -85,8 +88,10 @@ class Config(VariantConfig):
     panel: int = 64
     row_block: int = 6
     vector_floats: int = 16
+    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
 
     def check(self) -> None:
+        self.check_count("recurrent_below")
         self.check_choice("chunk_size", CHUNK_SIZES)
         self.check_choice("panel", PANELS)
         self.check_choice("row_block", ROW_BLOCKS)

@@ -15,11 +15,12 @@ from gdngen.problem import check_call, dtype_name
 
 
 def check_scalar_call(spec, q, k, v, g, beta, initial_state, mask, *, gate, scale):
-    """`check_call` for the scalar-gate generated backend ``spec``: ``(CallShape, input dtype
-    name)``; ValueError for vector gates or a dtype the backend does not take."""
+    """`check_call` for the generated backend ``spec``: ``(CallShape, input dtype name)``;
+    ValueError for vector gates (unless ``spec.gates`` has them) or a dtype the backend does
+    not take."""
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
                        scale=scale)
-    if shape.vector_gate:
+    if shape.vector_gate and "vector" not in spec.gates:
         raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
                          f"{shape.Hv}): the {spec.name} backend implements scalar gates only")
     dtype = dtype_name(q)

@@ -106,3 +106,35 @@ def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=
     with FLOAT32_MATMULS:
         return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
                                                 scale=scale, gate=gate)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gate"))
+def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):
+    """Forward of the recurrence one step at a time in a ``lax.scan``
+    (`gdngen.chunkwise.recurrent_forward`): float32 arrays in the API layout, masks folded into
+    g and beta; scalar or per-channel gates. Returns ``(y [B,T,Hv,Dv], S_T)``."""
+    with FLOAT32_MATMULS:
+        return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
+                                           gate=gate)
+
+
+def recurrent_or_chunkwise(recurrent, chunkwise_call):
+    """``f(q, k, v, g, beta, S0) -> (y, S_final)`` whose value is ``recurrent``'s and whose VJP
+    is ``chunkwise_call``'s (a ``jax.custom_vjp``): a call that is only evaluated runs the
+    recurrent kernel and keeps nothing for a backward; under ``jax.vjp`` / ``jax.grad`` the
+    forward runs ``chunkwise_call`` (same function, chunk kernels) and its residuals serve the
+    backward. Both take the same float32 arrays (masks already folded into g and beta)."""
+
+    @jax.custom_vjp
+    def switched(*primals):
+        return recurrent(*primals)
+
+    def switched_fwd(*primals):
+        # jax.vjp's function is a pytree (jax.tree_util.Partial) holding chunkwise's residuals
+        return jax.vjp(chunkwise_call, *primals)
+
+    def switched_bwd(chunkwise_vjp, cotangents):
+        return chunkwise_vjp(cotangents)
+
+    switched.defvjp(switched_fwd, switched_bwd)
+    return switched

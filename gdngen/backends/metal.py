@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from gdngen import settings
-from gdngen.config import VariantConfig
+from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
 from gdngen.spec import BackendSpec
@@ -69,6 +69,9 @@ def supports(problem: Problem) -> str | None:
             return f"Problem.{name} must be a multiple of 32, got {getattr(problem, name)}"
     return None
 
+#: untuned crossover T (`gdngen.config.recurrent_switch`): one chunk (below it the chunk
+#: kernels pad to a whole chunk); not measured on an Apple GPU, the tuner measures it there
+RECURRENT_BELOW = 64
 
 @dataclass(frozen=True)
 class Config(VariantConfig):
@@ -81,8 +84,10 @@ class Config(VariantConfig):
     precision: str = "ieee"
     save_states: bool = True
     simdgroups: int = 4
+    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
 
     def check(self) -> None:
+        self.check_count("recurrent_below")
         self.check_choice("chunk_size", CHUNK_SIZES)
         self.check_choice("dv_tile", DV_TILES)
         self.check_choice("mma", ("simdgroup", "fma"))

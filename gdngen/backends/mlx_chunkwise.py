@@ -94,3 +94,28 @@ def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=
     """Per-step float32 recurrence (vector gates); shapes as the API."""
     return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
                                             scale=scale, gate=gate)
+
+
+def recurrent_or_chunkwise(recurrent, chunkwise_call):
+    """``f(q, k, v, g, beta, S0) -> (y, S_final)`` evaluated by ``recurrent`` (nothing kept for a
+    backward) whose VJP is ``chunkwise_call``'s (an ``mx.custom_function``): under ``mx.vjp`` /
+    ``mx.grad`` the backward re-runs ``chunkwise_call`` (same function, chunk kernels) and takes
+    its VJP. Both take the same float32 arrays (masks already folded into g and beta)."""
+
+    @mx.custom_function
+    def switched(q, k, v, g, beta, S0):
+        return recurrent(q, k, v, g, beta, S0)
+
+    @switched.vjp
+    def switched_vjp(primals, cotangents, outputs):
+        return tuple(mx.vjp(chunkwise_call, list(primals), list(cotangents))[1])
+
+    return switched
+
+
+def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):
+    """Forward of the recurrence one step at a time (`gdngen.chunkwise.recurrent_step`): float32
+    arrays in the API layout, masks folded into g and beta; scalar or per-channel gates.
+    Returns ``(y [B,T,Hv,Dv], S_T)``."""
+    return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
+                                       gate=gate)

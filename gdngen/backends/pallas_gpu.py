@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from gdngen import settings
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
-from gdngen.config import VariantConfig
+from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
@@ -94,6 +94,9 @@ def _resolve_tile(requested: int, d: int) -> int:
         tile *= 2
     return tile
 
+#: untuned crossover T (`gdngen.config.recurrent_switch`): one chunk (below it the chunk
+#: kernels pad to a whole chunk); not measured on a GPU, the tuner measures it there
+RECURRENT_BELOW = 64
 
 @dataclass(frozen=True)
 class Config(VariantConfig):
@@ -107,8 +110,10 @@ class Config(VariantConfig):
     num_warps: int = 4
     precision: str = "ieee"
     save_states: bool = True
+    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
 
     def check(self) -> None:
+        self.check_count("recurrent_below")
         self.check_choice("chunk_size", CHUNK_SIZES)
         self.check_choice("bk", TILES)
         self.check_choice("bv", TILES)

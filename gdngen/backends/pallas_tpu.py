@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
-from gdngen.config import VariantConfig
+from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.devices import MiB
 from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
@@ -74,6 +74,9 @@ def _dv_tiles(dv: int) -> list[int]:
     """Dv tiles legal for Mosaic blocks: the whole Dv, or a 128-multiple dividing it."""
     return [t for t in range(128, dv, 128) if dv % t == 0] + [dv]
 
+#: untuned crossover T (`gdngen.config.recurrent_switch`): one chunk (below it the chunk
+#: kernels pad to a whole chunk); not measured on a TPU, the tuner measures it there
+RECURRENT_BELOW = 64
 
 @dataclass(frozen=True)
 class Config(VariantConfig):
@@ -85,8 +88,10 @@ class Config(VariantConfig):
     head_tile: int = 1
     precision: str = "ieee"
     save_states: bool = True
+    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
 
     def check(self) -> None:
+        self.check_count("recurrent_below")
         self.check_choice("chunk_size", CHUNK_SIZES)
         self.check_positive_int("dv_tile")
         self.check_positive_int("head_tile")

@@ -12,7 +12,7 @@ import importlib
 import itertools
 from dataclasses import dataclass
 
-from gdngen.config import VariantConfig
+from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -22,6 +22,9 @@ SOLVE_BLOCKS = (4, 8, 16, 32)
 #: mantissa bits, bfloat16 7); the chunk core itself always traces its matmuls at float32.
 TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 
+#: untuned crossover T (`gdngen.config.recurrent_switch`), measured on this 2-core host (see
+#: benchmarks/bench_small_t.py)
+RECURRENT_BELOW = 16
 
 @dataclass(frozen=True)
 class PortableConfig(VariantConfig):
@@ -32,8 +35,10 @@ class PortableConfig(VariantConfig):
     chunk_size: int = 64
     solve_block: int = 8
     save_states: bool = True
+    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
 
     def check(self) -> None:
+        self.check_count("recurrent_below")
         self.check_positive_int("chunk_size")
         self.check_choice("solve_block", SOLVE_BLOCKS)
         self.check_flag("save_states")
@@ -71,9 +76,13 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple):
 
 def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, config):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
-    ``FLOAT32``, ``zeros``, ``chunkwise_gated_delta`` and ``sequential_gated_delta``): float32
-    inputs, zero initial state when None, vector gates sequential. Returns ``(y in q's dtype,
+    ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``sequential_gated_delta``,
+    ``recurrent_gated_delta`` and ``recurrent_or_chunkwise``): float32 inputs, zero initial
+    state when None. A call shorter than the config's ``recurrent_below`` (and every vector-gate
+    call) evaluates through the recurrent step loop, differentiated through the chunkwise path
+    (vector gates: the sequential one). Returns ``(y in q's dtype,
     final_state)``."""
+    from gdngen import chunkwise
     from gdngen.problem import check_call
 
     f32 = ops.FLOAT32
@@ -83,9 +92,24 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
         initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
             initial_state.astype(f32), mask)
-    if shape.vector_gate:
-        y, state = ops.sequential_gated_delta(*args, scale=float(scale), gate=gate)
-    else:
+    chunk_params = {n: x for n, x in config.params().items() if n != "recurrent_below"}
+
+    def chunkwise_call(*arrays):  # vector gates: the step loop differentiated by autodiff
+        if shape.vector_gate:
+            return ops.sequential_gated_delta(*arrays, None, scale=float(scale), gate=gate)
+        return ops.chunkwise_gated_delta(*arrays, None, scale=float(scale), gate=gate,
+                                         **chunk_params)
+
+    if shape.T >= config.recurrent_below and not shape.vector_gate:
         y, state = ops.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
-                                             **config.params())
+                                             **chunk_params)
+        return y.astype(q.dtype), state
+
+    def recurrent(*arrays):
+        return ops.recurrent_gated_delta(*arrays, scale=float(scale), gate=gate)
+
+    g, beta = chunkwise.fold_mask(ops.XP, args[3], args[4], mask, gate)
+    y, state = ops.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args[:3], g, beta, args[5])
+    if mask is not None:
+        y = ops.XP.where(mask[..., None, None], y, 0.0)
     return y.astype(q.dtype), state
