@@ -1,5 +1,6 @@
 """Pallas GPU backend: generated Triton-lowered kernels for the chunkwise gated delta rule
-(scalar gates), for NVIDIA GPUs (a100, h100, h200 in `gdngen.devices`).
+(scalar gates) and a recurrent forward kernel for short calls (scalar and per-channel gates),
+for NVIDIA GPUs (a100, h100, h200 in `gdngen.devices`).
 
 The kernels are rendered from ``templates/pallas_gpu/`` (forward and backward module, every
 variant parameter baked in as a constant) and wired into ``jax.custom_vjp``. On a GPU they are
@@ -10,6 +11,10 @@ once per process. ``GDNGEN_INTERPRET=1`` forces interpret mode (``gdngen tune --
 Kernel plan (the template docstrings have the algebra): the O(C^2)/O(C^3) chunk work runs
 chunk-parallel (grid batch * value head x chunk); only the state recurrence walks the chunks in
 order, one program per (batch * value head, BV columns of the state), the state in registers.
+Calls with T < ``recurrent_below`` (and every per-channel-gate call) evaluate through the
+recurrent kernel (``recurrent.py``: grid batch x value head x BV rows of the state, every step
+in order, the state in registers, nothing saved); their VJP is the chunk kernels' (per-channel
+gates: the portable sequential path's, as the chunk kernels take scalar gates only).
 
 Variant parameters (`variant_space`):
 
@@ -23,6 +28,8 @@ Variant parameters (`variant_space`):
 * ``num_warps`` / ``num_stages``: Triton launch parameters (``plgpu.CompilerParams``).
 * ``save_states``: the forward saves U, Wk, Pm, T and each chunk's entering state for the
   backward, or the backward recomputes them (the chunk-parallel kernel and one more state walk).
+* ``recurrent_below``: calls with fewer steps run the recurrent kernel forward
+  (`gdngen.config.recurrent_switch`); it reaches no rendered source.
 
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
 rendered or run.
@@ -210,8 +217,11 @@ def numerics_key(variant: Variant, problem: Problem) -> tuple:
 
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
-    """``{"forward.py": (template, context), "backward.py": (template, context)}``; the context
-    holds the parameters resolved for ``problem`` (`kernel_params`)."""
+    """``{"forward.py": (template, context), "backward.py": (template, context), "recurrent.py":
+    (template, context)}``; the contexts hold the parameters resolved for ``problem``
+    (`kernel_params`). The recurrent kernel's are the head dims and heads, the tiles ``bk`` /
+    ``bv``, the launch parameters and the gate kind ``per_channel`` (``problem.gate ==
+    "vector"``); ``recurrent_below`` reaches no source (the switch is taken in `gated_delta`)."""
     p = kernel_params(variant, problem)
     context = {
         "problem_key": problem.key(),
@@ -231,8 +241,13 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "num_stages": p["num_stages"],
         "save_states": p["save_states"],
     }
+    recurrent = {key: context[key] for key in ("problem_key", "dk", "dv", "bk", "bv", "n_dk",
+                                               "n_dv", "hk", "hv", "group", "num_warps",
+                                               "num_stages")}
+    recurrent["per_channel"] = problem.gate == "vector"
     return {"forward.py": ("pallas_gpu/forward.py.j2", context),
-            "backward.py": ("pallas_gpu/backward.py.j2", context)}
+            "backward.py": ("pallas_gpu/backward.py.j2", context),
+            "recurrent.py": ("pallas_gpu/recurrent.py.j2", recurrent)}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -288,32 +303,36 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     """Render ``variant`` for ``problem`` and load it (cached by the sources' sha256 and the
     interpret mode).
 
-    Returns a namespace: ``forward``/``backward`` (the generated modules), ``run_forward``,
-    ``run_residuals``, ``run_backward`` (their functions jitted with ``scale``/``interpret``
-    static: a pair, top-level and nested), ``sha256``, ``variant``, ``problem``, ``params``
-    (`kernel_params`), ``interpret``.
+    Returns a namespace: ``forward``/``backward``/``recurrent`` (the generated modules),
+    ``run_forward``, ``run_residuals``, ``run_backward``, ``run_recurrent`` (their functions
+    jitted with ``scale``/``interpret`` static: a pair, top-level and nested), ``sha256``,
+    ``variant``, ``problem``, ``params`` (`kernel_params`), ``interpret``.
     """
     rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
     interpret = interpret_mode()
     key = (rendered.sha256, interpret)
     if key not in _LOADED:
-        fwd, bwd = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
-                    for name in ("forward.py", "backward.py"))
+        fwd, bwd, rec = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
+                         for name in ("forward.py", "backward.py", "recurrent.py"))
         static = ("scale", "interpret")
         _LOADED[key] = types.SimpleNamespace(
-            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
+            forward=fwd, backward=bwd, recurrent=rec, sha256=rendered.sha256, variant=variant,
             problem=problem, params=kernel_params(variant, problem), interpret=interpret,
             run_forward=jit_pair(fwd.forward, static, interpret),
             run_residuals=jit_pair(fwd.residuals, static, interpret),
-            run_backward=jit_pair(bwd.backward, static, interpret))
+            run_backward=jit_pair(bwd.backward, static, interpret),
+            run_recurrent=jit_pair(rec.recurrent, static, interpret))
     return _LOADED[key]
 
 
-def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2) -> dict:
-    """Lower the variant's kernels (forward, residual recomputation, backward) through the
-    Pallas Triton lowering for the CUDA platform, which needs no GPU; returns ``{function name:
-    StableHLO text}``. Raises what the lowering raises (non-power-of-two shapes, unsupported
-    ops, scratch memory, ...). Triton's own compilation to PTX runs only on a GPU."""
+def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2,
+                steps: int = 5) -> dict:
+    """Lower the variant's kernels (forward, residual recomputation, backward, and the
+    recurrent forward over ``steps`` steps) through the Pallas Triton lowering for the CUDA
+    platform, which needs no GPU; returns ``{function name: StableHLO text}``. A vector-gate
+    problem has only the recurrent kernel (its chunk path is the portable sequential one).
+    Raises what the lowering raises (non-power-of-two shapes, unsupported ops, scratch memory,
+    ...). Triton's own compilation to PTX runs only on a GPU."""
     import jax
     import jax.numpy as jnp
 
@@ -333,12 +352,18 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
         return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
                 .lower(lowering_platforms=("cuda",)).as_text())
 
-    lowered = {
+    vector = problem.gate == "vector"
+    lowered = {} if vector else {
         "forward": lower(kernels.forward.forward, q, q, v, gates, gates, state),
         "residuals": lower(kernels.forward.residuals, q, q, v, gates, gates, state),
         "backward": lower(kernels.backward.backward, q, q, v, gates, gates, *residuals, v,
                           state),
     }
+    per_step = spec((B, steps, Hv), f32)
+    decay = spec((B, steps, Hv, Dk), f32) if vector else per_step
+    q_rec = spec((B, steps, Hk, Dk), f32)
+    lowered["recurrent"] = lower(kernels.recurrent.recurrent, q_rec, q_rec,
+                                 spec((B, steps, Hv, Dv), f32), decay, per_step, state)
     for name, text in lowered.items():
         if "triton" not in text:
             raise RuntimeError(f"the {name} kernels did not lower to a Triton custom call")
@@ -489,18 +514,112 @@ def _core(key: tuple, gate: str, scale: float):
 # ----------------------------------------------------------------------------- entry point
 
 
+def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem, templates_dir=None):
+    """The recurrent forward kernel of ``variant`` for ``problem`` (templates/pallas_gpu/
+    recurrent.py.j2): the gated delta rule walked one step at a time, each program holding its
+    ``bv`` rows of the state on-chip (registers, as ``bk``-wide tiles over the padded Dk) from
+    ``S0`` to the final state. Forward only: nothing is saved for a backward.
+
+    Contract:
+
+    * inputs float32 in the API layout: q, k ``[B,T,Hk,Dk]`` (q unscaled; the kernel applies
+      ``scale``), v ``[B,T,Hv,Dv]``, ``decay`` the LINEAR decay in [0, 1], ``[B,T,Hv]``
+      (scalar gate) or ``[B,T,Hv,Dk]`` (per-channel gate, ``problem.gate == "vector"``), beta
+      ``[B,T,Hv]``, S0 ``[B,Hv,Dv,Dk]``. Masked steps are folded by the caller (decay 1,
+      beta 0; `gdngen.chunkwise.fold_mask`), log gates converted with exp (exactly 0 at
+      log g = -inf).
+    * any T >= 1 (a trace-time size: each T traces its own call), GVA (value head h reads key
+      head h // (Hv / Hk)), Dk != Dv, head dims that are not multiples of 16 (zero-padded to
+      the kernels' ``dk`` / ``dv``, which is exact).
+    * returns ``(y [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])``, float32; per step
+      ``u = beta (v - S (a k))``, ``S <- S diag(a) + u k^T``, ``y = scale S q``
+      (`gdngen.chunkwise.recurrent_forward`).
+    * poisoned outputs as the chunk kernels: interpret mode (no GPU, or ``GDNGEN_INTERPRET=1``)
+      starts every output as NaN, so anything the kernel leaves unwritten shows up (with
+      ``GDNGEN_POISON_OUTPUTS=1`` or without); on a GPU outputs are as Triton leaves them.
+
+    Loaded and cached with the variant's other kernels (`load_kernels`); differentiable only
+    through `gated_delta`'s switch, whose VJP is the chunk path's.
+    """
+    interpret_mode()
+    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    return _run_recurrent(kernels, q, k, v, decay, beta, S0, scale=scale)
+
+
+def _run_recurrent(kernels, q, k, v, decay, beta, S0, *, scale):
+    import jax.numpy as jnp
+
+    p, f32 = kernels.params, jnp.float32
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    q, k = (_pad_last(x.astype(f32), p["dk"]) for x in (q, k))
+    if decay.ndim == 4:
+        decay = _pad_last(decay.astype(f32), p["dk"])
+    y, s_final = call_jitted(kernels.run_recurrent, q, k, _pad_last(v.astype(f32), p["dv"]),
+                             decay.astype(f32), beta.astype(f32),
+                             _states_to_kernel(S0.astype(f32)[:, :, None], p["dk"], p["dv"]),
+                             scale=float(scale), interpret=kernels.interpret)
+    return y[..., :Dv], s_final[:, :, :Dv, :Dk]
+
+
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 variant, templates_dir=None):
     """Gated delta rule with the generated Pallas GPU kernels of ``variant``; returns
-    ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar gates only; q, k, v
-    float32, bfloat16 or float16). Differentiable (custom VJP) and jit-able."""
-    return generated.gated_delta(sys.modules[__name__], q, k, v, g, beta, initial_state,
-                                 mask=mask, scale=scale, gate=gate, variant=variant,
-                                 templates_dir=templates_dir)
+    ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (q, k, v float32, bfloat16 or
+    float16). Differentiable (custom VJP) and jit-able.
+
+    Scalar gates: a call with T >= the variant's ``recurrent_below`` runs the chunk kernels;
+    a shorter one evaluates through the recurrent kernel (`recurrent_forward`, on the inputs
+    upcast to float32, masks folded) and differentiates through the chunk kernels
+    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). Per-channel gates (g
+    ``[B,T,Hv,Dk]``): the recurrent kernel at every T, differentiated through the portable
+    sequential path (`gdngen.backends.jax_chunkwise.sequential_gated_delta`).
+    """
+    import jax.numpy as jnp
+
+    from gdngen import chunkwise
+    from gdngen.backends import jax_chunkwise
+    from gdngen.variant import problem_of
+
+    module = sys.modules[__name__]
+    shape, dtype = generated.check_scalar_call(SPEC, q, k, v, g, beta, initial_state, mask,
+                                               gate=gate, scale=scale)
+    config = SPEC.parse(variant)
+    if not shape.vector_gate and shape.T >= config.recurrent_below:
+        return generated.gated_delta(module, q, k, v, g, beta, initial_state, mask=mask,
+                                     scale=scale, gate=gate, variant=variant,
+                                     templates_dir=templates_dir)
+    interpret_mode()  # decided (and warned about) at the caller's frame
+    kernels = load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
+    f32 = jnp.float32
+    if initial_state is None:
+        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    q32, k32, v32 = (x.astype(f32) for x in (q, k, v))
+    g, beta = chunkwise.fold_mask(jax_chunkwise.XP, g.astype(f32), beta.astype(f32), mask, gate)
+
+    def recurrent(q, k, v, g, beta, S0):
+        decay = jnp.exp(g) if gate == "log" else g  # exp(-inf) is exactly 0
+        return _run_recurrent(kernels, q, k, v, decay, beta, S0, scale=scale)
+
+    def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
+        if shape.vector_gate:
+            return jax_chunkwise.sequential_gated_delta(q, k, v, g, beta, S0, None,
+                                                        scale=float(scale), gate=gate)
+        y, state = generated.gated_delta(module, q.astype(dtype), k.astype(dtype),
+                                         v.astype(dtype), g, beta, S0, mask=None, scale=scale,
+                                         gate=gate, variant=variant,
+                                         templates_dir=templates_dir)
+        return y.astype(f32), state
+
+    y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
+        q32, k32, v32, g, beta, initial_state.astype(f32))
+    if mask is not None:
+        y = jnp.where(mask[..., None, None], y, 0.0)
+    return y.astype(q.dtype), state
 
 
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("gpu",), dtypes=INPUT_DTYPES,
+    gates=("scalar", "vector"), tuned_gates=("scalar",),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
     footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100")
