@@ -22,6 +22,9 @@ fwd_scan_states   (Dv/dv_tile) x B*Hv   S_in and W only (the backward's recomput
 bwd_scan          (Dv/dv_tile) x B*Hv   dW, dS_out per chunk, dS0 (chunks in reverse)
 bwd_tri           N*B*Hv                dv, dA = -T^T dT T^T and the T-dependent dk, dbeta
 bwd_qk            N*B*Hv                dq, dk, dbeta and the decay cotangent dD
+recurrent         (Dv/dv_tile) x B*Hv   forward only, step by step: y and S_T, the state's rows
+                                        in registers (calls with T < recurrent_below, and every
+                                        per-channel gate call)
 ================  ====================  ==========================================================
 
 This module imports without mlx: the space, the renderer and the plan need no framework.
@@ -242,15 +245,30 @@ def _kernels_used(save: bool) -> tuple[str, ...]:
             "bwd_qk")
 
 
+def _recurrent_context(variant: Variant, problem: Problem) -> dict:
+    """Context of ``recurrent.metal.j2``: head dims and heads, ``ROWS`` state rows per
+    threadgroup (the variant's ``dv_tile``) over ``SG`` simdgroups (its ``simdgroups``), and the
+    gate kind (``per_channel`` for a vector-gate problem). Nothing else of the variant (chunk,
+    precision, ``recurrent_below``) reaches the recurrent source."""
+    p = variant.as_dict()
+    return {"DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk, "HV": problem.Hv,
+            "ROWS": p["dv_tile"], "SG": p["simdgroups"], "per_channel": problem.gate == "vector"}
+
+
 def render_plan(variant: Variant, problem: Problem) -> dict:
     """`gdngen.render` hook: ``{"common.metal": ..., "<kernel>.metal": ...}`` for the kernels
-    this variant launches; each value is ``(template path, context)``."""
+    this variant launches; each value is ``(template path, context)``. A scalar-gate problem
+    runs the chunk kernels and the recurrent kernel (short calls); a vector-gate problem only
+    the recurrent kernel (its backward is the portable sequential path)."""
     variant = adapt(variant, problem)
-    ctx = _context(variant, problem)
-    plan = {"common.metal": ("metal/common.metal.j2", ctx)}
-    for name in _kernels_used(variant["save_states"]):
-        template, extra = _KERNEL_TEMPLATES[name]
-        plan[f"{name}.metal"] = (template, dict(ctx, **extra))
+    plan = {}
+    if problem.gate == "scalar":
+        ctx = _context(variant, problem)
+        plan["common.metal"] = ("metal/common.metal.j2", ctx)
+        for name in _kernels_used(variant["save_states"]):
+            template, extra = _KERNEL_TEMPLATES[name]
+            plan[f"{name}.metal"] = (template, dict(ctx, **extra))
+    plan["recurrent.metal"] = ("metal/recurrent.metal.j2", _recurrent_context(variant, problem))
     return plan
 
 
@@ -313,6 +331,7 @@ _KERNEL_IO = {
                 ("da", "dv", "dkt", "vec_out")),
     "bwd_qk": (("q", "k", "g", "beta", "dy", "w", "states", "dsout", "da", "dkt", "vec_in",
                 "prm"), ("dq", "dk", "dbeta", "dd")),
+    "recurrent": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "final_state")),
 }
 # Kernel parameter -> environment name, where they differ.
 _ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
@@ -321,8 +340,52 @@ _ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
 def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
     """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
     from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder."""
+    if problem.gate != "scalar":
+        raise ValueError(f"the metal chunk kernels take scalar gates only, got {problem.key()} "
+                         f"(vector gates run the recurrent kernel, `recurrent_plan`)")
     return _launch_plan(adapt(variant, problem), problem, N, B,
                         settings.templates_override())
+
+
+@functools.lru_cache(maxsize=64)
+def _recurrent_kernel(variant: Variant, problem: Problem, templates) -> KernelSpec:
+    rendered = SPEC.render(variant, problem, templates_dir=templates)
+    body = rendered.sources["recurrent.metal"]
+    tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
+    return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
+
+
+def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
+                   templates_dir=None) -> Plan:
+    """The one launch of the recurrent kernel of ``variant`` (adapted to ``problem``) for T steps
+    and batch B: grid (32 * simdgroups, Dv / dv_tile, B * Hv). In this `Plan`, ``N`` is T (the
+    kernel reads T from q's shape at run time; the source does not depend on it) and there is no
+    backward. ``templates_dir``: default the ``GDNGEN_TEMPLATES`` override, else the shipped
+    templates."""
+    variant = adapt(variant, problem)
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    spec = _recurrent_kernel(variant, problem, templates)
+    p = variant.as_dict()
+    nt = 32 * p["simdgroups"]
+    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
+    f32 = "float32"
+    launch = Launch(kernel="recurrent", inputs=_KERNEL_IO["recurrent"][0],
+                    outputs=_KERNEL_IO["recurrent"][1],
+                    output_shapes=((B, T, Hv, Dv), (B, Hv, Dv, Dk)), output_dtypes=(f32, f32),
+                    grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
+    return Plan(variant, problem, T, B, {"recurrent": spec}, (launch,), (), (),
+                {"recurrent": 0})
+
+
+def recurrent_input_metas(plan: Plan) -> dict:
+    """``(dtype, ndim, size)`` of the recurrent kernel's inputs for ``plan`` (`recurrent_plan`)."""
+    pb, T, B = plan.problem, plan.N, plan.B
+    f32 = "float32"
+    gate = T * B * pb.Hv * (pb.Dk if pb.gate == "vector" else 1)
+    return {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
+            "v": (f32, 4, B * T * pb.Hv * pb.Dv),
+            "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
+            "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 1)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -400,9 +463,13 @@ class MLXLauncher:
 
         kernel = self._kernel(plan.kernels[launch.kernel])
         template = [(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template]
-        return kernel(inputs=list(arrays), template=template, grid=launch.grid,
+        # GDNGEN_POISON_OUTPUTS=1: every output starts as NaN, so anything a kernel leaves
+        # unwritten shows (the simulator always poisons outputs and fails on what is left).
+        poison = float("nan") if settings.flag(settings.ENV_POISON_OUTPUTS) else None
+        return kernel(inputs=list(arrays), template=template or None, grid=launch.grid,
                       threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
-                      output_dtypes=[getattr(mx, d) for d in launch.output_dtypes])
+                      output_dtypes=[getattr(mx, d) for d in launch.output_dtypes],
+                      init_value=poison)
 
 
 class SimLauncher:
@@ -483,7 +550,10 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
 def lower_check(variant: Variant, problem: Problem) -> None:
     """`gdngen.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
     g++ against the simulator's MSL shim; no Metal device needed). Raises on failure."""
-    compile_plan(launch_plan(variant, problem, 2, 1))
+    if problem.gate == "scalar":
+        compile_plan(launch_plan(variant, problem, 2, 1))
+    plan = recurrent_plan(variant, problem, 2, 1)
+    compile_plan(plan, recurrent_input_metas(plan))
 
 
 def to_numpy(x):
@@ -583,43 +653,125 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher)
     return core
 
 
+def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,
+                      templates_dir=None):
+    """The recurrent kernel (``templates/metal/recurrent.metal.j2``): the forward of the gated
+    delta rule one step at a time, for short calls (decode / short prefill).
+
+    Contract: float32 mx arrays q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; ``decay`` the LINEAR
+    decay in [0, 1], ``[B,T,Hv]`` (scalar gate) or ``[B,T,Hv,Dk]`` (per-channel gate; the caller
+    takes exp of log gates, exact 0 at log g = -inf); beta ``[B,T,Hv]``; S0 ``[B,Hv,Dv,Dk]``.
+    Masked steps must already be folded in (decay 1, beta 0: `gdngen.chunkwise.fold_mask`).
+    Returns ``(y [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])``, float32; value head h reads key head
+    h // (Hv / Hk); y = scale * S_t q_t. Per step (`gdngen.chunkwise.recurrent_forward`):
+    ``u = beta (v - S (a k))``, ``y = S (a q) + u (k.q)``, ``S <- S diag(a) + u k^T``.
+
+    One launch (`recurrent_plan`): a threadgroup per (batch, value head, block of ``dv_tile``
+    state rows), ``simdgroups`` simdgroups of 32 lanes, each lane holding Dk / 32 columns of
+    its simdgroup's ``dv_tile / simdgroups`` rows in registers for the whole walk over T (a
+    runtime size); the dot products are ``simd_sum``s. Nothing is saved for a backward (no
+    VJP here: `gated_delta` differentiates the chunk path instead). Rendered, compiled and
+    cached like the chunk kernels (kernel named by its source hash); ``problem`` (default: from
+    the shapes, the gate kind from decay's rank) specialises the source, ``variant`` gives
+    ``dv_tile`` / ``simdgroups``. Outputs are poisoned as the chunk kernels': always in the
+    simulator (unwritten elements fail the launch), NaN-initialised on a GPU under
+    ``GDNGEN_POISON_OUTPUTS=1``. ``launcher``: `MLXLauncher` / `SimLauncher` (default
+    `default_launcher`); ``templates_dir``: a template override folder.
+    """
+    import mlx.core as mx
+
+    B, T, Hk, Dk = (int(n) for n in q.shape)
+    Hv, Dv = int(v.shape[2]), int(v.shape[3])
+    gate_kind = "vector" if decay.ndim == 4 else "scalar"
+    if problem is None:
+        problem = Problem(Hk, Hv, Dk, Dv, "float32", gate_kind)
+    got = (problem.Hk, problem.Hv, problem.Dk, problem.Dv, problem.gate)
+    if got != (Hk, Hv, Dk, Dv, gate_kind):
+        raise ValueError(f"arrays have shape class Hk={Hk}, Hv={Hv}, Dk={Dk}, Dv={Dv}, gate "
+                         f"{gate_kind}, expected {problem.key()}")
+    launcher = default_launcher() if launcher is None else launcher
+    plan = recurrent_plan(variant, problem, T, B, templates_dir)
+    f32 = mx.float32
+    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32), "a": decay.astype(f32),
+           "beta": beta.astype(f32), "s0": S0.astype(f32),
+           "prm": mx.array([float(scale)], f32)}
+    if hasattr(launcher, "prepare"):
+        launcher.prepare(plan, env)
+    env = _run(plan, plan.forward, env, launcher)
+    return env["y_out"], env["final_state"]
+
+
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 variant=None, launcher=None):
     """Run a Metal ``variant`` (differentiable, through ``mx.custom_function``).
 
-    Shapes and semantics as `gdngen.mlx.gated_delta` (scalar gates only); y has q's dtype, the
-    final state is float32. k and v are cast to q's dtype, gates / beta / state to float32.
+    Shapes and semantics as `gdngen.mlx.gated_delta`; y has q's dtype, the final state is
+    float32. k and v are cast to q's dtype, gates / beta / state to float32.
     ``launcher``: `MLXLauncher` (default on a Metal GPU) or `SimLauncher` (default elsewhere).
+
+    Scalar gates with T >= the variant's ``recurrent_below``: the chunk kernels, forward and
+    backward. T < recurrent_below: the forward is the recurrent kernel (`recurrent_forward`)
+    and the VJP the chunk path's (`gdngen.backends.mlx_chunkwise.recurrent_or_chunkwise`).
+    Per-channel (vector) gates ``[B,T,Hv,Dk]``: the recurrent kernel's forward at every T, the
+    VJP the portable sequential path's (`gdngen.backends.mlx_chunkwise.sequential_gated_delta`;
+    no chunkwise per-channel kernels yet).
     """
     import mlx.core as mx
 
     from gdngen import chunkwise
+    from gdngen.backends import mlx_chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
-    if shape.vector_gate:
-        raise ValueError(f"g has shape {tuple(g.shape)}: the metal backend implements scalar "
-                         f"gates [B,T,Hv] only (use the mlx backend for vector gates)")
     if variant is None or variant.backend != BACKEND:
         raise ValueError(f"variant must be a metal Variant, got {variant!r}")
     dt = dtype_name(q)
-    problem = Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dt, "scalar")
+    problem = Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dt,
+                      "vector" if shape.vector_gate else "scalar")
     variant = adapt(variant, problem)
     launcher = default_launcher() if launcher is None else launcher
-    core = _core(variant, problem, gate, float(scale), launcher)
-
-    def core_outputs(*arrays):
-        outs = core(*arrays)
-        return outs[0], outs[1]
-
+    scale = float(scale)
     f32 = mx.float32
     if initial_state is None:
         initial_state = mx.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    # The scale is applied inside the kernels (in float32), so the layout glue runs with 1.
-    y, state = chunkwise.gated_delta(
-        XP, core_outputs, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32),
-        beta.astype(f32), initial_state.astype(f32), mask, scale=1.0, gate=gate,
-        chunk_size=variant["chunk_size"])
+    args = (q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
+            initial_state.astype(f32))
+
+    if shape.vector_gate:
+        def chunkwise_call(q, k, v, g, beta, s0):
+            y, state = mlx_chunkwise.sequential_gated_delta(
+                q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, None, scale=scale,
+                gate=gate)
+            return y.astype(q.dtype), state
+    else:
+        core = _core(variant, problem, gate, scale, launcher)
+
+        def core_outputs(*arrays):
+            outs = core(*arrays)
+            return outs[0], outs[1]
+
+        def chunkwise_call(q, k, v, g, beta, s0, mask=None):
+            # The scale is applied inside the kernels (in float32), so the layout glue runs
+            # with 1.
+            y, state = chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, s0, mask,
+                                             scale=1.0, gate=gate,
+                                             chunk_size=variant["chunk_size"])
+            return y.astype(q.dtype), state
+
+        if shape.T >= SPEC.parse(variant).recurrent_below:
+            return chunkwise_call(*args, mask)
+
+    def recurrent(q, k, v, g, beta, s0):
+        decay = mx.exp(g) if gate == "log" else g  # exp(-inf) = 0 exactly
+        y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
+                                     problem=problem, launcher=launcher)
+        return y.astype(q.dtype), state
+
+    g, beta = chunkwise.fold_mask(XP, args[3], args[4], mask, gate)
+    y, state = mlx_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
+        *args[:3], g, beta, args[5])
+    if mask is not None:
+        y = mx.where(mask[..., None, None], y, mx.zeros((), y.dtype))
     return y.astype(q.dtype), state
 
 
@@ -677,5 +829,6 @@ def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, sc
 SPEC = BackendSpec(
     name=BACKEND, framework="mlx", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("apple",), supports=supports,
+    gates=("scalar", "vector"), tuned_gates=("scalar",),
     render_plan=render_plan, lower_check=lower_check, footprint=max_threadgroup_bytes,
     device_limit="threadgroup_memory", reference_device="apple-m1")
