@@ -55,7 +55,16 @@ VECTOR_FLOATS = (8, 16)
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 TEMPLATE = "ffi_cpu/gated_delta.cc.j2"
 SOURCE_NAME = "gated_delta.cc"
-#: C++ symbols of the two handlers (one pair per shared library, each loaded on its own).
+#: the recurrent (short-call forward) kernel's template and rendered file
+RECURRENT_TEMPLATE = "ffi_cpu/recurrent.cc.j2"
+RECURRENT_SOURCE_NAME = "recurrent.cc"
+#: state rows whose dot products the recurrent kernel runs together (2 accumulators each):
+#: 4 rows keep 8 accumulators plus the k / q vectors within AVX2's 16 registers.
+RECURRENT_ROW_TILE = 4
+#: most state rows per recurrent task: 32 rows of 128 floats (16 KiB) stay in L1 over the walk.
+RECURRENT_MAX_ROWS = 32
+#: prefix of the C++ symbols of the handlers (``_forward`` / ``_backward`` in the chunk source,
+#: ``_recurrent`` in the recurrent one; each library is loaded on its own).
 SYMBOL = "gdngen_gated_delta"
 #: flags of every build; on x86-64 GCC also gets -mprefer-vector-width=512, so its own
 #: vectorised loops use AVX-512 registers where the host has them (the matmul kernel's vector
@@ -142,13 +151,17 @@ def host_vector_floats() -> int:
 
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
-    """``{"gated_delta.cc": (template, context)}`` for `gdngen.render`."""
+    """``{"gated_delta.cc": (template, context), "recurrent.cc": (template, context)}`` for
+    `gdngen.render`: the chunk kernels and the recurrent kernel (per-channel gates when
+    ``problem.gate`` is "vector"). ``recurrent_below`` renders into neither."""
     p = kernel_params(variant, problem)
+    dims = {"dk": problem.Dk, "dv": problem.Dv, "dk_pad": padded(problem.Dk),
+            "dv_pad": padded(problem.Dv), "vector_floats": p["vector_floats"], "symbol": SYMBOL}
     context = {"chunk": p["chunk_size"], "row_block": p["row_block"], "panel": p["panel"],
-               "vector_floats": p["vector_floats"], "dk": problem.Dk,
-               "dv": problem.Dv, "dk_pad": padded(problem.Dk), "dv_pad": padded(problem.Dv),
-               "symbol": SYMBOL}
-    return {SOURCE_NAME: (TEMPLATE, context)}
+               **dims}
+    recurrent = {"per_channel": problem.gate == "vector", "row_tile": RECURRENT_ROW_TILE, **dims}
+    return {SOURCE_NAME: (TEMPLATE, context),
+            RECURRENT_SOURCE_NAME: (RECURRENT_TEMPLATE, recurrent)}
 
 
 # ----------------------------------------------------------------------------- compile + load
@@ -198,27 +211,56 @@ def library_path(sha256: str) -> Path:
     return settings.cache_root() / BACKEND / f"{key[:32]}.so"
 
 
-def compile_library(source: str, path: Path) -> Path:
-    """Compile ``source`` into the shared library ``path`` (atomically: built in a temporary
-    folder, then moved into place). RuntimeError with the compiler's output on failure."""
+def compile_library(source, path: Path) -> Path:
+    """Compile ``source`` (one C++ source, or ``{file name: source}`` of several, each compiled
+    in its own compiler process, all at once, then linked together) into the shared library
+    ``path`` (atomically: built in a temporary folder, then moved into place). RuntimeError with
+    the compiler's output on failure."""
     import jax
 
     from gdngen.fileio import atomic_write_bytes
 
+    sources = {SOURCE_NAME: source} if isinstance(source, str) else dict(source)
+    flags = [*compiler(), *COMPILE_FLAGS]
     with tempfile.TemporaryDirectory(prefix="gdngen-ffi-cpu-") as tmp:
-        src, out = Path(tmp) / SOURCE_NAME, Path(tmp) / "kernel.so"
-        src.write_text(source)
-        cmd = [*compiler(), *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(src), "-o", str(out)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{BACKEND}: compiling the rendered kernel failed "
-                               f"({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        out = Path(tmp) / "kernel.so"
+        if len(sources) == 1:
+            (name, text), = sources.items()
+            (Path(tmp) / name).write_text(text)
+            _run_compiler([*flags, f"-I{jax.ffi.include_dir()}", str(Path(tmp) / name), "-o",
+                           str(out)])
+        else:
+            objects, jobs = [], []
+            for name, text in sources.items():
+                src, obj = Path(tmp) / name, Path(tmp) / f"{name}.o"
+                src.write_text(text)
+                objects.append(str(obj))
+                cmd = [*flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)]
+                jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                   stderr=subprocess.PIPE, text=True)))
+            for cmd, job in jobs:
+                _, stderr = job.communicate()
+                if job.returncode:
+                    _compile_failed(cmd, stderr)
+            _run_compiler([*flags, *objects, "-o", str(out)])
         return atomic_write_bytes(path, out.read_bytes())
 
 
+def _run_compiler(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if done.returncode:
+        _compile_failed(cmd, done.stderr)
+
+
+def _compile_failed(cmd: list[str], stderr: str):
+    raise RuntimeError(f"{BACKEND}: compiling the rendered kernel failed "
+                       f"({' '.join(cmd)}):\n{stderr[-4000:]}")
+
+
 class Kernels:
-    """A loaded variant: ``target_forward`` / ``target_backward`` (registered FFI target names),
-    ``sha256`` of the rendered source, ``params`` (`kernel_params`), ``library`` (its path)."""
+    """A loaded variant: ``target_forward`` / ``target_backward`` / ``target_recurrent``
+    (registered FFI target names), ``sha256`` of the rendered sources, ``params``
+    (`kernel_params`), ``library`` (its path)."""
 
     def __init__(self, variant: Variant, problem: Problem, sha256: str, library: Path):
         import jax
@@ -228,8 +270,10 @@ class Kernels:
         self._handle = ctypes.CDLL(str(library))  # kept alive with the registered targets
         self.target_forward = f"gdngen_ffi_cpu_{sha256[:16]}_forward"
         self.target_backward = f"gdngen_ffi_cpu_{sha256[:16]}_backward"
+        self.target_recurrent = f"gdngen_ffi_cpu_{sha256[:16]}_recurrent"
         for target, symbol in ((self.target_forward, f"{SYMBOL}_forward"),
-                               (self.target_backward, f"{SYMBOL}_backward")):
+                               (self.target_backward, f"{SYMBOL}_backward"),
+                               (self.target_recurrent, f"{SYMBOL}_recurrent")):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(self._handle, symbol)),
                                         platform="cpu")
 
@@ -243,7 +287,7 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None) -> K
     if rendered.sha256 not in _LOADED:
         path = library_path(rendered.sha256)
         if not path.exists():
-            compile_library(rendered.sources[SOURCE_NAME], path)
+            compile_library(rendered.sources, path)
         _LOADED[rendered.sha256] = Kernels(variant, problem, rendered.sha256, path)
     return _LOADED[rendered.sha256]
 
@@ -324,27 +368,112 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
     return generated.custom_vjp_core(forward, backward)
 
 
+def recurrent_rows(B: int, Hv: int, Dv: int, workers: int) -> int:
+    """State rows per task of the recurrent kernel: at most `RECURRENT_MAX_ROWS` (a block stays
+    in L1 over the walk), a multiple of `RECURRENT_ROW_TILE`, halved while the ``B * Hv`` heads'
+    blocks leave a worker without a task (down to one tile)."""
+    tile = RECURRENT_ROW_TILE
+    rows = min(-(-Dv // tile) * tile, RECURRENT_MAX_ROWS)
+    while rows > tile and B * Hv * -(-Dv // rows) < workers:
+        rows = max(tile, -(-(rows // 2) // tile) * tile)
+    return rows
+
+
+@functools.cache
+def _recurrent(sha256: str, scale: float, poison: bool):
+    """``call(q, k, v, decay, beta, S0) -> (y, S_T)`` running the loaded recurrent kernel of
+    ``sha256`` (float32, API layout, linear decay)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    kernels = _LOADED[sha256]
+    workers = threads()
+
+    def call(q, k, v, decay, beta, S0):
+        B, T, _, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        return jax.ffi.ffi_call(kernels.target_recurrent, (
+            generated.result_type((B, T, Hv, Dv), jnp.float32, q),
+            generated.result_type((B, Hv, Dv, Dk), jnp.float32, q)),
+            vmap_method="sequential")(q, k, v, decay, beta, S0, scale=np.float32(scale),
+                                      threads=np.int64(workers), poison=poison,
+                                      rows=np.int64(recurrent_rows(B, Hv, Dv, workers)))
+
+    return call
+
+
+def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
+                      templates_dir=None):
+    """Forward of the gated delta rule one step at a time through the recurrent kernel of
+    ``variant`` (rendered from ``templates/ffi_cpu/recurrent.cc.j2``; compiled, cached and
+    loaded with the chunk kernels of the same rendering, see `load_kernels`).
+
+    Contract: float32 arrays, q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; ``decay`` the LINEAR
+    decay in [0, 1], ``[B,T,Hv]`` (scalar gate) or ``[B,T,Hv,Dk]`` (per-channel gate; the
+    problem's gate must then be "vector"); beta ``[B,T,Hv]``; S0 ``[B,Hv,Dv,Dk]``; any T >= 1,
+    Hv a multiple of Hk (value head h reads key head h // (Hv / Hk)), any Dk, Dv (padded to
+    whole 16-float vectors inside). Masked steps must already be folded (decay 1, beta 0).
+    Returns ``(y [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])``, float32. Per step, with q scaled by
+    ``scale``: ``u = beta (v - S (a k))``, ``S' = S diag(a) + u k^T``, ``y = S (a q) + u (k.q)``
+    (`gdngen.chunkwise.recurrent_forward`). Each task is a block of state rows
+    (`recurrent_rows`) of one (batch, value head), held in a local buffer for the whole walk;
+    the tasks run on `threads` threads. Nothing is saved for a backward and it has no VJP of
+    its own (`gated_delta` pairs it with the chunk path's). With ``GDNGEN_POISON_OUTPUTS=1``
+    both outputs are NaN-filled before the kernel writes them. ``problem`` defaults to the one
+    of the arrays' shapes (gate kind from ``decay``'s rank). jit-able; ``jax.vmap`` runs it
+    once per mapped element."""
+    if problem is None:
+        problem = Problem(q.shape[2], v.shape[2], q.shape[3], v.shape[3], "float32",
+                          "vector" if decay.ndim == 4 else "scalar")
+    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    return _recurrent(kernels.sha256, float(scale), settings.flag(ENV_POISON))(
+        q, k, v, decay, beta, S0)
+
+
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 variant, templates_dir=None):
     """Gated delta rule with the generated C++ kernels of ``variant``; returns ``(y,
-    final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar gates only); computes in
-    float32 whatever the input dtype. Differentiable (custom VJP) and jit-able."""
+    final_state)``. Arguments as `gdngen.jax.gated_delta`; computes in float32 whatever the
+    input dtype. Differentiable (custom VJP) and jit-able.
+
+    A scalar-gate call with T < the variant's ``recurrent_below`` evaluates through the
+    recurrent kernel (`recurrent_forward`), and its VJP is the chunk kernels' (the forward then
+    runs the chunk kernels: `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). Per-channel
+    (vector) gates: the forward is the recurrent kernel at every T, the VJP the portable
+    sequential path's (`gdngen.backends.jax_chunkwise.sequential_gated_delta`)."""
     import jax.numpy as jnp
 
-    from gdngen.backends.jax_chunkwise import XP
+    from gdngen.backends import jax_chunkwise
     from gdngen.variant import problem_of
 
     shape, dtype = generated.check_scalar_call(SPEC, q, k, v, g, beta, initial_state, mask,
                                                gate=gate, scale=scale)
-    kernels = load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
+    problem = problem_of(shape, dtype)
+    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    recurrent_below = SPEC.parse(variant).recurrent_below
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     # a masked step is an identity step; its output is zeroed below
-    g, beta = chunkwise.fold_mask(XP, g.astype(f32), beta.astype(f32), mask, gate)
+    g, beta = chunkwise.fold_mask(jax_chunkwise.XP, g.astype(f32), beta.astype(f32), mask, gate)
     poison = settings.flag(ENV_POISON)
-    y, state = _core(kernels.sha256, gate, float(scale), poison)(
-        q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
+    args = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
+    if shape.vector_gate:
+        def chunkwise_call(*arrays):
+            return jax_chunkwise.sequential_gated_delta(*arrays, None, scale=float(scale),
+                                                        gate=gate)
+    else:
+        chunkwise_call = _core(kernels.sha256, gate, float(scale), poison)
+    if shape.vector_gate or shape.T < recurrent_below:
+        call = _recurrent(kernels.sha256, float(scale), poison)
+
+        def recurrent(q, k, v, g, beta, S0):
+            return call(q, k, v, jnp.exp(g) if gate == "log" else g, beta, S0)
+
+        y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args)
+    else:
+        y, state = chunkwise_call(*args)
     if mask is not None:
         y = jnp.where(mask[..., None, None], y, 0.0)
     return y.astype(q.dtype), state
@@ -357,4 +486,5 @@ TOLERANCES = {"ieee": 5e-5, "tf32": 5e-5, "bf16": 5e-5}
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=TOLERANCES, device_kinds=("cpu",), dtypes=INPUT_DTYPES,
-    render_plan=render_plan, available=available, lower_check=lower_check)
+    gates=("scalar", "vector"), tuned_gates=("scalar",), render_plan=render_plan,
+    available=available, lower_check=lower_check)
