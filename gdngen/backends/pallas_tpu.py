@@ -1,7 +1,11 @@
-"""Pallas TPU backend: generated Mosaic kernels for the chunkwise gated delta rule (scalar gates).
+"""Pallas TPU backend: generated Mosaic kernels for the chunkwise gated delta rule.
 
 The kernels are rendered from ``templates/pallas_tpu/`` (forward and backward module, every
-variant parameter baked in as a constant) and wired into ``jax.custom_vjp``. On a TPU they
+variant parameter baked in as a constant) and wired into ``jax.custom_vjp``. A third module, the
+recurrent kernel (``recurrent.py``: the state held in VMEM for the whole walk over T, one step at
+a time, forward only), evaluates short calls (T < ``recurrent_below``, whose VJP is the chunk
+kernels') and every per-channel (vector) gate call (whose VJP is the portable sequential path;
+there are no chunkwise per-channel kernels yet, so vector gates are not tuned). On a TPU they
 compile with Mosaic; elsewhere they run in TPU interpret mode (``pltpu.InterpretParams``:
 simulated VMEM, uninitialised buffers filled with NaN, dynamic race detection), with a warning
 once per process.
@@ -17,6 +21,8 @@ Variant parameters (`variant_space`):
   and the exact unit-lower-triangular inverse always run at float32 (Precision.HIGHEST).
 * ``save_states``: the forward saves each chunk's entering state and T = (I + A)^-1 for the
   backward, or the backward recomputes them (one more state walk and the inverse).
+* ``recurrent_below``: calls with fewer steps run the recurrent kernel's forward (its Dv split is
+  ``dv_tile``'s; it does not change any rendered source).
 
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
 rendered or run.
@@ -77,6 +83,9 @@ def _dv_tiles(dv: int) -> list[int]:
 #: untuned crossover T (`gdngen.config.recurrent_switch`): one chunk (below it the chunk
 #: kernels pad to a whole chunk); not measured on a TPU, the tuner measures it there
 RECURRENT_BELOW = 64
+#: steps per grid block of the recurrent kernel when T exceeds it (a 128-multiple: the value-side
+#: blocks carry one step per lane); shorter calls run as one block of T steps
+RECURRENT_TIME_BLOCK = 128
 
 @dataclass(frozen=True)
 class Config(VariantConfig):
@@ -153,7 +162,20 @@ def vmem_bytes(variant: Variant, problem: Problem) -> int:
     backward_scratch = state + ((5 * cc + 4 * ck + 4 * c1 + 2 * b((ht, 1, 1)) + 2 * b((C, C))
                                  + 2 * ck + c1) if tiled else 0)
     backward = 2 * backward_blocks + backward_scratch + temps + 4 * b((C, C)) + 2 * b((C, Dk))
-    return max(forward, backward)
+    if problem.gate == "vector":  # only the recurrent kernel runs
+        return recurrent_vmem_bytes(variant, problem)
+    return max(forward, backward, recurrent_vmem_bytes(variant, problem))
+
+
+def recurrent_vmem_bytes(variant: Variant, problem: Problem) -> int:
+    """Static VMEM estimate of the recurrent kernel at its largest time block, in bytes:
+    double-buffered blocks, the state scratch, and the loop's carry and temporaries."""
+    tv, Dk = kernel_params(variant, problem)["dv_tile"], problem.Dk
+    tt = RECURRENT_TIME_BLOCK
+    b = _padded_bytes
+    gate = b((tt, Dk)) if problem.gate == "vector" else b((tt, 1))
+    blocks = 2 * b((tt, Dk)) + 2 * b((tv, tt)) + gate + b((tt, 1)) + 2 * b((tv, Dk))
+    return 2 * blocks + b((tv, Dk)) + 4 * b((tv, Dk)) + 3 * b((tv, tt))
 
 
 def _vmem_limit(estimate: int) -> int:
@@ -217,12 +239,30 @@ def mosaic_lowers_precision_high() -> bool:
 
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
-    """``{"forward.py": (template, context), "backward.py": (template, context)}``.
+    """``{"forward.py": (template, context), "backward.py": (template, context), "recurrent.py":
+    (template, context)}``; for a per-channel (vector) gate problem only ``recurrent.py``.
 
     The context holds the parameters resolved for ``problem`` (`kernel_params`), not the raw
     variant, so variants that resolve alike on a shape render the same sources (one compile).
+    The recurrent kernel's: the head dims, ``dv_tile`` (its Dv split), ``per_channel`` (the
+    problem's gate kind) and ``time_block`` (`RECURRENT_TIME_BLOCK`); not the input dtype (it
+    runs float32) nor ``recurrent_below``.
     """
     p = kernel_params(variant, problem)
+    recurrent = ("pallas_tpu/recurrent.py.j2", {
+        "dk": problem.Dk,
+        "dv": problem.Dv,
+        "dv_tile": p["dv_tile"],
+        "n_dv": problem.Dv // p["dv_tile"],
+        "hk": problem.Hk,
+        "hv": problem.Hv,
+        "group": problem.group,
+        "per_channel": problem.gate == "vector",
+        "time_block": RECURRENT_TIME_BLOCK,
+        "vmem_limit_bytes": _vmem_limit(recurrent_vmem_bytes(variant, problem)),
+    })
+    if problem.gate == "vector":
+        return {"recurrent.py": recurrent}
     context = {
         "problem_key": problem.key(),
         "chunk": p["chunk_size"],
@@ -242,7 +282,8 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "vmem_limit_bytes": _vmem_limit(vmem_bytes(variant, problem)),
     }
     return {"forward.py": ("pallas_tpu/forward.py.j2", context),
-            "backward.py": ("pallas_tpu/backward.py.j2", context)}
+            "backward.py": ("pallas_tpu/backward.py.j2", context),
+            "recurrent.py": recurrent}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -298,10 +339,12 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     """Render ``variant`` for ``problem`` and load it (cached by the sources' sha256 and the
     interpret-mode parameters).
 
-    Returns a namespace: ``forward``/``backward`` (the generated modules), ``run_forward``,
-    ``run_backward`` and, for variants that recompute, ``run_chunk_states`` (their functions
-    jitted with ``scale``/``interpret`` static: a pair, top-level and nested), ``sha256``,
-    ``variant``, ``problem``, ``params`` (`kernel_params`), ``interpret`` (what they run with).
+    Returns a namespace: ``forward``/``backward``/``recurrent`` (the generated modules),
+    ``run_forward``, ``run_backward``, ``run_recurrent`` and, for variants that recompute,
+    ``run_chunk_states`` (their functions jitted with ``scale``/``interpret`` static: a pair,
+    top-level and nested), ``sha256``, ``variant``, ``problem``, ``params`` (`kernel_params`),
+    ``interpret`` (what they run with). A vector-gate problem has only the recurrent kernel
+    (``forward``/``backward`` None).
     """
     rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
     key = (rendered.sha256, interpret_mode())
@@ -309,13 +352,16 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
         modules = {name: exec_module(BACKEND, name, source, rendered.sha256)
                    for name, source in rendered.sources.items()}
         interpret = interpret_mode()
-        fwd, bwd = modules["forward.py"], modules["backward.py"]
+        fwd, bwd = modules.get("forward.py"), modules.get("backward.py")
+        rec = modules["recurrent.py"]
 
         kernels = types.SimpleNamespace(
-            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
+            forward=fwd, backward=bwd, recurrent=rec, sha256=rendered.sha256, variant=variant,
             problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            run_forward=jit_pair(fwd.forward, ("scale", "interpret"), interpret),
-            run_backward=jit_pair(bwd.backward, ("scale", "interpret"), interpret))
+            run_recurrent=jit_pair(rec.recurrent, ("scale", "interpret"), interpret))
+        if fwd is not None:
+            kernels.run_forward = jit_pair(fwd.forward, ("scale", "interpret"), interpret)
+            kernels.run_backward = jit_pair(bwd.backward, ("scale", "interpret"), interpret)
         if hasattr(fwd, "chunk_states"):
             kernels.run_chunk_states = jit_pair(fwd.chunk_states, ("interpret",), interpret)
         _LOADED[key] = kernels
@@ -359,9 +405,11 @@ def _run_kernel(fns, *args, what: str, interpret, **kwargs):
 
 def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2) -> dict:
     """Lower the variant's kernels (forward, backward and, if it recomputes, the chunk-state
-    walk) through Mosaic for the TPU platform, which needs no TPU; returns
-    ``{kernel name: StableHLO text}``. Raises what the Mosaic lowering raises (unsupported
-    ops, illegal block shapes, ...). The TPU compiler's own passes run only on a TPU."""
+    walk; the recurrent kernel, over one short block and over two whole time blocks and a tail)
+    through Mosaic for the TPU platform, which needs no TPU; returns
+    ``{kernel name: StableHLO text}`` (a vector-gate problem: the recurrent kernel only).
+    Raises what the Mosaic lowering raises (unsupported ops, illegal block shapes, ...). The
+    TPU compiler's own passes run only on a TPU."""
     import jax
     import jax.numpy as jnp
 
@@ -380,7 +428,16 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
                 .lower(lowering_platforms=("tpu",)).as_text())
 
     static = {"scale": Dk ** -0.5, "interpret": False}
-    lowered = {
+    lowered = {}
+    decay_tail = (Dk,) if problem.gate == "vector" else ()
+    for name, T in (("recurrent", 5), ("recurrent_blocks", 2 * RECURRENT_TIME_BLOCK + 3)):
+        lowered[name] = lower(kernels.recurrent.recurrent, spec((B, T, Hk, Dk), f32),
+                              spec((B, T, Hk, Dk), f32), spec((B, T, Hv, Dv), f32),
+                              spec((B, T, Hv) + decay_tail, f32), spec((B, T, Hv), f32), state,
+                              **static)
+    if kernels.forward is None:
+        return _check_lowered(lowered)
+    lowered |= {
         "forward": lower(kernels.forward.forward, key, key, values, g_col, g_row, g_col, state,
                          **static),
         "backward": lower(kernels.backward.backward, key, key, values, g_col, g_row, g_col,
@@ -389,6 +446,10 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
     if not kernels.params["save_states"]:
         lowered["chunk_states"] = lower(kernels.forward.chunk_states, key, values, g_col, g_row,
                                         g_col, state, interpret=False)
+    return _check_lowered(lowered)
+
+
+def _check_lowered(lowered: dict) -> dict:
     for name, text in lowered.items():
         if "tpu_custom_call" not in text:
             raise RuntimeError(f"the {name} kernel did not lower to a Mosaic custom call")
@@ -514,18 +575,103 @@ def _core(key: tuple, gate: str, scale: float):
 # ----------------------------------------------------------------------------- entry point
 
 
+def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
+                      templates_dir=None):
+    """Forward of the gated delta rule through ``variant``'s generated recurrent kernel
+    (``recurrent.py``); no VJP of its own, nothing saved (see `gated_delta` for the switch).
+
+    Contract (all arrays float32; masked steps already folded: decay 1, beta 0):
+
+    * q, k ``[B, T, Hk, Dk]`` (q unscaled: the kernel applies ``scale``); v ``[B, T, Hv, Dv]``
+      with Hv = r * Hk (value head h reads key head h // r); Dk != Dv allowed;
+    * decay ``[B, T, Hv]`` (scalar gate) or ``[B, T, Hv, Dk]`` (per-channel gate): the LINEAR
+      decay a_t in [0, 1] (a log gate's exp: exactly 0 at log g = -inf resets the state);
+    * beta ``[B, T, Hv]``; S0 ``[B, Hv, Dv, Dk]``;
+    * returns ``(y [B, T, Hv, Dv], S_T [B, Hv, Dv, Dk])``, float32, of the recurrence
+      ``S_t = S_{t-1} diag(a_t) + beta_t (v_t - S_{t-1} diag(a_t) k_t) k_t^T``,
+      ``y_t = scale * S_t q_t``, evaluated per step as `gdngen.chunkwise.recurrent_forward`:
+      ``u = beta (v - S (a k)); S' = S diag(a) + u k^T; y = S (a q) + u (k . q)``.
+
+    Any T >= 1 (a trace-time size; T > `RECURRENT_TIME_BLOCK` runs in blocks of that many
+    steps, padded with identity steps). The kernel's grid is (B, Hv, Dv tiles of the variant's
+    ``dv_tile``, time blocks); each program holds its [dv_tile, Dk] state in VMEM for the whole
+    walk. ``problem`` (default: the float32 one of these shapes and gate kind) selects the
+    rendered sources, so a call's kernels load once with its chunk kernels. Outputs are poisoned
+    as the chunk kernels' are: off a TPU the kernel runs in TPU interpret mode, whose buffers
+    (outputs included) start NaN-filled, so anything left unwritten shows up.
+    """
+    per_channel = decay.ndim == 4
+    if problem is None:
+        problem = Problem(q.shape[2], v.shape[2], q.shape[3], v.shape[3], "float32",
+                          "vector" if per_channel else "scalar")
+    if per_channel != (problem.gate == "vector"):
+        raise ValueError(f"decay has shape {tuple(decay.shape)}, which does not match the "
+                         f"{problem.gate} gates of {problem.key()}")
+    interpret_mode()  # decided (and warned about) before the kernels load
+    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    y, state = _run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, scale=float(scale),
+                           what="recurrent", interpret=kernels.interpret)
+    return y, state
+
+
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 variant, templates_dir=None):
     """Gated delta rule with the generated Pallas TPU kernels of ``variant``; returns
-    ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar gates only; q, k, v
-    float32 or bfloat16). Differentiable (custom VJP) and jit-able."""
-    return generated.gated_delta(sys.modules[__name__], q, k, v, g, beta, initial_state,
-                                 mask=mask, scale=scale, gate=gate, variant=variant,
-                                 templates_dir=templates_dir)
+    ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar or per-channel gates;
+    q, k, v float32 or bfloat16). Differentiable (custom VJP) and jit-able.
+
+    A scalar-gate call with T >= the variant's ``recurrent_below`` runs the chunk kernels. A
+    shorter one, and every per-channel gate call, evaluates through the recurrent kernel
+    (`recurrent_forward`, masks folded, the gate made a linear decay) inside
+    `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`: its VJP is that of the chunk
+    kernels on the same call (per-channel gates: the portable sequential path's).
+    """
+    import jax.numpy as jnp
+
+    from gdngen import chunkwise
+    from gdngen.backends import jax_chunkwise
+    from gdngen.variant import problem_of
+
+    module = sys.modules[__name__]
+    shape, dtype = generated.check_scalar_call(SPEC, q, k, v, g, beta, initial_state, mask,
+                                               gate=gate, scale=scale)
+    if not shape.vector_gate and shape.T >= SPEC.parse(variant).recurrent_below:
+        return generated.gated_delta(module, q, k, v, g, beta, initial_state, mask=mask,
+                                     scale=scale, gate=gate, variant=variant,
+                                     templates_dir=templates_dir)
+    interpret_mode()  # decided (and warned about) at the caller's frame
+    problem = problem_of(shape, dtype)
+    f32 = jnp.float32
+    if initial_state is None:
+        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    q32, k32, v32, g32, beta32, s0 = (x.astype(f32) for x in (q, k, v, g, beta, initial_state))
+    g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
+
+    def recurrent(q, k, v, g, beta, S0):
+        decay = jnp.exp(g) if gate == "log" else g  # exp(-inf) = 0: an exact reset
+        return recurrent_forward(q, k, v, decay, beta, S0, scale=scale, variant=variant,
+                                 problem=problem, templates_dir=templates_dir)
+
+    def chunkwise_call(q, k, v, g, beta, S0):
+        if shape.vector_gate:
+            return jax_chunkwise.sequential_gated_delta(q, k, v, g, beta, S0, None,
+                                                        scale=float(scale), gate=gate)
+        y, state = generated.gated_delta(module, q.astype(dtype), k.astype(dtype),
+                                         v.astype(dtype), g, beta, S0, mask=None, scale=scale,
+                                         gate=gate, variant=variant,
+                                         templates_dir=templates_dir)
+        return y.astype(f32), state
+
+    y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
+        q32, k32, v32, g32, beta32, s0)
+    if mask is not None:
+        y = jnp.where(mask[..., None, None], y, 0.0)
+    return y.astype(q.dtype), state
 
 
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("tpu",), dtypes=INPUT_DTYPES,
+    gates=("scalar", "vector"), tuned_gates=("scalar",),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
     footprint=vmem_bytes, device_limit="vmem_budget", reference_device="tpu-v5e")
