@@ -1,5 +1,6 @@
 """ffi_cpu backend: generated C++ kernels for the chunkwise gated delta rule on the host CPU,
-called from JAX as XLA FFI custom calls (scalar gates).
+called from JAX as XLA FFI custom calls (scalar gates; per-channel gates forward only, through
+the recurrent kernel, with the portable sequential path's VJP).
 
 The forward and backward are rendered from ``templates/ffi_cpu/gated_delta.cc.j2`` with the
 chunk size and the padded head dims baked in, compiled with the host C++ compiler
@@ -18,6 +19,11 @@ Variant parameters (`variant_space`):
 * ``chunk_size`` 32 | 64 | 128: steps per chunk.
 * ``row_block`` 4 | 6: output rows per register block of the matmul kernel (4 or 6 rows by
   up to 64 columns of float32 accumulators).
+
+A short call (T < ``recurrent_below``) and every per-channel-gate call evaluate through the
+recurrent kernel rendered from ``templates/ffi_cpu/recurrent.cc.j2`` into the same library
+(`recurrent_forward`): one task per (batch, value head, block of state rows), the rows held in
+a local buffer over the whole walk, nothing saved; its VJP is the chunk kernels'.
 
 The forward saves only the state entering each chunk; the backward walks the chunks in reverse,
 recomputes each chunk's WY form from it, and forms the gate cotangent in-kernel by the
