@@ -147,10 +147,12 @@ def variant_sha256(variant: Variant, problem: Problem) -> str:
 
 def make_entry(*, device: str, framework: str, problem: Problem, precision: str, seq_len: int,
                batch: int, variant: Variant, default: Variant, best_s: float, default_s: float,
-               worst_error: float, tolerance: float, trials: dict, study: str = "") -> dict:
-    """A cache entry for ``variant`` tuned at ``[batch, seq_len]`` (times in seconds in)."""
+               worst_error: float, tolerance: float, trials: dict, study: str = "",
+               crossover: dict | None = None) -> dict:
+    """A cache entry for ``variant`` tuned at ``[batch, seq_len]`` (times in seconds in);
+    ``crossover``: the measured recurrent/chunkwise curve (`gdngen.tune.crossover`)."""
     bucket = seq_bucket(seq_len)
-    return {
+    entry = {
         "key": entry_key(device, variant.backend, problem, precision, bucket),
         "device": device,
         "framework": framework,
@@ -173,6 +175,9 @@ def make_entry(*, device: str, framework: str, problem: Problem, precision: str,
         "study": study,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if crossover is not None:
+        entry["crossover"] = crossover
+    return entry
 
 
 def _check_entry(key: str, entry) -> None:
@@ -419,16 +424,17 @@ class Lookup:
 
 def lookup(device: str, backends, problem: Problem, precision: str, seq_len: int,
            dirs=None) -> Lookup:
-    """The fastest usable entry for ``problem`` at ``seq_len``'s bucket among ``backends``."""
+    """The fastest usable entry for ``problem`` at ``seq_len``'s bucket among ``backends``.
+
+    A call shorter than every tuned bucket of ``problem`` (decode, short prefill) uses the
+    smallest tuned bucket's entry: its variant's tuned ``recurrent_below`` (the crossover the
+    tuner measured, `gdngen.tune.crossover`) decides whether the recurrent kernel runs."""
     bucket = seq_bucket(seq_len)
     loaded = load(device, dirs)
     keys = [entry_key(device, b, problem, precision, bucket) for b in backends]
     found = [loaded.entries[k] for k in keys if k in loaded.entries]
     if found:
-        best = min(found, key=lambda e: float(e["best_ms"]))
-        return Lookup(best, loaded.paths[best["key"]],
-                      f"tuned entry {best['key']} ({float(best['speedup']):.2f}x vs default at "
-                      f"T={best['seq_len']}, tuned {best['date']})")
+        return _best_of(found, loaded)
     stale = [f"{k}: {loaded.ignored[k]}" for k in keys if k in loaded.ignored]
     for text in stale:
         _warn_once(("stale", text), f"ignoring tuned entry {text}; re-run gdngen tune")
@@ -439,9 +445,20 @@ def lookup(device: str, backends, problem: Problem, precision: str, seq_len: int
                            if e["key"].startswith(prefix) and e["backend"] in backends
                            and e["problem"] == problem.to_json()
                            and e["precision"] == precision})
+    if same_problem and bucket < same_problem[0]:
+        keys = [entry_key(device, b, problem, precision, same_problem[0]) for b in backends]
+        return _best_of([loaded.entries[k] for k in keys if k in loaded.entries], loaded,
+                        f"; T={seq_len} is below every tuned bucket, so the smallest one's")
     where = f"T bucket {bucket}" + (f"; tuned buckets: {same_problem}" if same_problem else "")
     return Lookup(None, None, f"no tuned entry for {device}/{problem.key()}/{precision} "
                               f"({where})")
+
+
+def _best_of(found: list, loaded, why: str = "") -> Lookup:
+    best = min(found, key=lambda e: float(e["best_ms"]))
+    return Lookup(best, loaded.paths[best["key"]],
+                  f"tuned entry {best['key']} ({float(best['speedup']):.2f}x vs default at "
+                  f"T={best['seq_len']}, tuned {best['date']}{why})")
 
 
 # ------------------------------------------------------------------------------ listing

@@ -15,6 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+#: a ``recurrent_below`` that takes the recurrent kernel at every T (the battery's forward-only
+#: check in `gdngen.validate`, the crossover timing in `gdngen.tune.crossover`)
+RECURRENT_ALWAYS = 1 << 30
+
 
 def recurrent_switch(default: int):
     """The ``recurrent_below`` field of a backend's `VariantConfig`: a call of T steps with
@@ -46,16 +50,18 @@ class VariantConfig:
 
     @classmethod
     def from_params(cls, params: dict) -> VariantConfig:
-        """The config of a params dict; ValueError naming unknown or missing fields."""
+        """The config of a params dict; ValueError naming unknown or missing fields. A
+        keyword-only field (``recurrent_below``) may be left out: it takes its default."""
         names = cls.field_names()
+        optional = {f.name for f in dataclasses.fields(cls) if f.kw_only}
         unknown = sorted(set(params) - set(names))
-        missing = [n for n in names if n not in params]
+        missing = [n for n in names if n not in params and n not in optional]
         if unknown or missing:
             parts = ([f"unknown {unknown}"] if unknown else []) + \
                     ([f"missing {missing}"] if missing else [])
             raise ValueError(f"{cls.backend} variant params must be {list(names)}: "
                              f"{', '.join(parts)}")
-        return cls(**{n: params[n] for n in names})
+        return cls(**{n: params[n] for n in names if n in params})
 
     def params(self) -> dict:
         """The fields as a plain dict (a `Variant`'s params)."""

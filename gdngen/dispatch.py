@@ -16,6 +16,7 @@ for a chosen device and precision policy; `TunedGatedDelta.explain` says what it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gdngen import layer_inputs, registry, settings
@@ -37,10 +38,31 @@ class Choice:
     precision: str = "ieee"
     entry: dict | None = None
     path: str | None = None
+    kernel_path: str | None = None
 
     def __str__(self) -> str:
         where = f" on {self.device}" if self.device else ""
-        return f"{self.variant} ({self.source}{where}, precision {self.precision}): {self.reason}"
+        text = f"{self.variant} ({self.source}{where}, precision {self.precision}): {self.reason}"
+        return text + (f"; {self.kernel_path}" if self.kernel_path else "")
+
+    def for_length(self, T: int, vector_gate: bool = False) -> Choice:
+        """This choice with ``kernel_path`` saying which kernels a call of ``T`` steps runs:
+        the recurrent kernel below the variant's ``recurrent_below`` (the tuned crossover when
+        the entry measured one, `gdngen.tune.crossover`), else the chunk kernels."""
+        below = self.variant.get("recurrent_below")
+        if below is None:
+            return dataclasses.replace(self, kernel_path="chunk kernels")
+        origin = "tuned crossover" if self.entry and self.entry.get("crossover") else \
+            "untuned default crossover"
+        if vector_gate:
+            text = ("recurrent kernel forward (per-channel gates; the gradient runs the "
+                    "sequential path)")
+        elif T < below:
+            text = (f"recurrent kernel forward, T={T} < recurrent_below={below} ({origin}); "
+                    "the gradient runs the chunk kernels")
+        else:
+            text = f"chunk kernels, T={T} >= recurrent_below={below} ({origin})"
+        return dataclasses.replace(self, kernel_path=text)
 
 
 def default_choice(framework: str, problem: Problem, device: str | None,
@@ -191,7 +213,7 @@ class TunedGatedDelta:
         shape = check_call(q, k, v, g, beta, initial_state, mask, gate=options.call_gate,
                            scale=scale)
         return choose(self.framework, shape, dtype_name(q), device=self.device,
-                      precision=self.precision)
+                      precision=self.precision).for_length(shape.T, shape.vector_gate)
 
     def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                  gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,

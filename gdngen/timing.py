@@ -1,4 +1,5 @@
-"""Time stage for the tuner: forward+backward wall time of variants at one target shape.
+"""Time stage for the tuner: forward+backward wall time of variants at one target shape, and
+the forward alone (`time_forward`, for the recurrent/chunkwise crossover).
 
 `time_fwd_bwd` measures the gradient of ``sum(y * dy) + sum(final_state * dfinal_state)`` with
 respect to q, k, v, g, beta and initial_state (log gate, ``scale = Dk ** -0.5``) for several
@@ -160,19 +161,68 @@ def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq
             calls, sync = _jax_grad_fns(fns, problem, inputs)
         else:
             calls, sync = _mlx_grad_fns(fns, problem, inputs)
-        timings = {}
-        for name, call in calls.items():
-            t0 = time.perf_counter()
+        return _interleaved(calls, sync, repeats, warmup, settle)
+
+
+def _jax_forward_fns(fns, problem, inputs):
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(problem.dtype)
+    args = tuple(jnp.asarray(inputs[n], dtype) for n in ("q", "k", "v", "g", "beta"))
+    args += (jnp.asarray(inputs["initial_state"]),)
+    scale = problem.Dk ** -0.5
+    return {name: functools.partial(jax.jit(functools.partial(fn, scale=scale, gate="log")),
+                                    *args) for name, fn in fns.items()}, jax.block_until_ready
+
+
+def _mlx_forward_fns(fns, problem, inputs):
+    import mlx.core as mx
+
+    dtype = getattr(mx, problem.dtype)
+    args = tuple(mx.array(inputs[n]).astype(dtype) for n in ("q", "k", "v", "g", "beta"))
+    args += (mx.array(inputs["initial_state"]),)
+    mx.eval(args)
+    scale = problem.Dk ** -0.5
+    return {name: functools.partial(fn, *args, scale=scale, gate="log")
+            for name, fn in fns.items()}, mx.eval
+
+
+def time_forward(framework: str, fns: dict, problem: Problem, *, batch: int, seq_len: int,
+                 precision: str = "ieee", repeats: int = 3, warmup: int = 1,
+                 seed: int = 0) -> dict[str, Timing]:
+    """Time the forward alone (no gradient: what generating text runs) of each ``fns[name]``
+    with an incoming state, on the same inputs of ``problem`` at ``[batch, seq_len]``, jitted
+    for JAX, eager for MLX (as models call it); interleaved like `time_fwd_bwd`."""
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats and warmup must be >= 1, got {repeats}, {warmup}")
+    if not fns:
+        raise ValueError("fns must name at least one callable")
+    inputs = make_inputs(problem, batch, seq_len, seed)
+    with precision_context(framework, precision):
+        if framework == "jax":
+            calls, sync = _jax_forward_fns(fns, problem, inputs)
+        else:
+            calls, sync = _mlx_forward_fns(fns, problem, inputs)
+        return _interleaved(calls, sync, repeats, warmup, False)
+
+
+def _interleaved(calls: dict, sync, repeats: int, warmup: int, settle: bool) -> dict:
+    """``{name: Timing}`` of the zero-argument ``calls``: each warmed up (its first run timed as
+    ``first_s``), then ``repeats`` rounds in a rotating order, every run synchronised."""
+    timings = {}
+    for name, call in calls.items():
+        t0 = time.perf_counter()
+        sync(call())
+        timings[name] = Timing(first_s=time.perf_counter() - t0)
+        for _ in range(warmup - 1):
             sync(call())
-            timings[name] = Timing(first_s=time.perf_counter() - t0)
-            for _ in range(warmup - 1):
-                sync(call())
-        names = list(calls)
-        for r in range(repeats):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
-                if settle:
-                    sync(calls[name]())
-                t0 = time.perf_counter()
+    names = list(calls)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
+            if settle:
                 sync(calls[name]())
-                timings[name].times_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            sync(calls[name]())
+            timings[name].times_s.append(time.perf_counter() - t0)
     return timings

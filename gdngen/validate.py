@@ -32,10 +32,12 @@ import numpy as np
 from gdngen import cases as cases_mod
 from gdngen import registry
 from gdngen.cases import BATTERY, Case
+from gdngen.config import RECURRENT_ALWAYS
 from gdngen.tolerance import DTYPE_TOLERANCES, allowed_error, dtype_tolerance
 
 __all__ = [
     "QUANTITIES",
+    "RECURRENT_QUANTITIES",
     "TOLERANCES",
     "CaseResult",
     "check_case",
@@ -48,8 +50,9 @@ __all__ = [
     "tolerance",
 ]
 
-QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear",
-              "y_recurrent", "final_state_recurrent")
+QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear")
+#: recorded when the runner returns them (every registered backend's runner, `runner_for`)
+RECURRENT_QUANTITIES = ("y_recurrent", "final_state_recurrent")
 TOLERANCES = DTYPE_TOLERANCES
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
                  "float64": np.float64}
@@ -215,7 +218,7 @@ def _always_recurrent(variant):
 
     if "recurrent_below" not in variant.as_dict():
         return None
-    return Variant(variant.backend, dict(variant.as_dict(), recurrent_below=1 << 30))
+    return Variant(variant.backend, dict(variant.as_dict(), recurrent_below=RECURRENT_ALWAYS))
 
 
 def runner_for(backend: str):
@@ -287,7 +290,7 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
         per_gate[gate] = errors
 
     errors = {}
-    for name in QUANTITIES:
+    for name in QUANTITIES + RECURRENT_QUANTITIES:
         if name == "dg":
             values = [per_gate["log"].get("dg")]
         elif name == "dg_linear":

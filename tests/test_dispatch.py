@@ -41,11 +41,16 @@ def test_cpu_default_is_the_generated_kernel_and_explain_says_why():
     assert "no tuned entry" in choice.reason
 
 
-def test_portable_path_where_the_generated_kernel_does_not_apply():
+@pytest.mark.skipif(not ffi_cpu.available(), reason="ffi_cpu needs a C++ compiler")
+def test_vector_gates_run_the_generated_recurrent_kernel_and_explain_says_so():
     vector = dataclasses_replace(UNTUNED, gate="vector")
     choice = dispatch.choose("jax", shape(vector, vector=True), "float32", device="cpu")
-    assert choice.variant.backend == "xla"
-    assert "portable xla" in choice.reason and "vector" in choice.reason
+    assert choice.variant.backend == "ffi_cpu"
+    path = choice.for_length(4096, vector_gate=True).kernel_path
+    assert "recurrent kernel forward (per-channel gates" in path
+
+
+def test_portable_path_where_the_generated_kernel_does_not_apply():
     variant, why = dispatch.default_choice("jax", UNTUNED, "cpu", chunk_size=16)
     assert variant.backend == "xla" and variant["chunk_size"] == 16
     assert "chunk_size must be one of" in why
@@ -102,17 +107,19 @@ def test_plain_call_runs_the_default_backend(monkeypatch):
 
     from gdngen.jax import gated_delta
 
-    ran = []
-    spec = registry.get("xla")
-    monkeypatch.setitem(registry._SPECS, "xla", dataclasses_replace(
-        spec, entry=lambda *a, variant, **k: ran.append(variant) or spec.entry(
-            *a, variant=variant, **k)))
     x = np.random.default_rng(0).standard_normal((1, 8, 2, 16)).astype(np.float32) * 0.1
     g = -np.abs(x[..., 0])
+    vector = CallShape(1, 8, 2, 2, 16, 16, True)
+    expected = dispatch.choose("jax", vector, "float32").variant
+    ran = []
+    spec = registry.get(expected.backend)
+    monkeypatch.setitem(registry._SPECS, expected.backend, dataclasses_replace(
+        spec, entry=lambda *a, variant, **k: ran.append(variant) or spec.entry(
+            *a, variant=variant, **k)))
     gated_delta(jnp.asarray(x), jnp.asarray(x), jnp.asarray(x), jnp.asarray(g[..., None]
                                                                             * np.ones(16)),
                 jnp.asarray(np.abs(g)))
-    assert ran and ran[-1].backend == "xla"  # vector gates: the portable path
+    assert ran and ran[-1] == expected
 
 
 def dataclasses_replace(obj, **changes):

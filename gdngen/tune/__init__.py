@@ -12,6 +12,8 @@ tuned cache. The parts:
   concurrent tuners, the confirmation run), `Record`, `select_best`, `Summary`;
 * `gdngen.tune.worker`: the trial subprocess (``python -m gdngen.tune --worker``, speaking
   `gdngen.worker_protocol`), `load_plugins` (``GDNGEN_PLUGINS``);
+* `gdngen.tune.crossover`: the recurrent/chunkwise crossover stage (`crossover_from`,
+  `describe`);
 * `gdngen.tune.memo`: the validation memo (`memo_get`, `memo_put`, `summarize_validation`);
 * `gdngen.tune.storage`: Optuna storages (`open_storage`, `check_storage_url`), trial heartbeats
   (`Heartbeat`) and `recover_interrupted` (trials of a tuner killed on any host re-queued);

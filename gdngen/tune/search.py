@@ -16,7 +16,9 @@ A variant failing validation is COMPLETE with value inf and user attrs ``feasibl
 worst error; it never becomes best (only the default variant is still timed, for the speedup).
 After the search, the best feasible variant and the default are re-timed together, interleaved
 (`Settings.confirm_repeats`); unless the best beats the default by ``Settings.min_gain`` there,
-the default is kept. The chosen variant goes to the tuned cache (`gdngen.cache.write_entry`).
+the default is kept. Then the chosen variant's recurrent/chunkwise crossover T is measured
+(`gdngen.tune.crossover`) and becomes its ``recurrent_below``. The chosen variant goes to the
+tuned cache (`gdngen.cache.write_entry`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 from gdngen import cache
 from gdngen import settings as env_settings
+from gdngen.tune import crossover
 from gdngen.tune.memo import _memo_key, memo_get, memo_put
 from gdngen.tune.storage import Heartbeat, beating, open_storage, recover_interrupted
 from gdngen.tune.target import Target, study_name, tolerance_for
@@ -51,7 +54,9 @@ class Settings:
     limit); ``trial_timeout``: seconds one trial subprocess may take; ``repeats``: timed runs
     per trial (median); ``confirm_repeats``: interleaved re-timing of best vs default (0: skip);
     ``min_gain``: fraction by which the best must beat the default there; ``heartbeat``: how
-    often a trial in flight says it is alive and how long a silent one is trusted."""
+    often a trial in flight says it is alive and how long a silent one is trusted;
+    ``crossover``: measure the chosen variant's recurrent/chunkwise crossover T
+    (`gdngen.tune.crossover`) and cache it as its ``recurrent_below``."""
 
     trials: int = 8
     timeout: float | None = None
@@ -61,6 +66,7 @@ class Settings:
     min_gain: float = 0.02
     cases: tuple = DEFAULT_CASES
     seed: int = 0
+    crossover: bool = True
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
 
     def __post_init__(self):
@@ -175,6 +181,7 @@ class Summary:
     workers: dict = field(default_factory=dict)  # "host:pid" -> trials that tuner evaluated
     entry_path: str | None = None
     notes: list = field(default_factory=list)
+    crossover: int | None = None  # the tuned recurrent_below, when measured
 
     @property
     def speedup(self) -> float | None:
@@ -196,7 +203,8 @@ class Summary:
                            "infeasible": self.trials_infeasible,
                            "skipped": self.trials_skipped},
                 "workers": dict(self.workers),
-                "cache": self.entry_path, "notes": list(self.notes)}
+                "cache": self.entry_path, "notes": list(self.notes),
+                "crossover": self.crossover}
 
 
 def _spec(target: Target, settings: Settings, variant: Variant, **extra) -> dict:
@@ -440,12 +448,14 @@ def _finish(study, summary: Summary, target: Target, settings: Settings, cache_d
         summary.notes.append(f"best {chosen} within {settings.min_gain:.0%} of the default; "
                              "keeping the default")
         chosen, chosen_s = default, default_s
-    summary.best, summary.best_s, summary.default_s = chosen, chosen_s, default_s
     chosen_rec = next(r for r in records if r.variant == chosen)
     summary.worst_error = chosen_rec.worst_error
     if default_s is None:
+        summary.best, summary.best_s, summary.default_s = chosen, chosen_s, default_s
         summary.notes.append("the default variant was not timed; nothing cached")
         return
+    chosen, measured = _tune_crossover(chosen, summary, target, settings)
+    summary.best, summary.best_s, summary.default_s = chosen, chosen_s, default_s
     entry = cache.make_entry(
         device=target.device, framework=target.framework, problem=target.problem,
         precision=target.precision, seq_len=target.seq_len, batch=target.batch,
@@ -453,5 +463,25 @@ def _finish(study, summary: Summary, target: Target, settings: Settings, cache_d
         worst_error=chosen_rec.worst_error, tolerance=tolerance_for(target, chosen),
         trials={"run": counts[0], "failed": counts[1], "infeasible": counts[2],
                 "skipped": counts[3]},
-        study=study.study_name)
+        study=study.study_name, crossover=measured)
     summary.entry_path = str(cache.write_entry(entry, cache_dir))
+
+
+def _tune_crossover(chosen: Variant, summary: Summary, target: Target, settings: Settings):
+    """``(chosen with its tuned recurrent_below, the measured crossover or None)``: the
+    crossover stage of `gdngen.tune.crossover`, in one trial subprocess (skipped when
+    ``settings.crossover`` is off or the backend has no recurrent kernel)."""
+    if not settings.crossover or not crossover.has_switch(chosen):
+        return chosen, None
+    spec = _spec(target, settings, chosen, validate=False, crossover=list(crossover.SEQ_LENS))
+    result = _run_worker(spec, settings.trial_timeout)
+    if result["status"] != "ok":
+        summary.notes.append(f"crossover run {result['status']}; keeping recurrent_below="
+                             f"{chosen['recurrent_below']}")
+        return chosen, None
+    curve = result["crossover"]
+    recurrent_below = crossover.crossover_from(curve)
+    summary.notes.append(f"crossover: recurrent kernel below T={recurrent_below}")
+    summary.crossover = recurrent_below
+    return (crossover.with_recurrent_below(chosen, recurrent_below),
+            {"curve": curve, "seq_lens": list(crossover.SEQ_LENS), "batch": target.batch})

@@ -7,7 +7,9 @@ to compile is recorded as a FAIL trial and the study goes on. The subprocess
 1. validates the variant on the battery cases ``Settings.cases`` (`gdngen.validate.run_battery`,
    at the Problem's dtype; tolerance: `gdngen.tolerance.allowed_error`, as in ``gdngen build``),
    unless the validation memo (`gdngen.tune.memo`) already knows the answer;
-2. times forward+backward at the target shape (`gdngen.timing.time_fwd_bwd`).
+2. times forward+backward at the target shape (`gdngen.timing.time_fwd_bwd`);
+3. or times the forward alone of the variant's recurrent and chunk paths over a range of T
+   (``spec["crossover"]``, `gdngen.tune.crossover`).
 
 ``GDNGEN_PLUGINS`` (comma-separated module names) is imported by the tuner and by every trial
 subprocess, so out-of-tree backends can add themselves to the registry
@@ -65,9 +67,29 @@ def _worker(spec: dict) -> dict:
                                    seq_len=spec["seq_len"], precision=precision,
                                    repeats=spec["repeats"], seed=spec.get("seed", 0))
             out["timings"] = {name: t.to_json() for name, t in timings.items()}
+        if spec.get("crossover"):
+            out["crossover"] = _crossover_curve(spec, framework, problem, variant, precision)
     except Exception:  # noqa: BLE001 - any failure of the variant is a result, not a crash
         out.update(status="error", error=traceback.format_exc()[-3000:])
     return out
+
+
+def _crossover_curve(spec: dict, framework: str, problem: Problem, variant: Variant,
+                     precision: str) -> list[dict]:
+    """Forward-only times of ``variant``'s two paths at each T of ``spec["crossover"]``
+    (`gdngen.tune.crossover`)."""
+    from gdngen.timing import time_forward, variant_fn
+    from gdngen.tune.crossover import paths
+
+    fns = {name: variant_fn(framework, v) for name, v in paths(variant).items()}
+    curve = []
+    for T in spec["crossover"]:
+        timings = time_forward(framework, fns, problem, batch=spec["batch"], seq_len=T,
+                               precision=precision, repeats=spec["repeats"],
+                               seed=spec.get("seed", 0))
+        curve.append({"T": T, "recurrent_s": timings["recurrent"].median_s,
+                      "chunkwise_s": timings["chunkwise"].median_s})
+    return curve
 
 
 def _die_with_parent() -> None:
