@@ -507,3 +507,38 @@ def test_lora_training_loss_curve_matches(unpatched_lora_curve, tmp_path, grad_c
           f"{max(rel):.2e}; loss {unpatched_lora_curve[0]:.4f} -> {unpatched_lora_curve[-1]:.4f}")
     assert unpatched_lora_curve[-1] < 0.9 * unpatched_lora_curve[0]  # it actually trains
     assert max(rel) < 1e-3, rel
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def greedy_tokens(model, prompt, steps):
+    """``steps`` greedy tokens after ``prompt`` through mlx-lm's prompt cache (one T=len(prompt)
+    prefill, then T=1 decode calls), with the logits of each step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(prompt[None], cache=cache)[:, -1]
+    tokens, every = [], []
+    for _ in range(steps):
+        token = mx.argmax(logits, axis=-1)
+        mx.eval(token, logits)
+        tokens.append(token.item())
+        every.append(logits)
+        logits = model(token[None], cache=cache)[:, -1]
+    return tokens, mx.concatenate(every)
+
+
+def test_generation_with_patched_inference_gives_the_same_tokens(calls):
+    """A tiny Qwen3.5 generating 64 tokens: patched (prefill and T=1 decode through gdngen, the
+    decode steps on its recurrent kernel) the same tokens and logits as mlx-lm's own path."""
+    model = build_qwen3_5()
+    model.eval()
+    prompt = token_batch(B=1, T=11)[0]
+    reference, reference_logits = greedy_tokens(model, prompt, 64)
+    assert calls["gdngen"] == 0
+    with integration.patched(inference=True):
+        tokens, logits = greedy_tokens(model, prompt, 64)
+    assert calls["gdngen"] == 65 * len(linear_attention_layers(model))  # prefill + 64 decodes
+    assert tokens == reference
+    assert relative_error(reference_logits, logits) < GRAD_RTOL

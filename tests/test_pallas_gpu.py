@@ -69,9 +69,9 @@ def test_variant_space_and_default():
     assert pallas_gpu.tiles(96) == [32]
     assert default_variant("pallas_gpu", PROBLEM).as_dict() == {
         "chunk_size": 64, "precision": "ieee", "bk": 64, "bv": 64, "num_warps": 4,
-        "num_stages": 2, "save_states": True}
-    with pytest.raises(ValueError, match="Problem.gate must be one of .'scalar',. for"):
-        variants("pallas_gpu", Problem(2, 4, 64, 64, gate="vector"))
+        "num_stages": 2, "save_states": True, "recurrent_below": pallas_gpu.RECURRENT_BELOW}
+    # per-channel gates: the recurrent kernel (bk/bv tiles, launch params)
+    assert variants("pallas_gpu", Problem(2, 4, 64, 64, gate="vector"))
 
 
 def test_shared_memory_estimate_prunes_per_device():
@@ -167,7 +167,7 @@ def test_kernels_lower_through_triton(changes, problem):
     """Power-of-two shapes, no scratch memory and every op supported by the Pallas Triton
     lowering (checked for the CUDA platform without a GPU)."""
     lowered = pallas_gpu.lower_check(_variant(**changes), problem)
-    assert set(lowered) == {"forward", "residuals", "backward"}
+    assert set(lowered) == {"forward", "residuals", "backward", "recurrent"}
     assert all("gpu.triton" in text or "triton_kernel_call" in text
                for text in lowered.values())
 

@@ -76,7 +76,7 @@ def log_decay(A_log, a, dt_bias, lower_bound=None):
 
 def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                               use_kernel=True, lower_bound=None, allow_neg_eigval=False,
-                              chunk_size=64):
+                              chunk_size=None):
     """mlx-lm's ``gated_delta_update`` contract, always computed by `gdngen.mlx.gated_delta`.
 
     q, k ``[B,T,Hk,Dk]`` (already normalized and scaled by mlx-lm's ``normalize_qk``; no scale is
@@ -126,7 +126,7 @@ def _takes_chunkwise_path(q, v, a, A_log, dt_bias, lower_bound=None) -> bool:
 class _Patch:
     original: Callable
     inference: bool
-    chunk_size: int
+    chunk_size: int | None
     replaced: list[tuple[ModuleType, str]] = field(default_factory=list)
 
 
@@ -214,18 +214,22 @@ def _modules_to_scan() -> list[ModuleType]:
 # --------------------------------------------------------------------------- public API
 
 
-def patch(*, inference: bool = False, chunk_size: int = 64) -> tuple[str, ...]:
+def patch(*, inference: bool = False, chunk_size: int | None = None) -> tuple[str, ...]:
     """Route mlx-lm's ``gated_delta_update`` training calls to gdngen; return the patched modules.
 
     Every global of an mlx_lm module bound to mlx-lm's original function is replaced (aliases
     too). ``inference=True`` also routes ``use_kernel=True`` calls. Idempotent: calling it again
     re-scans and takes the new options; `unpatch` restores the originals. Patch before building
     or compiling a train step: an ``mx.compile``d function keeps the path it was traced with.
+    ``chunk_size`` None: each call runs the tuned variant of its shape class and length, else
+    the default (`gdngen.dispatch`; decode-length calls take the recurrent kernel below the
+    crossover); an int forces that chunk on the default variant.
     Raises ``RuntimeError`` for an unsupported mlx-lm (before changing anything).
     """
     global _ACTIVE, _ORIGINAL
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
     check_mlx_lm_version()
     from mlx_lm.models import gated_delta as mlx_gated_delta
 
@@ -259,7 +263,8 @@ def unpatch() -> None:
 
 
 @contextlib.contextmanager
-def patched(*, inference: bool = False, chunk_size: int = 64) -> Iterator[tuple[str, ...]]:
+def patched(*, inference: bool = False,
+            chunk_size: int | None = None) -> Iterator[tuple[str, ...]]:
     """`patch` for the duration of a ``with`` block, yielding the patched module names.
 
     On exit the previous state returns: unpatched if it was, else the outer patch's options.
