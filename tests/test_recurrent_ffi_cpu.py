@@ -100,6 +100,13 @@ def test_kernel_jits_and_vmaps():
     for i in range(2):
         y_ref, S_ref = reference.forward(*(x[i] for x in stacked), scale=0.5, gate="linear")
         assert _rel(y[i], y_ref) <= TOL and _rel(S[i], S_ref) <= TOL
+    # two independent calls in one program (XLA may run them at once: one takes the kernel's
+    # thread pool, the other threads of its own)
+    both = jax.jit(lambda a, b: (f(*a), f(*b)))(*(tuple(jnp.asarray(x[i]) for x in stacked)
+                                                  for i in range(2)))
+    for i in range(2):
+        np.testing.assert_array_equal(both[i][0], y[i])
+        np.testing.assert_array_equal(both[i][1], S[i])
 
 
 def test_kernel_rejects_a_decay_of_the_other_gate_kind():
