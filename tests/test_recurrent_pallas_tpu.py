@@ -232,3 +232,26 @@ def test_two_simulated_tensorcores_are_race_free():
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "per_channel"])
 def test_kernel_on_tpu(T, per_channel):
     _run_kernel(2, T, 2, 6, 128, 256, per_channel, seed=9, reset_at=((0, 0, 1),), dv_tile=128)
+
+
+def test_entry_under_jit_and_kernel_under_vmap():
+    """A forward-only call inside jax.jit takes the recurrent kernel (traced: the nested jit);
+    jax.vmap of the kernel function runs it once per mapped element."""
+    from gdngen.jax import gated_delta
+
+    problem = Problem(1, 2, 16, 16)
+    args, mask, _, _ = _entry_inputs(10, 1, 5, 1, 2, 16, 16, False)
+    variant = _variant(problem, recurrent_below=1000)
+    y, state = jax.jit(lambda *xs: gated_delta(*xs, mask=jnp.asarray(mask), scale=0.25,
+                                               variant=variant))(*(jnp.asarray(x) for x in args))
+    ref_y, ref_state = reference.forward(*args, mask=mask, scale=0.25)
+    assert max(relative_error(y, ref_y), relative_error(state, ref_state)) <= TOL
+
+    rng = np.random.default_rng(11)
+    stacked = [np.stack(xs) for xs in zip(*(_inputs(rng, 1, 3, 1, 2, 16, 16, False)
+                                            for _ in range(2)))]
+    ys, states = jax.vmap(lambda *xs: pallas_tpu.recurrent_forward(
+        *xs, scale=0.5, variant=variant, problem=problem))(*(jnp.asarray(x) for x in stacked))
+    for i in range(2):
+        ref_y, ref_state = reference.forward(*(x[i] for x in stacked), scale=0.5, gate="linear")
+        assert max(relative_error(ys[i], ref_y), relative_error(states[i], ref_state)) <= TOL
