@@ -89,9 +89,10 @@ def padded(dim: int) -> int:
     """``dim`` rounded up to whole 16-float vectors."""
     return -(-dim // 16) * 16
 
-#: untuned crossover T (`gdngen.config.recurrent_switch`), measured on this 2-core host (see
-#: benchmarks/bench_small_t.py)
-RECURRENT_BELOW = 16
+#: untuned crossover T (`gdngen.config.recurrent_switch`), measured on this 2-core AVX2 host
+#: at B=1, Hk=16, Hv=32, Dk=Dv=128: the recurrent kernel's forward takes 0.33 / 2.8 / 6 ms at
+#: T = 1 / 16 / 32 against the chunk kernels' 5 / 8 / 10 ms, and both about 5-6 ms at T=64
+RECURRENT_BELOW = 64
 
 @dataclass(frozen=True)
 class Config(VariantConfig):
