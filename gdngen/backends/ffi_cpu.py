@@ -245,9 +245,9 @@ def compile_library(source, path: Path) -> Path:
                 cmd = [*flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)]
                 jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                                    stderr=subprocess.PIPE, text=True)))
-            for cmd, job in jobs:
-                _, stderr = job.communicate()
-                if job.returncode:
+            done = [(cmd, job.communicate()[1], job.returncode) for cmd, job in jobs]
+            for cmd, stderr, returncode in done:
+                if returncode:
                     _compile_failed(cmd, stderr)
             _run_compiler([*flags, *objects, "-o", str(out)])
         return atomic_write_bytes(path, out.read_bytes())
