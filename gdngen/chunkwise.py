@@ -49,12 +49,57 @@ class ArrayNamespace:
                               constant_values=value)
 
     @classmethod
+    def rsqrt(cls, x):
+        return 1.0 / cls.module.sqrt(x)
+
+    @staticmethod
+    def barrier(arrays):
+        """``arrays`` (a tuple) through a point the compiler may not merge computations across
+        (a recomputation in a backward stays there, not fused with the forward's)."""
+        return arrays
+
+    @classmethod
     def zeros(cls, shape):
         return cls.module.zeros(shape, cls.module.float32)
 
     @classmethod
     def eye(cls, n):
         return cls.module.eye(n, dtype=cls.module.float32)
+
+
+# --------------------------------------------------------------------------- q/k L2 norm
+
+#: added to sum(x^2) over Dk by ``qk_norm=True`` (mlx-lm's ``normalize_qk(..., eps=1e-6)``)
+QK_NORM_EPS = 1e-6
+
+
+def l2_normalize(xp, x):
+    """``x [..., D] -> x * rsqrt(sum_D(x^2) + QK_NORM_EPS)`` (float32 ``x``)."""
+    return x * xp.rsqrt((x * x).sum(axis=-1, keepdims=True) + QK_NORM_EPS)
+
+
+def l2_normalize_vjp(xp, x, dn):
+    """Cotangent of ``x`` from that of ``n = l2_normalize(x)``: with ``r = rsqrt(sum x^2 +
+    eps)``, ``dn/dx = r I - r^3 x x^T``, so ``dx = r (dn - n (n . dn))``."""
+    r = xp.rsqrt((x * x).sum(axis=-1, keepdims=True) + QK_NORM_EPS)
+    n = x * r
+    return r * (dn - n * (n * dn).sum(axis=-1, keepdims=True))
+
+
+def normalized_qk(xp, q, k, qk_scale):
+    """``(q, k)`` as the chunk core uses them: as given when ``qk_scale`` is None, else
+    ``(l2_normalize(q) * qk_scale, l2_normalize(k))`` (the fused ``qk_norm``: the core takes the
+    raw q, k, keeps them, not the normalised ones, for its backward and recomputes these)."""
+    if qk_scale is None:
+        return q, k
+    return l2_normalize(xp, q) * qk_scale, l2_normalize(xp, k)
+
+
+def normalized_qk_vjp(xp, q, k, dq, dk, qk_scale):
+    """Cotangents of the raw q, k of `normalized_qk` from those of its outputs."""
+    if qk_scale is None:
+        return dq, dk
+    return l2_normalize_vjp(xp, q, dq * qk_scale), l2_normalize_vjp(xp, k, dk)
 
 
 # --------------------------------------------------------------------------- decay factors

@@ -177,15 +177,17 @@ def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | Non
 
 
 def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, chunk_size,
-         variant):
+         variant, qk_norm=False):
     """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant, run it
-    through its backend's entry point."""
+    through its backend's entry point (``qk_norm``: q, k raw, normalised by the backend,
+    `gdngen.spec.BackendSpec.run`)."""
     check_framework(framework)
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
     chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
     return registry.get(chosen.backend).run(q, k, v, g, beta, initial_state, mask=mask,
-                                            scale=float(scale), gate=gate, variant=chosen)
+                                            scale=float(scale), gate=gate, variant=chosen,
+                                            qk_norm=qk_norm)
 
 
 # ------------------------------------------------------------------------------ load_tuned
@@ -224,13 +226,13 @@ class TunedGatedDelta:
         q, k, g, beta, gate = layer_inputs.prepare(
             self.framework, q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm,
             A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            beta_activation=beta_activation, scale=scale)
+            beta_activation=beta_activation, scale=scale, defer_qk_norm=True)
 
         chosen = self.explain(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                               gate=gate).variant
         with precision_context(self.framework, self.precision):
             return call(self.framework, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                        gate=gate, chunk_size=None, variant=chosen)
+                        gate=gate, chunk_size=None, variant=chosen, qk_norm=qk_norm)
 
 
 def load_tuned(framework: str = "jax", device: str | None = None,

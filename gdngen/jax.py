@@ -46,13 +46,14 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     """
     q, k, g, beta, gate = layer_inputs.prepare(
         "jax", q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm, A_log=A_log,
-        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, scale=scale)
+        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, scale=scale,
+        defer_qk_norm=True)
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
 
     def one_call(q, k, v, g, beta, initial_state, mask):
         return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
-                    chunk_size=chunk_size, variant=variant)
+                    chunk_size=chunk_size, variant=variant, qk_norm=qk_norm)
 
     arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
               "mask": mask}

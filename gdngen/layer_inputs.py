@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from gdngen import chunkwise
 from gdngen.problem import FLOAT_DTYPES, GATES, check_call, check_framework, dtype_name
 
 #: gates given by their parameters (``g`` is the raw projection, plus A_log and dt_bias)
@@ -47,7 +48,7 @@ PARAMETER_GATES = ("softplus", "sigmoid_bound")
 LAYER_GATES = GATES + PARAMETER_GATES
 BETA_ACTIVATIONS = (None, "sigmoid")
 #: added to sum(x^2) over Dk by ``qk_norm=True`` (mlx-lm's ``normalize_qk(..., eps=1e-6)``)
-QK_NORM_EPS = 1e-6
+QK_NORM_EPS = chunkwise.QK_NORM_EPS
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,7 @@ def check_layer_inputs(q, k, v, g, beta, initial_state=None, mask=None, *, gate=
 
 def l2_normalize(xp, x):
     """``x [..., D] -> x * rsqrt(sum_D(x^2) + QK_NORM_EPS)`` in float32."""
-    x = xp.float32(x)
-    return x * xp.rsqrt((x * x).sum(axis=-1, keepdims=True) + QK_NORM_EPS)
+    return chunkwise.l2_normalize(xp, xp.float32(x))
 
 
 def log_gate(xp, a, A_log, dt_bias, lower_bound=None):
@@ -168,10 +168,12 @@ def _per_head(x, vector_gate: bool):
     return x.reshape(x.shape[0], 1) if vector_gate and len(x.shape) == 1 else x
 
 
-def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None):
+def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None, *,
+              normalize=True):
     """``(q, k, g, beta)`` for the backends: normalised q, k (q's dtype), the log gate and the
-    activated beta (float32), each unchanged where its option is off."""
-    if options.qk_norm:
+    activated beta (float32), each unchanged where its option is off (q, k also with
+    ``normalize`` False: the call's backend normalises them, `normalize_qk`)."""
+    if options.qk_norm and normalize:
         q, k = (xp.astype(l2_normalize(xp, x), q.dtype) for x in (q, k))
     if options.gate in PARAMETER_GATES:
         vg = options.vector_gate
@@ -188,7 +190,7 @@ def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None)
 def namespace(framework: str):
     """The ``xp`` of `transform` for ``framework``: its chunkwise ``XP`` namespace
     (`gdngen.backends.jax_chunkwise.XP`, `gdngen.backends.mlx_chunkwise.XP`) plus
-    ``float32 astype sigmoid softplus rsqrt``."""
+    ``float32 astype sigmoid softplus``."""
     check_framework(framework)
     if framework == "jax":
         import jax
@@ -196,13 +198,13 @@ def namespace(framework: str):
 
         from gdngen.backends.jax_chunkwise import XP
 
-        sigmoid, rsqrt = jax.nn.sigmoid, jax.lax.rsqrt
+        sigmoid = jax.nn.sigmoid
     else:
         import mlx.core as module
 
         from gdngen.backends.mlx_chunkwise import XP
 
-        sigmoid, rsqrt = module.sigmoid, module.rsqrt
+        sigmoid = module.sigmoid
 
     class LayerXP(XP):
         @staticmethod
@@ -217,22 +219,31 @@ def namespace(framework: str):
         def softplus(x):
             return module.logaddexp(x, 0.0)
 
-    LayerXP.sigmoid, LayerXP.rsqrt = staticmethod(sigmoid), staticmethod(rsqrt)
+    LayerXP.sigmoid = staticmethod(sigmoid)
     LayerXP.__name__ = LayerXP.__qualname__ = f"LayerXP[{framework}]"
     return LayerXP
 
 
 def prepare(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
             qk_norm=False, A_log=None, dt_bias=None, lower_bound=None, beta_activation=None,
-            scale=1.0):
+            scale=1.0, defer_qk_norm=False):
     """Check the layer-input options and apply them; return ``(q, k, g, beta, gate)`` for the
     ordinary call (``gate`` "log" after a parameterised gate). With every option off the
-    arguments come back as given, after only the Python-value checks."""
+    arguments come back as given, after only the Python-value checks. ``defer_qk_norm``: q, k
+    come back raw, for the dispatch to normalise in the chosen backend (`normalize_qk`)."""
     options = check_layer_inputs(q, k, v, g, beta, initial_state, mask, gate=gate,
                                  qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
                                  lower_bound=lower_bound, beta_activation=beta_activation,
                                  scale=scale)
     if options.is_identity:
         return q, k, g, beta, gate
-    q, k, g, beta = transform(namespace(framework), options, q, k, g, beta, A_log, dt_bias)
+    q, k, g, beta = transform(namespace(framework), options, q, k, g, beta, A_log, dt_bias,
+                              normalize=not defer_qk_norm)
     return q, k, g, beta, options.call_gate
+
+
+def normalize_qk(framework: str, q, k):
+    """``qk_norm`` computed before a backend that does not fuse it (`BackendSpec.fused_inputs`):
+    L2-normalised q, k in q's dtype, differentiable by the framework."""
+    xp = namespace(framework)
+    return tuple(xp.astype(l2_normalize(xp, x), q.dtype) for x in (q, k))

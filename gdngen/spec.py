@@ -41,6 +41,9 @@ class BackendSpec:
       problem)`` the bytes of that resource a variant uses (its space keeps the variants whose
       footprint fits the device); ``reference_device``: the device planned for when none is
       named.
+    * ``fused_inputs``: the layer inputs its entry takes raw and computes inside its kernels
+      (``"qk_norm"``: the entry takes ``qk_norm=True`` and raw q, k, and keeps no normalised
+      q, k for its backward); the others are computed before the call (`run`).
     """
 
     name: str
@@ -64,6 +67,7 @@ class BackendSpec:
     device_limit: str | None = None
     footprint: Callable | None = None
     reference_device: str | None = None
+    fused_inputs: tuple = ()
 
     def __post_init__(self):
         if self.framework not in ("jax", "mlx"):
@@ -126,8 +130,17 @@ class BackendSpec:
         return dev
 
     def run(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-            variant):
-        """Run ``variant`` of this backend on one call (shapes as `gdngen.jax.gated_delta`)."""
+            variant, qk_norm=False):
+        """Run ``variant`` of this backend on one call (shapes as `gdngen.jax.gated_delta`);
+        ``qk_norm``: q, k are raw, normalised inside the kernels when this backend fuses the
+        norm (`fused_inputs`), else just before the call."""
+        if qk_norm and "qk_norm" in self.fused_inputs:
+            return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+                              gate=gate, variant=variant, qk_norm=True)
+        if qk_norm:
+            from gdngen.layer_inputs import normalize_qk
+
+            q, k = normalize_qk(self.framework, q, k)
         return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
                           variant=variant)
 

@@ -409,3 +409,73 @@ def test_load_tuned_takes_the_layer_input_keywords(fw):
     assert choice.variant.backend in gdngen.registry.names(fw.name)
     with pytest.raises(ValueError, match="A_log and dt_bias"):
         tuned.explain(*args, scale=SCALE, gate="softplus")
+
+
+@pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
+@pytest.mark.parametrize("name", ["qk_norm_only", "softplus_per_head"])
+def test_qk_norm_fused_into_the_portable_chunk_core(fw, name, path):
+    """The portable backends take ``qk_norm`` raw (`BackendSpec.fused_inputs`): the chunk core
+    normalises q, k itself and its backward recomputes them; a short call's forward
+    normalises before its recurrent kernel. Values and gradients against float64."""
+    from gdngen import Variant, registry
+
+    backend = registry.portable(fw.name)
+    assert "qk_norm" in registry.get(backend).fused_inputs
+    variant = Variant(backend, {"chunk_size": 16, "solve_block": 8, "save_states": True,
+                                "recurrent_below": 0 if path == "chunkwise" else T + 1})
+    setup = SETUPS[name]
+    assert setup.options["qk_norm"]
+    dy, dstate = _cotangents()
+    y_ref, state_ref, grads_ref, _ = reference_forward_and_grads(setup, dy, dstate)
+    names = [n for n in ARRAY_NAMES if n in setup.arrays]
+    args = [fw.array(setup.arrays[n]) for n in names]
+    dy_f, dstate_f = fw.array(dy), fw.array(dstate)
+
+    def loss(*args):
+        y, state = _call(fw, setup, dict(zip(names, args)), variant=variant)
+        return (y * dy_f).sum() + (state * dstate_f).sum()
+
+    y, state = _call(fw, setup, dict(zip(names, args)), variant=variant)
+    grads = dict(zip(names, fw.grads(loss, args)))
+    errors = {"y": relative_error(fw.numpy(y), y_ref),
+              "final_state": relative_error(fw.numpy(state), state_ref)}
+    errors.update({f"d{n}": relative_error(fw.numpy(grads[n]), grads_ref[f"d{n}"])
+                   for n in names if f"d{n}" in grads_ref})
+    worst = max(errors.items(), key=lambda item: item[1])
+    assert worst[1] <= RTOL, (name, path, worst)
+
+
+def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward():
+    """Under ``jax.vjp`` (the forward's residuals kept for the backward), the xla chunk core
+    with the fused norm keeps the raw q, k only: its residuals are smaller by the normalised
+    q and k (and the norm's per-row factors) than with the norm computed before the call."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen import Variant
+    from gdngen.jax import gated_delta
+
+    rng = np.random.default_rng(3)
+    Tl = 256
+    q, k = (jnp.asarray(rng.standard_normal((B, Tl, Hk, Dk)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, Tl, Hv, Dv)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0, 0.2, (B, Tl, Hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (B, Tl, Hv)), jnp.float32)
+    variant = Variant("xla", {"chunk_size": 32, "solve_block": 8, "save_states": True})
+
+    def fused(q, k):
+        return gated_delta(q, k, v, g, beta, qk_norm=True, variant=variant)
+
+    def outside(q, k):
+        return gated_delta(*layer_inputs.normalize_qk("jax", q, k), v, g, beta,
+                           variant=variant)
+
+    def residual_bytes(fn):
+        _, vjp = jax.vjp(fn, q, k)
+        return sum(x.nbytes for x in jax.tree.leaves(vjp))
+
+    # outside, autodiff keeps the normalised q, k (and per-row factors of the norm's VJP)
+    saved = residual_bytes(outside) - residual_bytes(fused)
+    assert q.nbytes + k.nbytes <= saved < (q.nbytes + k.nbytes) * 1.25
+    np.testing.assert_allclose(np.asarray(fused(q, k)[0]), np.asarray(outside(q, k)[0]),
+                               rtol=1e-5, atol=1e-6)

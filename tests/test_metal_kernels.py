@@ -124,7 +124,7 @@ def test_space_render_and_plan_import_without_mlx():
 
 @pytest.mark.parametrize("params", SAMPLED, ids=lambda p: Variant("metal", p).name())
 def test_sampled_variants_pass_adversarial_cases(params):
-    v = Variant("metal", params)
+    v = Variant("metal", dict(params, recurrent_below=metal.RECURRENT_BELOW))
     assert v in variants("metal", PROBLEM)
     _check(validate.run_battery(None, variant=v, cases=ADVERSARIAL), v)
 

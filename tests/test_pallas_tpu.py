@@ -54,11 +54,11 @@ def test_variant_space_and_default():
     assert {v["dv_tile"] for v in variants("pallas_tpu", Problem(1, 2, 64, 256))} == {128, 256}
     assert default_variant("pallas_tpu", PROBLEM).as_dict() == {
         "chunk_size": 64, "precision": "ieee", "head_tile": 2, "dv_tile": 128,
-        "save_states": True}
-    for bad, match in ((Problem(2, 4, 128, 128, gate="vector"), "gate"),
-                       (Problem(2, 4, 128, 128, dtype="float16"), "dtype")):
-        with pytest.raises(ValueError, match=match):
-            variants("pallas_tpu", bad)
+        "save_states": True, "recurrent_below": pallas_tpu.RECURRENT_BELOW}
+    # per-channel gates: the recurrent kernel only
+    assert variants("pallas_tpu", Problem(2, 4, 128, 128, gate="vector"))
+    with pytest.raises(ValueError, match="dtype"):
+        variants("pallas_tpu", Problem(2, 4, 128, 128, dtype="float16"))
 
 
 def test_vmem_estimate_excludes_variants_per_generation():
@@ -98,7 +98,8 @@ def test_kernels_lower_for_mosaic(params, dtype):
     needed; the TPU compiler's own passes run only on a TPU)."""
     lowered = pallas_tpu.lower_check(Variant("pallas_tpu", params),
                                      Problem(2, 4, 128, 256, dtype=dtype))
-    expected = {"forward", "backward"} | (set() if params["save_states"] else {"chunk_states"})
+    expected = {"forward", "backward", "recurrent", "recurrent_blocks"} | (
+        set() if params["save_states"] else {"chunk_states"})
     assert set(lowered) == expected
     assert all("tpu_custom_call" in text for text in lowered.values())
 

@@ -33,7 +33,7 @@ def test_every_variant_renders_to_valid_distinct_python():
         shas = set()
         for variant in space:
             rendered = render(variant, problem)
-            assert set(rendered.sources) == {"forward.py", "backward.py"}
+            assert set(rendered.sources) == {"forward.py", "backward.py", "recurrent.py"}
             for name, source in rendered.sources.items():
                 compile(source, f"{variant}:{name}", "exec")  # SyntaxError fails the test
             shas.add(rendered.sha256)
@@ -118,7 +118,9 @@ def test_override_of_an_included_template(tmp_path):
     text = (folder / "pallas_tpu" / "common.py.j2").read_text()
     (folder / "pallas_tpu" / "common.py.j2").write_text(text + "\nOVERRIDE_MARK = 1\n")
     rendered = render(default_variant("pallas_tpu", PROBLEM), PROBLEM, templates_dir=folder)
-    assert all("OVERRIDE_MARK = 1" in s for s in rendered.sources.values())
+    # the chunk kernels include it; the recurrent kernel is self-contained
+    assert all("OVERRIDE_MARK = 1" in rendered.sources[n] for n in ("forward.py", "backward.py"))
+    assert "OVERRIDE_MARK" not in rendered.sources["recurrent.py"]
 
 
 def test_bad_variant_params_are_rejected():
@@ -129,5 +131,6 @@ def test_bad_variant_params_are_rejected():
             render(Variant("pallas_tpu", dict(base, **bad)), PROBLEM)
     with pytest.raises(ValueError, match="params"):
         render(Variant("pallas_tpu", {"chunk_size": 64}), PROBLEM)
-    with pytest.raises(ValueError, match="Problem.gate"):
-        render(Variant("pallas_tpu", base), Problem(2, 4, 128, 128, gate="vector"))
+    # per-channel gates render the recurrent kernel alone
+    per_channel = render(Variant("pallas_tpu", base), Problem(2, 4, 128, 128, gate="vector"))
+    assert set(per_channel.sources) == {"recurrent.py"}

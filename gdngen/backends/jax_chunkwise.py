@@ -39,6 +39,14 @@ class XP(chunkwise.ArrayNamespace):
     def tril_mask(n, k):
         return np.tri(n, n, k, dtype=bool)
 
+    @staticmethod
+    def rsqrt(x):
+        return jax.lax.rsqrt(x)
+
+    @staticmethod
+    def barrier(arrays):
+        return jax.lax.optimization_barrier(arrays)
+
 
 # ------------------------------------------------------------------ differentiable chunk core
 
@@ -48,35 +56,44 @@ class XP(chunkwise.ArrayNamespace):
 FLOAT32_MATMULS = jax.default_matmul_precision("highest")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale=None):
     """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP.
 
     ``save_states``: keep the forward's residuals (per-chunk entering states, WY pseudo-values,
     triangular inverses) for the backward, or recompute them there (one more sequential pass,
-    less memory).
+    less memory). ``qk_scale`` (a float): q, k are the raw ones and the core L2-normalises
+    them itself (`gdngen.chunkwise.normalized_qk`, q then times ``qk_scale``), keeping the raw
+    ones for its backward, which recomputes the normalised ones behind a barrier.
     """
     with FLOAT32_MATMULS:
-        Y, S_final, _ = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
+        Y, S_final, _ = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
                                           solve_block=solve_block)
     return Y, S_final
 
 
-def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states):
+def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale):
     with FLOAT32_MATMULS:
-        Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
+        Y, S_final, residuals = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
                                                   solve_block=solve_block)
     return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
 
 
-def _core_bwd(gate, solve_block, save_states, saved, cotangents):
+def _core_bwd(gate, solve_block, save_states, qk_scale, saved, cotangents):
     q, k, v, gates, beta, S0, residuals = saved
     dY, dS_final = cotangents
     with FLOAT32_MATMULS:
+        if qk_scale is not None:  # not merged with the forward's norm: nothing kept for it
+            q, k = XP.barrier((q, k))
+        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
         if residuals is None:
-            residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+            residuals = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
                                           solve_block=solve_block)[2]
-        return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
+        dq, dk, *rest = chunkwise.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
+                                           gate=gate)
+        return (*chunkwise.normalized_qk_vjp(XP, q, k, dq, dk, qk_scale), *rest)
 
 
 chunk_core.defvjp(_core_fwd, _core_bwd)
@@ -86,18 +103,22 @@ chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size", "solve_block",
-                                             "save_states"))
+                                             "save_states", "qk_norm"))
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=8, save_states=True):
+                          solve_block=8, save_states=True, qk_norm=False):
     """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.jax.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``xla`` `Variant`.
+    ``qk_norm``: q, k are raw and the chunk core normalises them (see `chunk_core`).
     """
-    def core(*arrays):
-        return chunk_core(*arrays, gate, solve_block, save_states)
+    qk_scale = float(scale) if qk_norm else None
 
-    return chunkwise.gated_delta(XP, core, q, k, v, g, beta, initial_state, mask, scale=scale,
-                                 gate=gate, chunk_size=chunk_size)
+    def core(*arrays):
+        return chunk_core(*arrays, gate, solve_block, save_states, qk_scale)
+
+    return chunkwise.gated_delta(XP, core, q, k, v, g, beta, initial_state, mask,
+                                 scale=1.0 if qk_norm else scale, gate=gate,
+                                 chunk_size=chunk_size)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate"))

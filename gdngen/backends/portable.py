@@ -61,27 +61,30 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple):
         return config_cls()
 
     def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-              variant):
+              variant, qk_norm=False):
         module = importlib.import_module(ops)
         return gated_delta(module, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                           gate=gate, config=spec.parse(variant))
+                           gate=gate, config=spec.parse(variant), qk_norm=qk_norm)
 
     entry.__doc__ = f"Run a {name} ``variant`` (shapes as `gdngen.{framework}.gated_delta`)."
     spec = BackendSpec(
         name=name, framework=framework, config=config_cls, space=space, default=default,
         entry=entry, tolerances=TOLERANCES, device_kinds=device_kinds, portable=True,
-        gates=("scalar", "vector"), source_modules=("gdngen.chunkwise", __name__, ops))
+        gates=("scalar", "vector"), source_modules=("gdngen.chunkwise", __name__, ops),
+        fused_inputs=("qk_norm",))
     return config_cls, entry, spec
 
 
-def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, config):
+def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, config,
+                qk_norm=False):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
     ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``sequential_gated_delta``,
     ``recurrent_gated_delta`` and ``recurrent_or_chunkwise``): float32 inputs, zero initial
     state when None. A call shorter than the config's ``recurrent_below`` (and every vector-gate
     call) evaluates through the recurrent step loop, differentiated through the chunkwise path
-    (vector gates: the sequential one). Returns ``(y in q's dtype,
-    final_state)``."""
+    (vector gates: the sequential one). ``qk_norm``: q, k are raw; the chunk core normalises
+    them and keeps only the raw ones (`gdngen.chunkwise.normalized_qk`); the recurrent and
+    sequential paths normalise them first. Returns ``(y in q's dtype, final_state)``."""
     from gdngen import chunkwise
     from gdngen.problem import check_call
 
@@ -94,19 +97,24 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
             initial_state.astype(f32), mask)
     chunk_params = {n: x for n, x in config.params().items() if n != "recurrent_below"}
 
-    def chunkwise_call(*arrays):  # vector gates: the step loop differentiated by autodiff
+    def normalized(q, k):
+        return chunkwise.normalized_qk(ops.XP, q, k, 1.0 if qk_norm else None)
+
+    def chunkwise_call(q, k, *arrays):  # vector gates: the step loop differentiated by autodiff
         if shape.vector_gate:
-            return ops.sequential_gated_delta(*arrays, None, scale=float(scale), gate=gate)
-        return ops.chunkwise_gated_delta(*arrays, None, scale=float(scale), gate=gate,
-                                         **chunk_params)
+            return ops.sequential_gated_delta(*normalized(q, k), *arrays, None,
+                                              scale=float(scale), gate=gate)
+        return ops.chunkwise_gated_delta(q, k, *arrays, None, scale=float(scale), gate=gate,
+                                         qk_norm=qk_norm, **chunk_params)
 
     if shape.T >= config.recurrent_below and not shape.vector_gate:
         y, state = ops.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
-                                             **chunk_params)
+                                             qk_norm=qk_norm, **chunk_params)
         return y.astype(q.dtype), state
 
-    def recurrent(*arrays):
-        return ops.recurrent_gated_delta(*arrays, scale=float(scale), gate=gate)
+    def recurrent(q, k, *arrays):
+        return ops.recurrent_gated_delta(*normalized(q, k), *arrays, scale=float(scale),
+                                         gate=gate)
 
     g, beta = chunkwise.fold_mask(ops.XP, args[3], args[4], mask, gate)
     y, state = ops.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args[:3], g, beta, args[5])
