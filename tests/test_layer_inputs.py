@@ -411,18 +411,29 @@ def test_load_tuned_takes_the_layer_input_keywords(fw):
         tuned.explain(*args, scale=SCALE, gate="softplus")
 
 
+def _fusing_variant(framework, backend, recurrent_below):
+    from gdngen import Variant, registry
+    from gdngen.variant import Problem
+
+    backend = registry.portable(framework) if backend == "portable" else backend
+    spec = registry.get(backend)
+    if not spec.available():
+        pytest.skip(f"{backend} cannot run on this host")
+    assert "qk_norm" in spec.fused_inputs
+    params = registry.default_variant(backend, Problem(Hk, Hv, Dk, Dv)).as_dict()
+    return Variant(backend, dict(params, chunk_size=32, recurrent_below=recurrent_below))
+
+
+@pytest.mark.parametrize("backend", ["portable", "ffi_cpu"])
 @pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
 @pytest.mark.parametrize("name", ["qk_norm_only", "softplus_per_head"])
-def test_qk_norm_fused_into_the_portable_chunk_core(fw, name, path):
-    """The portable backends take ``qk_norm`` raw (`BackendSpec.fused_inputs`): the chunk core
-    normalises q, k itself and its backward recomputes them; a short call's forward
-    normalises before its recurrent kernel. Values and gradients against float64."""
-    from gdngen import Variant, registry
-
-    backend = registry.portable(fw.name)
-    assert "qk_norm" in registry.get(backend).fused_inputs
-    variant = Variant(backend, {"chunk_size": 16, "solve_block": 8, "save_states": True,
-                                "recurrent_below": 0 if path == "chunkwise" else T + 1})
+def test_qk_norm_fused_into_the_chunk_core(name, path, backend):
+    """xla and ffi_cpu take ``qk_norm`` raw (`BackendSpec.fused_inputs`): the chunk core
+    normalises q, k itself and its backward recomputes them; a short call's forward normalises
+    before its recurrent kernel. Values and gradients against float64. (MLX computes the norm
+    before the call: fused, its backward's recomputation raised MLX's peak memory.)"""
+    fw = Framework("jax")
+    variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
     setup = SETUPS[name]
     assert setup.options["qk_norm"]
     dy, dstate = _cotangents()
@@ -445,14 +456,14 @@ def test_qk_norm_fused_into_the_portable_chunk_core(fw, name, path):
     assert worst[1] <= RTOL, (name, path, worst)
 
 
-def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward():
-    """Under ``jax.vjp`` (the forward's residuals kept for the backward), the xla chunk core
-    with the fused norm keeps the raw q, k only: its residuals are smaller by the normalised
-    q and k (and the norm's per-row factors) than with the norm computed before the call."""
+@pytest.mark.parametrize("backend", ["portable", "ffi_cpu"])
+def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward(backend):
+    """Under ``jax.vjp`` (the forward's residuals kept for the backward), the chunk core with
+    the fused norm keeps the raw q, k only: its residuals are smaller by the normalised q and
+    k (and the norm's per-row factors) than with the norm computed before the call."""
     import jax
     import jax.numpy as jnp
 
-    from gdngen import Variant
     from gdngen.jax import gated_delta
 
     rng = np.random.default_rng(3)
@@ -461,7 +472,7 @@ def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward():
     v = jnp.asarray(rng.standard_normal((B, Tl, Hv, Dv)), jnp.float32)
     g = jnp.asarray(-rng.uniform(0, 0.2, (B, Tl, Hv)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, (B, Tl, Hv)), jnp.float32)
-    variant = Variant("xla", {"chunk_size": 32, "solve_block": 8, "save_states": True})
+    variant = _fusing_variant("jax", backend, 0)
 
     def fused(q, k):
         return gated_delta(q, k, v, g, beta, qk_norm=True, variant=variant)

@@ -326,7 +326,7 @@ def head_splits(B: int, Hk: int, group: int, workers: int) -> int:
 
 
 @functools.cache
-def _core(sha256: str, gate: str, scale: float, poison: bool):
+def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = False):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
     (gates in their own convention, already masked), with the generated backward as its
     ``jax.custom_vjp``."""
@@ -372,7 +372,7 @@ def _core(sha256: str, gate: str, scale: float, poison: bool):
             dq, dk = (x.reshape(B, T, Hk, P, Dk).sum(3) for x in (dq, dk))
         return dq, dk, dv, dg, dbeta, dS0
 
-    return generated.custom_vjp_core(forward, backward)
+    return generated.custom_vjp_core(forward, backward, qk_norm)
 
 
 def recurrent_rows(B: int, Hv: int, Dv: int, workers: int) -> int:
@@ -439,7 +439,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                variant, templates_dir=None):
+                variant, templates_dir=None, qk_norm=False):
     """Gated delta rule with the generated C++ kernels of ``variant``; returns ``(y,
     final_state)``. Arguments as `gdngen.jax.gated_delta`; computes in float32 whatever the
     input dtype. Differentiable (custom VJP) and jit-able.
@@ -448,7 +448,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     recurrent kernel (`recurrent_forward`), and its VJP is the chunk kernels' (the forward then
     runs the chunk kernels: `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). Per-channel
     (vector) gates: the forward is the recurrent kernel at every T, the VJP the portable
-    sequential path's (`gdngen.backends.jax_chunkwise.sequential_gated_delta`)."""
+    sequential path's (`gdngen.backends.jax_chunkwise.sequential_gated_delta`).
+
+    ``qk_norm``: q, k are raw. The chunk path's custom VJP normalises them itself and keeps
+    only the raw ones (`gdngen.backends.generated.custom_vjp_core`: the kernels save only the
+    chunk states); the recurrent and sequential paths normalise them first."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
@@ -466,17 +470,21 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     g, beta = chunkwise.fold_mask(jax_chunkwise.XP, g.astype(f32), beta.astype(f32), mask, gate)
     poison = settings.flag(ENV_POISON)
     args = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
+
+    def normalized(q, k):
+        return chunkwise.normalized_qk(jax_chunkwise.XP, q, k, 1.0 if qk_norm else None)
+
     if shape.vector_gate:
-        def chunkwise_call(*arrays):
-            return jax_chunkwise.sequential_gated_delta(*arrays, None, scale=float(scale),
-                                                        gate=gate)
+        def chunkwise_call(q, k, *arrays):
+            return jax_chunkwise.sequential_gated_delta(*normalized(q, k), *arrays, None,
+                                                        scale=float(scale), gate=gate)
     else:
-        chunkwise_call = _core(kernels.sha256, gate, float(scale), poison)
+        chunkwise_call = _core(kernels.sha256, gate, float(scale), poison, qk_norm)
     if shape.vector_gate or shape.T < recurrent_below:
         call = _recurrent(kernels.sha256, float(scale), poison)
 
         def recurrent(q, k, v, g, beta, S0):
-            return call(q, k, v, jnp.exp(g) if gate == "log" else g, beta, S0)
+            return call(*normalized(q, k), v, jnp.exp(g) if gate == "log" else g, beta, S0)
 
         y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args)
     else:
@@ -494,4 +502,4 @@ SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=TOLERANCES, device_kinds=("cpu",), dtypes=INPUT_DTYPES,
     gates=("scalar", "vector"), tuned_gates=("scalar",), render_plan=render_plan,
-    available=available, lower_check=lower_check)
+    available=available, lower_check=lower_check, fused_inputs=("qk_norm",))

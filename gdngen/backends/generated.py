@@ -97,23 +97,46 @@ def result_type(shape, dtype, like):
                                 manual_axis_type=aval.manual_axis_type)
 
 
-def custom_vjp_core(forward, backward):
+def custom_vjp_core(forward, backward, qk_norm=False):
     """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
     ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->
-    cotangents of the primals``."""
+    cotangents of the primals``.
+
+    ``qk_norm``: the core takes the raw q, k and L2-normalises them (float32, back in their
+    dtype) before ``forward``; it keeps the raw ones, and its backward recomputes the normalised
+    ones behind an optimisation barrier (not merged with the forward's) and maps ``backward``'s
+    dq, dk through the norm's VJP (`gdngen.chunkwise.l2_normalize_vjp`). For kernels whose
+    ``saved`` holds no copy of q, k, so no normalised q, k outlive the forward.
+    """
     import jax
+    import jax.numpy as jnp
+
+    from gdngen.backends.jax_chunkwise import XP
+
+    def normalized(primals):
+        if not qk_norm:
+            return primals
+        q, k, *rest = primals
+        return (*(chunkwise.l2_normalize(XP, x.astype(jnp.float32)).astype(x.dtype)
+                  for x in (q, k)), *rest)
 
     @jax.custom_vjp
     def core(q, k, v, gates, beta, S0):
-        return forward((q, k, v, gates, beta, S0))[0]
+        return forward(normalized((q, k, v, gates, beta, S0)))[0]
 
     def core_fwd(*primals):
-        outputs, saved = forward(primals)
+        outputs, saved = forward(normalized(primals))
         return outputs, (primals, saved)
 
     def core_bwd(residuals, cotangents):
         primals, saved = residuals
-        return backward(primals, saved, cotangents)
+        if not qk_norm:
+            return backward(primals, saved, cotangents)
+        q, k = XP.barrier(primals[:2])
+        dq, dk, *rest = backward(normalized((q, k, *primals[2:])), saved, cotangents)
+        return (*(chunkwise.l2_normalize_vjp(XP, x.astype(jnp.float32),
+                                             dx.astype(jnp.float32)).astype(x.dtype)
+                  for x, dx in ((q, dq), (k, dk))), *rest)
 
     core.defvjp(core_fwd, core_bwd)
     return core

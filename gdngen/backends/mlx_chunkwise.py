@@ -50,56 +50,48 @@ class XP(chunkwise.ArrayNamespace):
 
 
 @functools.cache
-def chunk_core(gate, solve_block, save_states, qk_scale=None):
+def chunk_core(gate, solve_block, save_states):
     """`gdngen.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
 
     The core returns ``(Y, S_final, *residuals)``. With ``save_states`` the backward reads the
     forward's residuals (per-chunk entering states, WY pseudo-values, triangular inverses) from
-    its outputs; otherwise it recomputes them. ``qk_scale`` (a float): q, k are the raw ones
-    and the core L2-normalises them itself (`gdngen.chunkwise.normalized_qk`); the normalised
-    ones are not outputs, so nothing keeps them for the backward, which recomputes them.
+    its outputs; otherwise it recomputes them.
     """
 
     @mx.custom_function
     def core(q, k, v, gates, beta, S0):
-        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        Y, S_final, residuals = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
+        Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                                   solve_block=solve_block)
         return (Y, S_final, *residuals)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         q, k, v, gates, beta, S0 = primals
-        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
         if save_states:
             residuals = tuple(outputs[2:])
         else:
-            residuals = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
+            residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                           solve_block=solve_block)[2]
         dY, dS_final = cotangents[0], cotangents[1]
-        dq, dk, *rest = chunkwise.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
-                                           gate=gate)
-        return (*chunkwise.normalized_qk_vjp(XP, q, k, dq, dk, qk_scale), *rest)
+        return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
 
     return core
 
 
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=8, save_states=True, qk_norm=False):
+                          solve_block=8, save_states=True):
     """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.mlx.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`.
-    ``qk_norm``: q, k are raw and the chunk core normalises them (see `chunk_core`).
     """
-    core = chunk_core(gate, solve_block, save_states, float(scale) if qk_norm else None)
+    core = chunk_core(gate, solve_block, save_states)
 
     def core_outputs(*arrays):
         Y, S_final, *_ = core(*arrays)
         return Y, S_final
 
     return chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
-                                 scale=1.0 if qk_norm else scale, gate=gate,
-                                 chunk_size=chunk_size)
+                                 scale=scale, gate=gate, chunk_size=chunk_size)
 
 
 def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):

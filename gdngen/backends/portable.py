@@ -46,7 +46,7 @@ class PortableConfig(VariantConfig):
             self._fail("solve_block", f"<= chunk_size={self.chunk_size}")
 
 
-def declare(name: str, framework: str, ops: str, device_kinds: tuple):
+def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inputs=()):
     """``(Config, gated_delta, SPEC)`` of the portable backend ``name`` whose framework code is
     the module ``ops`` (imported when a call runs, so the declaration imports no framework)."""
     config_cls = dataclasses.make_dataclass("Config", [], bases=(PortableConfig,), frozen=True,
@@ -71,7 +71,7 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple):
         name=name, framework=framework, config=config_cls, space=space, default=default,
         entry=entry, tolerances=TOLERANCES, device_kinds=device_kinds, portable=True,
         gates=("scalar", "vector"), source_modules=("gdngen.chunkwise", __name__, ops),
-        fused_inputs=("qk_norm",))
+        fused_inputs=fused_inputs)
     return config_cls, entry, spec
 
 
@@ -82,9 +82,10 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
     ``recurrent_gated_delta`` and ``recurrent_or_chunkwise``): float32 inputs, zero initial
     state when None. A call shorter than the config's ``recurrent_below`` (and every vector-gate
     call) evaluates through the recurrent step loop, differentiated through the chunkwise path
-    (vector gates: the sequential one). ``qk_norm``: q, k are raw; the chunk core normalises
-    them and keeps only the raw ones (`gdngen.chunkwise.normalized_qk`); the recurrent and
-    sequential paths normalise them first. Returns ``(y in q's dtype, final_state)``."""
+    (vector gates: the sequential one). ``qk_norm`` (only for a backend declaring it in
+    ``fused_inputs``: xla): q, k are raw; the chunk core normalises them and keeps only the raw
+    ones (`gdngen.chunkwise.normalized_qk`); the recurrent and sequential paths normalise them
+    first. Returns ``(y in q's dtype, final_state)``."""
     from gdngen import chunkwise
     from gdngen.problem import check_call
 
@@ -100,16 +101,18 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
     def normalized(q, k):
         return chunkwise.normalized_qk(ops.XP, q, k, 1.0 if qk_norm else None)
 
+    fused = {"qk_norm": True} if qk_norm else {}  # only where the spec declares it fused
+
     def chunkwise_call(q, k, *arrays):  # vector gates: the step loop differentiated by autodiff
         if shape.vector_gate:
             return ops.sequential_gated_delta(*normalized(q, k), *arrays, None,
                                               scale=float(scale), gate=gate)
         return ops.chunkwise_gated_delta(q, k, *arrays, None, scale=float(scale), gate=gate,
-                                         qk_norm=qk_norm, **chunk_params)
+                                         **fused, **chunk_params)
 
     if shape.T >= config.recurrent_below and not shape.vector_gate:
-        y, state = ops.chunkwise_gated_delta(*args, scale=float(scale), gate=gate,
-                                             qk_norm=qk_norm, **chunk_params)
+        y, state = ops.chunkwise_gated_delta(*args, scale=float(scale), gate=gate, **fused,
+                                             **chunk_params)
         return y.astype(q.dtype), state
 
     def recurrent(q, k, *arrays):
