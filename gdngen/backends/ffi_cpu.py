@@ -90,9 +90,10 @@ def padded(dim: int) -> int:
     return -(-dim // 16) * 16
 
 #: untuned crossover T (`gdngen.config.recurrent_switch`), measured on this 2-core AVX2 host
-#: at B=1, Hk=16, Hv=32, Dk=Dv=128: the recurrent kernel's forward takes 0.33 / 2.8 / 6 ms at
-#: T = 1 / 16 / 32 against the chunk kernels' 5 / 8 / 10 ms, and both about 5-6 ms at T=64
-RECURRENT_BELOW = 64
+#: at B=1, Hk=16, Hv=32, Dk=Dv=128, the forward with a state, on a quiet machine: the recurrent
+#: kernel's 0.73 / 1.7 / 4.7 / 9.4 / 20.1 ms at T = 1 / 16 / 64 / 128 / 256 against the chunk
+#: kernels' 5.6 / 6.4 / 5.1 / 9.4 / 17.0 ms (equal at 128, slower from 256)
+RECURRENT_BELOW = 128
 
 @dataclass(frozen=True)
 class Config(VariantConfig):

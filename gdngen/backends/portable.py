@@ -22,9 +22,12 @@ SOLVE_BLOCKS = (4, 8, 16, 32)
 #: mantissa bits, bfloat16 7); the chunk core itself always traces its matmuls at float32.
 TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 
-#: untuned crossover T (`gdngen.config.recurrent_switch`), measured on this 2-core host (see
-#: benchmarks/bench_small_t.py)
-RECURRENT_BELOW = 16
+#: untuned crossover T per portable backend (`gdngen.config.recurrent_switch`), measured on the
+#: 2-core AVX2 development host at the Qwen3-Next head shape (B=1, Hk=16, Hv=32, D=128), the
+#: forward with a state, the default variant's chunk path against the step loop: xla's
+#: ``lax.scan`` loses from T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx's loop wins up to
+#: T=64 (144 vs 158 ms) and loses at T=128 (403 vs 370)
+RECURRENT_BELOW = {"xla": 4, "mlx": 128}
 
 @dataclass(frozen=True)
 class PortableConfig(VariantConfig):
@@ -35,7 +38,7 @@ class PortableConfig(VariantConfig):
     chunk_size: int = 64
     solve_block: int = 8
     save_states: bool = True
-    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
+    recurrent_below: int = recurrent_switch(0)
 
     def check(self) -> None:
         self.check_count("recurrent_below")
@@ -49,8 +52,9 @@ class PortableConfig(VariantConfig):
 def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inputs=()):
     """``(Config, gated_delta, SPEC)`` of the portable backend ``name`` whose framework code is
     the module ``ops`` (imported when a call runs, so the declaration imports no framework)."""
-    config_cls = dataclasses.make_dataclass("Config", [], bases=(PortableConfig,), frozen=True,
-                                            namespace={"backend": name})
+    config_cls = dataclasses.make_dataclass(
+        "Config", [("recurrent_below", int, recurrent_switch(RECURRENT_BELOW[name]))],
+        bases=(PortableConfig,), frozen=True, namespace={"backend": name})
     config_cls.__module__ = f"gdngen.backends.{name}"
 
     def space(problem, device=None):
