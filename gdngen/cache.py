@@ -477,8 +477,11 @@ def describe(device: str, dirs=None) -> list[dict]:
                 status = f"ignored: {reason}"
             else:
                 status = "active" if loaded.paths.get(key) == path else "overridden"
+            variant = Variant.from_json(entry["variant"])
             rows.append({"key": key, "file": str(path), "status": status,
-                         "variant": Variant.from_json(entry["variant"]).name(),
+                         "variant": variant.name(),
+                         "recurrent_below": variant.get("recurrent_below"),
+                         "crossover_tuned": bool(entry.get("crossover")),
                          "best_ms": entry["best_ms"], "default_ms": entry["default_ms"],
                          "speedup": float(entry["default_ms"]) / float(entry["best_ms"]),
                          "worst_error": entry.get("worst_error"), "date": entry.get("date")})
@@ -491,7 +494,16 @@ def format_rows(rows: list[dict]) -> str:
 
     cells = [(r["key"], r["variant"], f"{r['best_ms']:.1f}", f"{r['default_ms']:.1f}",
               f"{r['speedup']:.2f}x", "-" if r["worst_error"] is None else
-              f"{r['worst_error']:.1e}", str(r["date"]), r["status"], r["file"]) for r in rows]
+              f"{r['worst_error']:.1e}", _recurrent_cell(r), str(r["date"]), r["status"],
+              r["file"]) for r in rows]
     return render_table("gdngen tuned cache", ("key", "variant", "best ms", "default ms",
-                                               "speedup", "worst err", "date", "status", "file"),
-                        cells, width=220)
+                                               "speedup", "worst err", "recurrent T <", "date",
+                                               "status", "file"),
+                        cells, width=240)
+
+
+def _recurrent_cell(row: dict) -> str:
+    """``gdngen show``'s crossover column: the variant's recurrent_below, tuned or default."""
+    if row.get("recurrent_below") is None:
+        return "-"
+    return f"{row['recurrent_below']} ({'tuned' if row['crossover_tuned'] else 'default'})"

@@ -17,7 +17,9 @@ from gdngen.variant import Problem, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = Problem(1, 2, 16, 16)
-TUNED = {"chunk_size": 16, "solve_block": 8, "save_states": False}
+TUNED = {"chunk_size": 16, "solve_block": 8, "save_states": False, "recurrent_below": 16}
+#: what the chunk path runs with (the spy of `mlx_calls` sees these)
+TUNED_CHUNK = {n: TUNED[n] for n in ("chunk_size", "solve_block", "save_states")}
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +85,7 @@ def test_load_tuned_mlx_dispatches_per_bucket_and_explains(mlx_calls):
     assert choice.source == "tuned" and choice.variant == Variant("mlx", TUNED)
     assert "cpu|mlx|hk1-hv2-dk16-dv16-float32-scalar|ieee|T64" in str(choice)
     y, s = tuned(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.25)
-    assert mlx_calls[-1] == TUNED
+    assert mlx_calls[-1] == TUNED_CHUNK
     y_ref, s_ref = gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.25,
                                variant=Variant("mlx", TUNED))
     np.testing.assert_array_equal(np.array(y), np.array(y_ref))
@@ -106,12 +108,15 @@ def test_plain_gated_delta_uses_the_cache_unless_disabled(mlx_calls, monkeypatch
     plant("mlx", seq_len=64)
     x = {n: mx.array(a) for n, a in inputs(64, np.random.default_rng()).items()}
     gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"])
-    assert mlx_calls[-1] == TUNED
-    gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32)  # explicit chunk
+    assert mlx_calls[-1] == TUNED_CHUNK
+    # past the default variant's crossover, so its chunk path runs
+    long = {n: mx.array(a) for n, a in inputs(default_variant("mlx", PROBLEM)["recurrent_below"],
+                                              np.random.default_rng()).items()}
+    gated_delta(long["q"], long["k"], long["v"], long["g"], long["beta"], chunk_size=32)
     assert mlx_calls[-1]["chunk_size"] == 32
     assert mlx_calls[-1]["solve_block"] == default_variant("mlx", PROBLEM)["solve_block"]
     monkeypatch.setenv(dispatch.ENV_NO_TUNED, "1")
-    gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    gated_delta(long["q"], long["k"], long["v"], long["g"], long["beta"])
     default = default_variant("mlx", PROBLEM).as_dict()
     assert mlx_calls[-1] == {n: default[n] for n in mlx_calls[-1]}
 
