@@ -29,7 +29,7 @@ postgres-server:
 # `make test`: every backend x feature with at least one real case; `make test-all` adds the
 # long sweeps marked slow (whole batteries in interpret mode / the Metal simulator).
 test: install postgres-server
-	$(BIN)/python -m pytest -q -rs -m "not slow"
+	$(BIN)/python -m pytest -q -rs -m "not slow" --durations=15
 
 test-all: install postgres-server
 	$(BIN)/python -m pytest -q -rs
