@@ -151,10 +151,7 @@ def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq
     not pay for what the callable before it left behind (a sequential baseline's gigabytes of
     buffers are released after it returns: measured here, the call after a 3 GB ``lax.scan``
     ran 3.5x slower than the one after that)."""
-    if repeats < 1 or warmup < 1:
-        raise ValueError(f"repeats and warmup must be >= 1, got {repeats}, {warmup}")
-    if not fns:
-        raise ValueError("fns must name at least one callable")
+    _check_timing(fns, repeats, warmup)
     inputs = make_inputs(problem, batch, seq_len, seed)
     with precision_context(framework, precision):
         if framework == "jax":
@@ -194,10 +191,7 @@ def time_forward(framework: str, fns: dict, problem: Problem, *, batch: int, seq
     """Time the forward alone (no gradient: what generating text runs) of each ``fns[name]``
     with an incoming state, on the same inputs of ``problem`` at ``[batch, seq_len]``, jitted
     for JAX, eager for MLX (as models call it); interleaved like `time_fwd_bwd`."""
-    if repeats < 1 or warmup < 1:
-        raise ValueError(f"repeats and warmup must be >= 1, got {repeats}, {warmup}")
-    if not fns:
-        raise ValueError("fns must name at least one callable")
+    _check_timing(fns, repeats, warmup)
     inputs = make_inputs(problem, batch, seq_len, seed)
     with precision_context(framework, precision):
         if framework == "jax":
@@ -205,6 +199,13 @@ def time_forward(framework: str, fns: dict, problem: Problem, *, batch: int, seq
         else:
             calls, sync = _mlx_forward_fns(fns, problem, inputs)
         return _interleaved(calls, sync, repeats, warmup, False)
+
+
+def _check_timing(fns: dict, repeats: int, warmup: int) -> None:
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats and warmup must be >= 1, got {repeats}, {warmup}")
+    if not fns:
+        raise ValueError("fns must name at least one callable")
 
 
 def _interleaved(calls: dict, sync, repeats: int, warmup: int, settle: bool) -> dict:

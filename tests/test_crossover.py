@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tuned_cache import isolated_cache
 
-from gdngen import cache, dispatch, registry, tune
+from gdngen import cache, registry, tune
 from gdngen.tune import crossover
 from gdngen.variant import Problem, Variant
 
@@ -35,16 +36,8 @@ def test_crossover_is_the_t_after_the_last_recurrent_win():
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "root"))
-    monkeypatch.delenv(dispatch.ENV_NO_TUNED, raising=False)
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(cache, "shipped_tuned_dir", lambda: shipped)
-    cache.clear_memo()
-    dispatch.clear_memo()
-    yield tmp_path
-    cache.clear_memo()
-    dispatch.clear_memo()
+    with isolated_cache(tmp_path, monkeypatch) as root:
+        yield root
 
 
 def test_tuned_entry_records_the_measured_crossover(isolated):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tuned_cache import isolated_cache
 
 from gdngen import cache, dispatch, registry
 from gdngen.registry import default_variant
@@ -24,14 +25,8 @@ TUNED_CHUNK = {n: TUNED[n] for n in ("chunk_size", "solve_block", "save_states")
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "root"))
-    monkeypatch.delenv(dispatch.ENV_NO_TUNED, raising=False)
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(cache, "shipped_tuned_dir", lambda: shipped)
-    cache.clear_memo()
-    yield
-    cache.clear_memo()
+    with isolated_cache(tmp_path, monkeypatch) as root:
+        yield root
 
 
 def plant(backend: str, seq_len: int = 64, **changes) -> dict:

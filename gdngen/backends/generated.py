@@ -187,3 +187,52 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
         initial_state.astype(f32), mask, scale=1.0, gate=gate,
         chunk_size=kernels.params["chunk_size"])
     return y.astype(q.dtype), state
+
+
+def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_state, *, mask,
+                         scale, gate, variant, templates_dir):
+    """Whole-sequence call of a Pallas ``backend`` module with its recurrent switch
+    (`gdngen.config.recurrent_switch`): a scalar-gate call of T >= the variant's
+    ``recurrent_below`` runs `gated_delta` (the chunk kernels). A shorter one, and every
+    per-channel gate call, evaluates through ``recurrent_forward(problem, q, k, v, decay, beta,
+    S0)`` (``problem`` the call's `Problem`)
+    (float32, masks folded, the gate made a linear decay: exp(-inf) = 0, an exact reset)
+    inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`, whose VJP is the chunk
+    kernels' on the same call (per-channel gates: the portable sequential path's)."""
+    import jax.numpy as jnp
+
+    from gdngen.backends import jax_chunkwise
+    from gdngen.variant import problem_of
+
+    shape, dtype = check_scalar_call(backend.SPEC, q, k, v, g, beta, initial_state, mask,
+                                     gate=gate, scale=scale)
+    if not shape.vector_gate and shape.T >= backend.SPEC.parse(variant).recurrent_below:
+        return gated_delta(backend, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+                           gate=gate, variant=variant, templates_dir=templates_dir)
+    backend.interpret_mode()  # decided (and warned about) at the caller's frame
+    f32 = jnp.float32
+    if initial_state is None:
+        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    q32, k32, v32, g32, beta32, s0 = (x.astype(f32) for x in (q, k, v, g, beta, initial_state))
+    g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
+
+    problem = problem_of(shape, dtype)
+
+    def recurrent(q, k, v, g, beta, S0):
+        return recurrent_forward(problem, q, k, v, jnp.exp(g) if gate == "log" else g, beta,
+                                 S0)
+
+    def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
+        if shape.vector_gate:
+            return jax_chunkwise.sequential_gated_delta(q, k, v, g, beta, S0, None,
+                                                        scale=float(scale), gate=gate)
+        y, state = gated_delta(backend, q.astype(dtype), k.astype(dtype), v.astype(dtype), g,
+                               beta, S0, mask=None, scale=scale, gate=gate, variant=variant,
+                               templates_dir=templates_dir)
+        return y.astype(f32), state
+
+    y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
+        q32, k32, v32, g32, beta32, s0)
+    if mask is not None:
+        y = jnp.where(mask[..., None, None], y, 0.0)
+    return y.astype(q.dtype), state

@@ -626,48 +626,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`: its VJP is that of the chunk
     kernels on the same call (per-channel gates: the portable sequential path's).
     """
-    import jax.numpy as jnp
-
-    from gdngen import chunkwise
-    from gdngen.backends import jax_chunkwise
-    from gdngen.variant import problem_of
-
     module = sys.modules[__name__]
-    shape, dtype = generated.check_scalar_call(SPEC, q, k, v, g, beta, initial_state, mask,
-                                               gate=gate, scale=scale)
-    if not shape.vector_gate and shape.T >= SPEC.parse(variant).recurrent_below:
-        return generated.gated_delta(module, q, k, v, g, beta, initial_state, mask=mask,
-                                     scale=scale, gate=gate, variant=variant,
-                                     templates_dir=templates_dir)
-    interpret_mode()  # decided (and warned about) at the caller's frame
-    problem = problem_of(shape, dtype)
-    f32 = jnp.float32
-    if initial_state is None:
-        initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    q32, k32, v32, g32, beta32, s0 = (x.astype(f32) for x in (q, k, v, g, beta, initial_state))
-    g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
 
-    def recurrent(q, k, v, g, beta, S0):
-        decay = jnp.exp(g) if gate == "log" else g  # exp(-inf) = 0: an exact reset
+    def recurrent(problem, q, k, v, decay, beta, S0):
         return recurrent_forward(q, k, v, decay, beta, S0, scale=scale, variant=variant,
                                  problem=problem, templates_dir=templates_dir)
 
-    def chunkwise_call(q, k, v, g, beta, S0):
-        if shape.vector_gate:
-            return jax_chunkwise.sequential_gated_delta(q, k, v, g, beta, S0, None,
-                                                        scale=float(scale), gate=gate)
-        y, state = generated.gated_delta(module, q.astype(dtype), k.astype(dtype),
-                                         v.astype(dtype), g, beta, S0, mask=None, scale=scale,
-                                         gate=gate, variant=variant,
-                                         templates_dir=templates_dir)
-        return y.astype(f32), state
-
-    y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
-        q32, k32, v32, g32, beta32, s0)
-    if mask is not None:
-        y = jnp.where(mask[..., None, None], y, 0.0)
-    return y.astype(q.dtype), state
-
+    return generated.switched_gated_delta(module, recurrent, q, k, v, g, beta, initial_state,
+                                          mask=mask, scale=scale, gate=gate, variant=variant,
+                                          templates_dir=templates_dir)
 
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
