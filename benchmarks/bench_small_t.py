@@ -59,7 +59,6 @@ def run(framework: str, problem, seq_lens, repeats: int) -> list[dict]:
     from gdngen import dispatch
     from gdngen.problem import CallShape
     from gdngen.timing import time_forward, variant_fn
-    from gdngen.tune.crossover import with_recurrent_below
 
     tuned = gdngen.load_tuned(framework)
     if framework == "jax":
@@ -73,7 +72,7 @@ def run(framework: str, problem, seq_lens, repeats: int) -> list[dict]:
         choice = dispatch.choose(framework, shape, problem.dtype, device=tuned.device)
         choice = choice.for_length(T)
         fns = {"gdngen": plain, "chunkwise": variant_fn(
-            framework, with_recurrent_below(choice.variant, 0)), "baseline": baseline}
+            framework, choice.variant.replace(recurrent_below=0)), "baseline": baseline}
         timings = time_forward(framework, fns, problem, batch=1, seq_len=T, repeats=repeats)
         ms = {n: t.median_s * 1e3 for n, t in timings.items()}
         spread = {n: max(t.times_s) / min(t.times_s) for n, t in timings.items()}

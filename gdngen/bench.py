@@ -173,11 +173,11 @@ def frameworks_for(cfg: BenchConfig, frameworks) -> tuple[str, ...]:
 def chunk_variant(framework: str, cfg: BenchConfig):
     """The default variant of `chunk_backend` for the configured shape, with chunk size C."""
     from gdngen.registry import default_variant
-    from gdngen.variant import Problem, Variant
+    from gdngen.variant import Problem
 
     problem = Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv, cfg.dtype)
     variant = default_variant(chunk_backend(framework, cfg), problem)
-    return Variant(variant.backend, dict(variant.as_dict(), chunk_size=cfg.chunk_size))
+    return variant.replace(chunk_size=cfg.chunk_size)
 
 
 def _jax_kernels():

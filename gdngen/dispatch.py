@@ -95,7 +95,7 @@ def default_choice(framework: str, problem: Problem, device: str | None,
 def _with_chunk(variant: Variant, chunk_size: int | None) -> Variant:
     if chunk_size is None:
         return variant
-    changed = Variant(variant.backend, dict(variant.as_dict(), chunk_size=chunk_size))
+    changed = variant.replace(chunk_size=chunk_size)
     registry.check_variant(changed)
     return changed
 

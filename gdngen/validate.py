@@ -214,11 +214,9 @@ def _mlx_runner(inputs, *, gate, dtype, scale, variant, recurrent):
 def _always_recurrent(variant):
     """``variant`` with its recurrent kernel taken at every T (None for a backend without
     one)."""
-    from gdngen.variant import Variant
-
-    if "recurrent_below" not in variant.as_dict():
+    if variant.get("recurrent_below") is None:
         return None
-    return Variant(variant.backend, dict(variant.as_dict(), recurrent_below=RECURRENT_ALWAYS))
+    return variant.replace(recurrent_below=RECURRENT_ALWAYS)
 
 
 def runner_for(backend: str):

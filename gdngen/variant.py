@@ -96,6 +96,10 @@ class Variant:
     def as_dict(self) -> dict:
         return dict(self.params)
 
+    def replace(self, **changes) -> Variant:
+        """This variant with the params in ``changes`` set (added or replaced)."""
+        return Variant(self.backend, dict(self.params, **changes))
+
     def to_json(self) -> dict:
         return {"backend": self.backend, "params": self.as_dict()}
 

@@ -232,37 +232,27 @@ def compile_library(source, path: Path) -> Path:
     flags = [*compiler(), *COMPILE_FLAGS]
     with tempfile.TemporaryDirectory(prefix="gdngen-ffi-cpu-") as tmp:
         out = Path(tmp) / "kernel.so"
-        if len(sources) == 1:
-            (name, text), = sources.items()
-            (Path(tmp) / name).write_text(text)
-            _run_compiler([*flags, f"-I{jax.ffi.include_dir()}", str(Path(tmp) / name), "-o",
-                           str(out)])
-        else:
-            objects, jobs = [], []
-            for name, text in sources.items():
-                src, obj = Path(tmp) / name, Path(tmp) / f"{name}.o"
-                src.write_text(text)
-                objects.append(str(obj))
-                cmd = [*flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)]
-                jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.PIPE, text=True)))
-            done = [(cmd, job.communicate()[1], job.returncode) for cmd, job in jobs]
-            for cmd, stderr, returncode in done:
-                if returncode:
-                    _compile_failed(cmd, stderr)
-            _run_compiler([*flags, *objects, "-o", str(out)])
+        objects, jobs = [], []
+        for name, text in sources.items():
+            src, obj = Path(tmp) / name, Path(tmp) / f"{name}.o"
+            src.write_text(text)
+            objects.append(str(obj))
+            cmd = [*flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)]
+            jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True)))
+        for cmd, stderr, returncode in [(cmd, job.communicate()[1], job.returncode)
+                                        for cmd, job in jobs]:
+            _check_compiled(cmd, stderr, returncode)
+        link = [*flags, *objects, "-o", str(out)]
+        linked = subprocess.run(link, check=False, capture_output=True, text=True)
+        _check_compiled(link, linked.stderr, linked.returncode)
         return atomic_write_bytes(path, out.read_bytes())
 
 
-def _run_compiler(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if done.returncode:
-        _compile_failed(cmd, done.stderr)
-
-
-def _compile_failed(cmd: list[str], stderr: str):
-    raise RuntimeError(f"{BACKEND}: compiling the rendered kernel failed "
-                       f"({' '.join(cmd)}):\n{stderr[-4000:]}")
+def _check_compiled(cmd: list[str], stderr: str, returncode: int) -> None:
+    if returncode:
+        raise RuntimeError(f"{BACKEND}: compiling the rendered kernel failed "
+                           f"({' '.join(cmd)}):\n{stderr[-4000:]}")
 
 
 class Kernels:

@@ -25,16 +25,11 @@ def has_switch(variant: Variant) -> bool:
     return "recurrent_below" in variant.as_dict()
 
 
-def with_recurrent_below(variant: Variant, recurrent_below: int) -> Variant:
-    """``variant`` with its ``recurrent_below`` replaced."""
-    return Variant(variant.backend, dict(variant.as_dict(), recurrent_below=recurrent_below))
-
-
 def paths(variant: Variant) -> dict:
     """``{"recurrent": variant that always takes the recurrent kernel, "chunkwise": one that
     never does}``."""
-    return {"recurrent": with_recurrent_below(variant, RECURRENT_ALWAYS),
-            "chunkwise": with_recurrent_below(variant, 0)}
+    return {"recurrent": variant.replace(recurrent_below=RECURRENT_ALWAYS),
+            "chunkwise": variant.replace(recurrent_below=0)}
 
 
 def crossover_from(curve: list[dict]) -> int:

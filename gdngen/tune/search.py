@@ -483,5 +483,5 @@ def _tune_crossover(chosen: Variant, summary: Summary, target: Target, settings:
     recurrent_below = crossover.crossover_from(curve)
     summary.notes.append(f"crossover: recurrent kernel below T={recurrent_below}")
     summary.crossover = recurrent_below
-    return (crossover.with_recurrent_below(chosen, recurrent_below),
+    return (chosen.replace(recurrent_below=recurrent_below),
             {"curve": curve, "seq_lens": list(crossover.SEQ_LENS), "batch": target.batch})

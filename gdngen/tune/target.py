@@ -40,7 +40,7 @@ class Target:
         raised to the policy when the default is less accurate)."""
         variant = default_variant(self.backend, self.problem, self.device)
         if not _precision_allowed(variant, self.precision):
-            variant = Variant(variant.backend, dict(variant.as_dict(), precision=self.precision))
+            variant = variant.replace(precision=self.precision)
         return variant
 
     def space(self) -> list[Variant]:
