@@ -70,7 +70,7 @@ def cache_root() -> Path:
 
 def user_tuned_dir() -> Path:
     """Folder of the user's tuned files (wins over the shipped ones)."""
-    return cache_root() / "tuned"
+    return tuned_dirs()[-1]
 
 
 def shipped_tuned_dir() -> Path | None:
@@ -84,8 +84,13 @@ def shipped_tuned_dir() -> Path | None:
 
 def tuned_dirs() -> list[Path]:
     """Folders read by lookups, lowest precedence first: shipped, then the user's."""
-    shipped = shipped_tuned_dir()
-    return ([shipped] if shipped is not None else []) + [user_tuned_dir()]
+    return list(_dirs(shipped_tuned_dir(), cache_root()))
+
+
+@functools.lru_cache(maxsize=16)
+def _dirs(shipped: Path | None, root: Path) -> tuple[Path, ...]:
+    """`tuned_dirs` per (shipped folder, cache root): a decode-length dispatch asks per call."""
+    return ((shipped,) if shipped is not None else ()) + (root / "tuned",)
 
 
 def tuned_file(device: str, directory: str | os.PathLike | None = None) -> Path:
@@ -242,7 +247,7 @@ def _warn_once(token, message: str) -> None:
 def _stamp(path: Path):
     """(mtime_ns, size, inode) of ``path``, None if it cannot be stat'ed."""
     try:
-        st = path.stat()
+        st = os.stat(path)
     except OSError:
         return None
     return (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -304,8 +309,13 @@ class Loaded:
 
 def file_stamps(device: str, dirs=None) -> tuple:
     """The stat stamps of ``device``'s tuned files (a change in any means: look again)."""
-    return tuple(_stamp(tuned_file(device, d))
-                 for d in (tuned_dirs() if dirs is None else dirs))
+    return tuple(_stamp(path) for path in _tuned_paths(
+        device, tuple(map(str, tuned_dirs() if dirs is None else dirs))))
+
+
+@functools.lru_cache(maxsize=64)
+def _tuned_paths(device: str, dirs: tuple) -> tuple:
+    return tuple(str(tuned_file(device, d)) for d in dirs)
 
 
 def load(device: str, dirs=None) -> Loaded:

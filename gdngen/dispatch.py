@@ -127,9 +127,9 @@ def choose(framework: str, shape: CallShape, dtype: str, *, device: str | None =
     if device is None:
         device, described = _attached(framework)
     bucket = cache.seq_bucket(shape.T)
-    dirs = tuple(str(d) for d in cache.tuned_dirs())
-    key = (framework, problem, bucket, device, precision, disabled, dirs)
-    stamps = cache.file_stamps(device) if device is not None and not disabled else ()
+    dirs = cache.tuned_dirs()
+    key = (framework, problem, bucket, device, precision, disabled, tuple(map(str, dirs)))
+    stamps = cache.file_stamps(device, dirs) if device is not None and not disabled else ()
     memo = _CHOICES.get(key)
     if memo is not None and memo[0] == stamps:
         return memo[1]

@@ -6,11 +6,13 @@ an editable or source-tree checkout has them at the repository root (``templates
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
 
 
+@functools.cache
 def _data_dir(name: str) -> Path:
     for candidate in (_PACKAGE / name, _PACKAGE.parent / name):
         if candidate.is_dir():

@@ -27,6 +27,7 @@ variable                   meaning
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -56,6 +57,13 @@ def cache_root() -> Path:
     env = os.environ.get(ENV_CACHE_DIR)
     if env:
         return Path(env)
+    return _platform_cache_root(os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _platform_cache_root(xdg_cache_home, home) -> Path:
+    """platformdirs' user cache dir, once per value of the variables it reads (a dispatch at
+    decode length asks for it per call)."""
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("gdngen", appauthor=False))

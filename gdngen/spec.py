@@ -6,6 +6,7 @@ the backends by name), so the declaration and the lookup never import each other
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ class BackendSpec:
         """The typed config of ``variant``; ValueError for another backend or bad params."""
         if variant.backend != self.name:
             raise ValueError(f"variant backend must be {self.name!r}, got {variant.backend!r}")
-        return self.config.from_params(variant.as_dict())
+        return _parsed(self.config, variant.params)
 
     def device(self, device: str | Device | None) -> Device | None:
         """The device a space is planned for: ``device``, else `reference_device`."""
@@ -149,3 +150,10 @@ class BackendSpec:
         from gdngen.sources import render_spec
 
         return render_spec(self, variant, problem, templates_dir=templates_dir)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(config, params: tuple):
+    """``config.from_params`` memoised per (config class, variant params): a decode-length call
+    parses its variant once, not per token (a ValueError is raised again each time)."""
+    return config.from_params(dict(params))
