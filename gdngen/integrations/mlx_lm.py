@@ -1,14 +1,28 @@
-"""Train mlx-lm's GatedDeltaNet models (Qwen3.5, Qwen3-Next, ...) on gdngen's chunkwise path.
+"""Train mlx-lm's gated-delta models on gdngen: GatedDeltaNet (Qwen3.5, Qwen3-Next, OLMo
+hybrid, ...) and Kimi Delta Attention (Kimi Linear, Kimi K3, Bailing V3).
 
 mlx-lm's linear-attention layers call ``gated_delta_update(..., use_kernel=not self.training)``,
 so every training step runs ``gated_delta_ops``, a per-token loop. `patch` replaces that function
 in every mlx-lm module that imported it; calls made with ``use_kernel=False`` (the training path)
-and a per-head gate then run `gdngen.mlx.gated_delta` on the raw gate projection and beta logits
-with the layer's parameters (``gate="softplus"`` or ``"sigmoid_bound"``, ``A_log``, ``dt_bias``,
-``beta_activation="sigmoid"``: the gate is taken in log space, `gdngen.layer_inputs`). q and k
-arrive normalised (mlx-lm's models call ``normalize_qk`` before ``gated_delta_update``), so
-``qk_norm`` stays off. Calls with ``use_kernel=True`` (inference; mlx-lm's Metal kernel
-where it has one) keep mlx-lm's function unless ``patch(inference=True)``.
+then run `gdngen.mlx.gated_delta` on the raw gate projection and beta logits with the layer's
+parameters (``gate="softplus"`` or ``"sigmoid_bound"``, ``A_log``, ``dt_bias``,
+``beta_activation="sigmoid"``: the gate is taken in log space, `gdngen.layer_inputs`, never as
+``log(exp(...))``). Both gate forms are routed:
+
+- per head, ``a [B,T,Hv]`` with ``A_log``, ``dt_bias [Hv]`` (Qwen3.5, Qwen3-Next, OLMo hybrid):
+  gdngen's chunkwise kernels;
+- per channel, ``a [B,T,Hv,Dk]`` with ``A_log [Hv,1]`` and ``dt_bias [Hv,Dk]`` (Kimi Linear,
+  Kimi K3, Bailing V3; Kimi K3 and Bailing V3 with the ``lower_bound`` gate, their
+  ``gate_lower_bound`` / ``kda_lower_bound``, passed on exactly as mlx-lm applies it):
+  gdngen's own per-channel path.
+
+q and k arrive normalised (mlx-lm's models call ``normalize_qk`` before
+``gated_delta_update``), so ``qk_norm`` stays off. Calls with ``use_kernel=True`` (inference;
+mlx-lm's Metal kernel where it has one) keep mlx-lm's function unless ``patch(inference=True)``
+(Kimi K3 ``mx.compile``s its T=1 decode step per layer on first use, on Metal: patch before the
+first decode for that step to be routed).
+Calls gdngen cannot take (a head dim outside 16..256, a ``lower_bound`` that is not a finite
+negative number, a gate or parameter shape other than the above) keep mlx-lm's function.
 
     from gdngen.integrations import mlx_lm as gdn_mlx_lm
 
@@ -25,6 +39,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import math
 import pkgutil
 import re
 import sys
@@ -97,7 +112,7 @@ def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=No
         beta, beta_activation = b, "sigmoid"
     # mlx-lm broadcasts A_log and dt_bias against a; gdngen takes them per head ([Hv]) or per
     # head and channel ([Hv, Dk]), which is that broadcast onto a's trailing axes
-    A_log, dt_bias = (mx.broadcast_to(p, a.shape[2:]) for p in (A_log, dt_bias))
+    A_log, dt_bias = (_onto_gate_axes(p, a.shape[2:]) for p in (A_log, dt_bias))
     if mask is not None and mask.dtype != mx.bool_:
         mask = mask.astype(mx.bool_)
     return gdngen_mlx.gated_delta(
@@ -107,16 +122,60 @@ def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=No
         chunk_size=chunk_size)
 
 
-def _takes_chunkwise_path(q, v, a, A_log, dt_bias, lower_bound=None) -> bool:
-    """Scalar (per-head) gate and head dims in gdngen's range: the calls gdngen speeds up
-    (and a decaying ``lower_bound``: None or < 0, which gdngen's ``gate="sigmoid_bound"`` takes).
+def _onto_gate_axes(p, gate_axes):
+    """A gate parameter broadcast onto a's head (and channel) axes ``gate_axes``: mlx-lm's
+    broadcast of ``p`` against ``a``, less a's batch and time axes (leading size-1 axes of ``p``
+    dropped; `_takes_chunkwise_path` checked that they are 1)."""
+    extra = p.ndim - len(gate_axes)
+    if extra > 0:
+        p = p.reshape(p.shape[extra:])
+    return p if tuple(p.shape) == tuple(gate_axes) else mx.broadcast_to(p, gate_axes)
 
-    Per-channel gates ``[B,T,Hv,Dk]`` (Kimi Linear, Kimi K3, Bailing V3) would take gdngen's
-    sequential recurrence, measured ~1.2x slower than mlx-lm's own loop, so they stay on mlx-lm.
+
+def _takes_lower_bound(lower_bound) -> bool:
+    """None, or what ``gate="sigmoid_bound"`` takes: a Python int / float, finite and < 0.
+
+    mlx-lm applies any bound as ``g = exp(lower_bound * sigmoid(...))``, its sign unchanged
+    (Bailing V3's ``kda_lower_bound`` defaults to -5; Kimi K3 passes its ``gate_lower_bound``
+    as given), and so does gdngen; a bound >= 0 (a gate >= 1) or an infinite one stays on mlx-lm.
     """
-    gate_ndim = len(np.broadcast_shapes(tuple(a.shape), tuple(A_log.shape), tuple(dt_bias.shape)))
-    return (gate_ndim == 3 and (lower_bound is None or lower_bound < 0)
-            and all(MIN_HEAD_DIM <= d <= MAX_HEAD_DIM for d in (q.shape[-1], v.shape[-1])))
+    if lower_bound is None:
+        return True
+    return (isinstance(lower_bound, (int, float)) and not isinstance(lower_bound, bool)
+            and -math.inf < lower_bound < 0)
+
+
+def _takes_chunkwise_path(q, v, a, A_log, dt_bias, lower_bound=None) -> bool:
+    """Whether gdngen takes this call: both head dims in 16..256, a ``lower_bound`` it takes
+    (`_takes_lower_bound`) and a gate of either form:
+
+    - per head, ``a [B,T,Hv]`` (Qwen3.5, Qwen3-Next, OLMo hybrid): gdngen's chunkwise kernels;
+    - per channel, ``a [B,T,Hv,Dk]`` (Kimi Linear, Kimi K3, Bailing V3, which pass
+      ``A_log [Hv,1]`` and ``dt_bias [Hv,Dk]``): routed too, and run by gdngen's own
+      per-channel path (`gdngen.mlx.gated_delta` with a vector gate);
+
+    with ``A_log`` and ``dt_bias`` broadcasting against ``a`` to a's own shape and adding no
+    batch or time extent (their axes beyond a's head and channel axes are 1), as gdngen takes
+    them per head and channel. Anything else keeps mlx-lm's function, which raises its own
+    error where the call is invalid.
+    """
+    if q.ndim != 4 or v.ndim != 4:
+        return False
+    B, T, _, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    gate_shape = tuple(a.shape)
+    if gate_shape not in ((B, T, Hv), (B, T, Hv, Dk)):
+        return False
+    if not (MIN_HEAD_DIM <= Dk <= MAX_HEAD_DIM and MIN_HEAD_DIM <= Dv <= MAX_HEAD_DIM
+            and _takes_lower_bound(lower_bound)):
+        return False
+    try:
+        broadcast = np.broadcast_shapes(gate_shape, tuple(A_log.shape), tuple(dt_bias.shape))
+    except ValueError:
+        return False
+    gate_axes = len(gate_shape) - 2
+    return broadcast == gate_shape and all(
+        d == 1 for p in (A_log, dt_bias) for d in tuple(p.shape)[:max(p.ndim - gate_axes, 0)])
 
 
 # --------------------------------------------------------------------------- patch state
@@ -139,8 +198,9 @@ def _routed_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
     """What `patch` installs as ``gated_delta_update``.
 
     Runs gdngen when a patch is active, the call is on the training path (``use_kernel=False``,
-    or any call with ``patch(inference=True)``), the gate is per head (``[B,T,Hv]``) and both
-    head dims are in 16..256; otherwise mlx-lm's original function.
+    or any call with ``patch(inference=True)``) and gdngen takes it (`_takes_chunkwise_path`:
+    a per-head ``[B,T,Hv]`` or per-channel ``[B,T,Hv,Dk]`` gate, head dims in 16..256, a
+    negative or no ``lower_bound``); otherwise mlx-lm's original function.
     """
     active = _ACTIVE
     if (active is None or (use_kernel and not active.inference)
