@@ -2,7 +2,10 @@
 
 For each framework and sequence length T this measures the gradient of
 ``sum(y * dy) + sum(final_state * dfinal_state)`` with respect to all six inputs (q, k, v, g,
-beta, initial_state), with g a log-decay gate and ``scale = Dk ** -0.5``:
+beta, initial_state), with g a log-decay gate and ``scale = Dk ** -0.5``. ``gate`` picks its
+kind: "scalar" (g ``[B,T,Hv]``) or "vector" (per-channel, g ``[B,T,Hv,Dk]``; the problem, its
+inputs and the chunkwise variant are then the vector-gate ones, and both baselines take the
+per-channel g as it is):
 
 * chunkwise: ``gdngen.jax.gated_delta`` / ``gdngen.mlx.gated_delta`` running the default
   variant of ``backend`` with chunk size C. ``backend="auto"`` takes, for JAX, the generated
@@ -17,11 +20,13 @@ Times are the median of ``repeats`` runs after one warm-up run (which also compi
 synchronised (``jax.block_until_ready`` / ``mx.eval``). Peak memory is framework-specific and
 named in each row's ``memory_measure``: JAX reports the compiled executable's
 ``memory_analysis()`` (argument + output + temp bytes), MLX reports ``mx.get_peak_memory()``
-over the timed runs (inputs included). Achieved GFLOP/s uses `gdngen.flops.chunkwise_flops`;
-it is compared with two float32 matmul references measured by the same framework in the same
-run: a square ``matmul_n`` cube (the framework's peak; ``matmul_*`` keys) and one batched
-product with the kernel's own operand shape, ``B*Hv*ceil(T/C)`` products of ``[C,Dk] @ [Dk,Dv]``
-at the largest T (``chunk_matmul_*`` keys), which is what the chunkwise path is made of.
+over the timed runs (inputs included). Achieved GFLOP/s uses `gdngen.flops.chunkwise_flops` (its
+matmul count, the same for either gate: a vector gate's decay factors are elementwise work it
+does not count); it is compared with two float32 matmul references measured by the same
+framework in the same run: a square ``matmul_n`` cube (the framework's peak; ``matmul_*`` keys)
+and one batched product with the kernel's own operand shape, ``B*Hv*ceil(T/C)`` products of
+``[C,Dk] @ [Dk,Dv]`` at the largest T (``chunk_matmul_*`` keys), which is what the chunkwise
+path is made of.
 
 Each framework runs in a fresh subprocess by default (``run(..., isolate=True)``, speaking
 `gdngen.worker_protocol` as tune's trials do) so that one framework's thread pools and allocator
@@ -52,7 +57,7 @@ from gdngen.problem import FRAMEWORKS
 DTYPES = ("float32", "bfloat16", "float16")
 ROW_KEYS = (
     "framework", "backend", "device", "T", "B", "Hk", "Hv", "Dk", "Dv", "chunk_size", "dtype",
-    "repeats",
+    "gate", "repeats",
     "chunk_ms", "baseline_ms", "speedup", "chunk_peak_bytes", "baseline_peak_bytes",
     "memory_measure", "flops", "chunk_gflops", "matmul_gflops", "matmul_shape", "matmul_ratio",
     "chunk_matmul_gflops", "chunk_matmul_shape", "chunk_matmul_ratio",
@@ -81,6 +86,7 @@ class BenchConfig:
     baseline_max_T: int = 2048
     matmul_n: int = 2048
     seed: int = 0
+    gate: str = "scalar"
 
     def __post_init__(self):
         object.__setattr__(self, "seq_lens", tuple(int(t) for t in self.seq_lens))
@@ -100,6 +106,16 @@ class BenchConfig:
             raise ValueError(f"backend must be 'auto' or one of {known}, got {self.backend!r}")
         if self.matmul_n < 0:
             raise ValueError(f"matmul_n must be >= 0 (0 skips it), got {self.matmul_n}")
+        from gdngen.variant import GATE_KINDS
+
+        if self.gate not in GATE_KINDS:
+            raise ValueError(f"gate must be one of {GATE_KINDS}, got {self.gate!r}")
+
+    def problem(self):
+        """The `gdngen.variant.Problem` benchmarked: heads, head dims, dtype and gate kind."""
+        from gdngen.variant import Problem
+
+        return Problem(self.hk, self.hv, self.dk, self.dv, self.dtype, self.gate)
 
 
 def available_frameworks() -> tuple[str, ...]:
@@ -109,12 +125,11 @@ def available_frameworks() -> tuple[str, ...]:
 
 def make_inputs(cfg: BenchConfig, T: int) -> dict[str, np.ndarray]:
     """Deterministic float32 inputs of length T (`gdngen.timing.make_inputs`, seed
-    ``cfg.seed + T``): q, k (unit-norm), v, g (log-decay), beta, initial_state, and the
-    cotangents dy, dfinal_state."""
+    ``cfg.seed + T``): q, k (unit-norm), v, g (log-decay, ``[B,T,Hv,Dk]`` for a vector gate),
+    beta, initial_state, and the cotangents dy, dfinal_state."""
     from gdngen.timing import make_inputs as problem_inputs
-    from gdngen.variant import Problem
 
-    return problem_inputs(Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv), cfg.batch, T, cfg.seed + T)
+    return problem_inputs(cfg.problem(), cfg.batch, T, cfg.seed + T)
 
 
 def _median_seconds(call, sync, repeats: int, before_timing=None) -> float:
@@ -150,10 +165,8 @@ def chunk_backend(framework: str, cfg: BenchConfig) -> str:
         return cfg.backend
     from gdngen.devices import detect_framework
     from gdngen.dispatch import default_choice
-    from gdngen.variant import Problem
 
-    problem = Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv, cfg.dtype)
-    return default_choice(framework, problem, detect_framework(framework).name)[0].backend
+    return default_choice(framework, cfg.problem(), detect_framework(framework).name)[0].backend
 
 
 def frameworks_for(cfg: BenchConfig, frameworks) -> tuple[str, ...]:
@@ -173,10 +186,8 @@ def frameworks_for(cfg: BenchConfig, frameworks) -> tuple[str, ...]:
 def chunk_variant(framework: str, cfg: BenchConfig):
     """The default variant of `chunk_backend` for the configured shape, with chunk size C."""
     from gdngen.registry import default_variant
-    from gdngen.variant import Problem
 
-    problem = Problem(cfg.hk, cfg.hv, cfg.dk, cfg.dv, cfg.dtype)
-    variant = default_variant(chunk_backend(framework, cfg), problem)
+    variant = default_variant(chunk_backend(framework, cfg), cfg.problem())
     return variant.replace(chunk_size=cfg.chunk_size)
 
 
@@ -365,6 +376,7 @@ def _row(framework, backend, device, cfg: BenchConfig, T, chunk, base, matmul) -
         "Dv": cfg.dv,
         "chunk_size": cfg.chunk_size,
         "dtype": cfg.dtype,
+        "gate": cfg.gate,
         "repeats": cfg.repeats,
         "chunk_ms": chunk_s * 1e3,
         "baseline_ms": None if base_s is None else base_s * 1e3,
@@ -436,7 +448,8 @@ def format_table(rows: list[dict]):
     if rows:
         r = rows[0]
         title += (f" — B={r['B']} Hk={r['Hk']} Hv={r['Hv']} Dk={r['Dk']} Dv={r['Dv']}"
-                  f" C={r['chunk_size']} {r['dtype']}, median of {r['repeats']}")
+                  f" C={r['chunk_size']} {r['dtype']} {r['gate']} gate, median of "
+                  f"{r['repeats']}")
     table = Table(title=title)
     for name in ("framework", "T", "chunk ms", "seq ms", "speedup", "chunk MiB", "seq MiB",
                  "GFLOP/s", "square mm", "of square", "chunk mm", "of chunk mm"):

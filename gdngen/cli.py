@@ -13,8 +13,15 @@ import click
 
 from gdngen import registry
 from gdngen._version import __version__
+from gdngen.variant import GATE_KINDS
 
 DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
+
+
+def gate_option(help_text: str):
+    """``--gate scalar|vector`` (default scalar), shared by bench and tune."""
+    return click.option("--gate", type=click.Choice(GATE_KINDS), default="scalar",
+                        show_default=True, help=help_text)
 
 
 @click.group()
@@ -128,6 +135,7 @@ def _parse_seq_lens(ctx, param, value: str) -> tuple[int, ...]:
                    "takes ffi_cpu for JAX on a CPU host with a C++ compiler (else xla) and mlx "
                    "for MLX; or xla, ffi_cpu, pallas_tpu, pallas_gpu, mlx, metal.")
 @click.option("--dtype", type=DTYPE_CHOICE, default="float32", show_default=True)
+@gate_option("Gate kind: scalar (g [B,T,Hv]) or vector (per-channel g [B,T,Hv,Dk]).")
 @click.option("--repeats", type=int, default=5, show_default=True,
               help="Timed runs after one warm-up; the median is reported.")
 @click.option("--baseline-max-T", "baseline_max_t", type=int, default=2048, show_default=True,
@@ -137,7 +145,7 @@ def _parse_seq_lens(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON, not a table.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows as JSON to this file (atomically).")
-def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype, repeats,
+def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype, gate, repeats,
           baseline_max_t, matmul_n, as_json, out):
     """Time forward+backward of the chunkwise path against the sequential baseline."""
     from gdngen import bench as bench_mod
@@ -146,7 +154,7 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
         cfg = bench_mod.BenchConfig(
             seq_lens=seq_lens, batch=batch, hk=hk, hv=hv, dk=dk, dv=dv, chunk_size=chunk_size,
             backend=backend, dtype=dtype, repeats=repeats, baseline_max_T=baseline_max_t,
-            matmul_n=matmul_n,
+            matmul_n=matmul_n, gate=gate,
         )
     except ValueError as e:
         raise click.UsageError(str(e))
@@ -270,8 +278,7 @@ def _pair(value, option):
 @click.option("--heads", default=None, metavar="HK,HV", help="Custom key,value heads.")
 @click.option("--dim", default="128,128", show_default=True, metavar="DK,DV",
               help="Head dims for --heads.")
-@click.option("--gate", type=click.Choice(["scalar", "vector"]), default="scalar",
-              show_default=True, help="Gate kind for --heads.")
+@gate_option("Gate kind for --heads.")
 @click.option("--dtype", type=DTYPE_CHOICE, default="float32", show_default=True)
 @click.option("--seq", default="2048", show_default=True, callback=_parse_seq_lens,
               metavar="T[,T...]", help="Sequence length(s) to tune at.")

@@ -6,7 +6,9 @@ memory and row plumbing of gdngen.bench independently of the real chunkwise kern
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +42,8 @@ def _jax_stand_in(q, k, v, g, beta, s0, *, scale, gate, variant=None):
 
     def step(S, x):
         qt, kt, vt, gt, bt = x
-        S = jnp.exp(gt)[..., None, None] * S
+        # scalar gate [B,Hv]: the whole state; vector gate [B,Hv,Dk]: column-wise over Dk
+        S = (jnp.exp(gt)[..., None, :] if gt.ndim == 3 else jnp.exp(gt)[..., None, None]) * S
         delta = bt[..., None] * (vt - jnp.einsum("bhvk,bhk->bhv", S, kt))
         S = S + delta[..., :, None] * kt[..., None, :]
         return S, scale * jnp.einsum("bhvk,bhk->bhv", S, qt)
@@ -62,6 +65,27 @@ def test_measure_jax_with_stand_in(monkeypatch):
     assert "memory_analysis" in rows[0]["memory_measure"]
     assert {r["backend"] for r in rows} == {bench.chunk_backend("jax", CFG)}
     json.dumps(rows)
+
+
+def test_measure_jax_vector_gate(monkeypatch):
+    """gate="vector": the kernels get per-channel g [B,T,Hv,Dk] and the rows say so."""
+    pytest.importorskip("jax")
+    seen = []
+
+    def stand_in(q, k, v, g, beta, s0, **kwargs):
+        seen.append(g.shape)
+        return _jax_stand_in(q, k, v, g, beta, s0, **kwargs)
+
+    monkeypatch.setattr(bench, "_jax_kernels", lambda: (stand_in, stand_in))
+    cfg = bench.BenchConfig(seq_lens=(8,), batch=1, hk=1, hv=2, dk=16, dv=16, chunk_size=8,
+                            repeats=1, baseline_max_T=8, matmul_n=0, gate="vector")
+    assert cfg.problem().gate == "vector"
+    (row,) = bench.measure("jax", cfg)
+    assert row["gate"] == "vector" and row["speedup"] > 0
+    assert set(seen) == {(1, 8, 2, 16)}  # traced once per kernel, each with a vector gate
+    assert bench.make_inputs(cfg, 8)["g"].shape == (1, 8, 2, 16)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        bench.BenchConfig(gate="channel")
 
 
 def test_chunk_backend_auto_and_explicit(monkeypatch):
@@ -158,3 +182,47 @@ def test_time_fwd_bwd_interleaves_and_settles(settle, monkeypatch):
     timed = [["a", "b"], ["b", "a"], ["a", "b"]]  # the order rotates each repeat
     expected = ["a", "b"] + [n for rep in timed for n in rep for _ in range(2 if settle else 1)]
     assert runs == expected
+
+
+def _vector_gate_bench():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vector_gate.py"
+    spec = importlib.util.spec_from_file_location("bench_vector_gate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["textbook_chunked", "textbook_scan"])
+def test_vector_gate_baselines_match_reference(name):
+    """benchmarks/bench_vector_gate.py's JAX baselines (the textbook chunked WY form, T=100
+    padded to two chunks of 64, and the per-step scan) agree with the float64 reference on a
+    small per-channel problem, forward and all six gradients."""
+    pytest.importorskip("jax")
+    module = _vector_gate_bench()
+    errors = module.check_baseline(getattr(module, name), B=1, T=100, Hk=2, Hv=4, D=32)
+    assert set(errors) == {"y", "final_state", "dq", "dk", "dv", "dg", "dbeta",
+                           "dinitial_state"}
+    assert max(errors.values()) < 1e-4, errors
+
+
+def test_vector_gate_bench_smoke(capsys):
+    """The vector-gate benchmark runs end to end at a toy size and reports ratios (and MLX peak
+    memory where MLX and mlx-lm are installed)."""
+    pytest.importorskip("jax")
+    frameworks = ["jax"]
+    if importlib.util.find_spec("mlx") and importlib.util.find_spec("mlx_lm"):
+        frameworks.append("mlx")
+    module = _vector_gate_bench()
+    assert module.main(["--frameworks", ",".join(frameworks), "--seq-lens", "16", "--heads",
+                        "1,2", "--dim", "16", "--repeats", "1", "--skip-check", "--blas-threads",
+                        "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["framework"]: r for r in out["rows"]}
+    assert set(rows) == set(frameworks)
+    assert set(rows["jax"]["over_gdngen"]) == {"scan", "chunked"}
+    assert all(r["gate"] == "vector" and r["T"] == 16 for r in rows.values())
+    if "mlx" in rows:
+        assert set(rows["mlx"]["memory"]) == {"gdngen", "mlx-lm"}
+        assert rows["mlx"]["memory"]["gdngen"]["peak_bytes"] > 0
+        assert rows["mlx"]["memory_over_gdngen"]["mlx-lm"] > 0
+    assert [t["ratio"] for t in out["targets"]] == [None] * 4  # none at T=16

@@ -52,7 +52,22 @@ def test_bench_jax_json_and_out(tmp_path):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     _check_rows(rows, "jax")
+    assert rows[0]["gate"] == "scalar"
     assert json.loads(out.read_text()) == rows
+
+
+@pytest.mark.skipif(not (ROOT / "gdngen" / "jax.py").exists(),
+                    reason="gdngen/jax.py (the JAX entry point) does not exist yet")
+def test_bench_vector_gate():
+    """``gdngen bench --gate vector`` times a per-channel-gate problem (g [B,T,Hv,Dk])."""
+    pytest.importorskip("jax")
+    result = CliRunner().invoke(main, ["bench", "--framework", "jax", "--gate", "vector", *TINY])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    _check_rows(rows, "jax")
+    assert rows[0]["gate"] == "vector"
+    result = CliRunner().invoke(main, ["bench", "--gate", "channel"])
+    assert result.exit_code == 2 and "channel" in result.output
 
 
 @pytest.mark.skipif(not (ROOT / "gdngen" / "mlx.py").exists(),
