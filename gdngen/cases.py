@@ -23,10 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BATTERY", "GATE_KINDS", "Case", "get_case"]
+__all__ = ["BATTERY", "GATE_KINDS", "INF_GATE_KINDS", "VECTOR_GATE_KINDS", "Case",
+           "get_case"]
 
 # How each case draws its log gates (see `_draw_log_gates`).
-GATE_KINDS = ("mild", "strong", "hard", "exact_one_and_zero", "constant_0.95", "per_channel")
+GATE_KINDS = ("mild", "strong", "hard", "exact_one_and_zero", "constant_0.95", "per_channel",
+              "half_strong", "channel_zero_and_one", "channel_mix")
+#: gate kinds defined per channel only (a case drawing them must have ``vector_gate=True``)
+VECTOR_GATE_KINDS = ("half_strong", "channel_zero_and_one", "channel_mix")
+#: gate kinds that draw log g = -inf (exact zero gates) somewhere
+INF_GATE_KINDS = ("exact_one_and_zero", "channel_zero_and_one", "channel_mix")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class Case:
     def __post_init__(self):
         if self.gates not in GATE_KINDS:
             raise ValueError(f"case {self.name}: gates must be one of {GATE_KINDS}")
+        if self.gates in VECTOR_GATE_KINDS and not self.vector_gate:
+            raise ValueError(f"case {self.name}: gates={self.gates!r} needs vector_gate=True")
         if self.Hv % self.Hk:
             raise ValueError(f"case {self.name}: Hv={self.Hv} is not a multiple of Hk={self.Hk}")
 
@@ -120,6 +128,52 @@ def _draw_log_gates(case: Case, rng: np.random.Generator) -> np.ndarray:
     if case.gates == "per_channel":
         # Decay rates spanning three decades per channel: -log g in [1e-3, 1).
         return -np.exp(rng.uniform(np.log(1e-3), 0.0, size=shape))
+    if case.gates == "half_strong":
+        # A fixed random half of each head's channels (the same at every batch and step) decays
+        # strongly, log g ~ -U(30, 40) (real Kimi gates reach log g ~ -37; a 64-chunk sums to
+        # ~ -2240 there, so exp(+-cumsum) within a chunk over/underflows even in float64), while
+        # the other half barely decays, log g ~ -U(0, 0.02) (a 64-chunk sums to ~ -0.64).
+        Hv, Dk = shape[2], shape[3]
+        strong = np.zeros((Hv, Dk), dtype=bool)
+        for h in range(Hv):
+            strong[h, rng.permutation(Dk)[:Dk // 2]] = True
+        return np.where(strong, -rng.uniform(30.0, 40.0, size=shape),
+                        -rng.uniform(0.0, 0.02, size=shape))
+    if case.gates == "channel_zero_and_one":
+        # Ordinary gates -U(0.01, 0.5) with exact boundary values per channel: ~10% single
+        # channels at 0 (g = 1) and ~5% at -inf (g = 0); whole steps of -inf (every channel of
+        # one (batch, step, head)): ~3% at random outside batch 0, batch 0 head 0 at t = 0
+        # (resets that head's initial state), and every head of the last batch at both sides
+        # of the first chunk boundary (t = 63, 64); and g = 1 stretches: in batch 0, a random
+        # quarter of each head's channels has log g = 0 over steps 40..99 (across t = 64).
+        B, T, Hv, Dk = shape
+        c = case.chunk_size
+        g = -rng.uniform(0.01, 0.5, size=shape)
+        draw = rng.uniform(size=shape)
+        g[draw < 0.10] = 0.0
+        g[draw > 0.95] = -np.inf
+        whole = rng.uniform(size=(B, T, Hv)) < 0.03
+        whole[0] = False
+        g[whole] = -np.inf
+        g[0, 0, 0] = -np.inf
+        g[B - 1, c - 1:c + 1] = -np.inf
+        for h in range(Hv):
+            g[0, c - 24:c + 36, h, rng.permutation(Dk)[:Dk // 4]] = 0.0
+        return g
+    if case.gates == "channel_mix":
+        # Every entry drawn on its own: -inf (10%, g = 0), exactly 0 (15%, g = 1), strong
+        # -U(30, 40) (25%) or nearly 1, -U(0, 0.02) (50%); plus a whole step of -inf (batch 0,
+        # t = 0, head 0) and one of exact 0 (last batch, t = 0, last head). With an initial
+        # state at T = 1, each column of it is wiped, kept exactly, crushed or barely decayed.
+        B, Hv = shape[0], shape[2]
+        draw = rng.uniform(size=shape)
+        g = np.where(draw < 0.5, -rng.uniform(30.0, 40.0, size=shape),
+                     -rng.uniform(0.0, 0.02, size=shape))
+        g[draw < 0.25] = 0.0
+        g[draw < 0.10] = -np.inf
+        g[0, 0, 0] = -np.inf
+        g[B - 1, 0, Hv - 1] = 0.0
+        return g
     # exact_one_and_zero: ordinary gates with ~15% exact 0 (g = 1) and ~10% -inf (g = 0),
     # plus a whole chunk of g = 1 and a reset at t = 0 (wiping the initial state).
     g = -rng.uniform(0.01, 0.5, size=shape)
@@ -191,6 +245,39 @@ BATTERY: tuple[Case, ...] = (
          "per-channel gate g [B,T,Hv,Dk], -log g spanning 1e-3..1 per step: column-wise decay "
          "and the per-channel dg reduction",
          B=2, T=128, Hk=2, Hv=4, Dk=32, Dv=32, vector_gate=True, gates="per_channel"),
+    # The vector cases below share shapes on purpose: backends compile once per shape (the
+    # vector-gate path's autodiff costs seconds per shape), so vector_exact_zero and
+    # vector_identical_keys take vector_gate's shape and vector_masked_gva3 takes
+    # vector_strong_half's (a mask or not does not recompile); vector_t1 is the only other.
+    Case("vector_strong_half",
+         "per-channel gate, half of each head's channels log g ~ -U(30, 40) (a chunk sums to "
+         "~ -2240: exp(+-cumsum) over/underflows) next to channels ~ -U(0, 0.02); T = 150 "
+         "ragged tail, Hv = 3 Hk, Dk != Dv, initial state kept on the slow columns only",
+         B=2, T=150, Hk=2, Hv=6, Dk=64, Dv=32, vector_gate=True, gates="half_strong",
+         has_initial_state=True),
+    Case("vector_exact_zero",
+         "per-channel exact gates: -inf on single channels and on whole steps (t = 0 reset of "
+         "the initial state, both sides of the 64 boundary), log g = 0 on single channels and "
+         "on stretches across t = 64: inf/nan from log/exp/division per channel",
+         B=2, T=128, Hk=2, Hv=4, Dk=32, Dv=32, vector_gate=True, gates="channel_zero_and_one",
+         has_initial_state=True),
+    Case("vector_masked_gva3",
+         "per-channel exact gates with a padding mask (left pad, right pad covering the whole "
+         "partial chunk 128..149, holes; masked -inf steps must not wipe the state, x100 "
+         "padded v must not leak), grouped values Hv = 3 Hk, Dk != Dv, T = 150, initial state",
+         B=2, T=150, Hk=2, Hv=6, Dk=64, Dv=32, vector_gate=True, gates="channel_zero_and_one",
+         has_initial_state=True, padding=True),
+    Case("vector_t1",
+         "T = 1 per-channel step on an initial state whose columns are wiped (-inf), kept "
+         "exactly (0), crushed (~ -35) or barely decayed: decode-like step, Dk < Dv",
+         B=2, T=1, Hk=2, Hv=4, Dk=32, Dv=64, vector_gate=True, gates="channel_mix",
+         has_initial_state=True),
+    Case("vector_identical_keys",
+         "per-channel mild gates (log g ~ -U(0.01, 0.1)) with all keys equal within each "
+         "64-chunk, beta = 1, initial state: near-singular triangular solve with per-channel "
+         "decayed keys",
+         B=2, T=128, Hk=2, Hv=4, Dk=32, Dv=32, vector_gate=True, gates="mild",
+         beta_range=(1.0, 1.0), identical_keys=True, has_initial_state=True),
 )
 
 _BY_NAME = {case.name: case for case in BATTERY}

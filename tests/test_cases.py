@@ -5,17 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gdngen.cases import BATTERY, get_case
+from gdngen import reference
+from gdngen.cases import BATTERY, INF_GATE_KINDS, VECTOR_GATE_KINDS, Case, get_case
 
 CASE_NAMES = [case.name for case in BATTERY]
 REQUIRED = ("mild_decay", "strong_decay", "hard_decay", "gates_exact_one_and_zero",
             "identical_keys", "negative_eigenvalues", "gva3", "t1", "short", "ragged",
             "padding_mask", "initial_state", "vector_gate")
+#: the per-channel-gate cases beyond vector_gate (issue 14)
+VECTOR_CASES = ("vector_strong_half", "vector_exact_zero", "vector_masked_gva3", "vector_t1",
+                "vector_identical_keys")
 
 
 def test_battery_has_required_cases_with_descriptions():
     assert len(set(CASE_NAMES)) == len(CASE_NAMES)
-    for name in REQUIRED:
+    for name in REQUIRED + VECTOR_CASES:
         assert name in CASE_NAMES
     for case in BATTERY:
         assert len(case.description) > 15, case.name
@@ -44,7 +48,7 @@ def test_shapes_dtypes_and_finiteness(name):
     assert not np.any(np.isnan(x["g_log"]))
     assert np.all(x["g_log"] <= 0.0)
     assert np.all(np.isfinite(x["g_log"]) | (x["g_log"] == -np.inf))
-    if case.gates != "exact_one_and_zero":
+    if case.gates not in INF_GATE_KINDS:
         assert np.all(np.isfinite(x["g_log"]))
     if case.has_initial_state:
         assert x["initial_state"].shape == (B, Hv, Dv, Dk)
@@ -168,3 +172,122 @@ def test_default_distributions():
     x = get_case("initial_state").inputs(0)
     assert np.all((x["beta"] > 0.0) & (x["beta"] < 1.0))
     assert abs(x["q"].std() - 1.0) < 0.05 and abs(x["v"].std() - 1.0) < 0.05
+
+
+# ------------------------------------------------------------------------------ per-channel gates
+
+
+def test_vector_gate_kinds_need_a_vector_gate():
+    for kind in VECTOR_GATE_KINDS:
+        with pytest.raises(ValueError, match="needs vector_gate=True"):
+            Case("bad", "a scalar case drawing a per-channel kind", B=1, T=8, Hk=1, Hv=1,
+                 Dk=32, Dv=32, gates=kind)
+
+
+def test_vector_cases_are_small_and_cover_the_features():
+    cases = [get_case(name) for name in VECTOR_CASES]
+    for case in cases:
+        assert case.vector_gate and case.name.startswith("vector_")
+        assert case.B <= 2 and case.T <= 150 and case.Hk <= 2, case.name
+        assert case.Dk in (32, 64) and case.Dv in (32, 64), case.name
+    assert {c.gates for c in cases} >= set(VECTOR_GATE_KINDS)
+    assert any(c.Hv == 3 * c.Hk and c.padding for c in cases)  # GVA 3x with a mask
+    assert any(c.Dk != c.Dv for c in cases)
+    assert any(c.T % c.chunk_size and c.T > 2 * c.chunk_size for c in cases)  # ragged
+    assert any(c.T == 1 and c.has_initial_state for c in cases)
+    assert any(c.identical_keys for c in cases)
+    assert all(c.has_initial_state for c in cases)
+    # Each new shape is a compile per backend in `make test`: the five add two shapes.
+    shapes = {(c.B, c.T, c.Hk, c.Hv, c.Dk, c.Dv) for c in cases}
+    old = get_case("vector_gate")
+    assert len(shapes - {(old.B, old.T, old.Hk, old.Hv, old.Dk, old.Dv)}) <= 2, shapes
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_half_strong_gates(seed):
+    case = get_case("vector_strong_half")
+    g = case.inputs(seed)["g_log"]
+    strong = g < -1.0
+    # The same half of each head's channels is strong at every batch and step...
+    np.testing.assert_array_equal(strong, np.broadcast_to(strong[:1, :1], strong.shape))
+    np.testing.assert_array_equal(strong[0, 0].sum(axis=-1), case.Dk // 2)
+    assert not np.array_equal(strong[0, 0, 0], strong[0, 0, 1])  # ...a different half per head
+    assert np.all((g[strong] >= -40.0) & (g[strong] <= -30.0))
+    assert np.all((g[~strong] >= -0.02) & (g[~strong] <= 0.0))
+    assert g[strong].min() < -39.0 and g[strong].max() > -31.0
+    # a full chunk of a strong channel sums far beyond float64's exp range (~ -745)
+    assert g[:, :64][strong[:, :64]].reshape(case.B, 64, -1).sum(axis=1).max() < -1800.0
+
+
+@pytest.mark.parametrize("name", ["vector_exact_zero", "vector_masked_gva3"])
+def test_channel_zero_and_one_gates(name):
+    case = get_case(name)
+    assert case.gates == "channel_zero_and_one"
+    g = case.inputs(0)["g_log"]
+    zero = g == -np.inf
+    whole = zero.all(axis=-1)  # [B,T,Hv]: every channel of a step at g = 0
+    single = zero.any(axis=-1) & ~whole
+    assert single.sum() > 10 and whole.sum() > 5
+    assert whole[0, 0, 0]  # resets head 0's initial state in batch 0
+    assert np.all(whole[-1, 63:65])  # both sides of the first chunk boundary, every head
+    assert not whole[0, 1:].any()  # batch 0 has no other whole -inf step
+    one = g == 0.0
+    assert one.any(axis=-1).mean() > 0.5 and not one.all(axis=-1).any()  # single channels
+    # g = 1 stretches across t = 64: a quarter of each head's channels over steps 40..99
+    stretch = one[0, 40:100].all(axis=0)  # [Hv, Dk]
+    np.testing.assert_array_less(case.Dk // 4 - 1, stretch.sum(axis=-1))
+    ordinary = np.isfinite(g) & (g != 0.0)
+    assert ordinary.mean() > 0.7
+    assert np.all((g[ordinary] >= -0.5) & (g[ordinary] <= -0.01))
+
+
+def test_channel_mix_gates_at_t1():
+    case = get_case("vector_t1")
+    x = case.inputs(0)
+    g = x["g_log"]
+    assert case.T == 1 and x["initial_state"] is not None
+    assert np.all(g[0, 0, 0] == -np.inf)  # one whole head wiped
+    assert np.all(g[-1, 0, -1] == 0.0)  # one whole head kept exactly
+    rest = np.ones(g.shape, dtype=bool)
+    rest[0, 0, 0] = rest[-1, 0, -1] = False
+    gr = g[rest]
+    kinds = [gr == -np.inf, gr == 0.0, (gr >= -40.0) & (gr <= -30.0),
+             (gr >= -0.02) & (gr < 0.0)]
+    np.testing.assert_array_equal(sum(k.astype(int) for k in kinds), 1)  # nothing else
+    fractions = [k.mean() for k in kinds]
+    for got, want in zip(fractions, (0.10, 0.15, 0.25, 0.50)):
+        assert abs(got - want) < 0.07, fractions
+
+
+def test_vector_identical_keys():
+    case = get_case("vector_identical_keys")
+    x = case.inputs(0)
+    for start in range(0, case.T, 64):
+        block = x["k"][:, start:start + 64]
+        np.testing.assert_array_equal(block, np.broadcast_to(block[:, :1], block.shape))
+    np.testing.assert_array_equal(x["beta"], 1.0)
+    assert x["g_log"].shape == case.gate_shape and case.gate_shape[-1] == case.Dk
+
+
+def test_vector_masked_gva3_padding():
+    case = get_case("vector_masked_gva3")
+    mask = case.inputs(0)["mask"]
+    assert case.Hv == 3 * case.Hk and case.Dk != case.Dv
+    assert not mask[0, 0] and mask[0, -1]  # left padding
+    assert not mask[1, 128:].any()  # right padding covers the whole partial chunk
+
+
+@pytest.mark.parametrize("name", ("vector_gate",) + VECTOR_CASES)
+def test_vector_cases_reference_is_finite(name):
+    """The float64 reference (forward and every gradient) is finite in both gate conventions,
+    and dg is exactly 0 where log g = -inf."""
+    case = get_case(name)
+    x = case.inputs(0)
+    for gate, g in (("log", x["g_log"]), ("linear", np.exp(x["g_log"]))):
+        out = reference.vjp(x["q"], x["k"], x["v"], g, x["beta"], x["initial_state"], x["dy"],
+                            x["dfinal_state"], mask=x["mask"], scale=case.scale, gate=gate)
+        for key, val in out.items():
+            assert np.all(np.isfinite(val)), (gate, key)
+            assert np.linalg.norm(val) > 0, (gate, key)
+        if gate == "log":
+            assert np.all(out["dg"][x["g_log"] == -np.inf] == 0.0)
