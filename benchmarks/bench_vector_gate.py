@@ -33,19 +33,12 @@ cleared, ``mx.reset_peak_memory()``, one fwd+bwd, ``mx.get_peak_memory()``. It i
 the peak (inputs, cotangents and gradients included) and as the peak above what was resident
 before the call.
 
-``--blas-threads`` (default 1) sets ``OPENBLAS_NUM_THREADS`` unless the environment already
-does: on CPU, ``solve_triangular`` is scipy's OpenBLAS ``strsm`` called once per batch element,
-and with OpenBLAS's threads competing with XLA's, a batch of 8 [64x64] solves measured here
-(2 loaded cores) 150-180 ms instead of 0.4 ms with one thread, which would time a thread
-pathology rather than the chunked form (0 leaves the environment alone; MLX's CPU BLAS and
-XLA's own matmuls do not read it).
-
 Ratios are ``baseline / gdngen`` (>= 1: gdngen is faster / smaller); the targets of issue 14
 are printed with whether each was met. Run from the repo root::
 
     python benchmarks/bench_vector_gate.py [--frameworks jax,mlx] [--seq-lens 2048,4096]
         [--heads 4,8] [--dim 128] [--repeats 5] [--baseline-max-T 2048] [--no-settle]
-        [--blas-threads 1] [--skip-check] [--json]
+        [--skip-check] [--json]
 
 Without ``--seq-lens`` JAX runs T=2048,4096 and MLX T=2048.
 """
@@ -55,7 +48,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 
 DEFAULT_SEQ_LENS = {"jax": (2048, 4096), "mlx": (2048,)}
@@ -100,7 +92,7 @@ def textbook_chunked(q, k, v, g, beta, initial_state, *, scale, gate="log", chun
     start) and S0 the state entering it, the deltas ``delta_i = beta_i (v_i - S_{i-1} diag(a_i)
     k_i)`` solve ``(I + diag(beta) A) Delta = diag(beta) (V - (exp(Gamma) * K) S0^T)`` with
     ``A_ij = sum_d k_i[d] k_j[d] exp(Gamma_i[d] - Gamma_j[d])`` for j < i (unit lower triangular:
-    ``solve_triangular``), i.e. ``Delta = U - W S0^T`` (the WY/UT form); then::
+    inverted by fla's naive row recursion), i.e. ``Delta = U - W S0^T`` (the WY/UT form); then::
 
         Y   = scale ((exp(Gamma) * Q) S0^T + A_qk Delta),  A_qk_ij = sum_d q_i k_j exp(G_i - G_j)
         S_C = S0 diag(exp(Gamma_C)) + Delta^T (exp(Gamma_C - Gamma) * K)
@@ -110,7 +102,6 @@ def textbook_chunked(q, k, v, g, beta, initial_state, *, scale, gate="log", chun
     (g = 0, beta = 0: padded steps leave the state unchanged)."""
     import jax
     import jax.numpy as jnp
-    from jax.scipy.linalg import solve_triangular
 
     assert gate == "log"
     f32 = jnp.float32
@@ -132,10 +123,14 @@ def textbook_chunked(q, k, v, g, beta, initial_state, *, scale, gate="log", chun
     decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
     A_kk = jnp.einsum("bhnid,bhnjd,bhnijd->bhnij", k, k, decay)
     A_qk = jnp.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, decay)
-    L = jnp.eye(C, dtype=f32) + beta[..., None] * jnp.tril(A_kk, -1)
-    W = solve_triangular(L, beta[..., None] * jnp.exp(Gamma) * k, lower=True,
-                         unit_diagonal=True)  # [B,H,N,C,Dk]
-    U = solve_triangular(L, beta[..., None] * v, lower=True, unit_diagonal=True)  # [..,C,Dv]
+    # (I + L)^{-1} by fla's naive row recursion (rows of -L, each finished from the ones above;
+    # jax.scipy's batched LAPACK solve hangs XLA:CPU's thread pool at these sizes)
+    A = -beta[..., None] * jnp.tril(A_kk, -1)
+    for i in range(1, C):
+        A = A.at[..., i, :i].add((A[..., i, :, None] * A[..., :, :i]).sum(-2))
+    Tinv = A + jnp.eye(C, dtype=f32)
+    W = Tinv @ (beta[..., None] * jnp.exp(Gamma) * k)  # [B,H,N,C,Dk]
+    U = Tinv @ (beta[..., None] * v)  # [..,C,Dv]
     Qg = jnp.exp(Gamma) * q
     last = Gamma[..., -1:, :]  # [B,H,N,1,Dk]
     Kd = jnp.exp(last - Gamma) * k
@@ -299,14 +294,10 @@ def main(argv=None) -> int:
                         help="skip the per-step baselines (scan, mlx-lm) above this T")
     parser.add_argument("--no-settle", dest="settle", action="store_false",
                         help="no untimed run of a callable right before each of its timed runs")
-    parser.add_argument("--blas-threads", type=int, default=1,
-                        help="OPENBLAS_NUM_THREADS unless already set (0: leave it alone)")
     parser.add_argument("--skip-check", action="store_true",
                         help="do not check the JAX baselines against gdngen.reference")
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args(argv)
-    if ns.blas_threads:  # before jax loads scipy's OpenBLAS (see the module docstring)
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(ns.blas_threads))
     from gdngen.variant import Problem
 
     hk, hv = (int(x) for x in ns.heads.split(","))
@@ -327,15 +318,13 @@ def main(argv=None) -> int:
         rows += run(framework, problem, lens, ns.repeats, ns.baseline_max_T, ns.settle)
     met = targets(rows)
     if ns.json:
-        json.dump({"rows": rows, "targets": met, "reference_check": check,
-                   "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}, sys.stdout,
+        json.dump({"rows": rows, "targets": met, "reference_check": check}, sys.stdout,
                   indent=2)
         return 0
     for name, errors in (check or {}).items():
         worst = max(errors, key=errors.get)
         print(f"{name} baseline vs float64 gdngen.reference (B=1 T=100 Hk=2 Hv=4 D=32): worst "
               f"relative error {errors[worst]:.1e} ({worst}) over y, final state, 6 gradients")
-    print(f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
     print(f"fwd+bwd, per-channel gate, B=1 Hk={hk} Hv={hv} D={ns.dim} float32, median of "
           f"{ns.repeats}{' (settled)' if ns.settle else ''}; [max/min spread]; "
           "ratio = baseline / gdngen")

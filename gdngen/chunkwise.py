@@ -3,8 +3,8 @@
 Every function takes ``xp``, a small array namespace (an `ArrayNamespace`:
 `gdngen.backends.jax_chunkwise.XP`, `gdngen.backends.mlx_chunkwise.XP`) exposing ``exp log
 where concatenate stack swapaxes einsum repeat zeros(shape) eye(n) pad_time(x, pad, value)``
-and the framework-specific ``cumsum(x, axis, reverse) tril_mask(n, k) scan(f, carry, xs,
-reverse)`` (lax.scan semantics).
+and the framework-specific ``cumsum(x, axis, reverse) cumprod(x, axis, reverse) tril_mask(n, k)
+scan(f, carry, xs, reverse)`` (lax.scan semantics).
 Arrays are float32.
 
 Chunk algebra, per value head, chunk of C steps entering with state S0 ``[Dv, Dk]``. Positions
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 class ArrayNamespace:
     """Base of the ``xp`` namespaces: subclasses set ``module`` (jax.numpy, mlx.core) and add
-    ``cumsum``, ``tril_mask`` and ``scan``; the rest maps onto the module's own functions."""
+    ``cumsum``, ``cumprod``, ``tril_mask`` and ``scan``; the rest maps onto the module's own
+    functions."""
 
     module = None
     _SAME_NAME = ("exp", "log", "where", "concatenate", "stack", "swapaxes", "einsum")
@@ -57,6 +58,11 @@ class ArrayNamespace:
         """``arrays`` (a tuple) through a point the compiler may not merge computations across
         (a recomputation in a backward stays there, not fused with the forward's)."""
         return arrays
+
+    @staticmethod
+    def mul_sum(a, b, axis):
+        """``(a * b).sum(axis)`` with numpy broadcasting."""
+        return (a * b).sum(axis=axis)
 
     @classmethod
     def zeros(cls, shape):
@@ -378,7 +384,8 @@ def fold_mask(xp, g, beta, mask, gate):
 
 
 def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
-    """Whole-sequence chunkwise gated delta for scalar gates; float32 arrays, shapes as the API.
+    """Whole-sequence chunkwise gated delta, scalar or per-channel gates
+    (`gdngen.chunkwise_channel.stages`); float32 arrays, shapes as the API.
 
     ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` is `forward` in chunk layout wrapped with
     `backward` as its VJP by the framework. A masked step folds into the gates (log g = 0 /
@@ -395,8 +402,10 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     if pad:
         q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))
         g = xp.pad_time(g, pad, identity_gate)
+    gates = to_chunks(g, N, C, (Hk, r)) if g.ndim == 4 else \
+        to_chunks(g[..., None], N, C, (Hk, r))[..., 0]
     Y, S_final = core(to_chunks(q * scale, N, C, (Hk,)), to_chunks(k, N, C, (Hk,)),
-                      to_chunks(v, N, C, (Hk, r)), to_chunks(g[..., None], N, C, (Hk, r))[..., 0],
+                      to_chunks(v, N, C, (Hk, r)), gates,
                       to_chunks(beta[..., None], N, C, (Hk, r))[..., 0],
                       initial_state.reshape(B, Hk, r, Dv, Dk))
     y = from_chunks(Y, T)

@@ -54,9 +54,9 @@ class Choice:
             return dataclasses.replace(self, kernel_path="chunk kernels")
         origin = "tuned crossover" if self.entry and self.entry.get("crossover") else \
             "untuned default crossover"
-        if vector_gate:
-            text = ("recurrent kernel forward (per-channel gates; the gradient runs the "
-                    "sequential path)")
+        if vector_gate and not registry.get(self.variant.backend).portable:
+            text = ("recurrent kernel forward (per-channel gates: no chunk kernels yet); the "
+                    "gradient runs the portable chunkwise path")
         elif T < below:
             text = (f"recurrent kernel forward, T={T} < recurrent_below={below} ({origin}); "
                     "the gradient runs the chunk kernels")

@@ -214,8 +214,7 @@ def test_vector_gate_bench_smoke(capsys):
         frameworks.append("mlx")
     module = _vector_gate_bench()
     assert module.main(["--frameworks", ",".join(frameworks), "--seq-lens", "16", "--heads",
-                        "1,2", "--dim", "16", "--repeats", "1", "--skip-check", "--blas-threads",
-                        "0", "--json"]) == 0
+                        "1,2", "--dim", "16", "--repeats", "1", "--skip-check", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["framework"]: r for r in out["rows"]}
     assert set(rows) == set(frameworks)

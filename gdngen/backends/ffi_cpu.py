@@ -1,6 +1,6 @@
 """ffi_cpu backend: generated C++ kernels for the chunkwise gated delta rule on the host CPU,
 called from JAX as XLA FFI custom calls (scalar gates; per-channel gates forward only, through
-the recurrent kernel, with the portable sequential path's VJP).
+the recurrent kernel, with the portable chunkwise path's VJP).
 
 The forward and backward are rendered from ``templates/ffi_cpu/gated_delta.cc.j2`` with the
 chunk size and the padded head dims baked in, compiled with the host C++ compiler
@@ -439,11 +439,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     recurrent kernel (`recurrent_forward`), and its VJP is the chunk kernels' (the forward then
     runs the chunk kernels: `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). Per-channel
     (vector) gates: the forward is the recurrent kernel at every T, the VJP the portable
-    sequential path's (`gdngen.backends.jax_chunkwise.sequential_gated_delta`).
+    chunkwise path's (`gdngen.backends.jax_chunkwise.chunkwise_gated_delta`).
 
     ``qk_norm``: q, k are raw. The chunk path's custom VJP normalises them itself and keeps
     only the raw ones (`gdngen.backends.generated.custom_vjp_core`: the kernels save only the
-    chunk states); the recurrent and sequential paths normalise them first."""
+    chunk states); the recurrent and per-channel paths normalise them first."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
@@ -467,8 +467,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     if shape.vector_gate:
         def chunkwise_call(q, k, *arrays):
-            return jax_chunkwise.sequential_gated_delta(*normalized(q, k), *arrays, None,
-                                                        scale=float(scale), gate=gate)
+            return jax_chunkwise.chunkwise_gated_delta(*normalized(q, k), *arrays, None,
+                                                       scale=float(scale), gate=gate,
+                                                       chunk_size=generated.PORTABLE_CHUNK)
     else:
         chunkwise_call = _core(kernels.sha256, gate, float(scale), poison, qk_norm)
     if shape.vector_gate or shape.T < recurrent_below:

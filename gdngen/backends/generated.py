@@ -9,7 +9,12 @@ import linecache
 import types
 
 from gdngen import chunkwise
+from gdngen.backends.portable import VECTOR_CHUNK
 from gdngen.problem import check_call, dtype_name
+
+#: chunk of the portable chunkwise path (its per-channel default) that the generated backends'
+#: per-channel-gate gradients take (no per-channel chunk kernels yet)
+PORTABLE_CHUNK = VECTOR_CHUNK
 
 # ------------------------------------------------------------------------------ checks
 
@@ -198,7 +203,8 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     S0)`` (``problem`` the call's `Problem`)
     (float32, masks folded, the gate made a linear decay: exp(-inf) = 0, an exact reset)
     inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`, whose VJP is the chunk
-    kernels' on the same call (per-channel gates: the portable sequential path's)."""
+    kernels' on the same call (per-channel gates: the portable chunkwise path's, chunk
+    `PORTABLE_CHUNK`)."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
@@ -224,8 +230,9 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
 
     def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
         if shape.vector_gate:
-            return jax_chunkwise.sequential_gated_delta(q, k, v, g, beta, S0, None,
-                                                        scale=float(scale), gate=gate)
+            return jax_chunkwise.chunkwise_gated_delta(q, k, v, g, beta, S0, None,
+                                                       scale=float(scale), gate=gate,
+                                                       chunk_size=PORTABLE_CHUNK)
         y, state = gated_delta(backend, q.astype(dtype), k.astype(dtype), v.astype(dtype), g,
                                beta, S0, mask=None, scale=scale, gate=gate, variant=variant,
                                templates_dir=templates_dir)

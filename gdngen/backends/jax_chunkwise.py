@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdngen import chunkwise
+from gdngen import chunkwise, chunkwise_channel
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = jnp.float32
@@ -32,12 +32,33 @@ class XP(chunkwise.ArrayNamespace):
         return jax.lax.associative_scan(jnp.add, x, reverse=reverse, axis=axis % x.ndim)
 
     @staticmethod
+    def cumprod(x, axis, reverse=False):
+        return jax.lax.associative_scan(jnp.multiply, x, reverse=reverse, axis=axis % x.ndim)
+
+    @staticmethod
     def scan(f, carry, xs, reverse):
         return jax.lax.scan(f, carry, xs, reverse=reverse)
 
     @staticmethod
     def tril_mask(n, k):
         return np.tri(n, n, k, dtype=bool)
+
+    @staticmethod
+    def mul_sum(a, b, axis):
+        # an einsum: XLA:CPU 0.10 crashes at run time on some multiply-then-reduce fusions
+        # whose operand is a dot's output (a reduce over a non-minor axis)
+        # (operands not broadcast: a size-1 axis facing a longer one is squeezed out)
+        nd = max(a.ndim, b.ndim)
+        a, b = (x.reshape((1,) * (nd - x.ndim) + x.shape) for x in (a, b))
+        letters = "abcdefghijklmnopqrstuvwxyz"[:nd]
+
+        def spec(x, other):
+            drop = tuple(i for i in range(nd) if x.shape[i] == 1 < other.shape[i])
+            return x.squeeze(drop), "".join(c for i, c in enumerate(letters) if i not in drop)
+
+        (a, sa), (b, sb) = spec(a, b), spec(b, a)
+        out = "".join(c for i, c in enumerate(letters) if i != axis % nd)
+        return jnp.einsum(f"{sa},{sb}->{out}", a, b)
 
     @staticmethod
     def rsqrt(x):
@@ -68,16 +89,16 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scal
     """
     with FLOAT32_MATMULS:
         qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        Y, S_final, _ = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
-                                          solve_block=solve_block)
+        Y, S_final, _ = chunkwise_channel.stages(gates).forward(XP, qn, kn, v, gates, beta, S0,
+                                                        gate=gate, solve_block=solve_block)
     return Y, S_final
 
 
 def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale):
     with FLOAT32_MATMULS:
         qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        Y, S_final, residuals = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
-                                                  solve_block=solve_block)
+        Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
+            XP, qn, kn, v, gates, beta, S0, gate=gate, solve_block=solve_block)
     return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
 
 
@@ -88,11 +109,12 @@ def _core_bwd(gate, solve_block, save_states, qk_scale, saved, cotangents):
         if qk_scale is not None:  # not merged with the forward's norm: nothing kept for it
             q, k = XP.barrier((q, k))
         qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
+        stages = chunkwise_channel.stages(gates)
         if residuals is None:
-            residuals = chunkwise.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
-                                          solve_block=solve_block)[2]
-        dq, dk, *rest = chunkwise.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
-                                           gate=gate)
+            residuals = stages.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
+                                       solve_block=solve_block)[2]
+        dq, dk, *rest = stages.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
+                                        gate=gate)
         return (*chunkwise.normalized_qk_vjp(XP, q, k, dq, dk, qk_scale), *rest)
 
 

@@ -259,7 +259,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     """`gdngen.render` hook: ``{"common.metal": ..., "<kernel>.metal": ...}`` for the kernels
     this variant launches; each value is ``(template path, context)``. A scalar-gate problem
     runs the chunk kernels and the recurrent kernel (short calls); a vector-gate problem only
-    the recurrent kernel (its backward is the portable sequential path)."""
+    the recurrent kernel (its backward is the portable chunkwise path)."""
     variant = adapt(variant, problem)
     plan = {}
     if problem.gate == "scalar":
@@ -713,13 +713,14 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     backward. T < recurrent_below: the forward is the recurrent kernel (`recurrent_forward`)
     and the VJP the chunk path's (`gdngen.backends.mlx_chunkwise.recurrent_or_chunkwise`).
     Per-channel (vector) gates ``[B,T,Hv,Dk]``: the recurrent kernel's forward at every T, the
-    VJP the portable sequential path's (`gdngen.backends.mlx_chunkwise.sequential_gated_delta`;
-    no chunkwise per-channel kernels yet).
+    VJP the portable chunkwise path's (`gdngen.backends.mlx_chunkwise.chunkwise_gated_delta`,
+    chunk `gdngen.backends.generated.PORTABLE_CHUNK`; no per-channel chunk kernels yet).
     """
     import mlx.core as mx
 
     from gdngen import chunkwise
     from gdngen.backends import mlx_chunkwise
+    from gdngen.backends.generated import PORTABLE_CHUNK
     from gdngen.backends.mlx_chunkwise import XP
 
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
@@ -739,9 +740,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     if shape.vector_gate:
         def chunkwise_call(q, k, v, g, beta, s0):
-            y, state = mlx_chunkwise.sequential_gated_delta(
+            y, state = mlx_chunkwise.chunkwise_gated_delta(
                 q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, None, scale=scale,
-                gate=gate)
+                gate=gate, chunk_size=PORTABLE_CHUNK)
             return y.astype(q.dtype), state
     else:
         core = _core(variant, problem, gate, scale, launcher)

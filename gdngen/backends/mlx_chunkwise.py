@@ -11,7 +11,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from gdngen import chunkwise
+from gdngen import chunkwise, chunkwise_channel
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = mx.float32
@@ -26,6 +26,10 @@ class XP(chunkwise.ArrayNamespace):
     @staticmethod
     def cumsum(x, axis, reverse=False):
         return mx.cumsum(x, axis=axis, reverse=reverse)
+
+    @staticmethod
+    def cumprod(x, axis, reverse=False):
+        return mx.cumprod(x, axis=axis, reverse=reverse)
 
     @staticmethod
     def scan(f, carry, xs, reverse):
@@ -60,20 +64,21 @@ def chunk_core(gate, solve_block, save_states):
 
     @mx.custom_function
     def core(q, k, v, gates, beta, S0):
-        Y, S_final, residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                                  solve_block=solve_block)
+        Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
+            XP, q, k, v, gates, beta, S0, gate=gate, solve_block=solve_block)
         return (Y, S_final, *residuals)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         q, k, v, gates, beta, S0 = primals
+        stages = chunkwise_channel.stages(gates)
         if save_states:
             residuals = tuple(outputs[2:])
         else:
-            residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                          solve_block=solve_block)[2]
+            residuals = stages.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                       solve_block=solve_block)[2]
         dY, dS_final = cotangents[0], cotangents[1]
-        return chunkwise.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
+        return stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
 
     return core
 

@@ -1,7 +1,7 @@
 """What the portable backends (xla, mlx) share: their typed config, space and whole-call body.
 
-Both run `gdngen.chunkwise` through framework ops: scalar gates chunkwise with the hand-derived
-backward, vector gates on a per-step sequential path (which ignores the variant). Their
+Both run `gdngen.chunkwise` (scalar gates) and `gdngen.chunkwise_channel` (per-channel gates)
+through framework ops, chunkwise with the hand-derived backward. Their
 tolerance is the generic one per precision policy (`TOLERANCES`).
 """
 
@@ -28,6 +28,10 @@ TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 #: ``lax.scan`` loses from T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx's loop wins up to
 #: T=64 (144 vs 158 ms) and loses at T=128 (403 vs 370)
 RECURRENT_BELOW = {"xla": 4, "mlx": 128}
+#: default chunk of per-channel-gate problems: measured fwd+bwd at B=1, Hk=4, Hv=8, D=128,
+#: T=2048 on the 2-core host, chunk 32 against 64 (sub-chunks of 8): xla 0.90 vs 1.15 s, mlx
+#: 3.9 vs 5.0 s (the decayed products' pairwise work grows with the chunk)
+VECTOR_CHUNK = 32
 
 @dataclass(frozen=True)
 class PortableConfig(VariantConfig):
@@ -62,7 +66,7 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
                 itertools.product(CHUNK_SIZES, SOLVE_BLOCKS, (True, False)) if b <= c]
 
     def default(problem, device=None):
-        return config_cls()
+        return config_cls(VECTOR_CHUNK) if problem.gate == "vector" else config_cls()
 
     def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
               variant, qk_norm=False):
@@ -74,7 +78,8 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
     spec = BackendSpec(
         name=name, framework=framework, config=config_cls, space=space, default=default,
         entry=entry, tolerances=TOLERANCES, device_kinds=device_kinds, portable=True,
-        gates=("scalar", "vector"), source_modules=("gdngen.chunkwise", __name__, ops),
+        gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
+        source_modules=("gdngen.chunkwise", "gdngen.chunkwise_channel", __name__, ops),
         fused_inputs=fused_inputs)
     return config_cls, entry, spec
 
@@ -82,14 +87,14 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
 def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, config,
                 qk_norm=False):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
-    ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``sequential_gated_delta``,
-    ``recurrent_gated_delta`` and ``recurrent_or_chunkwise``): float32 inputs, zero initial
-    state when None. A call shorter than the config's ``recurrent_below`` (and every vector-gate
-    call) evaluates through the recurrent step loop, differentiated through the chunkwise path
-    (vector gates: the sequential one). ``qk_norm`` (only for a backend declaring it in
-    ``fused_inputs``: xla): q, k are raw; the chunk core normalises them and keeps only the raw
-    ones (`gdngen.chunkwise.normalized_qk`); the recurrent and sequential paths normalise them
-    first. Returns ``(y in q's dtype, final_state)``."""
+    ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``recurrent_gated_delta`` and
+    ``recurrent_or_chunkwise``): float32 inputs, zero initial state when None; scalar or
+    per-channel gates (`gdngen.chunkwise_channel`). A call shorter than the config's
+    ``recurrent_below`` evaluates through the recurrent step loop, differentiated through the
+    chunkwise path. ``qk_norm`` (only for a backend declaring it in ``fused_inputs``: xla): q, k
+    are raw; the chunk core normalises them and keeps only the raw ones
+    (`gdngen.chunkwise.normalized_qk`); the recurrent path normalises them first. Returns
+    ``(y in q's dtype, final_state)``."""
     from gdngen import chunkwise
     from gdngen.problem import check_call
 
@@ -107,14 +112,11 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
 
     fused = {"qk_norm": True} if qk_norm else {}  # only where the spec declares it fused
 
-    def chunkwise_call(q, k, *arrays):  # vector gates: the step loop differentiated by autodiff
-        if shape.vector_gate:
-            return ops.sequential_gated_delta(*normalized(q, k), *arrays, None,
-                                              scale=float(scale), gate=gate)
+    def chunkwise_call(q, k, *arrays):
         return ops.chunkwise_gated_delta(q, k, *arrays, None, scale=float(scale), gate=gate,
                                          **fused, **chunk_params)
 
-    if shape.T >= config.recurrent_below and not shape.vector_gate:
+    if shape.T >= config.recurrent_below:
         y, state = ops.chunkwise_gated_delta(*args, scale=float(scale), gate=gate, **fused,
                                              **chunk_params)
         return y.astype(q.dtype), state

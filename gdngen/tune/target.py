@@ -1,8 +1,9 @@
 """What one study tunes (`Target`), which targets a device has, and which are worth a study.
 
 `skip_reason` names targets not worth a study (the command skips them): those whose execution
-ignores the variant (a gate kind outside the backend's ``tuned_gates``: the portable backends run
-vector gates on a sequential path without tunables) or whose space has a single variant.
+ignores the variant (a gate kind outside the backend's ``tuned_gates``: the generated backends run
+per-channel gates through their recurrent kernel and the portable chunk path's gradient) or whose
+space has a single variant.
 """
 
 from __future__ import annotations
@@ -96,13 +97,13 @@ def tolerance_for(target: Target, variant: Variant) -> float:
 
 def skip_reason(target: Target) -> str | None:
     """Why tuning ``target`` would be pointless (nothing to choose between), or None: a gate
-    kind outside the backend's ``tuned_gates`` runs a path without tunables (the portable
-    backends' sequential vector-gate recurrence), or the space has a single variant."""
+    kind outside the backend's ``tuned_gates`` runs a path without tunables (the generated
+    backends' per-channel gates), or the space has a single variant."""
     from gdngen.registry import get
 
     if target.problem.gate not in get(target.backend).tuned_gates:
-        return (f"{target.backend} runs {target.problem.gate} gates on its sequential path, "
-                "which has no tunables")
+        return (f"{target.backend} runs {target.problem.gate} gates through its recurrent "
+                "kernel and the portable chunk path's gradient, which have no tunables")
     if len(target.space()) < 2:
         return f"{target.backend} has a single variant for {target.problem.key()}"
     return None

@@ -1,0 +1,386 @@
+"""Framework-neutral chunkwise gated delta rule for per-channel gates (Kimi Delta Attention).
+
+The gate ``a_t = exp(b_t)`` is a vector over Dk and decays the state column-wise,
+``S_t = S_{t-1} diag(a_t) + beta_t (v_t - S_{t-1} diag(a_t) k_t) k_t^T``. The chunk algebra is
+`gdngen.chunkwise`'s (same layout, same ``xp`` namespace, same exact triangular inverse) with
+every decay factor a vector: tokens 0..C-1 of a chunk entering with S0, ``d(t, j)`` the decay
+over (j, t] (``exp(sum_{j<m<=t} b_m)``, per channel), ``D0[t] = d(t, start)`` (tokens 0..t),
+``DC[j]`` the decay over (j, C-1] and ``dCC`` over the whole chunk. Then
+
+    M_xy[t, j] = sum_d x_t[d] y_j[d] d(t, j)[d]     (j <= t; "decayed products")
+    A = strict(diag(beta) M_kk),   T = (I + A)^{-1},
+    U = T diag(beta) V,            Wk = T diag(beta) (K * D0),   W = U - Wk S0^T,
+    Y = (Q * D0) S0^T + M_qk W,    S_C = S0 diag(dCC) + W^T (K * DC).
+
+A decayed product is no longer one matmul of bounded factors: ``(X e^G)(Y e^-G)^T`` needs exp
+of a positive number. It is built on sub-chunks of ``sub_chunk`` tokens (`anchored_sums`):
+
+* for t in sub-chunk I and j in an earlier sub-chunk J, ``d(t, j) = exp(F_I[t]) exp(H_IJ)
+  exp(L_J[j])``: ``L_J[j] = sum_{j<m<=end of J} b_m`` (a suffix sum inside J), ``H_IJ`` the
+  sub-chunks strictly between (their totals), ``F_I[t]`` the prefix of I up to t. All three
+  are exps of sums of log gates <= 0, so bounded by 1, and the block is one matmul
+  ``(X_I exp(F_I)) (Y_J exp(L_J) exp(H_IJ))^T``;
+* pairs inside one sub-chunk are formed pairwise, ``exp`` of the segment sum over (j, t] per
+  channel (Mamba-2's ``segsum`` with a trailing Dk axis).
+
+Every exponent is a sum of the gates' own terms, never a difference of cumulative sums, so no
+digits are lost (``ulp(170) = 1.5e-5``) and log g = -inf gives an exact 0.
+
+The backward (`backward`) is hand-derived like the scalar one. The gate cotangent keeps the
+straddle-sum rule per channel: each product's cotangent is turned into the terms
+``P = (cotangent of a decay factor) * (that factor)``, each already carrying the gates it spans,
+and d/db_m is a sum of the P that straddle m (`anchored_sums_adjoint`: the transpose of the
+linear map b -> (R, L, segment sums)). Linear gates (``gate="linear"``) get
+``(d/db) / a`` where a > 0 and, where a channel's gate is exactly 0, the sum of the P of the
+segments in which it is the only zero, evaluated with that zero taken as 1 (the loss is affine
+in each gate), via `zero_gate_factors`.
+"""
+
+from __future__ import annotations
+
+from gdngen import chunkwise
+from gdngen.chunkwise import _T, solve_unit_lower, solve_unit_lower_vjp
+
+#: tokens per sub-chunk of the decayed products (a divisor of the chunk; smaller chunks use
+#: themselves): pairwise work and memory grow with it, the anchored matmuls shrink
+SUB_CHUNK = 8
+
+
+def stages(gates):
+    """The chunk algebra for ``gates`` in chunk layout: `gdngen.chunkwise` for scalar gates
+    ``[N,B,H,r,C]``, this module for per-channel ones ``[N,B,H,r,C,Dk]``; both have
+    ``forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block)`` and ``backward``."""
+    import sys
+
+    return chunkwise if gates.ndim == 5 else sys.modules[__name__]
+
+
+def sub_chunk_size(C: int) -> int:
+    c = min(SUB_CHUNK, C)
+    while C % c:
+        c //= 2
+    return c
+
+
+# --------------------------------------------------------------------------- anchored sums
+
+def _split(x, c):
+    """``[..., C, Dk] -> [..., n, c, Dk]``."""
+    return x.reshape(x.shape[:-2] + (x.shape[-2] // c, c, x.shape[-1]))
+
+
+def _merge(x):
+    """``[..., n, c, Dk] -> [..., C, Dk]``."""
+    return x.reshape(x.shape[:-3] + (x.shape[-3] * x.shape[-2], x.shape[-1]))
+
+
+def _shift_down(xp, x, axis, fill=0.0):
+    """x shifted one step along ``axis`` (a negative axis): out[i] = x[i-1], out[0] = fill."""
+    n = x.shape[axis]
+    head = [slice(None)] * x.ndim
+    head[axis] = slice(0, n - 1)
+    edge = list(x.shape)
+    edge[axis] = 1
+    return xp.concatenate([xp.zeros(tuple(edge)) + fill, x[tuple(head)]], axis=axis)
+
+
+def _shift_up(xp, x, axis, fill=0.0):
+    """out[i] = x[i+1], out[n-1] = fill."""
+    n = x.shape[axis]
+    tail = [slice(None)] * x.ndim
+    tail[axis] = slice(1, n)
+    edge = list(x.shape)
+    edge[axis] = 1
+    return xp.concatenate([x[tuple(tail)], xp.zeros(tuple(edge)) + fill], axis=axis)
+
+
+#: the two ways the segments are accumulated: log gates / zero counts add, linear gates multiply
+SUM, PRODUCT = "sum", "product"
+
+
+def _scan(xp, x, axis, op, reverse=False):
+    return (xp.cumsum if op == SUM else xp.cumprod)(x, axis=axis, reverse=reverse)
+
+
+def anchored_segments(xp, x, c, op=SUM):
+    """Per-token values ``x [..., C, Dk]`` accumulated (``op``: added, or multiplied) over the
+    segments the decayed products use, on sub-chunks of c tokens.
+
+    The segment (j, t] for t in sub-chunk I and j in an earlier J splits into ``F[I, t]`` over
+    (start of I, t] (t included; ``[..., n, c, Dk]``), ``H[I, J]`` the whole sub-chunks strictly
+    between J and I (``[..., nI, nJ, Dk]``, the identity unless I > J) and ``L[J, j]`` over
+    (j, end of J] (``[..., n, c, Dk]``); ``S [..., n, c, c, Dk]``: S[I, t, j] over (j, t] inside
+    sub-chunk I (the identity for t <= j). Each accumulates its own terms only (sub-chunk
+    totals taken whole), never a difference or a ratio: sums of log gates are exact to their own
+    rounding, products of gates in [0, 1] stay bounded, and a zero gate (-inf log gate) gives an
+    exact zero factor.
+    """
+    one = 0.0 if op == SUM else 1.0
+    xs = _split(x, c)
+    F = _scan(xp, xs, -2, op)
+    L = _scan(xp, _shift_up(xp, xs, -2, one), -2, op, reverse=True)
+    n = xs.shape[-3]
+    later = xp.tril_mask(n, -1)[:, :, None]  # I' > J
+    H = _shift_down(xp, _scan(xp, xp.where(later, F[..., :, None, -1, :], one), -3, op), -3,
+                    one)
+    S = _scan(xp, xp.where(xp.tril_mask(c, -1)[:, :, None], xs[..., :, None, :], one), -3, op)
+    return F, H, L, S
+
+
+def anchored_sums_adjoint(xp, dF, dH, dL, dS):
+    """Transpose of the linear map b -> (F, H, L, S) of `anchored_segments` (sums of log
+    gates): ``db [..., C, Dk]``.
+
+    Fed the P terms (cotangent of a factor times the factor), every output is a sum of P
+    terms straddling its position: suffix / prefix sums and whole-block sums, no differences.
+    """
+    n, c = dL.shape[-3], dL.shape[-2]
+    d_terms = xp.cumsum(_shift_up(xp, dH, -3), axis=-3, reverse=True)
+    d_totals = xp.where(xp.tril_mask(n, -1)[:, :, None], d_terms, 0.0).sum(axis=-2)
+    dF = dF + xp.concatenate([xp.zeros(d_totals.shape[:-1] + (c - 1, d_totals.shape[-1])),
+                              d_totals[..., None, :]], axis=-2)
+    dbs = xp.cumsum(dF, axis=-2, reverse=True)
+    dbs = dbs + _shift_down(xp, xp.cumsum(dL, axis=-2), -2)
+    d_pairs = xp.cumsum(dS, axis=-3, reverse=True)  # [.., n, c(m), c(j), Dk]
+    dbs = dbs + xp.where(xp.tril_mask(c, -1)[:, :, None], d_pairs, 0.0).sum(axis=-2)
+    return _merge(dbs)
+
+
+def chunk_segments(xp, x, op=SUM):
+    """``x [..., C, Dk]`` accumulated over the segments of D0 (tokens 0..t), DC ((j, C-1]) and
+    dCC (the whole chunk)."""
+    one = 0.0 if op == SUM else 1.0
+    first = _scan(xp, x, -2, op)
+    return first, _scan(xp, _shift_up(xp, x, -2, one), -2, op, reverse=True), first[..., -1, :]
+
+
+def chunk_sums_adjoint(xp, d0, dc, dcc):
+    """Transpose of `chunk_segments` for sums (fed P terms, like `anchored_sums_adjoint`)."""
+    return (xp.cumsum(d0, axis=-2, reverse=True) + _shift_down(xp, xp.cumsum(dc, axis=-2), -2)
+            + dcc[..., None, :])
+
+
+# --------------------------------------------------------------------------- factors
+
+def gate_factors(xp, a, c):
+    """Decay factors of the linear gates a ``[..., C, Dk]`` (each in [0, 1]): ``(blocks, (D0,
+    DC, dCC))``, products of the gates over each segment (one exp per gate for log gates,
+    never one per factor).
+
+    ``blocks = (terms, ED)``: ``terms`` a list of separable factor triples ``(EF, EH, EL)``
+    (the products F, H, L of `anchored_segments`; EH zero unless I > J), here one; ED the
+    pairwise in-sub-chunk factors (zero above the diagonal)."""
+    F, H, L, S = anchored_segments(xp, a, c, PRODUCT)
+    n = L.shape[-3]
+    EH = xp.where(xp.tril_mask(n, -1)[:, :, None], H, 0.0)
+    ED = xp.where(xp.tril_mask(c, 0)[:, :, None], S, 0.0)
+    return ([(F, EH, L)], ED), chunk_segments(xp, a, PRODUCT)
+
+
+def zero_gate_factors(xp, a, c):
+    """The factors of `gate_factors` for linear gates ``a`` with every exact zero taken as 1,
+    restricted to the segments holding exactly one zero (d/da at a zero gate: the loss is
+    affine in each gate). An anchored segment F + H + L holds its one zero in one of the three
+    parts, so the blocks become three separable terms."""
+    zero = a == 0
+    ones = xp.where(zero, 1.0, a)
+    count = xp.where(zero, 1.0, 0.0)
+    F, H, L, S = anchored_segments(xp, ones, c, PRODUCT)
+    cF, cH, cL, cS = anchored_segments(xp, count, c)
+    n = L.shape[-3]
+    H = xp.where(xp.tril_mask(n, -1)[:, :, None], H, 0.0)
+
+    def only(e, c_, k):
+        return xp.where(c_ == k, e, 0.0)
+
+    terms = [(only(F, cF, 0), only(H, cH, 0), only(L, cL, 1)),
+             (only(F, cF, 0), only(H, cH, 1), only(L, cL, 0)),
+             (only(F, cF, 1), only(H, cH, 0), only(L, cL, 0))]
+    ED = xp.where(xp.tril_mask(c, 0)[:, :, None], only(S, cS, 1), 0.0)
+    vectors = tuple(only(e, n_, 1) for e, n_ in
+                    zip(chunk_segments(xp, ones, PRODUCT), chunk_segments(xp, count)))
+    return (terms, ED), vectors
+
+
+# --------------------------------------------------------------------------- decayed products
+
+def _blocks_to_matrix(x):
+    """``[..., nI, nJ, c, c] -> [..., C, C]``."""
+    n, c = x.shape[-3], x.shape[-1]
+    x = x.swapaxes(-3, -2)  # [.., nI, c(t), nJ, c(j)]
+    return x.reshape(x.shape[:-4] + (n * c, n * c))
+
+
+def _matrix_to_blocks(x, c):
+    n = x.shape[-1] // c
+    x = x.reshape(x.shape[:-2] + (n, c, n, c))
+    return x.swapaxes(-3, -2)
+
+
+def decayed_products(xp, x, y, blocks):
+    """``M [..., r, C, C]``, M[t, j] = sum_d x_t[d] y_j[d] d(t, j)[d] for j <= t (0 above).
+
+    ``x``, ``y``: key-head ``[..., C, Dk]`` (shared by the r value heads); ``blocks``: the
+    ``(terms, ED)`` of `gate_factors` (per value head, ``[..., r, ...]``). Block (I, J < I)
+    is ``(X_I EF_I) ((Y_J EL_J) EH_IJ)^T``, one matmul."""
+    terms, ED = blocks
+    c = ED.shape[-2]
+    n = ED.shape[-4]
+    xs, ys = _split(x, c)[..., None, :, :, :], _split(y, c)[..., None, :, :, :]
+    M = 0.0
+    for EF, EH, EL in terms:
+        YLH = (ys * EL)[..., None, :, :, :] * EH[..., :, :, None, :]  # [.., r, nI, nJ, c, Dk]
+        M = M + xp.einsum("...Itd,...IJjd->...IJtj", xs * EF, YLH)
+    diag = xp.mul_sum(xs[..., :, None, :] * ED, ys[..., None, :, :], -1)  # [.., r, n, c, c]
+    M = M + xp.where(xp.eye(n)[:, :, None, None] > 0, diag[..., :, None, :, :], 0.0)
+    return _blocks_to_matrix(M)
+
+
+def decayed_products_vjp(xp, x, y, blocks, dM, *, inputs=True):
+    """Cotangents of `decayed_products` from ``dM [..., r, C, C]`` (read on and below the
+    diagonal): ``(dx, dy, db)`` with dx, dy per value head ``[..., r, C, Dk]`` (the caller sums
+    over r) and db ``[..., r, C, Dk]`` the log-gate cotangent (straddle sums of the P terms).
+    ``inputs=False``: only db (dx, dy None)."""
+    terms, ED = blocks
+    c = ED.shape[-2]
+    n = ED.shape[-4]
+    xs, ys = _split(x, c)[..., None, :, :, :], _split(y, c)[..., None, :, :, :]
+    dMb = _matrix_to_blocks(dM, c)  # [.., r, nI, nJ, c, c]
+    dx = dy = P_F = P_H = P_L = 0.0
+    for EF, EH, EL in terms:
+        XF = xs * EF
+        YLH = (ys * EL)[..., None, :, :, :] * EH[..., :, :, None, :]
+        dXF = xp.einsum("...IJtj,...IJjd->...Itd", dMb, YLH)
+        dYLH = xp.einsum("...IJtj,...Itd->...IJjd", dMb, XF)
+        P_F = P_F + dXF * XF
+        P_H = P_H + xp.mul_sum(dYLH, YLH, -2)
+        P_L = P_L + xp.mul_sum(dYLH, YLH, -4)
+        if inputs:
+            dx = dx + dXF * EF
+            dy = dy + xp.mul_sum(dYLH, EH[..., :, :, None, :], -4) * EL
+    dMd = xp.where(xp.eye(n)[:, :, None, None] > 0, dMb, 0.0).sum(axis=-3)  # [.., r, n, c, c]
+    dMD = xp.where(xp.tril_mask(c, 0), dMd, 0.0)[..., None] * ED
+    db = anchored_sums_adjoint(xp, P_F, P_H, P_L,
+                               dMD * (xs[..., :, None, :] * ys[..., None, :, :]))
+    if not inputs:
+        return None, None, db
+    dx = dx + xp.mul_sum(dMD, ys[..., None, :, :], -2)
+    dy = dy + xp.mul_sum(dMD, xs[..., :, None, :], -3)
+    return _merge(dx), _merge(dy), db
+
+
+# --------------------------------------------------------------------------- chunk stages
+# Layout as `gdngen.chunkwise`: q, k [N, B, H, C, Dk] (q times scale); v [N, B, H, r, C, Dv];
+# gates [N, B, H, r, C, Dk]; beta [N, B, H, r, C]; states [B, H, r, Dv, Dk].
+
+
+def _factors(xp, gates, gate, C):
+    """`gate_factors` of log or linear gates (exp of a log gate <= 0: exact 0 at -inf)."""
+    return gate_factors(xp, xp.exp(gates) if gate == "log" else gates, sub_chunk_size(C))
+
+
+def _wy(xp, k, v, beta, blocks, D0, solve_block):
+    """T = (I + strict(beta M_kk))^{-1}, U = T diag(beta) V, Wk = T diag(beta) (K * D0), and
+    the decayed key products M_kk [.., r, C, C]."""
+    C = k.shape[-2]
+    Mkk = decayed_products(xp, k, k, blocks)
+    A = xp.where(xp.tril_mask(C, -1), beta[..., :, None] * Mkk, 0.0)
+    Tinv = solve_unit_lower(xp, xp.eye(C) + A, solve_block)
+    U = Tinv @ (beta[..., None] * v)
+    Wk = Tinv @ (beta[..., None] * (k[..., None, :, :] * D0))
+    return Tinv, U, Wk, Mkk
+
+
+def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
+    """Chunkwise forward for per-channel gates; returns ``(Y, S_final, residuals)`` as
+    `gdngen.chunkwise.forward` does, the residuals ``(S_in, W, Tinv, Wk, Pm, Mkk)`` adding the
+    decayed products ``M_qk``, ``M_kk`` [N,B,H,r,C,C] (C/Dk of the keys' size; the backward
+    would otherwise rebuild them from the factors)."""
+    ein = xp.einsum
+    C = k.shape[-2]
+    blocks, (D0, DC, dCC) = _factors(xp, gates, gate, C)
+    Tinv, U, Wk, Mkk = _wy(xp, k, v, beta, blocks, D0, solve_block)
+    Qd = q[..., None, :, :] * D0  # [.., r, C, Dk]
+    Kc = k[..., None, :, :] * DC
+    Pm = decayed_products(xp, q, k, blocks)
+
+    def step(S, xs):
+        U_n, Wk_n, Kc_n, Qd_n, Pm_n, dCC_n = xs
+        W = U_n - ein("...rck,...rvk->...rcv", Wk_n, S)
+        Y = ein("...rck,...rvk->...rcv", Qd_n, S) + Pm_n @ W
+        return S * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", W, Kc_n), (Y, S, W)
+
+    S_final, (Y, S_in, W) = xp.scan(step, S0, (U, Wk, Kc, Qd, Pm, dCC), False)
+    return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
+
+
+def _sum_heads(x):
+    """``[..., r, A, B] -> [..., A, B]`` (the r value heads of a key head)."""
+    return x.sum(axis=-3)
+
+
+def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
+    """Hand-derived VJP of `forward`: ``(dq, dk, dv, dgates, dbeta, dS0)``.
+
+    The chunk walk in reverse is the scalar one's with per-channel decays (dW = Pm^T dY +
+    Kc dS_out^T, dS_in = dS_out diag(dCC) + dY^T (Q*D0) - dW^T Wk); the cotangents of the decay
+    factors then go through the straddle-sum adjoints, and for linear gates through the
+    exact-zero rule (module docstring).
+    """
+    ein = xp.einsum
+    C = k.shape[-2]
+    S_in, W, Tinv, Wk, Pm, Mkk = residuals
+    blocks, (D0, DC, dCC) = _factors(xp, gates, gate, C)
+    Qd = q[..., None, :, :] * D0
+    Kc = k[..., None, :, :] * DC
+    G = _T(Pm) @ dY
+
+    def step(dS_out, xs):
+        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, Qd_n, dCC_n = xs
+        dW = G_n + ein("...rck,...rvk->...rcv", Kc_n, dS_out)
+        dS_in = (dS_out * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", dY_n, Qd_n)
+                 - ein("...rcv,...rck->...rvk", dW, Wk_n))
+        return dS_in, (dW, -ein("...rcv,...rvk->...rck", dW, S_n),
+                       ein("...rcv,...rvk->...rck", dY_n, S_n),
+                       ein("...rcv,...rvk->...rck", W_n, dS_out), (dS_out * S_n).sum(axis=-2))
+
+    dS0, (dW, dWk, dQd, dKc, ddCC) = xp.scan(
+        step, dS_final, (G, Kc, Wk, W, S_in, dY, Qd, dCC), True)
+
+    qr, kr = q[..., None, :, :], k[..., None, :, :]
+    # Y = Qd S^T + Pm W ;  S_out = S_in diag(dCC) + W^T Kc
+    dq = _sum_heads(dQd * D0)
+    dD0 = dQd * qr
+    dk = _sum_heads(dKc * DC)
+    dDC = dKc * kr
+    dPm = dY @ _T(W)
+    # W = U - Wk S^T ;  U = T (beta V) ;  Wk = T (beta K D0)
+    KD0 = kr * D0
+    dTinv = dW @ _T(beta[..., None] * v) + dWk @ _T(beta[..., None] * KD0)
+    dbv = _T(Tinv) @ dW
+    dbk = _T(Tinv) @ dWk  # cotangent of beta * (K * D0)
+    dv = beta[..., None] * dbv
+    dbeta = ein("...cv,...cv->...c", dbv, v) + ein("...ck,...ck->...c", dbk, KD0)
+    dk = dk + _sum_heads(beta[..., None] * dbk * D0)
+    dD0 = dD0 + beta[..., None] * dbk * kr
+    # A = strict(beta M_kk) ;  d(L^{-1}) = -L^{-1} dL L^{-1}
+    dA = solve_unit_lower_vjp(xp, Tinv, dTinv)
+    dbeta = dbeta + ein("...cd,...cd->...c", dA, Mkk)
+    dMkk = beta[..., :, None] * dA
+    dq_p, dk_p, db = decayed_products_vjp(xp, q, k, blocks, dPm)
+    dk_a, dk_b, db_a = decayed_products_vjp(xp, k, k, blocks, dMkk)
+    dq = dq + _sum_heads(dq_p)
+    dk = dk + _sum_heads(dk_p + dk_a + dk_b)
+    vector_terms = (dD0, dDC, ddCC)
+    db = db + db_a + chunk_sums_adjoint(
+        xp, *(dX * X for dX, X in zip(vector_terms, (D0, DC, dCC))))
+    if gate == "log":
+        return dq, dk, dv, db, dbeta, dS0
+    # linear gates: d/da = (d/db) / a, and the exact-zero rule where a == 0
+    zero_blocks, zero_vectors = zero_gate_factors(xp, gates, sub_chunk_size(C))
+    d_zero = (decayed_products_vjp(xp, q, k, zero_blocks, dPm, inputs=False)[2]
+              + decayed_products_vjp(xp, k, k, zero_blocks, dMkk, inputs=False)[2]
+              + chunk_sums_adjoint(xp, *(dX * X for dX, X in zip(vector_terms, zero_vectors))))
+    zero = gates == 0
+    dgates = xp.where(zero, d_zero, db / xp.where(zero, 1.0, gates))
+    return dq, dk, dv, dgates, dbeta, dS0
