@@ -1,18 +1,28 @@
-"""One mlx-lm training step of a small Qwen3.5-style model, with and without gdngen's patch.
+"""One mlx-lm training step of a small Qwen3.5- or Kimi Linear-style model, with and without
+gdngen's patch.
 
-The model has Qwen3.5's layout in miniature: by default 3 layers, every 3rd one full attention
-(``--layers``, ``--interval``: mlx-lm's ``full_attention_interval``), the others GatedDeltaNet. A
-step is forward + backward + AdamW update of every parameter, through mlx-lm's own
-``default_loss`` and model code, random weights and tokens (no downloads). Without the patch the
-GatedDeltaNet layers run mlx-lm's per-token ``gated_delta_ops`` loop; with it, gdngen's chunkwise
-path. Reports the median step time and the peak memory (``mx.get_peak_memory``) per length.
-Run from the repo root: ``python benchmarks/bench_mlx_lm_training.py [--seq-lens 512,1024]
+``--model qwen3_5`` (the default) has Qwen3.5's layout in miniature: by default 3 layers, every
+3rd one full attention (``--layers``, ``--interval``: mlx-lm's ``full_attention_interval``), the
+others GatedDeltaNet (per-head gate ``a [B,T,Hv]``; ``--hk``, ``--hv``, ``--dk``, ``--dv``,
+default 2, 4, 64, 64). ``--model kimi_linear`` builds mlx-lm's ``kimi_linear`` model the same
+way: every ``--interval``-th layer MLA attention, the others Kimi Delta Attention (per-channel
+gate ``a [B,T,Hv,Dk]``, ``A_log [Hv,1]``, ``dt_bias [Hv,Dk]``; Hk = Hv = ``--hv`` heads of Dk =
+Dv = ``--dk``, default 4 heads of 128 like the real model's head_dim; A_log and dt_bias random,
+as mlx-lm leaves dt_bias at 0), dense MLPs. Both float32. A step is forward + backward + AdamW
+update of every parameter, through mlx-lm's own ``default_loss`` and model code, random weights
+and tokens (no downloads). Without the patch the linear-attention layers run mlx-lm's per-token
+``gated_delta_ops`` loop; with it, gdngen's chunkwise path (``--chunk-size``: 64 for qwen3_5,
+gdngen's per-channel default 32 for kimi_linear); the warm-up step checks that every such layer
+called gdngen in that mode and none did without it. Reports the median step time and the peak
+memory (``mx.get_peak_memory``) per length. Run from the repo root: ``python
+benchmarks/bench_mlx_lm_training.py [--model qwen3_5|kimi_linear] [--seq-lens 512,1024]
 [--repeats 3] [--compile] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -25,12 +35,20 @@ import mlx.optimizers as optim
 import mlx_lm
 from mlx import nn
 from mlx_lm.models import gated_delta as mlx_gated_delta
-from mlx_lm.models import qwen3_5
+from mlx_lm.models import kimi_linear, qwen3_5
 from mlx_lm.tuner.trainer import default_loss
 
+from gdngen import mlx as gdngen_mlx
+from gdngen.backends.portable import VECTOR_CHUNK
 from gdngen.integrations import mlx_lm as integration
 
 MODES = ("mlx-lm", "gdngen")
+MODELS = ("qwen3_5", "kimi_linear")
+LINEAR_LAYER = {"qwen3_5": "GatedDeltaNet", "kimi_linear": "KDA"}
+#: per-model defaults of the head options and the chunk (KDA: hk = hv, dv = dk; its chunk is
+#: gdngen's default for per-channel gates)
+MODEL_DEFAULTS = {"qwen3_5": {"hk": 2, "hv": 4, "dk": 64, "dv": 64, "chunk_size": 64},
+                  "kimi_linear": {"hv": 4, "dk": 128, "chunk_size": VECTOR_CHUNK}}
 
 
 def build_model(*, hidden, layers, interval, hk, hv, dk, dv, vocab, seed=0):
@@ -45,6 +63,50 @@ def build_model(*, hidden, layers, interval, hk, hv, dk, dv, vocab, seed=0):
     mx.eval(model.parameters())
     model.train()
     return model
+
+
+def build_kimi_linear(*, hidden, layers, interval, heads, head_dim, vocab, seed=0):
+    """mlx-lm's Kimi Linear; every ``interval``-th layer MLA, the rest KDA (``heads`` heads of
+    ``head_dim``), dense MLPs. A_log and dt_bias random (as tests/test_mlx_lm_kda.py: mlx-lm
+    leaves dt_bias at 0), so the gate varies per channel."""
+    if layers < interval:
+        raise ValueError(f"kimi_linear needs an MLA layer: --layers {layers} < --interval "
+                         f"{interval}")
+    mx.random.seed(seed)
+    args = kimi_linear.ModelArgs(
+        model_type="kimi_linear", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=2 * hidden,
+        head_dim=hidden // 4, rope_theta=10000.0, rms_norm_eps=1e-5, model_max_length=1 << 16,
+        num_experts=0, moe_intermediate_size=hidden, kv_lora_rank=hidden // 2,
+        qk_nope_head_dim=hidden // 4, qk_rope_head_dim=hidden // 8, v_head_dim=hidden // 4,
+        linear_attn_config={"num_heads": heads, "head_dim": head_dim, "short_conv_kernel_size": 4,
+                            "kda_layers": [i for i in range(1, layers + 1) if i % interval]})
+    model = kimi_linear.Model(args)
+    keys = iter(mx.random.split(mx.random.key(100 + seed), 2 * layers))
+    for layer in model.layers:
+        if layer.is_linear:
+            kda = layer.self_attn
+            kda.A_log = mx.random.uniform(-1.0, 1.5, kda.A_log.shape, key=next(keys))
+            kda.dt_bias = mx.random.normal(kda.dt_bias.shape, key=next(keys))
+    mx.eval(model.parameters())
+    model.train()
+    return model
+
+
+@contextlib.contextmanager
+def counting_gdngen_calls():
+    """Counts the calls of ``gdngen.mlx.gated_delta`` (where the patch routes) in the block."""
+    real, count = gdngen_mlx.gated_delta, [0]
+
+    def spy(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    gdngen_mlx.gated_delta = spy
+    try:
+        yield count
+    finally:
+        gdngen_mlx.gated_delta = real
 
 
 def make_step(model, optimizer, compile_step):
@@ -67,9 +129,15 @@ class Trainer:
 
     def __init__(self, mode, T, args):
         self.mode, self.chunk_size = mode, args.chunk_size
-        self.model = build_model(hidden=args.hidden, layers=args.layers, interval=args.interval,
-                                 hk=args.hk, hv=args.hv, dk=args.dk, dv=args.dv,
-                                 vocab=args.vocab)
+        if args.model == "kimi_linear":
+            self.model = build_kimi_linear(hidden=args.hidden, layers=args.layers,
+                                           interval=args.interval, heads=args.hv,
+                                           head_dim=args.dk, vocab=args.vocab)
+        else:
+            self.model = build_model(hidden=args.hidden, layers=args.layers,
+                                     interval=args.interval, hk=args.hk, hv=args.hv, dk=args.dk,
+                                     dv=args.dv, vocab=args.vocab)
+        self.linear_layers = sum(layer.is_linear for layer in self.model.layers)
         self.optimizer = optim.AdamW(learning_rate=1e-4)
         self.batch = mx.random.randint(0, args.vocab, (args.batch, T + 1), key=mx.random.key(1))
         self.lengths = mx.array([[0, T]] * args.batch)
@@ -91,9 +159,18 @@ class Trainer:
 
 def measure(T, args):
     """Per mode: median step seconds and peak bytes at length T, after one warm-up (and compile)
-    step. The modes' steps alternate, so load from other processes hits both alike."""
+    step. The modes' steps alternate, so load from other processes hits both alike. The warm-up
+    step checks the route: every linear-attention layer calls gdngen with the patch, none
+    without it (counted while tracing with ``--compile``)."""
     trainers = {mode: Trainer(mode, T, args) for mode in MODES}
-    first = {mode: trainer.run()[0] for mode, trainer in trainers.items()}
+    first = {}
+    for mode, trainer in trainers.items():
+        with counting_gdngen_calls() as calls:
+            first[mode] = trainer.run()[0]
+        expected = trainer.linear_layers if mode == "gdngen" else 0
+        if calls[0] != expected:
+            raise RuntimeError(f"{mode} step: {calls[0]} gdngen calls, expected {expected} "
+                               f"(one per {LINEAR_LAYER[args.model]} layer with the patch)")
     samples = {mode: [] for mode in MODES}
     for _ in range(args.repeats):
         for mode, trainer in trainers.items():
@@ -106,14 +183,21 @@ def measure(T, args):
 
 def measure_op(T, args):
     """Median seconds of forward + backward of one ``gated_delta_update`` call at the model's
-    GatedDeltaNet shapes: what the patch replaces, without the rest of the step."""
+    linear-attention shapes (KDA: per-channel a, A_log [Hv,1], dt_bias [Hv,Dk] random): what the
+    patch replaces, without the rest of the step."""
     B, f32 = args.batch, mx.float32
-    keys = iter(mx.random.split(mx.random.key(2), 6))
+    keys = iter(mx.random.split(mx.random.key(2), 8))
     q, k = (mx.random.normal((B, T, args.hk, args.dk), key=next(keys)) * args.dk**-0.5
             for _ in range(2))
     v = mx.random.normal((B, T, args.hv, args.dv), key=next(keys))
-    a, b = (mx.random.normal((B, T, args.hv), key=next(keys)) for _ in range(2))
-    A_log, dt_bias = mx.zeros(args.hv, f32), mx.ones(args.hv, f32)
+    b = mx.random.normal((B, T, args.hv), key=next(keys))
+    if args.model == "kimi_linear":
+        a = mx.random.normal((B, T, args.hv, args.dk), key=next(keys))
+        A_log = mx.random.uniform(-1.0, 1.5, (args.hv, 1), key=next(keys))
+        dt_bias = mx.random.normal((args.hv, args.dk), key=next(keys))
+    else:
+        a = mx.random.normal((B, T, args.hv), key=next(keys))
+        A_log, dt_bias = mx.zeros(args.hv, f32), mx.ones(args.hv, f32)
     updates = {"mlx-lm": mlx_gated_delta.gated_delta_update,
                "gdngen": partial(integration.gdngen_gated_delta_update,
                                  chunk_size=args.chunk_size)}
@@ -149,8 +233,8 @@ def run(args):
 
 def print_table(rows, args):
     print(f"mlx-lm {mlx_lm.__version__}, mlx {mx.__version__}, device {mx.default_device()}, "
-          f"{platform.machine()}; hidden {args.hidden}, {args.layers} layers "
-          f"({args.layers - args.layers // args.interval} GatedDeltaNet), "
+          f"{platform.machine()}; {args.model}, hidden {args.hidden}, {args.layers} layers "
+          f"({args.layers - args.layers // args.interval} {LINEAR_LAYER[args.model]}), "
           f"Hk={args.hk} Hv={args.hv} Dk={args.dk} Dv={args.dv}, B={args.batch}, "
           f"chunk {args.chunk_size}, {'compiled' if args.compile else 'eager'} step, "
           f"median of {args.repeats}")
@@ -173,16 +257,25 @@ def print_table(rows, args):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=MODELS, default="qwen3_5",
+                   help="the mlx-lm model: qwen3_5 (GatedDeltaNet) or kimi_linear (KDA)")
     p.add_argument("--seq-lens", default="512,1024,2048")
     for name, default in (("batch", 1), ("hidden", 256), ("layers", 3), ("interval", 3),
-                          ("hk", 2), ("hv", 4),
-                          ("dk", 64), ("dv", 64), ("vocab", 1024), ("chunk_size", 64),
+                          ("hk", None), ("hv", None),
+                          ("dk", None), ("dv", None), ("vocab", 1024), ("chunk_size", None),
                           ("repeats", 3)):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
     p.add_argument("--compile", action="store_true",
                    help="mx.compile the step like mlx_lm.tuner.trainer (slow to trace unpatched)")
     p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
     args = p.parse_args(argv)
+    for name, default in MODEL_DEFAULTS[args.model].items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.model == "kimi_linear":  # KDA: --hv heads of --dk for q, k and v
+        for name, same in (("hk", "hv"), ("dv", "dk")):
+            if getattr(args, name) not in (None, getattr(args, same)):
+                p.error(f"kimi_linear's KDA has {name} = {same}; give --{same} only")
+            setattr(args, name, getattr(args, same))
     args.seq_lens = tuple(int(t) for t in args.seq_lens.split(","))
     rows = run(args)
     if args.json:
