@@ -20,7 +20,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``gate="log"``: g is log-decay (<= 0, -inf = full reset); ``"linear"``: g in [0, 1].
     Recurrence ``S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T``,
     ``y_t = scale * S_t q_t``. y has q's dtype; final_state is float32; accumulation is float32.
-    Scalar gates run chunkwise (`chunk_size` steps per chunk); vector gates run sequentially.
+    Scalar and vector gates run chunkwise (`chunk_size` steps per chunk).
 
     ``variant`` (a `gdngen.Variant`) runs exactly that variant; without it the tuned variant for
     this device and shape class runs, else the default variant of the device's generated

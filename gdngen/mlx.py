@@ -16,7 +16,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     Same contract as `gdngen.jax.gated_delta`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g
     ``[B,T,Hv]`` or ``[B,T,Hv,Dk]``; beta ``[B,T,Hv]``; initial_state ``[B,Hv,Dv,Dk]`` or None;
     mask ``[B,T]`` bool or None; ``gate`` "log" or "linear". y has q's dtype, final_state is
-    float32, accumulation float32. Scalar gates run chunkwise, vector gates sequentially.
+    float32, accumulation float32. Scalar and vector gates run chunkwise.
 
     ``variant`` (a `gdngen.Variant`) runs exactly that variant; without it the tuned variant for
     this device and shape class runs, else the default variant of the device's generated

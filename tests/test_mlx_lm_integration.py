@@ -27,7 +27,6 @@ from mlx_lm.tuner.callbacks import TrainingCallback
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, train
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-import gdngen.mlx
 from gdngen.integrations import mlx_lm as integration
 
 ORIGINAL = mlx_gated_delta.gated_delta_update
@@ -123,25 +122,6 @@ def worst_relative_error(ref: dict, got: dict):
 
 def linear_attention_layers(model):
     return [layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn")]
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts calls of gdngen.mlx.gated_delta and of mlx-lm's per-token gated_delta_ops."""
-    counts = {"gdngen": 0, "ops": 0}
-    real_gdngen, real_ops = gdngen.mlx.gated_delta, mlx_gated_delta.gated_delta_ops
-
-    def gdngen_spy(*args, **kwargs):
-        counts["gdngen"] += 1
-        return real_gdngen(*args, **kwargs)
-
-    def ops_spy(*args, **kwargs):
-        counts["ops"] += 1
-        return real_ops(*args, **kwargs)
-
-    monkeypatch.setattr(gdngen.mlx, "gated_delta", gdngen_spy)
-    monkeypatch.setattr(mlx_gated_delta, "gated_delta_ops", ops_spy)
-    return counts
 
 
 # --------------------------------------------------------------------------- patch mechanics

@@ -30,7 +30,6 @@ from test_mlx_lm_integration import (
     worst_relative_error,
 )
 
-import gdngen.mlx
 from gdngen.integrations import mlx_lm as integration
 
 ORIGINAL = mlx_gated_delta.gated_delta_update
@@ -42,25 +41,6 @@ CHUNK = 16
 def always_unpatch():
     yield
     integration.unpatch()
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts calls of gdngen.mlx.gated_delta and of mlx-lm's per-token gated_delta_ops."""
-    counts = {"gdngen": 0, "ops": 0}
-    real_gdngen, real_ops = gdngen.mlx.gated_delta, mlx_gated_delta.gated_delta_ops
-
-    def gdngen_spy(*args, **kwargs):
-        counts["gdngen"] += 1
-        return real_gdngen(*args, **kwargs)
-
-    def ops_spy(*args, **kwargs):
-        counts["ops"] += 1
-        return real_ops(*args, **kwargs)
-
-    monkeypatch.setattr(gdngen.mlx, "gated_delta", gdngen_spy)
-    monkeypatch.setattr(mlx_gated_delta, "gated_delta_ops", ops_spy)
-    return counts
 
 
 # --------------------------------------------------------------------------- tiny models

@@ -1,0 +1,29 @@
+"""Fixtures shared by several test files."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts calls of gdngen.mlx.gated_delta and of mlx-lm's per-token gated_delta_ops (the
+    mlx-lm integration tests: which path a patched model took)."""
+    from mlx_lm.models import gated_delta as mlx_gated_delta
+
+    import gdngen.mlx
+
+    counts = {"gdngen": 0, "ops": 0}
+    real_gdngen, real_ops = gdngen.mlx.gated_delta, mlx_gated_delta.gated_delta_ops
+
+    def gdngen_spy(*args, **kwargs):
+        counts["gdngen"] += 1
+        return real_gdngen(*args, **kwargs)
+
+    def ops_spy(*args, **kwargs):
+        counts["ops"] += 1
+        return real_ops(*args, **kwargs)
+
+    monkeypatch.setattr(gdngen.mlx, "gated_delta", gdngen_spy)
+    monkeypatch.setattr(mlx_gated_delta, "gated_delta_ops", ops_spy)
+    return counts
