@@ -13,24 +13,24 @@ over (j, t] (``exp(sum_{j<m<=t} b_m)``, per channel), ``D0[t] = d(t, start)`` (t
     Y = (Q * D0) S0^T + M_qk W,    S_C = S0 diag(dCC) + W^T (K * DC).
 
 A decayed product is no longer one matmul of bounded factors: ``(X e^G)(Y e^-G)^T`` needs exp
-of a positive number. It is built on sub-chunks of ``sub_chunk`` tokens (`anchored_sums`):
+of a positive number. It is built on sub-chunks of `SUB_CHUNK` tokens (`anchored_segments`):
 
-* for t in sub-chunk I and j in an earlier sub-chunk J, ``d(t, j) = exp(F_I[t]) exp(H_IJ)
-  exp(L_J[j])``: ``L_J[j] = sum_{j<m<=end of J} b_m`` (a suffix sum inside J), ``H_IJ`` the
-  sub-chunks strictly between (their totals), ``F_I[t]`` the prefix of I up to t. All three
-  are exps of sums of log gates <= 0, so bounded by 1, and the block is one matmul
-  ``(X_I exp(F_I)) (Y_J exp(L_J) exp(H_IJ))^T``;
-* pairs inside one sub-chunk are formed pairwise, ``exp`` of the segment sum over (j, t] per
-  channel (Mamba-2's ``segsum`` with a trailing Dk axis).
+* for t in sub-chunk I and j in an earlier sub-chunk J, ``d(t, j) = F_I[t] H_IJ L_J[j]``: the
+  products of the gates over (start of I, t], over the sub-chunks strictly between (their
+  totals) and over (j, end of J]. All three are products of gates in [0, 1], so bounded by 1,
+  and the block is one matmul ``(X_I F_I) (Y_J L_J H_IJ)^T``;
+* pairs inside one sub-chunk are formed pairwise: the products over (j, t] per channel (a
+  masked cumulative product, the multiplicative form of Mamba-2's ``segsum``).
 
-Every exponent is a sum of the gates' own terms, never a difference of cumulative sums, so no
-digits are lost (``ulp(170) = 1.5e-5``) and log g = -inf gives an exact 0.
+Every factor is a product of its own gates (one exp per log gate, never one per factor), never
+a ratio or a difference of cumulative sums, so no digits are lost (``ulp(170) = 1.5e-5``) and
+log g = -inf gives an exact 0.
 
 The backward (`backward`) is hand-derived like the scalar one. The gate cotangent keeps the
 straddle-sum rule per channel: each product's cotangent is turned into the terms
 ``P = (cotangent of a decay factor) * (that factor)``, each already carrying the gates it spans,
 and d/db_m is a sum of the P that straddle m (`anchored_sums_adjoint`: the transpose of the
-linear map b -> (R, L, segment sums)). Linear gates (``gate="linear"``) get
+linear map b -> (F, H, L, pairwise sums)). Linear gates (``gate="linear"``) get
 ``(d/db) / a`` where a > 0 and, where a channel's gate is exactly 0, the sum of the P of the
 segments in which it is the only zero, evaluated with that zero taken as 1 (the loss is affine
 in each gate), via `zero_gate_factors`.
