@@ -449,7 +449,7 @@ def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate):
 
 
 def sequential_gated_delta(xp, q, k, v, g, beta, initial_state, mask, *, scale, gate):
-    """The recurrence one step at a time in float32 (vector gates; benchmark baseline).
+    """The recurrence one step at a time in float32 (the benchmark baseline).
 
     Shapes as the API; differentiated by the framework's autodiff through ``xp.scan``, so the
     backward keeps one state per step.

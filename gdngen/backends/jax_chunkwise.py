@@ -1,9 +1,9 @@
 """XLA backend: the portable chunkwise gated delta rule in jax.numpy (any JAX device).
 
-Scalar gates (and masks) take the chunkwise path of `gdngen.chunkwise`, whose hand-derived
-backward (recomputation, straddle-sum gate rule) is wired in with ``jax.custom_vjp``. Vector
-gates take `sequential_gated_delta`, a float32 ``lax.scan`` recurrence (also the benchmark
-baseline).
+Scalar and per-channel gates (and masks) take the chunkwise path of `gdngen.chunkwise` /
+`gdngen.chunkwise_channel`, whose hand-derived backward (recomputation, straddle-sum gate rule)
+is wired in with ``jax.custom_vjp``. `sequential_gated_delta`, a float32 ``lax.scan``
+recurrence, is the benchmark baseline.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ chunk_core.defvjp(_core_fwd, _core_bwd)
                                              "save_states", "qk_norm"))
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
                           solve_block=8, save_states=True, qk_norm=False):
-    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.jax.gated_delta`.
+    """Chunkwise path, scalar or per-channel gates; float32 arrays, shapes as
+    `gdngen.jax.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``xla`` `Variant`.
     ``qk_norm``: q, k are raw and the chunk core normalises them (see `chunk_core`).
@@ -145,7 +146,8 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate"))
 def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):
-    """Per-step float32 ``lax.scan`` recurrence (vector gates; benchmark baseline)."""
+    """Per-step float32 ``lax.scan`` recurrence differentiated by autodiff (benchmark
+    baseline)."""
     with FLOAT32_MATMULS:
         return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
                                                 scale=scale, gate=gate)

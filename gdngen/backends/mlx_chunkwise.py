@@ -1,7 +1,8 @@
 """MLX backend: the portable chunkwise gated delta rule in mlx.core (any MLX device).
 
-Scalar gates (and masks) take `gdngen.chunkwise` with its hand-derived backward wired in through
-``mx.custom_function``; vector gates take `sequential_gated_delta`, a per-step float32 loop.
+Scalar and per-channel gates (and masks) take `gdngen.chunkwise` / `gdngen.chunkwise_channel`
+with their hand-derived backward wired in through ``mx.custom_function``;
+`sequential_gated_delta`, a per-step float32 loop, is the benchmark baseline.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def chunk_core(gate, solve_block, save_states):
 
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
                           solve_block=8, save_states=True):
-    """Chunkwise path for scalar gates; float32 arrays, shapes as `gdngen.mlx.gated_delta`.
+    """Chunkwise path, scalar or per-channel gates; float32 arrays, shapes as
+    `gdngen.mlx.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`.
     """
@@ -100,7 +102,8 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
 
 
 def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):
-    """Per-step float32 recurrence (vector gates); shapes as the API."""
+    """Per-step float32 recurrence differentiated by autodiff (benchmark baseline); shapes as
+    the API."""
     return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
                                             scale=scale, gate=gate)
 
