@@ -116,7 +116,7 @@ class BackendSpec:
         """The typed config of ``variant``; ValueError for another backend or bad params."""
         if variant.backend != self.name:
             raise ValueError(f"variant backend must be {self.name!r}, got {variant.backend!r}")
-        return _parsed(self.config, variant.params)
+        return _parsed(self.config, variant.params, tuple(type(v) for _, v in variant.params))
 
     def device(self, device: str | Device | None) -> Device | None:
         """The device a space is planned for: ``device``, else `reference_device`."""
@@ -153,7 +153,8 @@ class BackendSpec:
 
 
 @functools.lru_cache(maxsize=256)
-def _parsed(config, params: tuple):
-    """``config.from_params`` memoised per (config class, variant params): a decode-length call
-    parses its variant once, not per token (a ValueError is raised again each time)."""
+def _parsed(config, params: tuple, types: tuple):
+    """``config.from_params`` memoised per (config class, variant params and their types: 1 and
+    True are equal keys, not equal params): a decode-length call parses its variant once, not
+    per token (a ValueError is raised again each time)."""
     return config.from_params(dict(params))
