@@ -192,7 +192,8 @@ def _vector_gate_bench():
     return module
 
 
-@pytest.mark.parametrize("name", ["textbook_chunked", "textbook_scan"])
+@pytest.mark.parametrize("name", [pytest.param("textbook_chunked", marks=pytest.mark.slow),
+                                  "textbook_scan"])
 def test_vector_gate_baselines_match_reference(name):
     """benchmarks/bench_vector_gate.py's JAX baselines (the textbook chunked WY form, T=100
     padded to two chunks of 64, and the per-step scan) agree with the float64 reference on a
