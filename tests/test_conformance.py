@@ -29,7 +29,7 @@ PROBLEM = Problem(2, 4, 64, 64)
 #: where the backend has per-channel gates); the whole battery runs behind the slow marker,
 #: except on mlx (eager: no compile per shape)
 HARD_CASES = ("ragged", "identical_keys", "gates_exact_one_and_zero", "padding_mask",
-              "vector_exact_zero")
+              "vector_t1")
 FAST_FULL_BATTERY = {"mlx"}
 
 
