@@ -39,7 +39,7 @@ in each gate), via `zero_gate_factors`.
 from __future__ import annotations
 
 from gdngen import chunkwise
-from gdngen.chunkwise import _T, solve_unit_lower, solve_unit_lower_vjp
+from gdngen.chunkwise import _T, _sum_heads, solve_unit_lower, solve_unit_lower_vjp
 
 #: tokens per sub-chunk of the decayed products (a divisor of the chunk; smaller chunks use
 #: themselves): pairwise work and memory grow with it, the anchored matmuls shrink
@@ -312,11 +312,6 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
 
     S_final, (Y, S_in, W) = xp.scan(step, S0, (U, Wk, Kc, Qd, Pm, dCC), False)
     return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
-
-
-def _sum_heads(x):
-    """``[..., r, A, B] -> [..., A, B]`` (the r value heads of a key head)."""
-    return x.sum(axis=-3)
 
 
 def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):

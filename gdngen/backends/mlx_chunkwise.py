@@ -1,8 +1,7 @@
 """MLX backend: the portable chunkwise gated delta rule in mlx.core (any MLX device).
 
 Scalar and per-channel gates (and masks) take `gdngen.chunkwise` / `gdngen.chunkwise_channel`
-with their hand-derived backward wired in through ``mx.custom_function``;
-`sequential_gated_delta`, a per-step float32 loop, is the benchmark baseline.
+with their hand-derived backward wired in through ``mx.custom_function``.
 """
 
 from __future__ import annotations
@@ -99,13 +98,6 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
 
     return chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
                                  scale=scale, gate=gate, chunk_size=chunk_size)
-
-
-def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=1.0, gate="log"):
-    """Per-step float32 recurrence differentiated by autodiff (benchmark baseline); shapes as
-    the API."""
-    return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
-                                            scale=scale, gate=gate)
 
 
 def recurrent_or_chunkwise(recurrent, chunkwise_call):

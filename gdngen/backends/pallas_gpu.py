@@ -572,7 +572,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     upcast to float32, masks folded) and differentiates through the chunk kernels
     (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). Per-channel gates (g
     ``[B,T,Hv,Dk]``): the recurrent kernel at every T, differentiated through the portable
-    sequential path (`gdngen.backends.jax_chunkwise.sequential_gated_delta`).
+    chunkwise path (`gdngen.backends.jax_chunkwise.chunkwise_gated_delta`).
     """
     module = sys.modules[__name__]
 
