@@ -257,12 +257,16 @@ def _wy(xp, k, v, beta, D, solve_block):
     return Tinv, U, Wk
 
 
-def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
+def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None):
     """Chunkwise forward. Returns ``(Y [N,B,H,r,C,Dv], S_final, residuals)``.
 
     The residuals for `backward` are ``(S_in, W, Tinv, Wk)``: the state entering each chunk
     [N,B,H,r,Dv,Dk], the WY pseudo-values W [N,B,H,r,C,Dv], the triangular inverse
     [N,B,H,r,C,C] and Wk = T diag(beta D0) K [N,B,H,r,C,Dk].
+
+    ``inject`` [N,B,H,r,Dv,Dk] (or None): added to the state leaving each chunk,
+    ``S_{n+1} = D[C,0] S_n + W^T Kc + inject[n]`` (packed sequences' initial states,
+    `gdngen.packed`).
 
     Everything that reads a chunk's state happens inside the chunk walk, while that state is
     hot in cache; the intra-chunk products that do not need it run batched over all chunks.
@@ -274,18 +278,29 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
     Pm = D[..., 1:, 1:] * ein("...ck,...dk->...cd", q, k)[..., None, :, :]
 
     def step(S, xs):
-        U_n, Wk_n, Kc_n, q_n, Pm_n, D0_n, dCC = xs
+        U_n, Wk_n, Kc_n, q_n, Pm_n, D0_n, dCC, *J_n = xs
         W = U_n - ein("...ck,...vk->...cv", Wk_n, S)
         Y = D0_n[..., None] * ein("...ck,...rvk->...rcv", q_n, S) + Pm_n @ W
-        return dCC[..., None, None] * S + ein("...cv,...ck->...vk", W, Kc_n), (Y, S, W)
+        S_out = dCC[..., None, None] * S + ein("...cv,...ck->...vk", W, Kc_n)
+        return (S_out + J_n[0] if J_n else S_out), (Y, S, W)
 
-    S_final, (Y, S_in, W) = xp.scan(step, S0, (U, Wk, Kc, q, Pm, D[..., 1:, 0], D[..., -1, 0]),
-                                    False)
+    S_final, (Y, S_in, W) = xp.scan(
+        step, S0, (U, Wk, Kc, q, Pm, D[..., 1:, 0], D[..., -1, 0]) + _optional(inject), False)
     return Y, S_final, (S_in, W, Tinv, Wk)
 
 
-def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
+def _optional(x):
+    """``(x,)``, or ``()`` for None: an optional per-chunk input of a chunk walk."""
+    return () if x is None else (x,)
+
+
+def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None):
     """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
+
+    ``dS_in`` [N,B,H,r,Dv,Dk] (or None): a cotangent of the residual S_in itself (the
+    entering states as an output, `gdngen.packed`); it is added to the walk's state cotangent
+    at each chunk start, and the cotangent of `forward`'s ``inject`` (the state cotangent
+    leaving each chunk) is returned as a seventh value.
 
     ``residuals``: what `forward` returned (saved, or recomputed by the caller).
     Recomputes the cheap decay factors and K K^T, walks the chunks in reverse for the state
@@ -306,19 +321,21 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
     G = _T(Pm) @ dY
 
     def step(dS_out, xs):
-        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, q_n, k_n, D0_n, D_last_n, dCC = xs
+        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, q_n, k_n, D0_n, D_last_n, dCC, *dS_n = xs
         dW = G_n + ein("...ck,...vk->...cv", Kc_n, dS_out)
         dY_S = dY_n @ S_n  # d(Q S^T) per value head
         dKc = W_n @ dS_out  # S_out = D[C,0] S_in + W^T Kc
-        dS_in = (dCC[..., None, None] * dS_out
-                 + ein("...rcv,...ck->...rvk", D0_n[..., None] * dY_n, q_n)
-                 - ein("...cv,...ck->...vk", dW, Wk_n))
-        return dS_in, (dW, -(dW @ S_n), _sum_heads(D0_n[..., None] * dY_S),
-                       _row_dots(xp, dY_S, q_n), _sum_heads(D_last_n[..., None] * dKc),
-                       _row_dots(xp, dKc, k_n), ein("...vk,...vk->...", dS_out, S_n))
+        dS_prev = (dCC[..., None, None] * dS_out
+                   + ein("...rcv,...ck->...rvk", D0_n[..., None] * dY_n, q_n)
+                   - ein("...cv,...ck->...vk", dW, Wk_n))
+        return (dS_prev + dS_n[0] if dS_n else dS_prev), (
+            dW, -(dW @ S_n), _sum_heads(D0_n[..., None] * dY_S), _row_dots(xp, dY_S, q_n),
+            _sum_heads(D_last_n[..., None] * dKc), _row_dots(xp, dKc, k_n),
+            ein("...vk,...vk->...", dS_out, S_n)) + _optional(dS_out if dS_n else None)
 
-    dS0, (dW, dWk, dq, dD0, dk, dDC, ddCC) = xp.scan(
-        step, dS_final, (G, Kc, Wk, W, S_in, dY, q, k, D0, D_last, D[..., -1, 0]), True)
+    dS0, (dW, dWk, dq, dD0, dk, dDC, ddCC, *dJ) = xp.scan(
+        step, dS_final, (G, Kc, Wk, W, S_in, dY, q, k, D0, D_last, D[..., -1, 0])
+        + _optional(dS_in), True)
 
     # Y = D0 * (Q S^T) + Pm W
     dPm = dY @ _T(W)
@@ -352,7 +369,7 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
         dgates = decay_factors_log_vjp(xp, gates, D, dD)
     else:
         dgates = decay_factors_linear_vjp(xp, gates, D, dD)
-    return dq, dk, dv, dgates, dbeta, dS0
+    return (dq, dk, dv, dgates, dbeta, dS0) + tuple(dJ)
 
 
 # --------------------------------------------------------------------------- whole sequences

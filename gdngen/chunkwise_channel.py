@@ -39,7 +39,7 @@ in each gate), via `zero_gate_factors`.
 from __future__ import annotations
 
 from gdngen import chunkwise
-from gdngen.chunkwise import _T, _sum_heads, solve_unit_lower, solve_unit_lower_vjp
+from gdngen.chunkwise import _T, _optional, _sum_heads, solve_unit_lower, solve_unit_lower_vjp
 
 #: tokens per sub-chunk of the decayed products (a divisor of the chunk; smaller chunks use
 #: themselves): pairwise work and memory grow with it, the anchored matmuls shrink
@@ -291,9 +291,9 @@ def _wy(xp, k, v, beta, blocks, D0, solve_block):
     return Tinv, U, Wk, Mkk
 
 
-def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
+def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None):
     """Chunkwise forward for per-channel gates; returns ``(Y, S_final, residuals)`` as
-    `gdngen.chunkwise.forward` does, the residuals ``(S_in, W, Tinv, Wk, Pm, Mkk)`` adding the
+    `gdngen.chunkwise.forward` does (``inject`` as there), the residuals ``(S_in, W, Tinv, Wk, Pm, Mkk)`` adding the
     decayed products ``M_qk``, ``M_kk`` [N,B,H,r,C,C] (C/Dk of the keys' size; the backward
     would otherwise rebuild them from the factors)."""
     ein = xp.einsum
@@ -305,17 +305,20 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8):
     Pm = decayed_products(xp, q, k, blocks)
 
     def step(S, xs):
-        U_n, Wk_n, Kc_n, Qd_n, Pm_n, dCC_n = xs
+        U_n, Wk_n, Kc_n, Qd_n, Pm_n, dCC_n, *J_n = xs
         W = U_n - ein("...rck,...rvk->...rcv", Wk_n, S)
         Y = ein("...rck,...rvk->...rcv", Qd_n, S) + Pm_n @ W
-        return S * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", W, Kc_n), (Y, S, W)
+        S_out = S * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", W, Kc_n)
+        return (S_out + J_n[0] if J_n else S_out), (Y, S, W)
 
-    S_final, (Y, S_in, W) = xp.scan(step, S0, (U, Wk, Kc, Qd, Pm, dCC), False)
+    S_final, (Y, S_in, W) = xp.scan(step, S0, (U, Wk, Kc, Qd, Pm, dCC) + _optional(inject),
+                                    False)
     return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
 
 
-def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
-    """Hand-derived VJP of `forward`: ``(dq, dk, dv, dgates, dbeta, dS0)``.
+def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None):
+    """Hand-derived VJP of `forward`: ``(dq, dk, dv, dgates, dbeta, dS0)``, plus the
+    cotangent of ``inject`` when ``dS_in`` is given (both as in `gdngen.chunkwise.backward`).
 
     The chunk walk in reverse is the scalar one's with per-channel decays (dW = Pm^T dY +
     Kc dS_out^T, dS_in = dS_out diag(dCC) + dY^T (Q*D0) - dW^T Wk); the cotangents of the decay
@@ -331,16 +334,17 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
     G = _T(Pm) @ dY
 
     def step(dS_out, xs):
-        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, Qd_n, dCC_n = xs
+        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, Qd_n, dCC_n, *dS_n = xs
         dW = G_n + ein("...rck,...rvk->...rcv", Kc_n, dS_out)
-        dS_in = (dS_out * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", dY_n, Qd_n)
-                 - ein("...rcv,...rck->...rvk", dW, Wk_n))
-        return dS_in, (dW, -ein("...rcv,...rvk->...rck", dW, S_n),
-                       ein("...rcv,...rvk->...rck", dY_n, S_n),
-                       ein("...rcv,...rvk->...rck", W_n, dS_out), (dS_out * S_n).sum(axis=-2))
+        dS_prev = (dS_out * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", dY_n, Qd_n)
+                   - ein("...rcv,...rck->...rvk", dW, Wk_n))
+        return (dS_prev + dS_n[0] if dS_n else dS_prev), (
+            dW, -ein("...rcv,...rvk->...rck", dW, S_n), ein("...rcv,...rvk->...rck", dY_n, S_n),
+            ein("...rcv,...rvk->...rck", W_n, dS_out), (dS_out * S_n).sum(axis=-2)
+        ) + _optional(dS_out if dS_n else None)
 
-    dS0, (dW, dWk, dQd, dKc, ddCC) = xp.scan(
-        step, dS_final, (G, Kc, Wk, W, S_in, dY, Qd, dCC), True)
+    dS0, (dW, dWk, dQd, dKc, ddCC, *dJ) = xp.scan(
+        step, dS_final, (G, Kc, Wk, W, S_in, dY, Qd, dCC) + _optional(dS_in), True)
 
     qr, kr = q[..., None, :, :], k[..., None, :, :]
     # Y = Qd S^T + Pm W ;  S_out = S_in diag(dCC) + W^T Kc
@@ -369,8 +373,9 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
     vector_terms = (dD0, dDC, ddCC)
     db = db + db_a + chunk_sums_adjoint(
         xp, *(dX * X for dX, X in zip(vector_terms, (D0, DC, dCC))))
+    extra = tuple(dJ)
     if gate == "log":
-        return dq, dk, dv, db, dbeta, dS0
+        return (dq, dk, dv, db, dbeta, dS0) + extra
     # linear gates: d/da = (d/db) / a, and the exact-zero rule where a == 0
     zero_blocks, zero_vectors = zero_gate_factors(xp, gates, sub_chunk_size(C))
     d_zero = (decayed_products_vjp(xp, q, k, zero_blocks, dPm, inputs=False)[2]
@@ -378,4 +383,4 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate):
               + chunk_sums_adjoint(xp, *(dX * X for dX, X in zip(vector_terms, zero_vectors))))
     zero = gates == 0
     dgates = xp.where(zero, d_zero, db / xp.where(zero, 1.0, gates))
-    return dq, dk, dv, dgates, dbeta, dS0
+    return (dq, dk, dv, dgates, dbeta, dS0) + extra

@@ -158,3 +158,35 @@ def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1
         "dbeta": dbeta,
         "dinitial_state": dS,
     }
+
+
+def packed_vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, cu_seqlens, *, mask=None,
+               scale=1.0, gate="log"):
+    """`vjp` of a packed row (`gdngen.packed`), a sequence at a time: q ``[1,T,Hk,Dk]`` etc.,
+    ``cu_seqlens`` ``[N+1]``, ``initial_state`` / ``dfinal_state`` ``[N,Hv,Dv,Dk]`` (None:
+    zeros). Each sequence runs `vjp` on its own steps from its own initial state; an empty one
+    returns its initial state (and passes its final-state cotangent straight back). Same keys
+    as `vjp`, final_state and dinitial_state ``[N,Hv,Dv,Dk]``."""
+    offsets = np.asarray(cu_seqlens)
+    N = len(offsets) - 1
+    q, k, v, g, beta, dy = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta, dy))
+    Hv, Dv, Dk = v.shape[2], v.shape[3], q.shape[3]
+    s0 = np.zeros((N, Hv, Dv, Dk)) if initial_state is None else \
+        np.asarray(initial_state, dtype=np.float64)
+    dS = np.zeros((N, Hv, Dv, Dk)) if dfinal_state is None else \
+        np.asarray(dfinal_state, dtype=np.float64)
+    out = {"y": np.zeros(v.shape), "final_state": s0.copy(), "dq": np.zeros(q.shape),
+           "dk": np.zeros(k.shape), "dv": np.zeros(v.shape), "dg": np.zeros(g.shape),
+           "dbeta": np.zeros(beta.shape), "dinitial_state": dS.copy()}
+    for n in range(N):
+        s, e = int(offsets[n]), int(offsets[n + 1])
+        if e == s:
+            continue
+        part = vjp(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], s0[n:n + 1],
+                   dy[:, s:e], dS[n:n + 1], mask=None if mask is None else mask[:, s:e],
+                   scale=scale, gate=gate)
+        for name in ("y", "dq", "dk", "dv", "dg", "dbeta"):
+            out[name][:, s:e] = part[name]
+        out["final_state"][n] = part["final_state"][0]
+        out["dinitial_state"][n] = part["dinitial_state"][0]
+    return out

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdngen import chunkwise, chunkwise_channel
+from gdngen import chunkwise, chunkwise_channel, packed
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = jnp.float32
@@ -121,6 +121,39 @@ def _core_bwd(gate, solve_block, save_states, qk_scale, saved, cotangents):
 chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def packed_core(q, k, v, gates, beta, inject, gate, solve_block, save_states):
+    """The chunk walk of a packed row (`gdngen.packed`) -> ``(Y, S_in)``: from a zero state,
+    ``inject`` added to the state leaving each chunk, the entering states an output; its VJP is
+    `gdngen.chunkwise.backward` with those two extra terms."""
+    return _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states)[0]
+
+
+def _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states):
+    with FLOAT32_MATMULS:
+        Y, _, residuals = chunkwise_channel.stages(gates).forward(
+            XP, q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32), gate=gate,
+            solve_block=solve_block, inject=inject)
+    return (Y, residuals[0]), (q, k, v, gates, beta, inject, residuals if save_states else None)
+
+
+def _packed_bwd(gate, solve_block, save_states, saved, cotangents):
+    q, k, v, gates, beta, inject, residuals = saved
+    dY, dS_in = cotangents
+    S0 = jnp.zeros(inject.shape[1:], jnp.float32)
+    with FLOAT32_MATMULS:
+        stages = chunkwise_channel.stages(gates)
+        if residuals is None:
+            residuals = stages.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                       solve_block=solve_block, inject=inject)[2]
+        dq, dk, dv, dgates, dbeta, _, dinject = stages.backward(
+            XP, q, k, v, gates, beta, residuals, dY, S0, gate=gate, dS_in=dS_in)
+    return dq, dk, dv, dgates, dbeta, dinject
+
+
+packed_core.defvjp(_packed_fwd, _packed_bwd)
+
+
 # ------------------------------------------------------------------------------ paths
 
 
@@ -142,6 +175,24 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
     return chunkwise.gated_delta(XP, core, q, k, v, g, beta, initial_state, mask,
                                  scale=1.0 if qk_norm else scale, gate=gate,
                                  chunk_size=chunk_size)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size", "solve_block",
+                                             "save_states"))
+def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
+                       chunk_size, solve_block=8, save_states=True):
+    """Packed row (`gdngen.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
+    [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]`` (may be traced). Params as
+    `chunkwise_gated_delta`'s."""
+
+    def core(*arrays):
+        return chunk_core(*arrays, gate, solve_block, save_states)
+
+    def walk(*arrays):
+        return packed_core(*arrays, gate, solve_block, save_states)
+
+    return packed.gated_delta(XP, core, walk, q, k, v, g, beta, initial_state, mask, cu_seqlens,
+                              scale=scale, gate=gate, chunk_size=chunk_size)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate"))

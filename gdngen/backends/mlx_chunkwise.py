@@ -11,7 +11,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from gdngen import chunkwise, chunkwise_channel
+from gdngen import chunkwise, chunkwise_channel, packed
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = mx.float32
@@ -81,6 +81,55 @@ def chunk_core(gate, solve_block, save_states):
         return stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
 
     return core
+
+
+@functools.cache
+def packed_core(gate, solve_block, save_states):
+    """The chunk walk of a packed row (`gdngen.packed`) as an ``mx.custom_function``:
+    ``(q, k, v, gates, beta, inject) -> (Y, S_in, *other residuals)``, from a zero state,
+    ``inject`` added to the state leaving each chunk, the entering states S_in an output with
+    a cotangent of their own (`gdngen.chunkwise.backward`'s ``dS_in``)."""
+
+    def run(q, k, v, gates, beta, inject):
+        return chunkwise_channel.stages(gates).forward(
+            XP, q, k, v, gates, beta, mx.zeros(inject.shape[1:]), gate=gate,
+            solve_block=solve_block, inject=inject)
+
+    @mx.custom_function
+    def core(q, k, v, gates, beta, inject):
+        Y, _, residuals = run(q, k, v, gates, beta, inject)
+        return (Y, *residuals)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, inject = primals
+        residuals = tuple(outputs[1:]) if save_states else run(*primals)[2]
+        dq, dk, dv, dgates, dbeta, _, dinject = chunkwise_channel.stages(gates).backward(
+            XP, q, k, v, gates, beta, residuals, cotangents[0], mx.zeros(inject.shape[1:]),
+            gate=gate, dS_in=cotangents[1])
+        return dq, dk, dv, dgates, dbeta, dinject
+
+    return core
+
+
+def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
+                       chunk_size, solve_block=8, save_states=True):
+    """Packed row (`gdngen.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
+    [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]``. Params as
+    `chunkwise_gated_delta`'s."""
+    core = chunk_core(gate, solve_block, save_states)
+    walk = packed_core(gate, solve_block, save_states)
+
+    def core_outputs(*arrays):
+        Y, S_final, *_ = core(*arrays)
+        return Y, S_final
+
+    def walk_outputs(*arrays):
+        Y, S_in, *_ = walk(*arrays)
+        return Y, S_in
+
+    return packed.gated_delta(XP, core_outputs, walk_outputs, q, k, v, g, beta, initial_state,
+                              mask, cu_seqlens, scale=scale, gate=gate, chunk_size=chunk_size)
 
 
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,

@@ -1,0 +1,217 @@
+"""Packed sequences: many documents in one row, the state reset at each boundary (fla's
+``cu_seqlens``), on the chunk algebra of `gdngen.chunkwise` / `gdngen.chunkwise_channel`.
+
+Convention (fla's): ``cu_seqlens`` int32 ``[N+1]``, ``cu_seqlens[0] == 0``, non-decreasing,
+``cu_seqlens[-1] == T``; sequence n is the steps ``s_n = cu_seqlens[n] <= t < e_n =
+cu_seqlens[n+1]`` of the single row (B = 1). ``initial_state`` and the returned final state are
+``[N, Hv, Dv, Dk]``, one per sequence; an empty sequence returns its initial state.
+
+How one row of chunks runs every sequence (no per-sequence loop, no re-padding), by linearity of
+the recurrence in its state:
+
+* **Main pass** over the whole row from a zero state, with the gate of each sequence's first
+  step replaced by an exact zero (log g = -inf): every decay that straddles a boundary is an
+  exact 0 (`gdngen.chunkwise.segment_sums`), so each sequence sees only its own steps, from a
+  zero state. Its output is exact wherever the sequences' initial states are zero.
+* **Initial states** (only when given): a one-chunk call per sequence over its first partial
+  chunk ``s_n .. min(e_n, end of s_n's chunk)``, from ``S0_n`` with v = 0 and the real gates:
+  the free response of S0_n. Its outputs are added to y there, and its state at that chunk's end
+  is injected into the main pass's state leaving that chunk (`gdngen.chunkwise.forward`'s
+  ``inject``), which carries it on through the sequence's later chunks.
+* **Final states**: a one-chunk call per sequence over its last partial chunk ``max(s_n, c_n)
+  .. e_n`` (``c_n`` the start of the chunk holding step e_n - 1) from the main pass's state
+  entering that chunk (the sequence's own state there, injection included) or, for a sequence
+  that starts inside that chunk, from S0_n.
+
+The one-chunk calls are the validated chunk path itself (masked beyond each sequence), so their
+gradients and numerics are those of the dense path; under ``jax.jit`` an unused final state costs
+nothing (dead code), and in MLX an unevaluated one is never computed. Extra work: at most 2 N
+chunks next to the row's T / C.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gdngen import chunkwise
+from gdngen.problem import dtype_name
+
+__all__ = ["check_cu_seqlens", "gated_delta", "cu_seqlens_from_segment_ids"]
+
+
+def _concrete(x):
+    """``x`` as a NumPy array when its values are known here (not a tracer), else None."""
+    try:
+        return np.asarray(x)
+    except Exception:  # a JAX tracer (under jit / vmap): checked where it is concrete
+        return None
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    """Check the offsets of a packed call (module docstring); return N, the number of sequences.
+
+    ValueError naming ``cu_seqlens`` and what was expected: not a 1-D int32 array of at least
+    two entries, B != 1, and, whenever its values are concrete, not starting at 0, decreasing,
+    or not ending at T."""
+    if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
+        raise ValueError("cu_seqlens must be an int32 array [N+1] of sequence offsets, got "
+                         f"{type(cu_seqlens).__name__}")
+    if len(cu_seqlens.shape) != 1 or int(cu_seqlens.shape[0]) < 2:
+        raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}, expected [N+1] "
+                         "with N >= 1 (1-D offsets)")
+    if dtype_name(cu_seqlens) != "int32":
+        raise ValueError(f"cu_seqlens has dtype {dtype_name(cu_seqlens)}, expected int32")
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs the packed sequences in one row (B == 1), got "
+                         f"B={B}")
+    values = _concrete(cu_seqlens)
+    if values is not None:
+        if int(values[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={int(values[0])}")
+        steps = np.diff(values)
+        if (steps < 0).any():
+            at = int(np.argmax(steps < 0))
+            raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}]="
+                             f"{int(values[at])} > cu_seqlens[{at + 1}]={int(values[at + 1])}")
+        if int(values[-1]) != T:
+            raise ValueError(f"cu_seqlens must end at T={T}, got cu_seqlens[-1]="
+                             f"{int(values[-1])}")
+    return int(cu_seqlens.shape[0]) - 1
+
+
+def cu_seqlens_from_segment_ids(segment_ids) -> np.ndarray:
+    """MaxText-style ``segment_ids [T]`` (equal ids on each document's steps, documents
+    contiguous) -> ``cu_seqlens`` int32 ``[N+1]``: a boundary wherever the id changes."""
+    ids = np.asarray(segment_ids).reshape(-1)
+    if ids.size == 0:
+        raise ValueError("segment_ids is empty, expected [T] with T >= 1")
+    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    return np.concatenate([[0], cuts, [ids.size]]).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------ the row plan
+
+
+class _Plan:
+    """Index arrays of one packed row (framework arrays, from possibly traced offsets).
+
+    For every step t: ``seq[t]`` its sequence, ``is_start[t]`` whether it is that sequence's
+    first step. Per sequence n, ``first`` / ``last``: ``(index [N, C], valid [N, C])`` of its
+    first and last partial chunks (steps clipped into range where not valid).
+    """
+
+    def __init__(self, xp, offsets, T: int, C: int):
+        m = xp.module
+        i32 = m.int32
+        starts, ends = offsets[:-1], offsets[1:]
+        self.N = int(starts.shape[0])
+        t = m.arange(T).astype(i32)
+        self.seq = (ends[None, :] <= t[:, None]).astype(i32).sum(axis=1)  # [T]
+        self.is_start = m.take(starts, self.seq, axis=0) == t
+        self.starts, self.ends = starts, ends
+        self.first_end = m.minimum(ends, (starts // C + 1) * C)  # first partial chunk's end
+        self.nonempty = ends > starts
+        self.last_chunk = m.maximum((ends - 1) // C, 0)
+        chunk_start = self.last_chunk * C
+        self.from_state = (starts < chunk_start) & self.nonempty
+        steps = m.arange(C).astype(i32)[None, :]
+        self.first = self._window(xp, starts, self.first_end, steps, T)
+        self.last = self._window(xp, m.maximum(starts, chunk_start), ends, steps, T)
+        self.T, self.C = T, C
+
+    @staticmethod
+    def _window(xp, begin, end, steps, T):
+        index = begin[:, None] + steps
+        return xp.module.minimum(index, T - 1), index < end[:, None]
+
+
+def _gather(xp, x, index):
+    """Row ``x [1, T, ...]`` at ``index [N, C]`` -> ``[N, C, ...]``."""
+    flat = xp.module.take(x[0], index.reshape(-1), axis=0)
+    return flat.reshape(index.shape + tuple(x.shape[2:]))
+
+
+def _one_chunk(xp, core, plan, window, q, k, v, g, beta, mask, S0, *, scale, gate):
+    """The dense chunk path on each sequence's ``window`` (one chunk, B = N), from S0
+    ``[N, Hv, Dv, Dk]``; steps outside the window (or masked) are identity steps."""
+    index, valid = window
+    if mask is not None:
+        valid = valid & _gather(xp, mask, index)
+    arrays = [_gather(xp, x, index) for x in (q, k, v, g, beta)]
+    return chunkwise.gated_delta(xp, core, *arrays, S0, valid, scale=scale, gate=gate,
+                                 chunk_size=plan.C)
+
+
+def _main_pass(xp, packed_core, plan, q, k, v, g, beta, mask, inject, *, scale, gate):
+    """The whole row from a zero state with a reset at every sequence start and ``inject``
+    ``[N_chunks, 1, Hv, Dv, Dk]`` (or None) added to the state leaving each chunk. Returns
+    ``(y [1, T, Hv, Dv], S_in [N_chunks, 1, Hk, r, Dv, Dk])``, the states entering the chunks."""
+    _, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    r, C = Hv // Hk, plan.C
+    M = -(-T // C)
+    g, beta = chunkwise.fold_mask(xp, g, beta, mask, gate)
+    reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
+    g = xp.where(reset, -float("inf") if gate == "log" else 0.0, g)
+    pad = M * C - T
+    if pad:
+        q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))
+        g = xp.pad_time(g, pad, 0.0 if gate == "log" else 1.0)
+    gates = chunkwise.to_chunks(g, M, C, (Hk, r)) if g.ndim == 4 else \
+        chunkwise.to_chunks(g[..., None], M, C, (Hk, r))[..., 0]
+    if inject is None:
+        inject = xp.zeros((M, 1, Hk, r, Dv, Dk))
+    else:
+        inject = inject.reshape((M, 1, Hk, r, Dv, Dk))
+    Y, S_in = packed_core(chunkwise.to_chunks(q * scale, M, C, (Hk,)),
+                          chunkwise.to_chunks(k, M, C, (Hk,)),
+                          chunkwise.to_chunks(v, M, C, (Hk, r)), gates,
+                          chunkwise.to_chunks(beta[..., None], M, C, (Hk, r))[..., 0], inject)
+    y = chunkwise.from_chunks(Y, T)
+    if mask is not None:
+        y = xp.where(mask[..., None, None], y, 0.0)
+    return y, S_in
+
+
+def gated_delta(xp, core, packed_core, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
+                scale, gate, chunk_size):
+    """Packed-row gated delta (module docstring); float32 arrays, q ``[1, T, Hk, Dk]`` etc.,
+    ``initial_state [N, Hv, Dv, Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]`` (checked by the
+    caller). ``core`` is the dense chunk core (`gdngen.chunkwise.gated_delta`'s); ``packed_core
+    (q, k, v, gates, beta, inject) -> (Y, S_in)`` the chunk walk from a zero state with
+    injection, in chunk layout, differentiable in all its inputs and both outputs. Returns
+    ``(y [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``."""
+    m = xp.module
+    _, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    plan = _Plan(xp, cu_seqlens.astype(m.int32), T, chunk_size)
+    N, C = plan.N, plan.C
+    M = -(-T // C)
+    options = {"scale": scale, "gate": gate}
+    zero_state = xp.zeros((N, Hv, Dv, Dk))
+    S0 = zero_state if initial_state is None else initial_state
+    inject = None
+    if initial_state is not None:
+        # free response of each S0_n over its first partial chunk (v = 0)
+        y_first, S_first = _one_chunk(xp, core, plan, plan.first, q, k, m.zeros_like(v), g,
+                                      beta, mask, S0, **options)
+        # chunk j's leaving state gets S_first of the sequence holding the chunk's last step
+        # when that sequence started in chunk j and goes on past its end
+        j = m.arange(M).astype(m.int32)
+        owner = m.take(plan.seq, m.minimum((j + 1) * C, T) - 1, axis=0)
+        goes_on = ((m.take(plan.starts, owner, axis=0) >= j * C)
+                   & (m.take(plan.ends, owner, axis=0) > (j + 1) * C))
+        inject = xp.where(goes_on[:, None, None, None], m.take(S_first, owner, axis=0), 0.0)
+    y, S_in = _main_pass(xp, packed_core, plan, q, k, v, g, beta, mask, inject, **options)
+    if initial_state is not None:
+        t = m.arange(T).astype(m.int32)
+        offset = t - m.take(plan.starts, plan.seq, axis=0)
+        inside = t < m.take(plan.first_end, plan.seq, axis=0)
+        flat = y_first.reshape((N * C, Hv, Dv))
+        extra = m.take(flat, plan.seq * C + m.minimum(offset, C - 1), axis=0)
+        y = y + xp.where(inside[None, :, None, None], extra[None], 0.0)
+    # each sequence's final state: its last partial chunk, from the state entering that chunk
+    entering = m.take(S_in, plan.last_chunk, axis=0).reshape((N, Hv, Dv, Dk))
+    start = xp.where(plan.from_state[:, None, None, None], entering, S0)
+    _, final = _one_chunk(xp, core, plan, plan.last, q, k, v, g, beta, mask, start, **options)
+    return y, final
