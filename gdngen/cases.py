@@ -11,6 +11,8 @@ Each `Case` fixes shapes, the chunk size it is designed around, and how its inpu
     mask          [B,T] bool or None
     dy            [B,T,Hv,Dv]   ~ N(0,1) cotangent of y (never zero)
     dfinal_state  [B,Hv,Dv,Dk]  ~ N(0,1) cotangent of the final state (never zero)
+    cu_seqlens    [N+1] int32 or None: a packed case (B = 1, `gdngen.packed`); initial_state
+                  and dfinal_state are then [N,Hv,Dv,Dk], one per sequence
 
 Query scaling convention: q is NOT pre-scaled; every case runs with ``scale = Dk ** -0.5``
 (`Case.scale`), as models do, so rounding q to a low-precision dtype sees model-like values.
@@ -42,7 +44,8 @@ class Case:
     ``gates`` is one of `GATE_KINDS`; ``beta_range`` None means beta = sigmoid(N(0,1)), else
     beta ~ U(beta_range); ``identical_keys`` makes all keys inside each ``chunk_size`` block
     equal; ``has_initial_state`` draws a non-zero initial state; ``padding`` draws the
-    left/right/middle padding mask of `_padding_mask`.
+    left/right/middle padding mask of `_padding_mask`; ``cu_seqlens`` makes it a packed row of
+    ``len(cu_seqlens) - 1`` sequences (B must be 1).
     """
 
     name: str
@@ -60,8 +63,14 @@ class Case:
     identical_keys: bool = False
     has_initial_state: bool = False
     padding: bool = False
+    cu_seqlens: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.cu_seqlens is not None and (
+                self.B != 1 or self.cu_seqlens[0] != 0 or self.cu_seqlens[-1] != self.T
+                or any(b < a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))):
+            raise ValueError(f"case {self.name}: a packed case needs B = 1 and offsets from 0 "
+                             f"to T={self.T}, non-decreasing")
         if self.gates not in GATE_KINDS:
             raise ValueError(f"case {self.name}: gates must be one of {GATE_KINDS}")
         if self.gates in VECTOR_GATE_KINDS and not self.vector_gate:
@@ -101,17 +110,20 @@ class Case:
             beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, Hv))))
         else:
             beta = rng.uniform(*self.beta_range, size=(B, T, Hv))
-        initial_state = rng.standard_normal((B, Hv, Dv, Dk)) if self.has_initial_state else None
+        states = B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+        initial_state = rng.standard_normal((states, Hv, Dv, Dk)) if self.has_initial_state \
+            else None
         mask = None
         if self.padding:
             mask = _padding_mask(B, T)
             # Garbage at padded steps: a backend that lets them leak is off by a lot.
             v = np.where(mask[:, :, None, None], v, 100.0 * v)
         dy = rng.standard_normal((B, T, Hv, Dv))
-        dfinal_state = rng.standard_normal((B, Hv, Dv, Dk))
+        dfinal_state = rng.standard_normal((states, Hv, Dv, Dk))
+        cu_seqlens = None if self.cu_seqlens is None else np.array(self.cu_seqlens, np.int32)
         return {"q": q, "k": k, "v": v, "g_log": g_log, "beta": beta,
                 "initial_state": initial_state, "mask": mask, "dy": dy,
-                "dfinal_state": dfinal_state}
+                "dfinal_state": dfinal_state, "cu_seqlens": cu_seqlens}
 
 
 def _draw_log_gates(case: Case, rng: np.random.Generator) -> np.ndarray:
@@ -278,6 +290,27 @@ BATTERY: tuple[Case, ...] = (
          "decayed keys",
          B=2, T=128, Hk=2, Hv=4, Dk=32, Dv=32, vector_gate=True, gates="mild",
          beta_range=(1.0, 1.0), identical_keys=True, has_initial_state=True),
+    # Packed rows (cu_seqlens, B = 1): the float64 reference runs them a sequence at a time.
+    Case("packed_boundaries",
+         "packed row of 8 sequences with initial states: length 1 at t = 0, empty, a boundary "
+         "inside chunk 0, one ending at the 64 edge, one exactly chunk 1, length 1 at the 128 "
+         "edge, empty, one across the ragged tail; exact g = 0 / g = 1 inside sequences, GVA 3x, "
+         "Dk != Dv",
+         B=1, T=200, Hk=2, Hv=6, Dk=32, Dv=64, gates="exact_one_and_zero",
+         has_initial_state=True, cu_seqlens=(0, 1, 1, 40, 64, 128, 129, 129, 200)),
+    Case("packed_long_masked",
+         "packed row whose sequences span chunks (100..230 starts inside chunk 1 and ends inside "
+         "chunk 3: its initial state is carried through two chunk ends), with the padding mask: "
+         "steps 0..16 (sequence 0's first steps) and a hole 70..74 inside it; x100 padded v "
+         "must not leak",
+         B=1, T=256, Hk=1, Hv=2, Dk=32, Dv=32, has_initial_state=True, padding=True,
+         cu_seqlens=(0, 100, 230, 256)),
+    Case("packed_vector",
+         "packed row with per-channel exact gates (-inf / 0 on channels and whole steps, both "
+         "sides of the 64 edge), boundaries inside chunks and at t = 64, an empty sequence, "
+         "GVA 3x, Dk != Dv, initial states",
+         B=1, T=150, Hk=2, Hv=6, Dk=64, Dv=32, vector_gate=True, gates="channel_zero_and_one",
+         has_initial_state=True, cu_seqlens=(0, 30, 30, 64, 65, 150)),
 )
 
 _BY_NAME = {case.name: case for case in BATTERY}

@@ -45,11 +45,19 @@ class Choice:
         text = f"{self.variant} ({self.source}{where}, precision {self.precision}): {self.reason}"
         return text + (f"; {self.kernel_path}" if self.kernel_path else "")
 
-    def for_length(self, T: int, vector_gate: bool = False) -> Choice:
+    def for_length(self, T: int, vector_gate: bool = False, sequences: int | None = None
+                   ) -> Choice:
         """This choice with ``kernel_path`` saying which kernels a call of ``T`` steps runs:
         the recurrent kernel below the variant's ``recurrent_below`` (the tuned crossover when
-        the entry measured one, `gdngen.tune.crossover`), else the chunk kernels."""
+        the entry measured one, `gdngen.tune.crossover`), else the chunk kernels; a packed row
+        of ``sequences`` sequences: `gdngen.packed.describe`."""
         below = self.variant.get("recurrent_below")
+        if sequences is not None:
+            from gdngen import packed
+
+            text = packed.describe(registry.get(self.variant.backend), self.variant,
+                                   vector_gate, sequences)
+            return dataclasses.replace(self, kernel_path=text)
         if below is None:
             return dataclasses.replace(self, kernel_path="chunk kernels")
         origin = "tuned crossover" if self.entry and self.entry.get("crossover") else \
@@ -177,17 +185,18 @@ def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | Non
 
 
 def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, chunk_size,
-         variant, qk_norm=False):
+         variant, qk_norm=False, cu_seqlens=None):
     """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant, run it
-    through its backend's entry point (``qk_norm``: q, k raw, normalised by the backend,
-    `gdngen.spec.BackendSpec.run`)."""
+    through its backend's entry point (``qk_norm``: q, k raw, normalised by the backend;
+    ``cu_seqlens``: a packed row; `gdngen.spec.BackendSpec.run`)."""
     check_framework(framework)
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
+                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
+                       cu_seqlens=cu_seqlens)
     chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
     return registry.get(chosen.backend).run(q, k, v, g, beta, initial_state, mask=mask,
                                             scale=float(scale), gate=gate, variant=chosen,
-                                            qk_norm=qk_norm)
+                                            qk_norm=qk_norm, cu_seqlens=cu_seqlens)
 
 
 # ------------------------------------------------------------------------------ load_tuned
@@ -206,33 +215,36 @@ class TunedGatedDelta:
 
     def explain(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                 gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                beta_activation=None) -> Choice:
+                beta_activation=None, cu_seqlens=None) -> Choice:
         """Which variant a call with these arguments runs, and why (`str()` it to read)."""
         options = layer_inputs.check_layer_inputs(
-            q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm, A_log=A_log,
-            dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation,
-            scale=scale)
+            q, k, v, g, beta, None if cu_seqlens is not None else initial_state, mask,
+            gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            beta_activation=beta_activation, scale=scale)
         shape = check_call(q, k, v, g, beta, initial_state, mask, gate=options.call_gate,
-                           scale=scale)
+                           scale=scale, cu_seqlens=cu_seqlens)
         return choose(self.framework, shape, dtype_name(q), device=self.device,
-                      precision=self.precision).for_length(shape.T, shape.vector_gate)
+                      precision=self.precision).for_length(shape.T, shape.vector_gate,
+                                                           shape.sequences)
 
     def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                  gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                 beta_activation=None):
+                 beta_activation=None, cu_seqlens=None):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
         from gdngen.precision import precision_context
 
         q, k, g, beta, gate = layer_inputs.prepare(
-            self.framework, q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm,
-            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            beta_activation=beta_activation, scale=scale, defer_qk_norm=True)
+            self.framework, q, k, v, g, beta, None if cu_seqlens is not None else initial_state,
+            mask, gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, beta_activation=beta_activation, scale=scale,
+            defer_qk_norm=True)
 
         chosen = self.explain(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                              gate=gate).variant
+                              gate=gate, cu_seqlens=cu_seqlens).variant
         with precision_context(self.framework, self.precision):
             return call(self.framework, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                        gate=gate, chunk_size=None, variant=chosen, qk_norm=qk_norm)
+                        gate=gate, chunk_size=None, variant=chosen, qk_norm=qk_norm,
+                        cu_seqlens=cu_seqlens)
 
 
 def load_tuned(framework: str = "jax", device: str | None = None,

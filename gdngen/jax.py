@@ -11,7 +11,7 @@ __all__ = ["gated_delta"]
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
-                dt_bias=None, lower_bound=None, beta_activation=None):
+                dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -43,13 +43,28 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     with ``lower_bound < 0``: ``log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``;
     ``beta_activation="sigmoid"``: beta given as logits. Inside ``jax.shard_map`` A_log and
     dt_bias are the shard's value heads, like v.
+
+    Packed sequences (`gdngen.packed`): ``cu_seqlens`` int32 ``[N+1]`` (fla's offsets:
+    ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``; may be traced under
+    ``jax.jit``, N static) splits the single row (B = 1) into N sequences, the state reset at
+    each boundary; ``initial_state`` and the returned final state are then ``[N,Hv,Dv,Dk]``.
+    Masks still apply; ``jax.vmap`` over a leading axis of rows (and of their offsets) works.
     """
+    packed = cu_seqlens is not None
     q, k, g, beta, gate = layer_inputs.prepare(
-        "jax", q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm, A_log=A_log,
-        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, scale=scale,
-        defer_qk_norm=True)
+        "jax", q, k, v, g, beta, None if packed else initial_state, mask, gate=gate,
+        qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        beta_activation=beta_activation, scale=scale, defer_qk_norm=True)
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale)
+                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
+                       cu_seqlens=cu_seqlens)
+    if packed:
+        if context_axis is not None:
+            raise ValueError("context_axis splits one sequence over chips; with cu_seqlens "
+                             "pass context_axis=None (each row of sequences runs whole)")
+        return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
+                    chunk_size=chunk_size, variant=variant, qk_norm=qk_norm,
+                    cu_seqlens=cu_seqlens)
 
     def one_call(q, k, v, g, beta, initial_state, mask):
         return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,

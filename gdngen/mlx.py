@@ -10,7 +10,7 @@ __all__ = ["gated_delta"]
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, qk_norm=False, A_log=None, dt_bias=None,
-                lower_bound=None, beta_activation=None):
+                lower_bound=None, beta_activation=None, cu_seqlens=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     Same contract as `gdngen.jax.gated_delta`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g
@@ -27,10 +27,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     the call today, gradients reach the raw arrays): ``qk_norm``; ``gate="softplus"`` /
     ``"sigmoid_bound"`` with ``A_log``, ``dt_bias`` (and ``lower_bound``), g then the raw gate
     projection; ``beta_activation="sigmoid"``.
+
+    Packed sequences, as in `gdngen.jax.gated_delta`: ``cu_seqlens`` int32 ``[N+1]``, B = 1,
+    ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.packed`).
     """
     q, k, g, beta, gate = layer_inputs.prepare(
-        "mlx", q, k, v, g, beta, initial_state, mask, gate=gate, qk_norm=qk_norm, A_log=A_log,
-        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, scale=scale,
-        defer_qk_norm=True)
+        "mlx", q, k, v, g, beta, None if cu_seqlens is not None else initial_state, mask,
+        gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        beta_activation=beta_activation, scale=scale, defer_qk_norm=True)
     return call("mlx", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
-                chunk_size=chunk_size, variant=variant, qk_norm=qk_norm)
+                chunk_size=chunk_size, variant=variant, qk_norm=qk_norm, cu_seqlens=cu_seqlens)

@@ -215,3 +215,55 @@ def gated_delta(xp, core, packed_core, q, k, v, g, beta, initial_state, mask, cu
     start = xp.where(plan.from_state[:, None, None, None], entering, S0)
     _, final = _one_chunk(xp, core, plan, plan.last, q, k, v, g, beta, mask, start, **options)
     return y, final
+
+
+# ------------------------------------------------------------------------------ dispatch
+
+#: the portable chunk module a packed row runs on, per framework
+PORTABLE_OPS = {"jax": "gdngen.backends.jax_chunkwise", "mlx": "gdngen.backends.mlx_chunkwise"}
+
+
+def chunk_params(spec, variant, vector_gate: bool) -> dict:
+    """Params of the portable chunk path a packed call of ``variant`` (of backend ``spec``)
+    runs with: a portable variant's own (less ``recurrent_below``: a packed row always walks
+    chunks); for a generated backend, its chunk size (scalar gates) or the chunk its
+    per-channel gradients run (`gdngen.backends.generated.PORTABLE_CHUNK`)."""
+    if spec.portable:
+        return {n: x for n, x in spec.parse(variant).params().items() if n != "recurrent_below"}
+    if vector_gate:
+        from gdngen.backends.generated import PORTABLE_CHUNK
+
+        return {"chunk_size": PORTABLE_CHUNK}
+    return {"chunk_size": int(variant.get("chunk_size", 64))}
+
+
+def describe(spec, variant, vector_gate: bool, sequences: int) -> str:
+    """What a packed call of ``variant`` runs (`gdngen.dispatch.Choice.for_length`)."""
+    params = chunk_params(spec, variant, vector_gate)
+    where = "its own chunk path" if spec.portable else \
+        f"the portable {PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk path (no packed " \
+        f"{spec.name} kernels yet)"
+    return (f"packed row of {sequences} sequences: {where} at chunk_size={params['chunk_size']}"
+            ", resets at each start, initial states injected, final states from each "
+            "sequence's last chunk (the variant's recurrent_below does not apply; same entry as "
+            "the dense shape class)")
+
+
+def run(spec, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant, qk_norm,
+        cu_seqlens):
+    """A packed call (checked by `gdngen.problem.check_call`) of ``variant``: float32 through
+    the framework's portable chunk path (`chunk_params`); returns ``(y in q's dtype,
+    final_state [N, Hv, Dv, Dk] float32)``."""
+    import importlib
+
+    ops = importlib.import_module(PORTABLE_OPS[spec.framework])
+    if qk_norm:
+        from gdngen.layer_inputs import normalize_qk
+
+        q, k = normalize_qk(spec.framework, q, k)
+    f32 = ops.FLOAT32
+    y, state = ops.packed_gated_delta(
+        *(x.astype(f32) for x in (q, k, v, g, beta)),
+        None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+        scale=float(scale), gate=gate, **chunk_params(spec, variant, g.ndim == 4))
+    return y.astype(q.dtype), state

@@ -27,6 +27,8 @@ class CallShape:
     Dk: int
     Dv: int
     vector_gate: bool
+    #: N, the number of packed sequences of a ``cu_seqlens`` call (`gdngen.packed`), else None
+    sequences: int | None = None
 
     @property
     def group(self) -> int:
@@ -51,11 +53,13 @@ def _shape_error(name: str, x, expected: str, why: str = "") -> ValueError:
 
 
 def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", chunk_size=64,
-               scale=1.0) -> CallShape:
+               scale=1.0, cu_seqlens=None) -> CallShape:
     """Check shapes, dtypes and options of a ``gated_delta`` call; return its `CallShape`.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` with Hv a multiple of Hk; g ``[B,T,Hv]`` or
     ``[B,T,Hv,Dk]``; beta ``[B,T,Hv]``; initial_state ``[B,Hv,Dv,Dk]``; mask ``[B,T]`` bool.
+    With ``cu_seqlens`` (`gdngen.packed.check_cu_seqlens`: int32 ``[N+1]``, B = 1)
+    initial_state is ``[N,Hv,Dv,Dk]``, one per sequence.
     """
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
@@ -89,8 +93,16 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
         vector_gate = True
     else:
         raise _shape_error("g", g, f"({B}, {T}, {Hv}) or ({B}, {T}, {Hv}, {Dk})")
-    if initial_state is not None and tuple(initial_state.shape) != (B, Hv, Dv, Dk):
-        raise _shape_error("initial_state", initial_state, f"({B}, {Hv}, {Dv}, {Dk})")
+    sequences = None
+    if cu_seqlens is not None:
+        from gdngen.packed import check_cu_seqlens
+
+        sequences = check_cu_seqlens(cu_seqlens, B, T)
+    states = B if sequences is None else sequences
+    if initial_state is not None and tuple(initial_state.shape) != (states, Hv, Dv, Dk):
+        raise _shape_error("initial_state", initial_state, f"({states}, {Hv}, {Dv}, {Dk})",
+                           "" if sequences is None else
+                           f"one state per sequence of cu_seqlens, N={sequences}")
     if mask is not None:
         if tuple(mask.shape) != (B, T):
             raise _shape_error("mask", mask, f"({B}, {T})")
@@ -101,4 +113,4 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
             raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of {FLOAT_DTYPES}")
     if initial_state is not None and dtype_name(initial_state) not in FLOAT_DTYPES:
         raise ValueError(f"initial_state has dtype {dtype_name(initial_state)}, expected float32")
-    return CallShape(B, T, Hk, Hv, Dk, Dv, vector_gate)
+    return CallShape(B, T, Hk, Hv, Dk, Dv, vector_gate, sequences)

@@ -158,6 +158,14 @@ def _case_variant(backend: str, inputs: dict, dtype: str, chunk_size: int, varia
     return Variant(backend, dict(base.as_dict(), chunk_size=chunk_size))
 
 
+def _state_shape(inputs: dict) -> tuple:
+    """``[B or N, Hv, Dv, Dk]``: the states of a case's call (N for a packed row)."""
+    B, _, _, Dk = np.shape(inputs["q"])
+    Hv, Dv = np.shape(inputs["v"])[2:]
+    packed = inputs.get("cu_seqlens")
+    return (B if packed is None else len(packed) - 1, Hv, Dv, Dk)
+
+
 def _jax_runner(inputs, *, gate, dtype, scale, variant, recurrent):
     import jax
     import jax.numpy as jnp
@@ -167,13 +175,15 @@ def _jax_runner(inputs, *, gate, dtype, scale, variant, recurrent):
     jdt = jnp.dtype(dtype)
     args = [jnp.asarray(inputs[n], jdt) for n in _NAMES]
     S0 = inputs.get("initial_state")
-    S0 = jnp.zeros((args[0].shape[0], args[2].shape[2], args[2].shape[3], args[0].shape[3]),
-                   jnp.float32) if S0 is None else jnp.asarray(S0, jnp.float32)
+    S0 = jnp.zeros(_state_shape(inputs), jnp.float32) if S0 is None else \
+        jnp.asarray(S0, jnp.float32)
     mask = None if inputs.get("mask") is None else jnp.asarray(inputs["mask"])
+    packed = {} if inputs.get("cu_seqlens") is None else \
+        {"cu_seqlens": jnp.asarray(inputs["cu_seqlens"], jnp.int32)}
 
     def f(q, k, v, g, beta, s0):
         return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
-                           variant=variant)
+                           variant=variant, **packed)
 
     (y, S), vjp = jax.vjp(f, *args, S0)
     grads = vjp((jnp.asarray(inputs["dy"], jdt),
@@ -193,13 +203,14 @@ def _mlx_runner(inputs, *, gate, dtype, scale, variant, recurrent):
     mdt = getattr(mx, dtype)
     args = [mx.array(np.asarray(inputs[n], np.float32)).astype(mdt) for n in _NAMES]
     S0 = inputs.get("initial_state")
-    B, Hv, Dv, Dk = args[0].shape[0], args[2].shape[2], args[2].shape[3], args[0].shape[3]
-    S0 = mx.zeros((B, Hv, Dv, Dk)) if S0 is None else mx.array(np.asarray(S0, np.float32))
+    S0 = mx.zeros(_state_shape(inputs)) if S0 is None else mx.array(np.asarray(S0, np.float32))
     mask = None if inputs.get("mask") is None else mx.array(inputs["mask"])
+    packed = {} if inputs.get("cu_seqlens") is None else \
+        {"cu_seqlens": mx.array(np.asarray(inputs["cu_seqlens"], np.int32))}
 
     def f(q, k, v, g, beta, s0):
         return gated_delta(q, k, v, g, beta, s0, mask=mask, scale=scale, gate=gate,
-                           variant=variant)
+                           variant=variant, **packed)
 
     cot = [mx.array(np.asarray(inputs["dy"], np.float32)).astype(mdt),
            mx.array(np.asarray(inputs["dfinal_state"], np.float32))]
@@ -229,8 +240,10 @@ def runner_for(backend: str):
 
     def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
         chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
+        # a packed row always walks chunks (`gdngen.packed`): no recurrent path to check
+        packed = inputs.get("cu_seqlens") is not None
         return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
-                   recurrent=_always_recurrent(chosen))
+                   recurrent=None if packed else _always_recurrent(chosen))
 
     runner.backend = backend
     return runner
@@ -269,10 +282,15 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
              "linear": round_to_dtype(np.exp(raw["g_log"]), dtype)}
 
     per_gate: dict[str, dict[str, float]] = {}
+    base["cu_seqlens"] = raw["cu_seqlens"]
     for gate, g in gates.items():
-        ref = reference.vjp(base["q"], base["k"], base["v"], g, base["beta"],
-                            base["initial_state"], base["dy"], base["dfinal_state"],
-                            mask=base["mask"], scale=case.scale, gate=gate)
+        arrays = (base["q"], base["k"], base["v"], g, base["beta"], base["initial_state"],
+                  base["dy"], base["dfinal_state"])
+        if base["cu_seqlens"] is None:
+            ref = reference.vjp(*arrays, mask=base["mask"], scale=case.scale, gate=gate)
+        else:
+            ref = reference.packed_vjp(*arrays, base["cu_seqlens"], mask=base["mask"],
+                                       scale=case.scale, gate=gate)
         extra = {} if variant is None else {"variant": variant}
         out = runner(_copy_inputs(dict(base, g=g)), gate=gate, dtype=dtype,
                      chunk_size=chunk_size or case.chunk_size, scale=case.scale, **extra)
