@@ -169,8 +169,9 @@ def packed_vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, cu_seqlens, *,
     as `vjp`, final_state and dinitial_state ``[N,Hv,Dv,Dk]``."""
     offsets = np.asarray(cu_seqlens)
     N = len(offsets) - 1
-    q, k, v, g, beta, dy = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta, dy))
+    q, k, v, g, beta = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta))
     Hv, Dv, Dk = v.shape[2], v.shape[3], q.shape[3]
+    dy = np.zeros(v.shape) if dy is None else np.asarray(dy, dtype=np.float64)
     s0 = np.zeros((N, Hv, Dv, Dk)) if initial_state is None else \
         np.asarray(initial_state, dtype=np.float64)
     dS = np.zeros((N, Hv, Dv, Dk)) if dfinal_state is None else \

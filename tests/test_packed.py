@@ -1,0 +1,218 @@
+"""Packed sequences (``cu_seqlens``): the offsets' checks, traced offsets under jit, vmap over
+rows, the generated backends' packed calls, and MaxText segment ids (`gdngen.packed`). The
+packed battery cases themselves (against the float64 reference, a sequence at a time) run in
+test_conformance (mlx's whole battery) and here on xla."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gdngen import packed, reference, validate
+from gdngen.cases import get_case
+
+T, HK, HV, DK, DV = 70, 1, 2, 16, 16
+OFFSETS = np.array([0, 5, 5, 33, 64, 70], np.int32)
+
+
+def _inputs(seed, T=T, N=len(OFFSETS) - 1, rows=None):
+    rng = np.random.default_rng(seed)
+    lead = () if rows is None else (rows,)
+    k = rng.standard_normal(lead + (1, T, HK, DK))
+    return {"q": rng.standard_normal(lead + (1, T, HK, DK)),
+            "k": k / np.linalg.norm(k, axis=-1, keepdims=True),
+            "v": rng.standard_normal(lead + (1, T, HV, DV)),
+            "g": -rng.uniform(0.01, 0.5, lead + (1, T, HV)),
+            "beta": rng.uniform(0.2, 1.0, lead + (1, T, HV)),
+            "initial_state": rng.standard_normal(lead + (N, HV, DV, DK))}
+
+
+def _f32(framework, arrays):
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        return {n: jnp.asarray(x, jnp.float32) for n, x in arrays.items()}
+    import mlx.core as mx
+
+    return {n: mx.array(np.asarray(x, np.float32)) for n, x in arrays.items()}
+
+
+def _int32(framework, x):
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(x, jnp.int32)
+    import mlx.core as mx
+
+    return mx.array(np.asarray(x, np.int32))
+
+
+def _gated_delta(framework):
+    if framework == "jax":
+        from gdngen.jax import gated_delta
+    else:
+        from gdngen.mlx import gated_delta
+    return gated_delta
+
+
+def _rel(x, ref):
+    return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
+
+
+def _forward_reference(arrays, offsets):
+    out = reference.packed_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["g"],
+                               arrays["beta"], arrays["initial_state"], None, None, offsets,
+                               scale=DK ** -0.5)
+    return out["y"], out["final_state"]
+
+
+def test_xla_packed_case_passes():
+    """A packed battery case on xla, every quantity in both gate conventions."""
+    result = validate.check_case("xla", get_case("packed_boundaries"))
+    assert result.passed, result.errors
+    assert set(result.errors) >= {"y", "final_state", "dinitial_state", "dg", "dg_linear"}
+
+
+BAD_OFFSETS = [
+    (np.array([0, 5, 70], np.int64), "dtype int64, expected int32"),
+    (np.array([[0, 70]], np.int32), "expected [N+1] with N >= 1"),
+    (np.array([0], np.int32), "expected [N+1] with N >= 1"),
+    (np.array([1, 5, 70], np.int32), "must start at 0"),
+    (np.array([0, 40, 30, 70], np.int32), "cu_seqlens[1]=40 > cu_seqlens[2]=30"),
+    (np.array([0, 5, 69], np.int32), "must end at T=70"),
+]
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+@pytest.mark.parametrize("offsets,message", BAD_OFFSETS)
+def test_bad_offsets_name_cu_seqlens(framework, offsets, message):
+    arrays = _f32(framework, _inputs(0))
+    arrays["initial_state"] = None
+    cu = _int32(framework, offsets) if offsets.dtype == np.int32 else offsets
+    if framework == "mlx" and offsets.dtype != np.int32:
+        import mlx.core as mx
+
+        cu = mx.array(offsets)  # mlx keeps int64
+    with pytest.raises(ValueError, match="cu_seqlens") as info:
+        _gated_delta(framework)(**arrays, scale=DK ** -0.5, cu_seqlens=cu)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_packed_call_shape_errors(framework):
+    gated_delta = _gated_delta(framework)
+    arrays = _f32(framework, _inputs(0))
+    cu = _int32(framework, OFFSETS)
+    wrong_states = dict(arrays, initial_state=arrays["initial_state"][:3])
+    with pytest.raises(ValueError, match=r"initial_state .*\(5, 2, 16, 16\).*N=5"):
+        gated_delta(**wrong_states, cu_seqlens=cu)
+    two_rows = _f32(framework, {n: np.concatenate([x, x]) for n, x in _inputs(0).items()
+                                if n != "initial_state"})
+    with pytest.raises(ValueError, match=r"cu_seqlens needs .* \(B == 1\), got B=2"):
+        gated_delta(**two_rows, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens must be an int32 array"):
+        gated_delta(**arrays, cu_seqlens=[0, 5, 70])
+
+
+def test_traced_offsets_under_jit():
+    """One jitted function, offsets as a traced argument: two different packings both match
+    the reference, and the second call does not retrace."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.jax import gated_delta
+
+    traces = []
+
+    @jax.jit
+    def run(arrays, cu):
+        traces.append(1)
+        return gated_delta(**arrays, scale=DK ** -0.5, cu_seqlens=cu)
+
+    raw = _inputs(1)
+    arrays = _f32("jax", raw)
+    for offsets in (OFFSETS, np.array([0, 0, 1, 64, 65, 70], np.int32)):
+        y, final = run(arrays, jnp.asarray(offsets))
+        y_ref, final_ref = _forward_reference(raw, offsets)
+        assert _rel(y, y_ref) < 5e-6 and _rel(final, final_ref) < 5e-6
+    assert len(traces) == 1
+
+
+def test_vmap_over_rows():
+    """``jax.vmap`` over a leading axis of rows and of their offsets: each row's outputs and
+    gradients are its own packed call's (the float64 reference, a row at a time)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.jax import gated_delta
+
+    raw = _inputs(2, rows=2)
+    arrays = _f32("jax", raw)
+    offsets = np.stack([OFFSETS, np.array([0, 20, 20, 21, 50, 70], np.int32)])
+
+    def rows(arrays, cu):
+        return jax.vmap(lambda a, c: gated_delta(**a, scale=DK ** -0.5, cu_seqlens=c))(
+            arrays, cu)
+
+    def loss(arrays, cu):  # <y, y> + <final, final>: cotangents 2 y and 2 final
+        y, final = rows(arrays, cu)
+        return (y ** 2).sum() + (final ** 2).sum()
+
+    y, final = rows(arrays, jnp.asarray(offsets))
+    grads = jax.grad(loss)(arrays, jnp.asarray(offsets))
+    for row in range(2):
+        row_raw = {n: x[row] for n, x in raw.items()}
+        y_ref, final_ref = _forward_reference(row_raw, offsets[row])
+        assert _rel(y[row], y_ref) < 5e-6 and _rel(final[row], final_ref) < 5e-6
+        ref = reference.packed_vjp(*(row_raw[n] for n in ("q", "k", "v", "g", "beta",
+                                                           "initial_state")),
+                                   2 * y_ref, 2 * final_ref, offsets[row], scale=DK ** -0.5)
+        for name, of in (("q", "dq"), ("k", "dk"), ("v", "dv"), ("g", "dg"),
+                         ("beta", "dbeta"), ("initial_state", "dinitial_state")):
+            assert _rel(grads[name][row], ref[of]) < 1e-5, name
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_empty_sequence_returns_its_initial_state(framework):
+    """An empty sequence's final state is its initial state exactly, wherever it sits."""
+    raw = _inputs(3)
+    offsets = np.array([0, 0, 33, 33, 70, 70], np.int32)
+    y, final = _gated_delta(framework)(**_f32(framework, raw), scale=DK ** -0.5,
+                                       cu_seqlens=_int32(framework, offsets))
+    final = np.asarray(final)
+    for n in (0, 2, 4):
+        np.testing.assert_array_equal(final[n], raw["initial_state"][n].astype(np.float32))
+    y_ref, final_ref = _forward_reference(raw, offsets)
+    assert _rel(y, y_ref) < 5e-6 and _rel(final, final_ref) < 5e-6
+
+
+def test_generated_backend_variant_runs_packed_and_explains_it():
+    """A packed call with a generated backend's variant runs the portable packed path at that
+    variant's chunk size, says so in explain, and matches xla's."""
+    import jax.numpy as jnp
+
+    from gdngen import registry
+    from gdngen.dispatch import load_tuned
+    from gdngen.jax import gated_delta
+    from gdngen.variant import Problem
+
+    arrays = _f32("jax", _inputs(4))
+    cu = jnp.asarray(OFFSETS)
+    problem = Problem(HK, HV, DK, DV, "float32", "scalar")
+    generated = registry.default_variant("ffi_cpu", problem).replace(chunk_size=32)
+    portable = registry.default_variant("xla", problem).replace(chunk_size=32)
+    y_gen, final_gen = gated_delta(**arrays, cu_seqlens=cu, variant=generated)
+    y_xla, final_xla = gated_delta(**arrays, cu_seqlens=cu, variant=portable)
+    np.testing.assert_allclose(np.asarray(y_gen), np.asarray(y_xla), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(final_gen), np.asarray(final_xla), rtol=0, atol=1e-6)
+    text = str(load_tuned("jax").explain(**arrays, cu_seqlens=cu))
+    assert "packed row of 5 sequences" in text and "chunk_size=" in text
+
+
+def test_cu_seqlens_from_segment_ids():
+    ids = np.array([3, 3, 3, 7, 1, 1, 1, 1, 2])
+    np.testing.assert_array_equal(packed.cu_seqlens_from_segment_ids(ids),
+                                  np.array([0, 3, 4, 8, 9], np.int32))
+    assert packed.cu_seqlens_from_segment_ids(ids).dtype == np.int32
+    with pytest.raises(ValueError, match="segment_ids is empty"):
+        packed.cu_seqlens_from_segment_ids([])
