@@ -131,70 +131,41 @@ def _gather(xp, x, index):
     return flat.reshape(index.shape + tuple(x.shape[2:]))
 
 
-def _one_chunk(xp, core, plan, window, q, k, v, g, beta, mask, S0, *, scale, gate):
-    """The dense chunk path on each sequence's ``window`` (one chunk, B = N), from S0
-    ``[N, Hv, Dv, Dk]``; steps outside the window (or masked) are identity steps."""
+def _one_chunk(xp, dense, window, q, k, v, g, beta, mask, S0):
+    """``dense`` on each sequence's ``window`` (B = N rows of one chunk), from S0
+    ``[N, Hv, Dv, Dk]``; steps outside the window (or masked) are masked steps."""
     index, valid = window
     if mask is not None:
         valid = valid & _gather(xp, mask, index)
-    arrays = [_gather(xp, x, index) for x in (q, k, v, g, beta)]
-    return chunkwise.gated_delta(xp, core, *arrays, S0, valid, scale=scale, gate=gate,
-                                 chunk_size=plan.C)
+    return dense(*(_gather(xp, x, index) for x in (q, k, v, g, beta)), S0, valid)
 
 
-def _main_pass(xp, packed_core, plan, q, k, v, g, beta, mask, inject, *, scale, gate):
-    """The whole row from a zero state with a reset at every sequence start and ``inject``
-    ``[N_chunks, 1, Hv, Dv, Dk]`` (or None) added to the state leaving each chunk. Returns
-    ``(y [1, T, Hv, Dv], S_in [N_chunks, 1, Hk, r, Dv, Dk])``, the states entering the chunks."""
-    _, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2], v.shape[3]
-    r, C = Hv // Hk, plan.C
-    M = -(-T // C)
-    g, beta = chunkwise.fold_mask(xp, g, beta, mask, gate)
-    reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
-    g = xp.where(reset, -float("inf") if gate == "log" else 0.0, g)
-    pad = M * C - T
-    if pad:
-        q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))
-        g = xp.pad_time(g, pad, 0.0 if gate == "log" else 1.0)
-    gates = chunkwise.to_chunks(g, M, C, (Hk, r)) if g.ndim == 4 else \
-        chunkwise.to_chunks(g[..., None], M, C, (Hk, r))[..., 0]
-    if inject is None:
-        inject = xp.zeros((M, 1, Hk, r, Dv, Dk))
-    else:
-        inject = inject.reshape((M, 1, Hk, r, Dv, Dk))
-    Y, S_in = packed_core(chunkwise.to_chunks(q * scale, M, C, (Hk,)),
-                          chunkwise.to_chunks(k, M, C, (Hk,)),
-                          chunkwise.to_chunks(v, M, C, (Hk, r)), gates,
-                          chunkwise.to_chunks(beta[..., None], M, C, (Hk, r))[..., 0], inject)
-    y = chunkwise.from_chunks(Y, T)
-    if mask is not None:
-        y = xp.where(mask[..., None, None], y, 0.0)
-    return y, S_in
-
-
-def gated_delta(xp, core, packed_core, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
-                scale, gate, chunk_size):
-    """Packed-row gated delta (module docstring); float32 arrays, q ``[1, T, Hk, Dk]`` etc.,
+def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
+                gate, chunk_size):
+    """Packed-row gated delta (module docstring); q ``[1, T, Hk, Dk]`` etc. float32,
     ``initial_state [N, Hv, Dv, Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]`` (checked by the
-    caller). ``core`` is the dense chunk core (`gdngen.chunkwise.gated_delta`'s); ``packed_core
-    (q, k, v, gates, beta, inject) -> (Y, S_in)`` the chunk walk from a zero state with
-    injection, in chunk layout, differentiable in all its inputs and both outputs. Returns
-    ``(y [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``."""
+    caller). The backend provides, both scaling q themselves and differentiable in every input
+    and output:
+
+    * ``dense(q, k, v, g, beta, S0, mask) -> (y, S_final)``: its whole dense call (used on one
+      chunk per sequence, B = N, masked y zeroed);
+    * ``walk(q, k, v, g, beta, inject) -> (y, S_in)``: its chunk walk over the row from a zero
+      state, gates already masked and reset, ``inject [N_chunks, Hv, Dv, Dk]`` added to the
+      state leaving each chunk; ``S_in [N_chunks, Hv, Dv, Dk]`` the states entering them.
+
+    Returns ``(y [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``."""
     m = xp.module
-    _, T, Hk, Dk = q.shape
+    _, T, _, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     plan = _Plan(xp, cu_seqlens.astype(m.int32), T, chunk_size)
     N, C = plan.N, plan.C
     M = -(-T // C)
-    options = {"scale": scale, "gate": gate}
-    zero_state = xp.zeros((N, Hv, Dv, Dk))
-    S0 = zero_state if initial_state is None else initial_state
-    inject = None
+    S0 = xp.zeros((N, Hv, Dv, Dk)) if initial_state is None else initial_state
+    inject = xp.zeros((M, Hv, Dv, Dk))
     if initial_state is not None:
         # free response of each S0_n over its first partial chunk (v = 0)
-        y_first, S_first = _one_chunk(xp, core, plan, plan.first, q, k, m.zeros_like(v), g,
-                                      beta, mask, S0, **options)
+        y_first, S_first = _one_chunk(xp, dense, plan.first, q, k, m.zeros_like(v), g, beta,
+                                      mask, S0)
         # chunk j's leaving state gets S_first of the sequence holding the chunk's last step
         # when that sequence started in chunk j and goes on past its end
         j = m.arange(M).astype(m.int32)
@@ -202,7 +173,12 @@ def gated_delta(xp, core, packed_core, q, k, v, g, beta, initial_state, mask, cu
         goes_on = ((m.take(plan.starts, owner, axis=0) >= j * C)
                    & (m.take(plan.ends, owner, axis=0) > (j + 1) * C))
         inject = xp.where(goes_on[:, None, None, None], m.take(S_first, owner, axis=0), 0.0)
-    y, S_in = _main_pass(xp, packed_core, plan, q, k, v, g, beta, mask, inject, **options)
+    g_row, beta_row = chunkwise.fold_mask(xp, g, beta, mask, gate)
+    reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
+    g_row = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
+    y, S_in = walk(q, k, v, g_row, beta_row, inject)
+    if mask is not None:
+        y = xp.where(mask[..., None, None], y, 0.0)
     if initial_state is not None:
         t = m.arange(T).astype(m.int32)
         offset = t - m.take(plan.starts, plan.seq, axis=0)
@@ -211,10 +187,34 @@ def gated_delta(xp, core, packed_core, q, k, v, g, beta, initial_state, mask, cu
         extra = m.take(flat, plan.seq * C + m.minimum(offset, C - 1), axis=0)
         y = y + xp.where(inside[None, :, None, None], extra[None], 0.0)
     # each sequence's final state: its last partial chunk, from the state entering that chunk
-    entering = m.take(S_in, plan.last_chunk, axis=0).reshape((N, Hv, Dv, Dk))
+    entering = m.take(S_in, plan.last_chunk, axis=0)
     start = xp.where(plan.from_state[:, None, None, None], entering, S0)
-    _, final = _one_chunk(xp, core, plan, plan.last, q, k, v, g, beta, mask, start, **options)
-    return y, final
+    return y, _one_chunk(xp, dense, plan.last, q, k, v, g, beta, mask, start)[1]
+
+
+def chunk_walk(xp, packed_core, *, scale, gate, chunk_size):
+    """The ``walk`` of `gated_delta` over a chunk-layout ``packed_core(q, k, v, gates, beta,
+    inject) -> (Y, S_in)`` (`gdngen.chunkwise.forward` with ``inject`` from a zero state)."""
+
+    def walk(q, k, v, g, beta, inject):
+        _, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        r, C = Hv // Hk, chunk_size
+        M = -(-T // C)
+        pad = M * C - T
+        if pad:  # identity steps
+            q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))
+            g = xp.pad_time(g, pad, 0.0 if gate == "log" else 1.0)
+        gates = chunkwise.to_chunks(g, M, C, (Hk, r)) if g.ndim == 4 else \
+            chunkwise.to_chunks(g[..., None], M, C, (Hk, r))[..., 0]
+        Y, S_in = packed_core(chunkwise.to_chunks(q * scale, M, C, (Hk,)),
+                              chunkwise.to_chunks(k, M, C, (Hk,)),
+                              chunkwise.to_chunks(v, M, C, (Hk, r)), gates,
+                              chunkwise.to_chunks(beta[..., None], M, C, (Hk, r))[..., 0],
+                              inject.reshape((M, 1, Hk, r, Dv, Dk)))
+        return chunkwise.from_chunks(Y, T), S_in.reshape((M, Hv, Dv, Dk))
+
+    return walk
 
 
 # ------------------------------------------------------------------------------ dispatch
@@ -223,11 +223,18 @@ def gated_delta(xp, core, packed_core, q, k, v, g, beta, initial_state, mask, cu
 PORTABLE_OPS = {"jax": "gdngen.backends.jax_chunkwise", "mlx": "gdngen.backends.mlx_chunkwise"}
 
 
+def native(spec, vector_gate: bool) -> bool:
+    """Whether backend ``spec`` runs packed rows of this gate kind in its own kernels
+    (`gdngen.spec.BackendSpec.packed_entry`), else on the portable chunk path."""
+    return spec.packed_entry is not None and \
+        ("vector" if vector_gate else "scalar") in spec.packed_gates
+
+
 def chunk_params(spec, variant, vector_gate: bool) -> dict:
     """Params of the portable chunk path a packed call of ``variant`` (of backend ``spec``)
-    runs with: a portable variant's own (less ``recurrent_below``: a packed row always walks
-    chunks); for a generated backend, its chunk size (scalar gates) or the chunk its
-    per-channel gradients run (`gdngen.backends.generated.PORTABLE_CHUNK`)."""
+    runs with when not `native`: a portable variant's own (less ``recurrent_below``: a packed
+    row always walks chunks); for a generated backend, its chunk size (scalar gates) or the
+    chunk its per-channel gradients run (`gdngen.backends.generated.PORTABLE_CHUNK`)."""
     if spec.portable:
         return {n: x for n, x in spec.parse(variant).params().items() if n != "recurrent_below"}
     if vector_gate:
@@ -239,31 +246,46 @@ def chunk_params(spec, variant, vector_gate: bool) -> dict:
 
 def describe(spec, variant, vector_gate: bool, sequences: int) -> str:
     """What a packed call of ``variant`` runs (`gdngen.dispatch.Choice.for_length`)."""
-    params = chunk_params(spec, variant, vector_gate)
-    where = "its own chunk path" if spec.portable else \
-        f"the portable {PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk path (no packed " \
-        f"{spec.name} kernels yet)"
-    return (f"packed row of {sequences} sequences: {where} at chunk_size={params['chunk_size']}"
-            ", resets at each start, initial states injected, final states from each "
-            "sequence's last chunk (the variant's recurrent_below does not apply; same entry as "
-            "the dense shape class)")
+    if native(spec, vector_gate):
+        where = f"the {spec.name} chunk kernels" + ("" if spec.portable else
+                                                    " (their packed build)")
+        chunk = variant.get("chunk_size")
+    else:
+        where = (f"the portable {PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk path "
+                 f"(no packed {spec.name} kernels for these gates yet)")
+        chunk = chunk_params(spec, variant, vector_gate)["chunk_size"]
+    return (f"packed row of {sequences} sequences: {where} at chunk_size={chunk}, resets at "
+            "each start, initial states injected, final states from each sequence's last "
+            "chunk (recurrent_below does not apply; the dense shape class's entry)")
 
 
 def run(spec, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant, qk_norm,
         cu_seqlens):
-    """A packed call (checked by `gdngen.problem.check_call`) of ``variant``: float32 through
-    the framework's portable chunk path (`chunk_params`); returns ``(y in q's dtype,
-    final_state [N, Hv, Dv, Dk] float32)``."""
-    import importlib
-
-    ops = importlib.import_module(PORTABLE_OPS[spec.framework])
+    """A packed call (checked by `gdngen.problem.check_call`) of ``variant``: the backend's
+    own packed entry when `native`, else the framework's portable chunk path at
+    `chunk_params`. Returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
     if qk_norm:
         from gdngen.layer_inputs import normalize_qk
 
         q, k = normalize_qk(spec.framework, q, k)
+    arrays = (q, k, v, g, beta, initial_state)
+    options = {"mask": mask, "scale": float(scale), "gate": gate, "cu_seqlens": cu_seqlens}
+    if native(spec, g.ndim == 4):
+        return spec.packed_entry(*arrays, variant=variant, **options)
+    return run_portable(spec.framework, *arrays, params=chunk_params(spec, variant, g.ndim == 4),
+                        **options)
+
+
+def run_portable(framework, q, k, v, g, beta, initial_state, *, mask, scale, gate, cu_seqlens,
+                 params):
+    """A packed call on the portable chunk path of ``framework`` with chunk ``params``
+    (``chunk_size``, optionally ``solve_block``, ``save_states``), float32 inside."""
+    import importlib
+
+    ops = importlib.import_module(PORTABLE_OPS[framework])
     f32 = ops.FLOAT32
     y, state = ops.packed_gated_delta(
         *(x.astype(f32) for x in (q, k, v, g, beta)),
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
-        scale=float(scale), gate=gate, **chunk_params(spec, variant, g.ndim == 4))
+        scale=float(scale), gate=gate, **params)
     return y.astype(q.dtype), state

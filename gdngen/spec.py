@@ -42,6 +42,9 @@ class BackendSpec:
       problem)`` the bytes of that resource a variant uses (its space keeps the variants whose
       footprint fits the device); ``reference_device``: the device planned for when none is
       named.
+    * ``packed_entry``: ``gated_delta(..., variant, cu_seqlens)`` running a packed row in its
+      own kernels for the gate kinds in ``packed_gates`` (`gdngen.packed`); without one, packed
+      rows of its variants run on the framework's portable chunk path.
     * ``fused_inputs``: the layer inputs its entry takes raw and computes inside its kernels
       (``"qk_norm"``: the entry takes ``qk_norm=True`` and raw q, k, and keeps no normalised
       q, k for its backward); the others are computed before the call (`run`).
@@ -69,6 +72,8 @@ class BackendSpec:
     footprint: Callable | None = None
     reference_device: str | None = None
     fused_inputs: tuple = ()
+    packed_entry: Callable | None = None
+    packed_gates: tuple = ()
 
     def __post_init__(self):
         if self.framework not in ("jax", "mlx"):

@@ -61,6 +61,7 @@ VECTOR_FLOATS = (8, 16)
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 TEMPLATE = "ffi_cpu/gated_delta.cc.j2"
 SOURCE_NAME = "gated_delta.cc"
+PACKED_SOURCE_NAME = "gated_delta_packed.cc"
 #: the recurrent (short-call forward) kernel's template and rendered file
 RECURRENT_TEMPLATE = "ffi_cpu/recurrent.cc.j2"
 RECURRENT_SOURCE_NAME = "recurrent.cc"
@@ -166,7 +167,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     dims = {"dk": problem.Dk, "dv": problem.Dv, "dk_pad": padded(problem.Dk),
             "dv_pad": padded(problem.Dv), "vector_floats": p["vector_floats"], "symbol": SYMBOL}
     context = {"chunk": p["chunk_size"], "row_block": p["row_block"], "panel": p["panel"],
-               **dims}
+               "packed": False, **dims}
     recurrent = {"per_channel": problem.gate == "vector", "row_tile": RECURRENT_ROW_TILE, **dims}
     return {SOURCE_NAME: (TEMPLATE, context),
             RECURRENT_SOURCE_NAME: (RECURRENT_TEMPLATE, recurrent)}
@@ -257,23 +258,22 @@ def _check_compiled(cmd: list[str], stderr: str, returncode: int) -> None:
 
 class Kernels:
     """A loaded variant: ``target_forward`` / ``target_backward`` / ``target_recurrent``
-    (registered FFI target names), ``sha256`` of the rendered sources, ``params``
-    (`kernel_params`), ``library`` (its path)."""
+    (registered FFI target names; a packed library has no recurrent one), ``sha256`` of the
+    rendered sources, ``params`` (`kernel_params`), ``library`` (its path)."""
 
-    def __init__(self, variant: Variant, problem: Problem, sha256: str, library: Path):
+    def __init__(self, variant: Variant, problem: Problem, sha256: str, library: Path,
+                 kinds=("forward", "backward", "recurrent")):
         import jax
 
         self.variant, self.problem, self.sha256, self.library = variant, problem, sha256, library
         self.params = kernel_params(variant, problem)
         self._handle = ctypes.CDLL(str(library))  # kept alive with the registered targets
-        self.target_forward = f"gdngen_ffi_cpu_{sha256[:16]}_forward"
-        self.target_backward = f"gdngen_ffi_cpu_{sha256[:16]}_backward"
-        self.target_recurrent = f"gdngen_ffi_cpu_{sha256[:16]}_recurrent"
-        for target, symbol in ((self.target_forward, f"{SYMBOL}_forward"),
-                               (self.target_backward, f"{SYMBOL}_backward"),
-                               (self.target_recurrent, f"{SYMBOL}_recurrent")):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(self._handle, symbol)),
-                                        platform="cpu")
+        for kind in kinds:
+            target = f"gdngen_ffi_cpu_{sha256[:16]}_{kind}"
+            setattr(self, f"target_{kind}", target)
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(self._handle, f"{SYMBOL}_{kind}")),
+                platform="cpu")
 
 
 _LOADED: dict[str, Kernels] = {}
@@ -281,13 +281,38 @@ _LOADED: dict[str, Kernels] = {}
 
 def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None) -> Kernels:
     """Render ``variant`` for ``problem``, compile it unless cached, load and register it."""
-    rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
+    return _load(SPEC.render(variant, problem, templates_dir=templates_dir))
+
+
+def _load(rendered, kinds=("forward", "backward", "recurrent")) -> Kernels:
     if rendered.sha256 not in _LOADED:
         path = library_path(rendered.sha256)
         if not path.exists():
             compile_library(rendered.sources, path)
-        _LOADED[rendered.sha256] = Kernels(variant, problem, rendered.sha256, path)
+        _LOADED[rendered.sha256] = Kernels(rendered.variant, rendered.problem, rendered.sha256,
+                                           path, kinds)
     return _LOADED[rendered.sha256]
+
+
+def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The packed-row chunk kernels of ``variant`` (`gdngen.packed`): the chunk template with
+    ``packed`` set, whose forward also takes an injected state per chunk ``[B, Hv, N, Dv,
+    Dk]`` and whose backward also takes the entering states' cotangent and returns the
+    injection's. With ``packed`` unset the template renders the dense kernels byte for byte,
+    so the dense variant's sha256 (and tuned entries) do not depend on it."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    SPEC.parse(variant)
+    template, context = render_plan(variant, problem)[SOURCE_NAME]
+    texts = {PACKED_SOURCE_NAME: environment(templates_dir).get_template(template).render(
+        **dict(context, packed=True))}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=None) -> Kernels:
+    """`render_packed`, compiled unless cached, loaded and registered (forward, backward)."""
+    return _load(render_packed(variant, problem, templates_dir=templates_dir),
+                 ("forward", "backward"))
 
 
 def lower_check(variant: Variant, problem: Problem) -> dict:
@@ -364,6 +389,106 @@ def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = Fa
         return dq, dk, dv, dg, dbeta, dS0
 
     return generated.custom_vjp_core(forward, backward, qk_norm)
+
+
+@functools.cache
+def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
+    """``walk(q, k, v, g, beta, inject) -> (y, S_in)`` of `gdngen.packed.gated_delta` on the
+    packed kernels ``sha256`` (B = 1, API layout, float32; ``inject`` and ``S_in`` ``[N, Hv,
+    Dv, Dk]`` per chunk), a ``jax.custom_vjp`` whose backward is the packed backward kernel."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    kernels = _LOADED[sha256]
+    workers = threads()
+    attrs = {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison}
+
+    def f32(shape, like):
+        return generated.result_type(shape, jnp.float32, like)
+
+    def log_gates(g):
+        return g if gate == "log" else jnp.log(g)
+
+    def per_head(x):  # [N, Hv, Dv, Dk] <-> the kernels' [1, Hv, N, Dv, Dk]
+        return x.swapaxes(0, 1)[None]
+
+    def forward(q, k, v, g, beta, inject):
+        _, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        N = inject.shape[0]
+        y, _, states = jax.ffi.ffi_call(kernels.target_forward, (
+            f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
+            f32((1, Hv, N, padded(Dk), padded(Dv)), q)))(
+                q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
+                per_head(inject), **attrs, splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
+        S_in = states[0, :, :, :Dk, :Dv].swapaxes(-1, -2).swapaxes(0, 1)  # [N, Hv, Dv, Dk]
+        return (y, S_in), states
+
+    @jax.custom_vjp
+    def walk(q, k, v, g, beta, inject):
+        return forward(q, k, v, g, beta, inject)[0]
+
+    def walk_fwd(*primals):
+        outputs, states = forward(*primals)
+        return outputs, (primals, states)
+
+    def walk_bwd(saved, cotangents):
+        (q, k, v, g, beta, _), states = saved
+        dy, dS_in = cotangents
+        _, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        N = states.shape[2]
+        P = head_splits(1, Hk, Hv // Hk, workers)
+        dq, dk, dv, dbeta, dg, _, dinject = jax.ffi.ffi_call(kernels.target_backward, (
+            f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
+            f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
+            f32((1, Hv, N, Dv, Dk), q)))(
+                q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
+                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), per_head(dS_in.astype(jnp.float32)),
+                linear=gate == "linear", splits=np.int64(P), **attrs)
+        if P > 1:
+            dq, dk = (x.reshape(1, T, Hk, P, Dk).sum(3) for x in (dq, dk))
+        return dq, dk, dv, dg, dbeta, dinject[0].swapaxes(0, 1)
+
+    walk.defvjp(walk_fwd, walk_bwd)
+    return walk
+
+
+def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                       gate="log", variant, cu_seqlens, templates_dir=None):
+    """A packed row (`gdngen.packed`) on ``variant``'s kernels, scalar gates: the row's chunk
+    walk on its packed kernels (`render_packed`), each sequence's one-chunk calls on its dense
+    chunk kernels. Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens`` (checked by the
+    caller); float32 throughout; returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk])``."""
+    import jax.numpy as jnp
+
+    from gdngen import packed
+    from gdngen.backends import jax_chunkwise
+    from gdngen.problem import check_call
+    from gdngen.variant import problem_of
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale,
+                       cu_seqlens=cu_seqlens)
+    problem = problem_of(shape, generated.dtype_name(q))
+    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    walk_kernels = load_packed_kernels(variant, problem, templates_dir=templates_dir)
+    poison = settings.flag(ENV_POISON)
+    core = _core(kernels.sha256, gate, float(scale), poison)
+    XP = jax_chunkwise.XP
+
+    def dense(q, k, v, g, beta, S0, mask):
+        g, beta = chunkwise.fold_mask(XP, g, beta, mask, gate)
+        y, S = core(q, k, v, g, beta, S0)
+        return jnp.where(mask[..., None, None], y, 0.0), S
+
+    f32 = jnp.float32
+    y, state = packed.gated_delta(
+        XP, dense, _packed_walk(walk_kernels.sha256, gate, float(scale), poison),
+        *(x.astype(f32) for x in (q, k, v, g, beta)),
+        None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+        gate=gate, chunk_size=kernels.params["chunk_size"])
+    return y.astype(q.dtype), state
 
 
 def recurrent_rows(B: int, Hv: int, Dv: int, workers: int) -> int:
@@ -494,4 +619,5 @@ SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=TOLERANCES, device_kinds=("cpu",), dtypes=INPUT_DTYPES,
     gates=("scalar", "vector"), tuned_gates=("scalar",), render_plan=render_plan,
-    available=available, lower_check=lower_check, fused_inputs=("qk_norm",))
+    available=available, lower_check=lower_check, fused_inputs=("qk_norm",),
+    packed_entry=packed_gated_delta, packed_gates=("scalar",))

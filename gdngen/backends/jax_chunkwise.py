@@ -188,11 +188,16 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
     def core(*arrays):
         return chunk_core(*arrays, gate, solve_block, save_states)
 
-    def walk(*arrays):
+    def dense(q, k, v, g, beta, S0, mask):
+        return chunkwise.gated_delta(XP, core, q, k, v, g, beta, S0, mask, scale=scale,
+                                     gate=gate, chunk_size=chunk_size)
+
+    def walk_core(*arrays):
         return packed_core(*arrays, gate, solve_block, save_states)
 
-    return packed.gated_delta(XP, core, walk, q, k, v, g, beta, initial_state, mask, cu_seqlens,
-                              scale=scale, gate=gate, chunk_size=chunk_size)
+    walk = packed.chunk_walk(XP, walk_core, scale=scale, gate=gate, chunk_size=chunk_size)
+    return packed.gated_delta(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
+                              cu_seqlens, gate=gate, chunk_size=chunk_size)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate"))

@@ -118,18 +118,16 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
     [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]``. Params as
     `chunkwise_gated_delta`'s."""
     core = chunk_core(gate, solve_block, save_states)
-    walk = packed_core(gate, solve_block, save_states)
+    walk_core = packed_core(gate, solve_block, save_states)
 
-    def core_outputs(*arrays):
-        Y, S_final, *_ = core(*arrays)
-        return Y, S_final
+    def dense(q, k, v, g, beta, S0, mask):
+        return chunkwise.gated_delta(XP, lambda *a: core(*a)[:2], q, k, v, g, beta, S0, mask,
+                                     scale=scale, gate=gate, chunk_size=chunk_size)
 
-    def walk_outputs(*arrays):
-        Y, S_in, *_ = walk(*arrays)
-        return Y, S_in
-
-    return packed.gated_delta(XP, core_outputs, walk_outputs, q, k, v, g, beta, initial_state,
-                              mask, cu_seqlens, scale=scale, gate=gate, chunk_size=chunk_size)
+    walk = packed.chunk_walk(XP, lambda *a: walk_core(*a)[:2], scale=scale, gate=gate,
+                             chunk_size=chunk_size)
+    return packed.gated_delta(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
+                              cu_seqlens, gate=gate, chunk_size=chunk_size)
 
 
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,

@@ -75,12 +75,22 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
                            gate=gate, config=spec.parse(variant), qk_norm=qk_norm)
 
     entry.__doc__ = f"Run a {name} ``variant`` (shapes as `gdngen.{framework}.gated_delta`)."
+
+    def packed_entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                     gate="log", variant, cu_seqlens):
+        from gdngen import packed
+
+        return packed.run_portable(framework, q, k, v, g, beta, initial_state, mask=mask,
+                                   scale=scale, gate=gate, cu_seqlens=cu_seqlens,
+                                   params=packed.chunk_params(spec, variant, g.ndim == 4))
+
+    packed_entry.__doc__ = f"A packed row on a {name} ``variant`` (`gdngen.packed`)."
     spec = BackendSpec(
         name=name, framework=framework, config=config_cls, space=space, default=default,
         entry=entry, tolerances=TOLERANCES, device_kinds=device_kinds, portable=True,
         gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
         source_modules=("gdngen.chunkwise", "gdngen.chunkwise_channel", __name__, ops),
-        fused_inputs=fused_inputs)
+        fused_inputs=fused_inputs, packed_entry=packed_entry, packed_gates=("scalar", "vector"))
     return config_cls, entry, spec
 
 
