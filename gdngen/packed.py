@@ -149,9 +149,13 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
 
     * ``dense(q, k, v, g, beta, S0, mask) -> (y, S_final)``: its whole dense call (used on one
       chunk per sequence, B = N, masked y zeroed);
-    * ``walk(q, k, v, g, beta, inject) -> (y, S_in)``: its chunk walk over the row from a zero
-      state, gates already masked and reset, ``inject [N_chunks, Hv, Dv, Dk]`` added to the
-      state leaving each chunk; ``S_in [N_chunks, Hv, Dv, Dk]`` the states entering them.
+    * ``walk(q, k, v, g, beta, inject, last) -> (y, S_in, S_end)``: its chunk walk over the row
+      from a zero state, gates already masked and reset, ``inject [N_chunks, Hv, Dv, Dk]``
+      (None: zeros) added to the state leaving each chunk; then either ``S_end [N, Hv, Dv,
+      Dk]``, the state after each sequence's last step (``last`` int32 ``[N]``, -1 for an
+      empty sequence, whose S_end is not read), with S_in None; or S_end None and ``S_in
+      [N_chunks, Hv, Dv, Dk]``, the states entering the chunks (each sequence's last chunk
+      then runs through ``dense`` from them).
 
     Returns ``(y [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``."""
     m = xp.module
@@ -161,7 +165,7 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
     N, C = plan.N, plan.C
     M = -(-T // C)
     S0 = xp.zeros((N, Hv, Dv, Dk)) if initial_state is None else initial_state
-    inject = xp.zeros((M, Hv, Dv, Dk))
+    inject = None
     if initial_state is not None:
         # free response of each S0_n over its first partial chunk (v = 0)
         y_first, S_first = _one_chunk(xp, dense, plan.first, q, k, m.zeros_like(v), g, beta,
@@ -176,7 +180,8 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
     g_row, beta_row = chunkwise.fold_mask(xp, g, beta, mask, gate)
     reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
     g_row = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
-    y, S_in = walk(q, k, v, g_row, beta_row, inject)
+    y, S_in, S_end = walk(q, k, v, g_row, beta_row, inject,
+                          xp.where(plan.nonempty, plan.ends - 1, -1).astype(m.int32))
     if mask is not None:
         y = xp.where(mask[..., None, None], y, 0.0)
     if initial_state is not None:
@@ -186,17 +191,21 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
         flat = y_first.reshape((N * C, Hv, Dv))
         extra = m.take(flat, plan.seq * C + m.minimum(offset, C - 1), axis=0)
         y = y + xp.where(inside[None, :, None, None], extra[None], 0.0)
-    # each sequence's final state: its last partial chunk, from the state entering that chunk
-    entering = m.take(S_in, plan.last_chunk, axis=0)
-    start = xp.where(plan.from_state[:, None, None, None], entering, S0)
-    return y, _one_chunk(xp, dense, plan.last, q, k, v, g, beta, mask, start)[1]
+    if S_end is None:  # each sequence's last partial chunk, from the state entering it
+        entering = m.take(S_in, plan.last_chunk, axis=0)
+        start = xp.where(plan.from_state[:, None, None, None], entering, S0)
+        return y, _one_chunk(xp, dense, plan.last, q, k, v, g, beta, mask, start)[1]
+    if initial_state is not None:  # a sequence ending in its first chunk: plus S0's response
+        S_end = S_end + xp.where((plan.ends <= plan.first_end)[:, None, None, None], S_first,
+                                 0.0)
+    return y, xp.where(plan.nonempty[:, None, None, None], S_end, S0)
 
 
 def chunk_walk(xp, packed_core, *, scale, gate, chunk_size):
     """The ``walk`` of `gated_delta` over a chunk-layout ``packed_core(q, k, v, gates, beta,
     inject) -> (Y, S_in)`` (`gdngen.chunkwise.forward` with ``inject`` from a zero state)."""
 
-    def walk(q, k, v, g, beta, inject):
+    def walk(q, k, v, g, beta, inject, last):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         r, C = Hv // Hk, chunk_size
@@ -207,12 +216,14 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size):
             g = xp.pad_time(g, pad, 0.0 if gate == "log" else 1.0)
         gates = chunkwise.to_chunks(g, M, C, (Hk, r)) if g.ndim == 4 else \
             chunkwise.to_chunks(g[..., None], M, C, (Hk, r))[..., 0]
+        if inject is None:
+            inject = xp.zeros((M, Hv, Dv, Dk))
         Y, S_in = packed_core(chunkwise.to_chunks(q * scale, M, C, (Hk,)),
                               chunkwise.to_chunks(k, M, C, (Hk,)),
                               chunkwise.to_chunks(v, M, C, (Hk, r)), gates,
                               chunkwise.to_chunks(beta[..., None], M, C, (Hk, r))[..., 0],
                               inject.reshape((M, 1, Hk, r, Dv, Dk)))
-        return chunkwise.from_chunks(Y, T), S_in.reshape((M, Hv, Dv, Dk))
+        return chunkwise.from_chunks(Y, T), S_in.reshape((M, Hv, Dv, Dk)), None
 
     return walk
 

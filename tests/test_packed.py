@@ -66,9 +66,16 @@ def _forward_reference(arrays, offsets):
     return out["y"], out["final_state"]
 
 
-def test_xla_packed_case_passes():
-    """A packed battery case on xla, every quantity in both gate conventions."""
-    result = validate.check_case("xla", get_case("packed_boundaries"))
+@pytest.mark.parametrize("backend", ["xla", "ffi_cpu"])
+def test_packed_case_passes(backend, monkeypatch):
+    """A packed battery case on xla and on ffi_cpu's packed kernels (outputs poisoned: any
+    element a kernel leaves unwritten is NaN), every quantity in both gate conventions."""
+    from gdngen import registry, settings
+
+    if not registry.get(backend).available():
+        pytest.skip(f"{backend} cannot run on this host (no C++ compiler)")
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    result = validate.check_case(backend, get_case("packed_boundaries"))
     assert result.passed, result.errors
     assert set(result.errors) >= {"y", "final_state", "dinitial_state", "dg", "dg_linear"}
 
@@ -186,9 +193,10 @@ def test_empty_sequence_returns_its_initial_state(framework):
     assert _rel(y, y_ref) < 5e-6 and _rel(final, final_ref) < 5e-6
 
 
-def test_generated_backend_variant_runs_packed_and_explains_it():
-    """A packed call with a generated backend's variant runs the portable packed path at that
-    variant's chunk size, says so in explain, and matches xla's."""
+def test_packed_paths_of_generated_backends():
+    """ffi_cpu runs packed rows in its own kernels; a backend without packed kernels
+    (pallas_tpu) runs its variants' packed rows on the portable path at the variant's chunk;
+    both match xla's packed row, and `explain` / `describe` say which ran."""
     import jax.numpy as jnp
 
     from gdngen import registry
@@ -199,12 +207,22 @@ def test_generated_backend_variant_runs_packed_and_explains_it():
     arrays = _f32("jax", _inputs(4))
     cu = jnp.asarray(OFFSETS)
     problem = Problem(HK, HV, DK, DV, "float32", "scalar")
-    generated = registry.default_variant("ffi_cpu", problem).replace(chunk_size=32)
-    portable = registry.default_variant("xla", problem).replace(chunk_size=32)
-    y_gen, final_gen = gated_delta(**arrays, cu_seqlens=cu, variant=generated)
-    y_xla, final_xla = gated_delta(**arrays, cu_seqlens=cu, variant=portable)
-    np.testing.assert_allclose(np.asarray(y_gen), np.asarray(y_xla), rtol=0, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(final_gen), np.asarray(final_xla), rtol=0, atol=1e-6)
+    y_xla, final_xla = gated_delta(
+        **arrays, cu_seqlens=cu,
+        variant=registry.default_variant("xla", problem).replace(chunk_size=32))
+    for name in ("ffi_cpu", "pallas_tpu"):
+        spec = registry.get(name)
+        if not spec.available():
+            continue
+        variant = registry.default_variant(name, problem).replace(chunk_size=32)
+        y, final = gated_delta(**arrays, cu_seqlens=cu, variant=variant)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=0, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(final), np.asarray(final_xla), rtol=0, atol=2e-6)
+    assert "ffi_cpu chunk kernels (their packed build)" in packed.describe(
+        registry.get("ffi_cpu"), variant, False, 5)
+    assert "portable jax_chunkwise chunk path (no packed pallas_tpu kernels" in \
+        packed.describe(registry.get("pallas_tpu"), variant, False, 5)
+    assert "portable jax_chunkwise" in packed.describe(registry.get("ffi_cpu"), variant, True, 5)
     text = str(load_tuned("jax").explain(**arrays, cu_seqlens=cu))
     assert "packed row of 5 sequences" in text and "chunk_size=" in text
 

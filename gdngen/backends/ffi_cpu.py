@@ -393,9 +393,12 @@ def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = Fa
 
 @functools.cache
 def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
-    """``walk(q, k, v, g, beta, inject) -> (y, S_in)`` of `gdngen.packed.gated_delta` on the
-    packed kernels ``sha256`` (B = 1, API layout, float32; ``inject`` and ``S_in`` ``[N, Hv,
-    Dv, Dk]`` per chunk), a ``jax.custom_vjp`` whose backward is the packed backward kernel."""
+    """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
+    `gdngen.packed.gated_delta` on the packed kernels ``sha256`` (B = 1, API layout, float32;
+    ``inject [N, Hv, Dv, Dk]`` per chunk, or None; ``last`` int32 ``[n_seq]`` each sequence's
+    last step, -1 for an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state after it, not
+    written for an empty one): a ``jax.custom_vjp`` per presence of ``inject`` whose backward is
+    the packed backward kernel."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -403,6 +406,7 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     kernels = _LOADED[sha256]
     workers = threads()
     attrs = {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison}
+    nothing = jnp.zeros((0,), jnp.float32)
 
     def f32(shape, like):
         return generated.result_type(shape, jnp.float32, like)
@@ -413,45 +417,71 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     def per_head(x):  # [N, Hv, Dv, Dk] <-> the kernels' [1, Hv, N, Dv, Dk]
         return x.swapaxes(0, 1)[None]
 
-    def forward(q, k, v, g, beta, inject):
+    def forward(q, k, v, g, beta, inject, last):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
-        N = inject.shape[0]
-        y, _, states = jax.ffi.ffi_call(kernels.target_forward, (
+        N, n_seq = -(-T // kernels.params["chunk_size"]), last.shape[0]
+        y, _, states, ends = jax.ffi.ffi_call(kernels.target_forward, (
             f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
-            f32((1, Hv, N, padded(Dk), padded(Dv)), q)))(
+            f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)))(
                 q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
-                per_head(inject), **attrs, splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
-        S_in = states[0, :, :, :Dk, :Dv].swapaxes(-1, -2).swapaxes(0, 1)  # [N, Hv, Dv, Dk]
-        return (y, S_in), states
+                nothing if inject is None else per_head(inject), last, **attrs,
+                splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
+        return (y, ends[0].swapaxes(0, 1)), states
 
-    @jax.custom_vjp
-    def walk(q, k, v, g, beta, inject):
-        return forward(q, k, v, g, beta, inject)[0]
-
-    def walk_fwd(*primals):
-        outputs, states = forward(*primals)
-        return outputs, (primals, states)
-
-    def walk_bwd(saved, cotangents):
-        (q, k, v, g, beta, _), states = saved
-        dy, dS_in = cotangents
+    def backward(primals, states, cotangents, injects):
+        q, k, v, g, beta, last = primals
+        dy, dS_end = cotangents
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
-        N = states.shape[2]
         P = head_splits(1, Hk, Hv // Hk, workers)
+        inject_shape = (1, Hv, states.shape[2], Dv, Dk) if injects else (0,)
         dq, dk, dv, dbeta, dg, _, dinject = jax.ffi.ffi_call(kernels.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
-            f32((1, Hv, N, Dv, Dk), q)))(
+            f32(inject_shape, q)))(
                 q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
-                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), per_head(dS_in.astype(jnp.float32)),
-                linear=gate == "linear", splits=np.int64(P), **attrs)
+                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), last,
+                per_head(dS_end.astype(jnp.float32)), linear=gate == "linear",
+                splits=np.int64(P), **attrs)
         if P > 1:
             dq, dk = (x.reshape(1, T, Hk, P, Dk).sum(3) for x in (dq, dk))
-        return dq, dk, dv, dg, dbeta, dinject[0].swapaxes(0, 1)
+        return (dq, dk, dv, dg, dbeta), dinject
 
-    walk.defvjp(walk_fwd, walk_bwd)
+    @jax.custom_vjp
+    def injected(q, k, v, g, beta, inject, last):
+        return forward(q, k, v, g, beta, inject, last)[0]
+
+    def injected_fwd(q, k, v, g, beta, inject, last):
+        outputs, states = forward(q, k, v, g, beta, inject, last)
+        return outputs, ((q, k, v, g, beta, last), states)
+
+    def injected_bwd(saved, cotangents):
+        grads, dinject = backward(*saved, cotangents, True)
+        return (*grads, dinject[0].swapaxes(0, 1), None)
+
+    injected.defvjp(injected_fwd, injected_bwd)
+
+    @jax.custom_vjp
+    def plain(q, k, v, g, beta, last):
+        return forward(q, k, v, g, beta, None, last)[0]
+
+    def plain_fwd(q, k, v, g, beta, last):
+        outputs, states = forward(q, k, v, g, beta, None, last)
+        return outputs, ((q, k, v, g, beta, last), states)
+
+    def plain_bwd(saved, cotangents):
+        return (*backward(*saved, cotangents, False)[0], None)
+
+    plain.defvjp(plain_fwd, plain_bwd)
+
+    def walk(q, k, v, g, beta, inject, last):
+        if inject is None:
+            y, S_end = plain(q, k, v, g, beta, last)
+        else:
+            y, S_end = injected(q, k, v, g, beta, inject, last)
+        return y, None, S_end
+
     return walk
 
 
