@@ -423,7 +423,8 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         N, n_seq = -(-T // kernels.params["chunk_size"]), last.shape[0]
         y, _, states, ends = jax.ffi.ffi_call(kernels.target_forward, (
             f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
-            f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)))(
+            f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)),
+            vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
                 nothing if inject is None else per_head(inject), last, **attrs,
                 splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
@@ -439,7 +440,7 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         dq, dk, dv, dbeta, dg, _, dinject = jax.ffi.ffi_call(kernels.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
-            f32(inject_shape, q)))(
+            f32(inject_shape, q)), vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
                 jnp.zeros((1, Hv, Dv, Dk), jnp.float32), last,
                 per_head(dS_end.astype(jnp.float32)), linear=gate == "linear",
