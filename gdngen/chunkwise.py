@@ -65,6 +65,12 @@ class ArrayNamespace:
         return (a * b).sum(axis=axis)
 
     @classmethod
+    def scatter_add(cls, n, index, values):
+        """``[n, ...]`` zeros plus ``values [m, ...]`` added at rows ``index [m]`` (repeats
+        add up)."""
+        return cls.zeros((n,) + tuple(values.shape[1:])).at[index].add(values)
+
+    @classmethod
     def zeros(cls, shape):
         return cls.module.zeros(shape, cls.module.float32)
 
@@ -294,13 +300,16 @@ def _optional(x):
     return () if x is None else (x,)
 
 
-def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None):
+def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None,
+             ends=None):
     """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
 
     ``dS_in`` [N,B,H,r,Dv,Dk] (or None): a cotangent of the residual S_in itself (the
     entering states as an output, `gdngen.packed`); it is added to the walk's state cotangent
     at each chunk start, and the cotangent of `forward`'s ``inject`` (the state cotangent
-    leaving each chunk) is returned as a seventh value.
+    leaving each chunk) is returned as a seventh value. ``ends``: the cotangent pieces of
+    `extract_states` (`extract_states_vjp`), added where W, the keys and the decay factors
+    enter.
 
     ``residuals``: what `forward` returned (saved, or recomputed by the caller).
     Recomputes the cheap decay factors and K K^T, walks the chunks in reverse for the state
@@ -319,6 +328,8 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     QK = ein("...ck,...dk->...cd", q, k)[..., None, :, :]
     Pm = D11 * QK
     G = _T(Pm) @ dY
+    if ends is not None:
+        G = G + ends["W"]
 
     def step(dS_out, xs):
         G_n, Kc_n, Wk_n, W_n, S_n, dY_n, q_n, k_n, D0_n, D_last_n, dCC, *dS_n = xs
@@ -365,11 +376,58 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     last = rows[..., -1, :] + xp.concatenate([ddCC[..., None], dDC], axis=-1)
     dD = xp.concatenate([xp.zeros(rows.shape[:-2] + (1, C + 1)), rows[..., :-1, :],
                          last[..., None, :]], axis=-2)
+    if ends is not None:
+        dD, dk = dD + ends["D"], dk + ends["k"]
     if gate == "log":
         dgates = decay_factors_log_vjp(xp, gates, D, dD)
     else:
         dgates = decay_factors_linear_vjp(xp, gates, D, dD)
     return (dq, dk, dv, dgates, dbeta, dS0) + tuple(dJ)
+
+
+# ------------------------------------------------------------------ states inside chunks
+
+
+def extract_states(xp, D, S_in, W, k, chunk, row):
+    """The state after step ``row[i]`` of chunk ``chunk[i]`` for each i (a packed sequence's
+    final state, `gdngen.packed`): ``S = D[p,0] S_in + sum_{u < p} D[p,u] w_u k_u^T`` at
+    position ``p = row + 1`` (the chunk-end formula of `forward` cut at p), from the chunk
+    layout's decay factors ``D``, entering states, WY pseudo-values and keys. ``chunk``, ``row``
+    int32 ``[n]`` (a row of -1: that entry is all zeros). Returns ``[n, B, H, r, Dv, Dk]``."""
+    take = xp.module.take
+    C = k.shape[-2]
+    at = _row_one_hot(xp, row, C)  # [n, C+1]
+    Dp = (take(D, chunk, axis=0) * at[:, None, None, None, :, None]).sum(axis=-2)  # [n,..,C+1]
+    return (Dp[..., 0, None, None] * take(S_in, chunk, axis=0)
+            + xp.einsum("n...rcv,n...ck->n...rvk", Dp[..., 1:, None] * take(W, chunk, axis=0),
+                        take(k, chunk, axis=0)))
+
+
+def _row_one_hot(xp, row, C):
+    """``[n, C+1]``: 1 at position ``row + 1`` (none for row -1)."""
+    return xp.where(xp.module.arange(C + 1)[None, :] == (row + 1)[:, None], 1.0, 0.0) * \
+        xp.where(row >= 0, 1.0, 0.0)[:, None]
+
+
+def extract_states_vjp(xp, D, S_in, W, k, chunk, row, dS, chunks):
+    """Cotangents of `extract_states` from ``dS [n, B, H, r, Dv, Dk]``, summed into chunk
+    layout over the ``chunks`` chunks: ``S_in`` (-> `backward`'s ``dS_in``) and the ``ends``
+    pieces of `backward`: ``W`` [chunks, .., r, C, Dv], ``k`` [chunks, .., C, Dk], ``D``
+    [chunks, .., r, C+1, C+1]."""
+    take = xp.module.take
+    C = k.shape[-2]
+    at = _row_one_hot(xp, row, C)
+    Dc, Sc, Wc, kc = (take(x, chunk, axis=0) for x in (D, S_in, W, k))
+    Dp = (Dc * at[:, None, None, None, :, None]).sum(axis=-2)
+    dWk = xp.einsum("n...ck,n...rvk->n...rcv", kc, dS)  # k_u dS^T per value head
+    WdS = xp.einsum("n...rcv,n...rvk->n...rck", Wc, dS)
+    dDp = xp.concatenate([(Sc * dS).sum(axis=(-1, -2))[..., None],
+                          (WdS * kc[..., None, :, :]).sum(axis=-1)], axis=-1)
+    return (xp.scatter_add(chunks, chunk, Dp[..., 0, None, None] * dS),
+            {"W": xp.scatter_add(chunks, chunk, Dp[..., 1:, None] * dWk),
+             "k": xp.scatter_add(chunks, chunk, _sum_heads(Dp[..., 1:, None] * WdS)),
+             "D": xp.scatter_add(chunks, chunk,
+                                 at[:, None, None, None, :, None] * dDp[..., None, :])})
 
 
 # --------------------------------------------------------------------------- whole sequences

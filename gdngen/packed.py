@@ -201,9 +201,11 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
     return y, xp.where(plan.nonempty[:, None, None, None], S_end, S0)
 
 
-def chunk_walk(xp, packed_core, *, scale, gate, chunk_size):
+def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
     """The ``walk`` of `gated_delta` over a chunk-layout ``packed_core(q, k, v, gates, beta,
-    inject) -> (Y, S_in)`` (`gdngen.chunkwise.forward` with ``inject`` from a zero state)."""
+    inject) -> (Y, S_in)`` (`gdngen.chunkwise.forward` with ``inject`` from a zero state), or,
+    ``extracts``, ``packed_core(q, k, v, gates, beta, inject, chunk, row) -> (Y, S_end)``
+    (each sequence's state after its last step, `gdngen.chunkwise.extract_states`)."""
 
     def walk(q, k, v, g, beta, inject, last):
         _, T, Hk, Dk = q.shape
@@ -218,12 +220,16 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size):
             chunkwise.to_chunks(g[..., None], M, C, (Hk, r))[..., 0]
         if inject is None:
             inject = xp.zeros((M, Hv, Dv, Dk))
-        Y, S_in = packed_core(chunkwise.to_chunks(q * scale, M, C, (Hk,)),
-                              chunkwise.to_chunks(k, M, C, (Hk,)),
-                              chunkwise.to_chunks(v, M, C, (Hk, r)), gates,
-                              chunkwise.to_chunks(beta[..., None], M, C, (Hk, r))[..., 0],
-                              inject.reshape((M, 1, Hk, r, Dv, Dk)))
-        return chunkwise.from_chunks(Y, T), S_in.reshape((M, Hv, Dv, Dk)), None
+        arrays = (chunkwise.to_chunks(q * scale, M, C, (Hk,)), chunkwise.to_chunks(k, M, C, (Hk,)),
+                  chunkwise.to_chunks(v, M, C, (Hk, r)), gates,
+                  chunkwise.to_chunks(beta[..., None], M, C, (Hk, r))[..., 0],
+                  inject.reshape((M, 1, Hk, r, Dv, Dk)))
+        if not extracts:
+            Y, S_in = packed_core(*arrays)
+            return chunkwise.from_chunks(Y, T), S_in.reshape((M, Hv, Dv, Dk)), None
+        chunk = xp.module.maximum(last, 0) // C
+        Y, S_end = packed_core(*arrays, chunk, xp.where(last >= 0, last - chunk * C, -1))
+        return chunkwise.from_chunks(Y, T), None, S_end.reshape((last.shape[0], Hv, Dv, Dk))
 
     return walk
 

@@ -406,7 +406,6 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     kernels = _LOADED[sha256]
     workers = threads()
     attrs = {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison}
-    nothing = jnp.zeros((0,), jnp.float32)
 
     def f32(shape, like):
         return generated.result_type(shape, jnp.float32, like)
@@ -426,7 +425,8 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
             f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)),
             vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
-                nothing if inject is None else per_head(inject), last, **attrs,
+                jnp.zeros((0,), jnp.float32) if inject is None else per_head(inject), last,
+                **attrs,
                 splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
         return (y, ends[0].swapaxes(0, 1)), states
 

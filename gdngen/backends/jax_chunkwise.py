@@ -154,6 +154,45 @@ def _packed_bwd(gate, solve_block, save_states, saved, cotangents):
 packed_core.defvjp(_packed_fwd, _packed_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def packed_scalar_core(q, k, v, gates, beta, inject, chunk, row, gate, solve_block,
+                       save_states):
+    """`packed_core` for scalar gates that also extracts each sequence's final state in the walk
+    (`gdngen.chunkwise.extract_states` at ``chunk``, ``row``) -> ``(Y, S_end)``; its VJP adds
+    `gdngen.chunkwise.extract_states_vjp` to the walk's."""
+    return _packed_scalar_fwd(q, k, v, gates, beta, inject, chunk, row, gate, solve_block,
+                              save_states)[0]
+
+
+def _packed_scalar_fwd(q, k, v, gates, beta, inject, chunk, row, gate, solve_block,
+                       save_states):
+    (Y, S_in), (*saved, residuals) = _packed_fwd(q, k, v, gates, beta, inject, gate,
+                                                 solve_block, True)
+    with FLOAT32_MATMULS:
+        D = chunkwise._decay(XP, gates, gate)
+        S_end = chunkwise.extract_states(XP, D, S_in, residuals[1], k, chunk, row)
+    return (Y, S_end), (*saved, chunk, row, residuals if save_states else None)
+
+
+def _packed_scalar_bwd(gate, solve_block, save_states, saved, cotangents):
+    q, k, v, gates, beta, inject, chunk, row, residuals = saved
+    dY, dS_end = cotangents
+    S0 = jnp.zeros(inject.shape[1:], jnp.float32)
+    with FLOAT32_MATMULS:
+        if residuals is None:
+            residuals = chunkwise.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+                                          solve_block=solve_block, inject=inject)[2]
+        D = chunkwise._decay(XP, gates, gate)
+        dS_in, ends = chunkwise.extract_states_vjp(XP, D, residuals[0], residuals[1], k, chunk,
+                                                   row, dS_end, q.shape[0])
+        dq, dk, dv, dgates, dbeta, _, dinject = chunkwise.backward(
+            XP, q, k, v, gates, beta, residuals, dY, S0, gate=gate, dS_in=dS_in, ends=ends)
+    return dq, dk, dv, dgates, dbeta, dinject, None, None
+
+
+packed_scalar_core.defvjp(_packed_scalar_fwd, _packed_scalar_bwd)
+
+
 # ------------------------------------------------------------------------------ paths
 
 
@@ -192,10 +231,15 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
         return chunkwise.gated_delta(XP, core, q, k, v, g, beta, S0, mask, scale=scale,
                                      gate=gate, chunk_size=chunk_size)
 
-    def walk_core(*arrays):
-        return packed_core(*arrays, gate, solve_block, save_states)
+    if g.ndim == 3:
+        def walk_core(*arrays):
+            return packed_scalar_core(*arrays, gate, solve_block, save_states)
+    else:
+        def walk_core(*arrays):
+            return packed_core(*arrays, gate, solve_block, save_states)
 
-    walk = packed.chunk_walk(XP, walk_core, scale=scale, gate=gate, chunk_size=chunk_size)
+    walk = packed.chunk_walk(XP, walk_core, scale=scale, gate=gate, chunk_size=chunk_size,
+                             extracts=g.ndim == 3)
     return packed.gated_delta(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
                               cu_seqlens, gate=gate, chunk_size=chunk_size)
 

@@ -112,20 +112,53 @@ def packed_core(gate, solve_block, save_states):
     return core
 
 
+@functools.cache
+def packed_scalar_core(gate, solve_block, save_states):
+    """`packed_core` for scalar gates that also extracts each sequence's final state in the walk
+    (`gdngen.chunkwise.extract_states`): ``(q, k, v, gates, beta, inject, chunk, row) -> (Y,
+    S_end, *residuals)``; its VJP adds `gdngen.chunkwise.extract_states_vjp` to the walk's."""
+
+    def run(q, k, v, gates, beta, inject):
+        return chunkwise.forward(XP, q, k, v, gates, beta, mx.zeros(inject.shape[1:]),
+                                 gate=gate, solve_block=solve_block, inject=inject)
+
+    @mx.custom_function
+    def core(q, k, v, gates, beta, inject, chunk, row):
+        Y, _, residuals = run(q, k, v, gates, beta, inject)
+        D = chunkwise._decay(XP, gates, gate)
+        S_end = chunkwise.extract_states(XP, D, residuals[0], residuals[1], k, chunk, row)
+        return (Y, S_end, *residuals)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, inject, chunk, row = primals
+        residuals = tuple(outputs[2:]) if save_states else run(*primals[:6])[2]
+        D = chunkwise._decay(XP, gates, gate)
+        dS_in, ends = chunkwise.extract_states_vjp(XP, D, residuals[0], residuals[1], k, chunk,
+                                                   row, cotangents[1], q.shape[0])
+        dq, dk, dv, dgates, dbeta, _, dinject = chunkwise.backward(
+            XP, q, k, v, gates, beta, residuals, cotangents[0], mx.zeros(inject.shape[1:]),
+            gate=gate, dS_in=dS_in, ends=ends)
+        return dq, dk, dv, dgates, dbeta, dinject, mx.zeros_like(chunk), mx.zeros_like(row)
+
+    return core
+
+
 def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
                        chunk_size, solve_block=8, save_states=True):
     """Packed row (`gdngen.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
     [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]``. Params as
     `chunkwise_gated_delta`'s."""
     core = chunk_core(gate, solve_block, save_states)
-    walk_core = packed_core(gate, solve_block, save_states)
+    extracts = g.ndim == 3
+    walk_core = (packed_scalar_core if extracts else packed_core)(gate, solve_block, save_states)
 
     def dense(q, k, v, g, beta, S0, mask):
         return chunkwise.gated_delta(XP, lambda *a: core(*a)[:2], q, k, v, g, beta, S0, mask,
                                      scale=scale, gate=gate, chunk_size=chunk_size)
 
     walk = packed.chunk_walk(XP, lambda *a: walk_core(*a)[:2], scale=scale, gate=gate,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, extracts=extracts)
     return packed.gated_delta(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
                               cu_seqlens, gate=gate, chunk_size=chunk_size)
 
