@@ -293,9 +293,9 @@ def _wy(xp, k, v, beta, blocks, D0, solve_block):
 
 def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None):
     """Chunkwise forward for per-channel gates; returns ``(Y, S_final, residuals)`` as
-    `gdngen.chunkwise.forward` does (``inject`` as there), the residuals ``(S_in, W, Tinv, Wk, Pm, Mkk)`` adding the
-    decayed products ``M_qk``, ``M_kk`` [N,B,H,r,C,C] (C/Dk of the keys' size; the backward
-    would otherwise rebuild them from the factors)."""
+    `gdngen.chunkwise.forward` does (``inject`` as there), the residuals ``(S_in, W, Tinv,
+    Wk, Pm, Mkk)`` adding the decayed products ``M_qk``, ``M_kk`` [N,B,H,r,C,C] (C/Dk of the
+    keys' size; the backward would otherwise rebuild them from the factors)."""
     ein = xp.einsum
     C = k.shape[-2]
     blocks, (D0, DC, dCC) = _factors(xp, gates, gate, C)

@@ -36,14 +36,14 @@ import numpy as np
 from gdngen import chunkwise
 from gdngen.problem import dtype_name
 
-__all__ = ["check_cu_seqlens", "gated_delta", "cu_seqlens_from_segment_ids"]
+__all__ = ["check_cu_seqlens", "cu_seqlens_from_segment_ids", "gated_delta"]
 
 
 def _concrete(x):
     """``x`` as a NumPy array when its values are known here (not a tracer), else None."""
     try:
         return np.asarray(x)
-    except Exception:  # a JAX tracer (under jit / vmap): checked where it is concrete
+    except TypeError:  # a JAX tracer (under jit / vmap): checked where it is concrete
         return None
 
 

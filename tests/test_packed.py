@@ -13,9 +13,10 @@ from gdngen.cases import get_case
 
 T, HK, HV, DK, DV = 70, 1, 2, 16, 16
 OFFSETS = np.array([0, 5, 5, 33, 64, 70], np.int32)
+N_SEQ = len(OFFSETS) - 1
 
 
-def _inputs(seed, T=T, N=len(OFFSETS) - 1, rows=None):
+def _inputs(seed, T=T, N=N_SEQ, rows=None):
     rng = np.random.default_rng(seed)
     lead = () if rows is None else (rows,)
     k = rng.standard_normal(lead + (1, T, HK, DK))
