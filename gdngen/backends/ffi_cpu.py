@@ -341,6 +341,25 @@ def head_splits(B: int, Hk: int, group: int, workers: int) -> int:
                                                                         or p == group))
 
 
+def _call_context(sha256: str, gate: str, scale: float, poison: bool):
+    """What every FFI call of the loaded kernels ``sha256`` shares: ``(kernels, workers,
+    attrs, f32(shape, like) -> result type, log_gates(g) -> log g)``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    workers = threads()
+
+    def f32(shape, like):
+        return generated.result_type(shape, jnp.float32, like)
+
+    def log_gates(g):
+        return g if gate == "log" else jnp.log(g)
+
+    return (_LOADED[sha256], workers,
+            {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison},
+            f32, log_gates)
+
+
 @functools.cache
 def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = False):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
@@ -350,16 +369,8 @@ def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = Fa
     import jax.numpy as jnp
     import numpy as np
 
-    kernels = _LOADED[sha256]
+    kernels, workers, attrs, f32, log_gates = _call_context(sha256, gate, scale, poison)
     C = kernels.params["chunk_size"]
-    workers = threads()
-    attrs = {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison}
-
-    def f32(shape, like):
-        return generated.result_type(shape, jnp.float32, like)
-
-    def log_gates(g):
-        return g if gate == "log" else jnp.log(g)
 
     def forward(primals):
         q, k, v, g, beta, S0 = primals
@@ -403,15 +414,7 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     import jax.numpy as jnp
     import numpy as np
 
-    kernels = _LOADED[sha256]
-    workers = threads()
-    attrs = {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison}
-
-    def f32(shape, like):
-        return generated.result_type(shape, jnp.float32, like)
-
-    def log_gates(g):
-        return g if gate == "log" else jnp.log(g)
+    kernels, workers, attrs, f32, log_gates = _call_context(sha256, gate, scale, poison)
 
     def per_head(x):  # [N, Hv, Dv, Dk] <-> the kernels' [1, Hv, N, Dv, Dk]
         return x.swapaxes(0, 1)[None]
