@@ -36,10 +36,11 @@ def test_shapes_dtypes_and_finiteness(name):
     case = get_case(name)
     x = case.inputs(seed=1)
     B, T, Hk, Hv, Dk, Dv = case.B, case.T, case.Hk, case.Hv, case.Dk, case.Dv
+    states = B if case.cu_seqlens is None else len(case.cu_seqlens) - 1  # one per sequence
     expected = {"q": (B, T, Hk, Dk), "k": (B, T, Hk, Dk), "v": (B, T, Hv, Dv),
                 "g_log": (B, T, Hv, Dk) if case.vector_gate else (B, T, Hv),
-                "beta": (B, T, Hv), "dy": (B, T, Hv, Dv), "dfinal_state": (B, Hv, Dv, Dk)}
-    assert set(x) == set(expected) | {"initial_state", "mask"}
+                "beta": (B, T, Hv), "dy": (B, T, Hv, Dv), "dfinal_state": (states, Hv, Dv, Dk)}
+    assert set(x) == set(expected) | {"initial_state", "mask", "cu_seqlens"}
     for key, shape in expected.items():
         assert x[key].shape == shape, key
         assert x[key].dtype == np.float64, key
@@ -51,7 +52,7 @@ def test_shapes_dtypes_and_finiteness(name):
     if case.gates not in INF_GATE_KINDS:
         assert np.all(np.isfinite(x["g_log"]))
     if case.has_initial_state:
-        assert x["initial_state"].shape == (B, Hv, Dv, Dk)
+        assert x["initial_state"].shape == (states, Hv, Dv, Dk)
         assert x["initial_state"].dtype == np.float64
         assert np.all(np.isfinite(x["initial_state"]))
         assert np.linalg.norm(x["initial_state"]) > 0
@@ -291,3 +292,28 @@ def test_vector_cases_reference_is_finite(name):
             assert np.linalg.norm(val) > 0, (gate, key)
         if gate == "log":
             assert np.all(out["dg"][x["g_log"] == -np.inf] == 0.0)
+
+
+def test_packed_cases_cover_their_boundaries():
+    """The packed cases' offsets: int32, empty and length-1 sequences, boundaries inside a
+    chunk and at its edges, a sequence over two chunk ends; a bad packed case is refused."""
+    from gdngen.cases import Case
+
+    lengths, edges, inside = set(), False, False
+    for name in ("packed_boundaries", "packed_long_masked", "packed_vector"):
+        case = get_case(name)
+        x = case.inputs(seed=3)
+        assert x["cu_seqlens"].dtype == np.int32 and case.B == 1
+        np.testing.assert_array_equal(x["cu_seqlens"], case.cu_seqlens)
+        offsets = np.asarray(case.cu_seqlens)
+        lengths |= set(np.diff(offsets).tolist())
+        edges |= bool(np.any(offsets[1:-1] % case.chunk_size == 0))
+        inside |= bool(np.any(offsets[1:-1] % case.chunk_size != 0))
+        assert x["cu_seqlens"] is not case.inputs(seed=3)["cu_seqlens"]
+    assert {0, 1} <= lengths and max(lengths) > 2 * 64 and edges and inside
+    with pytest.raises(ValueError, match="packed case needs B = 1"):
+        Case("bad", "a packed case with two rows", B=2, T=8, Hk=1, Hv=1, Dk=16, Dv=16,
+             cu_seqlens=(0, 8))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        Case("bad", "offsets going back", B=1, T=8, Hk=1, Hv=1, Dk=16, Dv=16,
+             cu_seqlens=(0, 5, 3, 8))
