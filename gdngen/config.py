@@ -15,6 +15,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+#: default chunk of per-channel-gate problems on the portable chunk path (the portable backends'
+#: default variant, the generated backends' per-channel gradients, packed per-channel rows):
+#: measured fwd+bwd at B=1, Hk=4, Hv=8, D=128, T=2048 on the 2-core host, chunk 32 against 64
+#: (sub-chunks of 8): xla 0.90 vs 1.15 s, mlx 3.9 vs 5.0 s (the decayed products' pairwise
+#: work grows with the chunk)
+VECTOR_CHUNK = 32
+
 #: a ``recurrent_below`` that takes the recurrent kernel at every T (the battery's forward-only
 #: check in `gdngen.validate`, the crossover timing in `gdngen.tune.crossover`)
 RECURRENT_ALWAYS = 1 << 30

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gdngen import layer_inputs, registry, settings
+from gdngen import layer_inputs, packed, registry, settings
 from gdngen.problem import CallShape, check_call, check_framework, dtype_name
 from gdngen.variant import Problem, Variant, problem_of
 
@@ -53,8 +53,6 @@ class Choice:
         of ``sequences`` sequences: `gdngen.packed.describe`."""
         below = self.variant.get("recurrent_below")
         if sequences is not None:
-            from gdngen import packed
-
             text = packed.describe(registry.get(self.variant.backend), self.variant,
                                    vector_gate, sequences)
             return dataclasses.replace(self, kernel_path=text)
@@ -194,9 +192,14 @@ def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
     chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
-    return registry.get(chosen.backend).run(q, k, v, g, beta, initial_state, mask=mask,
-                                            scale=float(scale), gate=gate, variant=chosen,
-                                            qk_norm=qk_norm, cu_seqlens=cu_seqlens)
+    spec = registry.get(chosen.backend)
+    if cu_seqlens is not None:  # no packed kernel fuses the q/k norm: computed before
+        if qk_norm:
+            q, k = layer_inputs.normalize_qk(framework, q, k)
+        return packed.run(spec, q, k, v, g, beta, initial_state, mask=mask, scale=float(scale),
+                          gate=gate, variant=chosen, cu_seqlens=cu_seqlens)
+    return spec.run(q, k, v, g, beta, initial_state, mask=mask, scale=float(scale), gate=gate,
+                    variant=chosen, qk_norm=qk_norm)
 
 
 # ------------------------------------------------------------------------------ load_tuned

@@ -34,49 +34,10 @@ from __future__ import annotations
 import numpy as np
 
 from gdngen import chunkwise
-from gdngen.problem import dtype_name
+from gdngen.config import VECTOR_CHUNK
+from gdngen.problem import check_cu_seqlens
 
 __all__ = ["check_cu_seqlens", "cu_seqlens_from_segment_ids", "gated_delta"]
-
-
-def _concrete(x):
-    """``x`` as a NumPy array when its values are known here (not a tracer), else None."""
-    try:
-        return np.asarray(x)
-    except TypeError:  # a JAX tracer (under jit / vmap): checked where it is concrete
-        return None
-
-
-def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
-    """Check the offsets of a packed call (module docstring); return N, the number of sequences.
-
-    ValueError naming ``cu_seqlens`` and what was expected: not a 1-D int32 array of at least
-    two entries, B != 1, and, whenever its values are concrete, not starting at 0, decreasing,
-    or not ending at T."""
-    if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
-        raise ValueError("cu_seqlens must be an int32 array [N+1] of sequence offsets, got "
-                         f"{type(cu_seqlens).__name__}")
-    if len(cu_seqlens.shape) != 1 or int(cu_seqlens.shape[0]) < 2:
-        raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}, expected [N+1] "
-                         "with N >= 1 (1-D offsets)")
-    if dtype_name(cu_seqlens) != "int32":
-        raise ValueError(f"cu_seqlens has dtype {dtype_name(cu_seqlens)}, expected int32")
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs the packed sequences in one row (B == 1), got "
-                         f"B={B}")
-    values = _concrete(cu_seqlens)
-    if values is not None:
-        if int(values[0]) != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={int(values[0])}")
-        steps = np.diff(values)
-        if (steps < 0).any():
-            at = int(np.argmax(steps < 0))
-            raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}]="
-                             f"{int(values[at])} > cu_seqlens[{at + 1}]={int(values[at + 1])}")
-        if int(values[-1]) != T:
-            raise ValueError(f"cu_seqlens must end at T={T}, got cu_seqlens[-1]="
-                             f"{int(values[-1])}")
-    return int(cu_seqlens.shape[0]) - 1
 
 
 def cu_seqlens_from_segment_ids(segment_ids) -> np.ndarray:
@@ -251,13 +212,11 @@ def chunk_params(spec, variant, vector_gate: bool) -> dict:
     """Params of the portable chunk path a packed call of ``variant`` (of backend ``spec``)
     runs with when not `native`: a portable variant's own (less ``recurrent_below``: a packed
     row always walks chunks); for a generated backend, its chunk size (scalar gates) or the
-    chunk its per-channel gradients run (`gdngen.backends.generated.PORTABLE_CHUNK`)."""
+    chunk its per-channel gradients run (`gdngen.config.VECTOR_CHUNK`)."""
     if spec.portable:
         return {n: x for n, x in spec.parse(variant).params().items() if n != "recurrent_below"}
     if vector_gate:
-        from gdngen.backends.generated import PORTABLE_CHUNK
-
-        return {"chunk_size": PORTABLE_CHUNK}
+        return {"chunk_size": VECTOR_CHUNK}
     return {"chunk_size": int(variant.get("chunk_size", 64))}
 
 
@@ -276,15 +235,11 @@ def describe(spec, variant, vector_gate: bool, sequences: int) -> str:
             "chunk (recurrent_below does not apply; the dense shape class's entry)")
 
 
-def run(spec, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant, qk_norm,
-        cu_seqlens):
-    """A packed call (checked by `gdngen.problem.check_call`) of ``variant``: the backend's
-    own packed entry when `native`, else the framework's portable chunk path at
-    `chunk_params`. Returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
-    if qk_norm:
-        from gdngen.layer_inputs import normalize_qk
-
-        q, k = normalize_qk(spec.framework, q, k)
+def run(spec, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant, cu_seqlens):
+    """A packed call (checked by `gdngen.problem.check_call`; layer inputs already applied) of
+    ``variant``: the backend's own packed entry when `native`, else the framework's portable
+    chunk path at `chunk_params`. Returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk]
+    float32)``."""
     arrays = (q, k, v, g, beta, initial_state)
     options = {"mask": mask, "scale": float(scale), "gate": gate, "cu_seqlens": cu_seqlens}
     if native(spec, g.ndim == 4):

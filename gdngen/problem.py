@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 #: the frameworks with a ``gated_delta`` entry point (`gdngen.jax`, `gdngen.mlx`).
 FRAMEWORKS = ("jax", "mlx")
 GATES = ("log", "linear")
@@ -50,6 +52,47 @@ def dtype_name(x) -> str:
 def _shape_error(name: str, x, expected: str, why: str = "") -> ValueError:
     extra = f" ({why})" if why else ""
     return ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected}{extra}")
+
+
+def _concrete(x):
+    """``x`` as a NumPy array when its values are known here (not a tracer), else None."""
+    try:
+        return np.asarray(x)
+    except TypeError:  # a JAX tracer (under jit / vmap): checked where it is concrete
+        return None
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    """Check the offsets of a packed call (`gdngen.packed`: fla's ``cu_seqlens``); return N,
+    the number of sequences.
+
+    ValueError naming ``cu_seqlens`` and what was expected: not a 1-D int32 array of at least
+    two entries, B != 1, and, whenever its values are concrete, not starting at 0, decreasing,
+    or not ending at T."""
+    if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
+        raise ValueError("cu_seqlens must be an int32 array [N+1] of sequence offsets, got "
+                         f"{type(cu_seqlens).__name__}")
+    if len(cu_seqlens.shape) != 1 or int(cu_seqlens.shape[0]) < 2:
+        raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}, expected [N+1] "
+                         "with N >= 1 (1-D offsets)")
+    if dtype_name(cu_seqlens) != "int32":
+        raise ValueError(f"cu_seqlens has dtype {dtype_name(cu_seqlens)}, expected int32")
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs the packed sequences in one row (B == 1), got "
+                         f"B={B}")
+    values = _concrete(cu_seqlens)
+    if values is not None:
+        if int(values[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={int(values[0])}")
+        steps = np.diff(values)
+        if (steps < 0).any():
+            at = int(np.argmax(steps < 0))
+            raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}]="
+                             f"{int(values[at])} > cu_seqlens[{at + 1}]={int(values[at + 1])}")
+        if int(values[-1]) != T:
+            raise ValueError(f"cu_seqlens must end at T={T}, got cu_seqlens[-1]="
+                             f"{int(values[-1])}")
+    return int(cu_seqlens.shape[0]) - 1
 
 
 def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", chunk_size=64,
@@ -95,8 +138,6 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
         raise _shape_error("g", g, f"({B}, {T}, {Hv}) or ({B}, {T}, {Hv}, {Dk})")
     sequences = None
     if cu_seqlens is not None:
-        from gdngen.packed import check_cu_seqlens
-
         sequences = check_cu_seqlens(cu_seqlens, B, T)
     states = B if sequences is None else sequences
     if initial_state is not None and tuple(initial_state.shape) != (states, Hv, Dv, Dk):

@@ -136,17 +136,10 @@ class BackendSpec:
         return dev
 
     def run(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-            variant, qk_norm=False, cu_seqlens=None):
+            variant, qk_norm=False):
         """Run ``variant`` of this backend on one call (shapes as `gdngen.jax.gated_delta`);
         ``qk_norm``: q, k are raw, normalised inside the kernels when this backend fuses the
-        norm (`fused_inputs`), else just before the call. ``cu_seqlens``: a packed row
-        (`gdngen.packed.run`)."""
-        if cu_seqlens is not None:
-            from gdngen import packed
-
-            return packed.run(self, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                              gate=gate, variant=variant, qk_norm=qk_norm,
-                              cu_seqlens=cu_seqlens)
+        norm (`fused_inputs`), else just before the call. (A packed row: `gdngen.packed.run`.)"""
         if qk_norm and "qk_norm" in self.fused_inputs:
             return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                               gate=gate, variant=variant, qk_norm=True)

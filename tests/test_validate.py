@@ -15,9 +15,12 @@ from gdngen.cases import BATTERY, get_case
 
 def reference_runner(inputs, *, gate, dtype, chunk_size, scale):
     """A runner that is the float64 reference itself (ignores dtype and chunk_size)."""
-    return reference.vjp(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-                         inputs["initial_state"], inputs["dy"], inputs["dfinal_state"],
-                         mask=inputs["mask"], scale=scale, gate=gate)
+    arrays = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+              inputs["initial_state"], inputs["dy"], inputs["dfinal_state"])
+    if inputs.get("cu_seqlens") is not None:
+        return reference.packed_vjp(*arrays, inputs["cu_seqlens"], mask=inputs["mask"],
+                                    scale=scale, gate=gate)
+    return reference.vjp(*arrays, mask=inputs["mask"], scale=scale, gate=gate)
 
 
 def float32_output_runner(inputs, **kwargs):

@@ -9,7 +9,7 @@ import linecache
 import types
 
 from gdngen import chunkwise
-from gdngen.backends.portable import VECTOR_CHUNK
+from gdngen.config import VECTOR_CHUNK
 from gdngen.problem import check_call, dtype_name
 
 #: chunk of the portable chunkwise path (its per-channel default) that the generated backends'

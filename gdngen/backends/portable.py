@@ -12,7 +12,7 @@ import importlib
 import itertools
 from dataclasses import dataclass
 
-from gdngen.config import VariantConfig, recurrent_switch
+from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -28,10 +28,6 @@ TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 #: ``lax.scan`` loses from T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx's loop wins up to
 #: T=64 (144 vs 158 ms) and loses at T=128 (403 vs 370)
 RECURRENT_BELOW = {"xla": 4, "mlx": 128}
-#: default chunk of per-channel-gate problems: measured fwd+bwd at B=1, Hk=4, Hv=8, D=128,
-#: T=2048 on the 2-core host, chunk 32 against 64 (sub-chunks of 8): xla 0.90 vs 1.15 s, mlx
-#: 3.9 vs 5.0 s (the decayed products' pairwise work grows with the chunk)
-VECTOR_CHUNK = 32
 
 @dataclass(frozen=True)
 class PortableConfig(VariantConfig):
