@@ -18,15 +18,17 @@ the recurrence in its state:
   the free response of S0_n. Its outputs are added to y there, and its state at that chunk's end
   is injected into the main pass's state leaving that chunk (`gdngen.chunkwise.forward`'s
   ``inject``), which carries it on through the sequence's later chunks.
-* **Final states**: a one-chunk call per sequence over its last partial chunk ``max(s_n, c_n)
-  .. e_n`` (``c_n`` the start of the chunk holding step e_n - 1) from the main pass's state
-  entering that chunk (the sequence's own state there, injection included) or, for a sequence
-  that starts inside that chunk, from S0_n.
+* **Final states**, scalar gates: taken inside the walk, each the chunk-end formula cut at the
+  sequence's last step (`gdngen.chunkwise.extract_states`; the ffi_cpu packed kernels do the
+  same), plus, for a sequence inside its first chunk, S0_n's response there. Per-channel gates:
+  a one-chunk call per sequence over its last partial chunk ``max(s_n, c_n) .. e_n`` (``c_n``
+  the start of the chunk holding step e_n - 1) from the walk's state entering that chunk (the
+  sequence's own state there, injection included) or, for a sequence that starts inside that
+  chunk, from S0_n.
 
-The one-chunk calls are the validated chunk path itself (masked beyond each sequence), so their
-gradients and numerics are those of the dense path; under ``jax.jit`` an unused final state costs
-nothing (dead code), and in MLX an unevaluated one is never computed. Extra work: at most 2 N
-chunks next to the row's T / C.
+The one-chunk calls are the validated dense chunk path itself (masked beyond each sequence), so
+their gradients and numerics are those of the dense path. Extra work: a chunk per sequence with
+initial states (and one more for per-channel final states) next to the row's T / C.
 """
 
 from __future__ import annotations
