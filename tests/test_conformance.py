@@ -31,6 +31,9 @@ PROBLEM = Problem(2, 4, 64, 64)
 HARD_CASES = ("ragged", "identical_keys", "gates_exact_one_and_zero", "padding_mask",
               "vector_t1")
 FAST_FULL_BATTERY = {"mlx"}
+#: backends whose battery `make test` runs elsewhere: xla's in test_gated_delta (every case but
+#: its SLOW_HERE ones, which mlx's whole battery below covers), so no hard cases here
+BATTERY_ELSEWHERE = {"xla"}
 
 
 def _spec(name):
@@ -111,10 +114,11 @@ def test_registry_import_pulls_in_no_framework():
 # ------------------------------------------------------------------------------ numerics
 
 
-@pytest.mark.parametrize("name", [n for n in BACKENDS if n not in FAST_FULL_BATTERY])
+@pytest.mark.parametrize("name", [n for n in BACKENDS
+                                  if n not in FAST_FULL_BATTERY | BATTERY_ELSEWHERE])
 def test_default_variant_passes_hard_cases(name):
     """Every backend's share of the battery in `make test` but mlx's (which runs the whole
-    battery below, hard cases included)."""
+    battery below, hard cases included) and xla's (`BATTERY_ELSEWHERE`)."""
     _skip_unrunnable(name)
     variant = registry.default_variant(name, PROBLEM)
     cases = [c for c in HARD_CASES if "vector" in _spec(name).gates or

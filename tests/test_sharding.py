@@ -57,8 +57,9 @@ def assert_cases_pass(report: dict, cases) -> None:
 @pytest.mark.parametrize("backend", JAX_BACKENDS)
 def test_shard_map_over_data_and_heads_matches_reference(backend):
     # padding_mask: initial state given, masks; gva3: 3 value heads per key head, no initial
-    # state (None inside shard_map), Dk != Dv
-    cases = ("padding_mask", "gva3")
+    # state (None inside shard_map), Dk != Dv (the interpreted Pallas backends: padding_mask
+    # only, ~30 s of interpreting each case; gva3's layout runs on xla and ffi_cpu)
+    cases = ("padding_mask",) if backend.startswith("pallas") else ("padding_mask", "gva3")
     report = run_checks({"mode": "shard_map", "backend": backend, "cases": cases,
                          "check_vma": CHECK_VMA.get(backend, True)})
     assert_cases_pass(report, cases)
