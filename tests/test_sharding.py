@@ -95,8 +95,11 @@ def test_sharded_jit_rejects_shardings_that_split_time_head_dims_or_groups():
     assert all(kind == "ValueError" for kind in errors["eager_types"].values())
 
 
-@pytest.mark.parametrize("backend", JAX_BACKENDS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow)
+                                     if b == "pallas_tpu" else b for b in JAX_BACKENDS])
 def test_context_parallel_matches_reference(backend):
+    # pallas_tpu's (~50 s of interpreting) in make test-all: the combine is the same code for
+    # every backend, and pallas_tpu runs shard_map and the sharded jit in make test
     cases = {"ffi_cpu": ("gates_exact_one_and_zero", "padding_mask"),
              "xla": ("gates_exact_one_and_zero",)}.get(backend, ("strong_decay",))
     report = run_checks({"mode": "context", "backend": backend, "cases": cases,
