@@ -80,7 +80,7 @@ class _Plan:
         steps = m.arange(C).astype(i32)[None, :]
         self.first = self._window(xp, starts, self.first_end, steps, T)
         self.last = self._window(xp, m.maximum(starts, chunk_start), ends, steps, T)
-        self.T, self.C = T, C
+        self.C = C
 
     @staticmethod
     def _window(xp, begin, end, steps, T):
