@@ -113,8 +113,9 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
     * ``dense(q, k, v, g, beta, S0, mask) -> (y, S_final)``: its whole dense call (used on one
       chunk per sequence, B = N, masked y zeroed);
     * ``walk(q, k, v, g, beta, inject, last) -> (y, S_in, S_end)``: its chunk walk over the row
-      from a zero state, gates already masked and reset, ``inject [N_chunks, Hv, Dv, Dk]``
-      (None: zeros) added to the state leaving each chunk; then either ``S_end [N, Hv, Dv,
+      from a zero state, gates already masked and reset; ``inject`` None or ``(states [N, Hv,
+      Dv, Dk], at [N_chunks] int32)``: ``states[at[j]]`` added to the state leaving chunk j
+      where ``at[j] >= 0`` (`chunk_injection`); then either ``S_end [N, Hv, Dv,
       Dk]``, the state after each sequence's last step (``last`` int32 ``[N]``, -1 for an
       empty sequence, whose S_end is not read), with S_in None; or S_end None and ``S_in
       [N_chunks, Hv, Dv, Dk]``, the states entering the chunks (each sequence's last chunk
@@ -139,7 +140,7 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
         owner = m.take(plan.seq, m.minimum((j + 1) * C, T) - 1, axis=0)
         goes_on = ((m.take(plan.starts, owner, axis=0) >= j * C)
                    & (m.take(plan.ends, owner, axis=0) > (j + 1) * C))
-        inject = xp.where(goes_on[:, None, None, None], m.take(S_first, owner, axis=0), 0.0)
+        inject = (S_first, xp.where(goes_on, owner, -1).astype(m.int32))
     g_row, beta_row = chunkwise.fold_mask(xp, g, beta, mask, gate)
     reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
     g_row = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
@@ -164,6 +165,16 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
     return y, xp.where(plan.nonempty[:, None, None, None], S_end, S0)
 
 
+def chunk_injection(xp, inject, shape):
+    """The per-chunk ``[N_chunks, Hv, Dv, Dk]`` of `gated_delta`'s ``inject`` pair (zeros where
+    no state is injected; None: all zeros)."""
+    if inject is None:
+        return xp.zeros(shape)
+    states, at = inject
+    taken = xp.module.take(states, xp.module.maximum(at, 0), axis=0)
+    return xp.where((at >= 0)[:, None, None, None], taken, 0.0)
+
+
 def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
     """The ``walk`` of `gated_delta` over a chunk-layout ``packed_core(q, k, v, gates, beta,
     inject) -> (Y, S_in)`` (`gdngen.chunkwise.forward` with ``inject`` from a zero state), or,
@@ -181,8 +192,7 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
             g = xp.pad_time(g, pad, 0.0 if gate == "log" else 1.0)
         gates = chunkwise.to_chunks(g, M, C, (Hk, r)) if g.ndim == 4 else \
             chunkwise.to_chunks(g[..., None], M, C, (Hk, r))[..., 0]
-        if inject is None:
-            inject = xp.zeros((M, Hv, Dv, Dk))
+        inject = chunk_injection(xp, inject, (M, Hv, Dv, Dk))
         arrays = (chunkwise.to_chunks(q * scale, M, C, (Hk,)), chunkwise.to_chunks(k, M, C, (Hk,)),
                   chunkwise.to_chunks(v, M, C, (Hk, r)), gates,
                   chunkwise.to_chunks(beta[..., None], M, C, (Hk, r))[..., 0],

@@ -406,7 +406,8 @@ def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = Fa
 def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
     `gdngen.packed.gated_delta` on the packed kernels ``sha256`` (B = 1, API layout, float32;
-    ``inject [N, Hv, Dv, Dk]`` per chunk, or None; ``last`` int32 ``[n_seq]`` each sequence's
+    ``inject`` None or ``(states [n_seq, Hv, Dv, Dk], at [N] int32)``, the state injected at
+    each chunk's end (`gdngen.packed.gated_delta`); ``last`` int32 ``[n_seq]`` each sequence's
     last step, -1 for an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state after it, not
     written for an empty one): a ``jax.custom_vjp`` per presence of ``inject`` whose backward is
     the packed backward kernel."""
@@ -428,24 +429,28 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
             f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)),
             vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
-                jnp.zeros((0,), jnp.float32) if inject is None else per_head(inject), last,
+                jnp.zeros((0,), jnp.float32) if inject is None else per_head(inject[0]),
+                jnp.full((N,), -1, jnp.int32) if inject is None else inject[1], last,
                 **attrs,
                 splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
         return (y, ends[0].swapaxes(0, 1)), states
 
-    def backward(primals, states, cotangents, injects):
+    def backward(primals, states, cotangents, inject_at):
         q, k, v, g, beta, last = primals
         dy, dS_end = cotangents
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         P = head_splits(1, Hk, Hv // Hk, workers)
-        inject_shape = (1, Hv, states.shape[2], Dv, Dk) if injects else (0,)
+        N, n_seq = states.shape[2], last.shape[0]
+        injects = inject_at is not None
+        inject_shape = (1, Hv, n_seq, Dv, Dk) if injects else (0,)
         dq, dk, dv, dbeta, dg, _, dinject = jax.ffi.ffi_call(kernels.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
             f32(inject_shape, q)), vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
-                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), last,
+                jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
+                inject_at if injects else jnp.full((N,), -1, jnp.int32), last,
                 per_head(dS_end.astype(jnp.float32)), linear=gate == "linear",
                 splits=np.int64(P), **attrs)
         if P > 1:
@@ -453,16 +458,17 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         return (dq, dk, dv, dg, dbeta), dinject
 
     @jax.custom_vjp
-    def injected(q, k, v, g, beta, inject, last):
-        return forward(q, k, v, g, beta, inject, last)[0]
+    def injected(q, k, v, g, beta, states, at, last):
+        return forward(q, k, v, g, beta, (states, at), last)[0]
 
-    def injected_fwd(q, k, v, g, beta, inject, last):
-        outputs, states = forward(q, k, v, g, beta, inject, last)
-        return outputs, ((q, k, v, g, beta, last), states)
+    def injected_fwd(q, k, v, g, beta, states, at, last):
+        outputs, chunk_states = forward(q, k, v, g, beta, (states, at), last)
+        return outputs, ((q, k, v, g, beta, last), chunk_states, at)
 
     def injected_bwd(saved, cotangents):
-        grads, dinject = backward(*saved, cotangents, True)
-        return (*grads, dinject[0].swapaxes(0, 1), None)
+        primals, chunk_states, at = saved
+        grads, dinject = backward(primals, chunk_states, cotangents, at)
+        return (*grads, dinject[0].swapaxes(0, 1), None, None)
 
     injected.defvjp(injected_fwd, injected_bwd)
 
@@ -475,7 +481,7 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         return outputs, ((q, k, v, g, beta, last), states)
 
     def plain_bwd(saved, cotangents):
-        return (*backward(*saved, cotangents, False)[0], None)
+        return (*backward(*saved, cotangents, None)[0], None)
 
     plain.defvjp(plain_fwd, plain_bwd)
 
@@ -483,7 +489,7 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         if inject is None:
             y, S_end = plain(q, k, v, g, beta, last)
         else:
-            y, S_end = injected(q, k, v, g, beta, inject, last)
+            y, S_end = injected(q, k, v, g, beta, *inject, last)
         return y, None, S_end
 
     return walk
