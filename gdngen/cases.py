@@ -292,12 +292,14 @@ BATTERY: tuple[Case, ...] = (
          beta_range=(1.0, 1.0), identical_keys=True, has_initial_state=True),
     # Packed rows (cu_seqlens, B = 1): the float64 reference runs them a sequence at a time.
     Case("packed_boundaries",
-         "packed row of 8 sequences with initial states: length 1 at t = 0, empty, a boundary "
+         "packed row of 9 sequences with initial states: length 1 at t = 0, empty, a boundary "
          "inside chunk 0, one ending at the 64 edge, one exactly chunk 1, length 1 at the 128 "
-         "edge, empty, one across the ragged tail; exact g = 0 / g = 1 inside sequences, GVA 3x, "
-         "Dk != Dv",
+         "edge, empty, one inside chunk 2, one starting 2 steps before the 192 edge and running "
+         "into the ragged tail (its initial state injected at a chunk end: too few steps for "
+         "the ~10% exact zeros to wipe it in every head); exact g = 0 / g = 1 inside sequences, "
+         "GVA 3x, Dk != Dv",
          B=1, T=200, Hk=2, Hv=6, Dk=32, Dv=64, gates="exact_one_and_zero",
-         has_initial_state=True, cu_seqlens=(0, 1, 1, 40, 64, 128, 129, 129, 200)),
+         has_initial_state=True, cu_seqlens=(0, 1, 1, 40, 64, 128, 129, 129, 190, 200)),
     Case("packed_long_masked",
          "packed row whose sequences span chunks (100..230 starts inside chunk 1 and ends inside "
          "chunk 3: its initial state is carried through two chunk ends), with the padding mask: "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -311,6 +313,16 @@ def test_packed_cases_cover_their_boundaries():
         inside |= bool(np.any(offsets[1:-1] % case.chunk_size != 0))
         assert x["cu_seqlens"] is not case.inputs(seed=3)["cu_seqlens"]
     assert {0, 1} <= lengths and max(lengths) > 2 * 64 and edges and inside
+    # packed_boundaries injects a live initial state at a chunk end: some sequence starting
+    # inside a chunk runs past its end with no exact-zero gate in some head until then
+    case = get_case("packed_boundaries")
+    C, offsets = case.chunk_size, np.asarray(case.cu_seqlens)
+    for seed in range(5):
+        g = case.inputs(seed=seed)["g_log"][0]  # [T, Hv]
+        live = [bool(np.isfinite(g[s:(s // C + 1) * C]).all(axis=0).any())
+                for s, e in itertools.pairwise(offsets)
+                if s % C and e > (s // C + 1) * C]
+        assert any(live), seed
     with pytest.raises(ValueError, match="packed case needs B = 1"):
         Case("bad", "a packed case with two rows", B=2, T=8, Hk=1, Hv=1, Dk=16, Dv=16,
              cu_seqlens=(0, 8))

@@ -27,6 +27,15 @@ recurrent         (Dv/dv_tile) x B*Hv   forward only, step by step: y and S_T, t
                                         per-channel gate call)
 ================  ====================  ==========================================================
 
+Packed rows (`gdngen.packed`, ``cu_seqlens``), scalar gates: `packed_gated_delta` runs the
+row's chunk walk on the templates' ``packed`` build (`render_packed`, `packed_launch_plan`):
+the forward scans add ``inject[n]`` to the state leaving chunk n and always write the entering
+states S_in (an output); ``bwd_scan`` adds their cotangent ``dsin[n]`` at chunk n's entry, so
+its ``dsout`` is the injection's cotangent. Each sequence's initial-state response and its
+final state (from its last chunk's S_in) are one-chunk calls of the dense chunk kernels. The
+dense render does not change with the flag (tuned entries are keyed on its sha256).
+Per-channel packed rows run the portable path (``packed_gates`` is scalar only).
+
 This module imports without mlx: the space, the renderer and the plan need no framework.
 """
 
@@ -219,6 +228,7 @@ def _context(variant: Variant, problem: Problem) -> dict:
         "C": p["chunk_size"], "DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk,
         "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
         "DW": intra_tile(p["chunk_size"]), "policy": p["precision"], "mma": p["mma"],
+        "packed": False,  # the packed build (`render_packed`) sets it
         # 16-bit operands: bfloat under precision bf16, else (tf32 rounding) half for float16
         "op_type": "bfloat" if p["precision"] == "bf16" or problem.dtype == "bfloat16"
         else "half",
@@ -272,6 +282,26 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     return plan
 
 
+def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The packed-row build of ``variant``'s chunk kernels (`gdngen.packed`), a
+    `gdngen.sources.Rendered` with `render_plan`'s chunk-kernel names (no recurrent kernel):
+    the same templates with ``packed`` set. Its forward scans take ``inject [N, B, Hv, Dv,
+    Dk]`` (added to the state leaving each chunk) and always write the entering states
+    ``states`` (S_in); its ``bwd_scan`` takes their cotangent ``dsin`` (same layout), so its
+    ``dsout`` is the injection's cotangent. With ``packed`` unset the templates render the dense
+    kernels byte for byte: the dense sha256 (and tuned entries) do not depend on this build."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    if problem.gate != "scalar":
+        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
+    variant = adapt(variant, problem)
+    env = environment(templates_dir)
+    texts = {name: env.get_template(template).render(**dict(context, packed=True))
+             for name, (template, context) in render_plan(variant, problem).items()
+             if name != "recurrent.metal"}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
 # ---------------------------------------------------------------------------- launch plan
 
 @dataclass(frozen=True)
@@ -306,6 +336,10 @@ class Plan:
 
     Environment names: inputs q, k, v, g, beta, s0, prm (and dy, dsf in the backward); the
     forward returns ``y`` / ``final_state`` and hands ``saved`` to the backward.
+
+    ``packed`` (`packed_launch_plan`): the packed build; the forward also takes ``inject`` and
+    returns ``states`` (S_in, never in ``saved``: it is an output), the backward also takes
+    ``dsin`` and its ``dsout`` is the injection's cotangent.
     """
 
     variant: Variant
@@ -317,6 +351,7 @@ class Plan:
     backward: tuple
     saved: tuple
     threadgroup_bytes: dict
+    packed: bool = False
 
 
 _KERNEL_IO = {
@@ -337,6 +372,18 @@ _KERNEL_IO = {
 _ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
 
 
+def _kernel_io(name: str, packed: bool) -> tuple:
+    """``(inputs, outputs)`` of kernel ``name``; the packed build's scans take ``inject`` /
+    ``dsin`` (before ``prm``) and every packed forward scan writes ``states``."""
+    ins, outs = _KERNEL_IO[name]
+    if packed and name.startswith("fwd_scan"):
+        ins = ins[:-1] + ("inject", "prm")
+        outs = outs if "states" in outs else outs + ("states",)
+    elif packed and name == "bwd_scan":
+        ins = ins[:-1] + ("dsin", "prm")
+    return ins, outs
+
+
 def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
     """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
     from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder."""
@@ -345,6 +392,16 @@ def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
                          f"(vector gates run the recurrent kernel, `recurrent_plan`)")
     return _launch_plan(adapt(variant, problem), problem, N, B,
                         settings.templates_override())
+
+
+def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
+                       templates_dir=None) -> Plan:
+    """`launch_plan` of the packed build (`render_packed`): the same launches, grids and
+    threadgroup memory; ``templates_dir`` default the ``GDNGEN_TEMPLATES`` override."""
+    if problem.gate != "scalar":
+        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    return _launch_plan(adapt(variant, problem), problem, N, B, templates, True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -389,8 +446,10 @@ def recurrent_input_metas(plan: Plan) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) -> Plan:
-    rendered = SPEC.render(variant, problem, templates_dir=templates)
+def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
+                 packed: bool = False) -> Plan:
+    rendered = render_packed(variant, problem, templates_dir=templates) if packed else \
+        SPEC.render(variant, problem, templates_dir=templates)
     p = variant.as_dict()
     C, sg, dvt = p["chunk_size"], p["simdgroups"], p["dv_tile"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
@@ -402,7 +461,8 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) 
         body = rendered.sources[f"{name}.metal"]
         # Named by its own text: variants that share a kernel share its compiled pipeline.
         tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
-        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", *_KERNEL_IO[name], body, header)
+        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", *_kernel_io(name, packed), body,
+                                   header)
     per_chunk = (N, B, Hv)
     f32 = "float32"
     shapes = {
@@ -421,7 +481,7 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) 
              "bwd_tri": chunk_grid, "bwd_qk": chunk_grid}
 
     def launch(name):
-        ins, outs = _KERNEL_IO[name]
+        ins, outs = _kernel_io(name, packed)
         return Launch(
             kernel=name, inputs=tuple(_ENV_NAME.get(n, n) for n in ins), outputs=outs,
             output_shapes=tuple(shapes[o] for o in outs),
@@ -432,14 +492,14 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates) 
     if p["save_states"]:
         forward = (launch("fwd_intra_tinv"), launch("fwd_scan_save"))
         backward = tuple(launch(n) for n in bwd)
-        saved = ("states", "w_out", "tinv", "wk")
+        saved = ("w_out", "tinv", "wk") if packed else ("states", "w_out", "tinv", "wk")
     else:
         forward = (launch("fwd_intra"), launch("fwd_scan"))
         backward = tuple(launch(n) for n in ("fwd_intra_tinv", "fwd_scan_states") + bwd)
         saved = ()
     tg = threadgroup_bytes(p, problem)
     return Plan(variant, problem, N, B, kernels, forward, backward, saved,
-                {name: tg[name] for name in kernels})
+                {name: tg[name] for name in kernels}, packed)
 
 
 # ---------------------------------------------------------------------------- execution
@@ -510,10 +570,13 @@ def plan_input_metas(plan: Plan) -> dict:
     pb, C = plan.problem, plan.variant["chunk_size"]
     steps = plan.N * plan.B * C  # time steps of all chunks and batch rows
     f32 = "float32"
-    return {"q": (pb.dtype, 5, steps * pb.Hk * pb.Dk), "k": (pb.dtype, 5, steps * pb.Hk * pb.Dk),
-            "v": (pb.dtype, 6, steps * pb.Hv * pb.Dv), "g": (f32, 5, steps * pb.Hv),
-            "beta": (f32, 5, steps * pb.Hv), "s0": (f32, 5, plan.B * pb.Hv * pb.Dv * pb.Dk),
-            "prm": (f32, 1, 2)}
+    metas = {"q": (pb.dtype, 5, steps * pb.Hk * pb.Dk), "k": (pb.dtype, 5, steps * pb.Hk * pb.Dk),
+             "v": (pb.dtype, 6, steps * pb.Hv * pb.Dv), "g": (f32, 5, steps * pb.Hv),
+             "beta": (f32, 5, steps * pb.Hv), "s0": (f32, 5, plan.B * pb.Hv * pb.Dv * pb.Dk),
+             "prm": (f32, 1, 2)}
+    if plan.packed:  # [N, B, Hk, r, Dv, Dk], as `packed_gated_delta`'s walk passes it
+        metas["inject"] = (f32, 6, plan.N * plan.B * pb.Hv * pb.Dv * pb.Dk)
+    return metas
 
 
 def compile_plan(plan: Plan, metas: dict | None = None) -> list:
@@ -543,6 +606,8 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
         if "y_out" in metas:  # the backward's cotangents are shaped like the outputs
             metas.setdefault("dy", metas["y_out"])
             metas.setdefault("dsf", metas["final_state"])
+        if plan.packed and "states" in metas:
+            metas.setdefault("dsin", metas["states"])
     with ThreadPoolExecutor(max_workers=default_workers()) as pool:
         return list(pool.map(lambda item: compiler.kernel_library(*item), texts.items()))
 
@@ -592,20 +657,45 @@ def _run(plan: Plan, launches, env: dict, launcher) -> dict:
     return env
 
 
-@functools.lru_cache(maxsize=128)
-def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher):
-    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
-    passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP."""
-    import mlx.core as mx
-
+def _input_grads(env: dict, primals, gate: str) -> tuple:
+    """``(dq, dk, dv, dgates, dbeta)`` in the primals' chunk layout from a backward's
+    environment: dq / dk summed over the r value heads of each key head, the gate cotangent
+    the O(C^2) epilogue (`gdngen.chunkwise.decay_factors_{log,linear}_vjp`) on ``dd``."""
     from gdngen import chunkwise
     from gdngen.backends.mlx_chunkwise import XP
+
+    q, k, v, gates, beta = primals[:5]
+    N, B, Hk, r, C = v.shape[:5]
+    Dk = q.shape[-1]
+    dq = env["dq"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(q.shape)
+    dk = env["dk"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(k.shape)
+    dv = env["dv"].reshape(v.shape)
+    dbeta = env["dbeta"].reshape(beta.shape)
+    dD = env["dd"].reshape(gates.shape[:-1] + (C + 1, C + 1))
+    if gate == "log":
+        D = chunkwise.decay_factors(XP, gates)
+        dgates = chunkwise.decay_factors_log_vjp(XP, gates, D, dD)
+    else:
+        D = chunkwise.decay_factors(XP, XP.log(gates))
+        dgates = chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, dbeta
+
+
+@functools.lru_cache(maxsize=128)
+def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
+          templates=None):
+    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
+    passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP. ``templates``:
+    a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made)."""
+    import mlx.core as mx
 
     prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
 
     def plan_for(v):
         N, B = int(v.shape[0]), int(v.shape[1])
-        return launch_plan(variant, problem, N, B)
+        if templates is None:
+            return launch_plan(variant, problem, N, B)
+        return _launch_plan(adapt(variant, problem), problem, N, B, templates)
 
     # Chunk layout (gdngen.chunkwise.to_chunks): v [N, B, Hk, r, C, Dv], gates / beta
     # [N, B, Hk, r, C]; q and k hold N, B, Hk, C, Dk in that order (with or without a unit r
@@ -636,19 +726,65 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher)
                "dy": dY.reshape(N, B, Hv, C, Dv), "dsf": dS.reshape(B, Hv, Dv, Dk)}
         env.update(zip(plan.saved, outputs[2:]))
         env = _run(plan, plan.backward, env, launcher)
-        dq = env["dq"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(q.shape)
-        dk = env["dk"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(k.shape)
-        dv = env["dv"].reshape(v.shape)
-        dbeta = env["dbeta"].reshape(beta.shape)
-        dD = env["dd"].reshape(gates.shape[:-1] + (C + 1, C + 1))
-        if gate == "log":
-            D = chunkwise.decay_factors(XP, gates)
-            dgates = chunkwise.decay_factors_log_vjp(XP, gates, D, dD)
-        else:
-            D = chunkwise.decay_factors(XP, XP.log(gates))
-            dgates = chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
-        ds0 = env["ds0"].reshape(s0.shape)
-        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, dbeta, ds0)
+        return _input_grads(env, primals, gate) + (env["ds0"].reshape(s0.shape),)
+
+    return core
+
+
+@functools.lru_cache(maxsize=128)
+def _packed_core(variant: Variant, problem: Problem, gate: str, launcher, templates):
+    """The packed kernels' chunk walk (`packed_launch_plan`) as an ``mx.custom_function``
+    ``(q, k, v, gates, beta, inject) -> (Y, S_in, *saved)``: the `gdngen.packed.chunk_walk`
+    contract (`gdngen.chunkwise.forward` with ``inject``, from a zero state).
+
+    Chunk layout (`gdngen.chunkwise.to_chunks`): q, k ``[N, 1, Hk, C, Dk]`` with q already
+    scaled (the kernels run with scale 1), v ``[N, 1, Hk, r, C, Dv]``, gates / beta ``[N, 1,
+    Hk, r, C]``, ``inject [N, 1, Hk, r, Dv, Dk]`` float32 added to the state leaving chunk n;
+    Y like v, ``S_in`` like inject, the states entering the chunks. The VJP (the packed
+    backward: ``dS_in`` enters at each chunk's entry) returns ``dinject`` = the cotangent of
+    the state leaving each chunk, zero for the last (the walk's final state is not an
+    output)."""
+    import mlx.core as mx
+
+    f32 = mx.float32
+    prm = mx.array([1.0, 1.0 if gate == "linear" else 0.0], f32)
+
+    def plan_for(v):
+        return packed_launch_plan(variant, problem, int(v.shape[0]), int(v.shape[1]),
+                                  templates)
+
+    def state_shape(v, q):
+        return (int(v.shape[1]), problem.Hv, int(v.shape[-1]), int(q.shape[-1]))
+
+    @mx.custom_function
+    def core(q, k, v, gates, beta, inject):
+        plan = plan_for(v)
+        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta,
+               "s0": mx.zeros(state_shape(v, q), f32), "inject": inject.astype(f32), "prm": prm}
+        if hasattr(launcher, "prepare"):
+            launcher.prepare(plan, env)
+        env = _run(plan, plan.forward, env, launcher)
+        return (env["y_out"].reshape(v.shape), env["states"].reshape(inject.shape)) + \
+            tuple(env[n] for n in plan.saved)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, inject = primals
+        plan = plan_for(v)
+        N, B, Hk, r, C, Dv = v.shape
+        dY, dS_in = cotangents[0], cotangents[1]
+        dY = mx.zeros(v.shape, q.dtype) if dY is None else dY.astype(q.dtype)
+        dS_in = mx.zeros(inject.shape, f32) if dS_in is None else dS_in.astype(f32)
+        states = (N, B, Hk * r) + tuple(inject.shape[-2:])
+        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta,
+               "s0": mx.zeros(state_shape(v, q), f32), "inject": inject.astype(f32),
+               "prm": prm, "dy": dY.reshape(N, B, Hk * r, C, Dv),
+               "dsf": mx.zeros(state_shape(v, q), f32), "dsin": dS_in.reshape(states)}
+        if plan.saved:
+            env["states"] = outputs[1].reshape(states)
+            env.update(zip(plan.saved, outputs[2:]))
+        env = _run(plan, plan.backward, env, launcher)
+        return _input_grads(env, primals, gate) + (env["dsout"].reshape(inject.shape),)
 
     return core
 
@@ -701,6 +837,28 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     return env["y_out"], env["final_state"]
 
 
+def _chunk_call(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
+                templates=None):
+    """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
+    (API layout, inputs cast as `gated_delta` casts them; y in q's dtype)."""
+    from gdngen import chunkwise
+    from gdngen.backends.mlx_chunkwise import XP
+
+    core = _core(variant, problem, gate, scale, launcher, templates)
+
+    def core_outputs(*arrays):
+        outs = core(*arrays)
+        return outs[0], outs[1]
+
+    def chunkwise_call(q, k, v, g, beta, s0, mask=None):
+        # The scale is applied inside the kernels (in float32), so the layout glue runs with 1.
+        y, state = chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, s0, mask,
+                                         scale=1.0, gate=gate, chunk_size=variant["chunk_size"])
+        return y.astype(q.dtype), state
+
+    return chunkwise_call
+
+
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 variant=None, launcher=None):
     """Run a Metal ``variant`` (differentiable, through ``mx.custom_function``).
@@ -745,20 +903,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                 gate=gate, chunk_size=PORTABLE_CHUNK)
             return y.astype(q.dtype), state
     else:
-        core = _core(variant, problem, gate, scale, launcher)
-
-        def core_outputs(*arrays):
-            outs = core(*arrays)
-            return outs[0], outs[1]
-
-        def chunkwise_call(q, k, v, g, beta, s0, mask=None):
-            # The scale is applied inside the kernels (in float32), so the layout glue runs
-            # with 1.
-            y, state = chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, s0, mask,
-                                             scale=1.0, gate=gate,
-                                             chunk_size=variant["chunk_size"])
-            return y.astype(q.dtype), state
-
+        chunkwise_call = _chunk_call(variant, problem, gate, scale, launcher)
         if shape.T >= SPEC.parse(variant).recurrent_below:
             return chunkwise_call(*args, mask)
 
@@ -773,6 +918,55 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
         *args[:3], g, beta, args[5])
     if mask is not None:
         y = mx.where(mask[..., None, None], y, mx.zeros((), y.dtype))
+    return y.astype(q.dtype), state
+
+
+def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                       gate="log", variant, cu_seqlens, launcher=None, templates_dir=None):
+    """A packed row (`gdngen.packed`, fla's ``cu_seqlens``) on ``variant``'s kernels, scalar
+    gates: the row's chunk walk on the packed build (`render_packed`, `_packed_core`: resets,
+    injected initial states, entering states S_in out), each sequence's one-chunk calls (the
+    initial states' free response, the final state from its last chunk's S_in) on the dense
+    chunk kernels (B = N rows of one chunk, masked y zeroed). Differentiable in every input.
+
+    Arguments as `gated_delta` with ``cu_seqlens`` int32 ``[N+1]`` (checked here): q, k
+    ``[1,T,Hk,Dk]``, v ``[1,T,Hv,Dv]``, g / beta ``[1,T,Hv]``, ``initial_state [N,Hv,Dv,Dk]``
+    or None, mask ``[1,T]``. Float32 inside (the variant's ``precision`` still applies to the
+    matmul operands); returns ``(y [1,T,Hv,Dv] in q's dtype, final_state [N,Hv,Dv,Dk]
+    float32)``. ``recurrent_below`` does not apply (a packed row always walks chunks).
+    ``templates_dir``: a template override folder for both builds (default
+    ``GDNGEN_TEMPLATES``)."""
+    import mlx.core as mx
+
+    from gdngen import packed
+    from gdngen.backends.mlx_chunkwise import XP
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale,
+                       cu_seqlens=cu_seqlens)
+    if shape.vector_gate:
+        raise ValueError("the metal packed kernels take scalar gates only (per-channel packed "
+                         "rows run the portable path, `gdngen.packed.run`)")
+    if variant is None or variant.backend != BACKEND:
+        raise ValueError(f"variant must be a metal Variant, got {variant!r}")
+    problem = Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, "float32", "scalar")
+    variant = adapt(variant, problem)
+    launcher = default_launcher() if launcher is None else launcher
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    scale = float(scale)
+    chunk_call = _chunk_call(variant, problem, gate, scale, launcher, templates)
+    walk_core = _packed_core(variant, problem, gate, launcher, templates)
+
+    def dense(q, k, v, g, beta, S0, mask):
+        y, S = chunk_call(q, k, v, g, beta, S0, mask)
+        return mx.where(mask[..., None, None], y, mx.zeros((), y.dtype)), S
+
+    walk = packed.chunk_walk(XP, lambda *a: walk_core(*a)[:2], scale=scale, gate=gate,
+                             chunk_size=variant["chunk_size"])
+    f32 = mx.float32
+    y, state = packed.gated_delta(
+        XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
+        None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+        gate=gate, chunk_size=variant["chunk_size"])
     return y.astype(q.dtype), state
 
 
@@ -832,4 +1026,5 @@ SPEC = BackendSpec(
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("apple",), supports=supports,
     gates=("scalar", "vector"), tuned_gates=("scalar",),
     render_plan=render_plan, lower_check=lower_check, footprint=max_threadgroup_bytes,
-    device_limit="threadgroup_memory", reference_device="apple-m1")
+    device_limit="threadgroup_memory", reference_device="apple-m1",
+    packed_entry=packed_gated_delta, packed_gates=("scalar",))

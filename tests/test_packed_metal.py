@@ -1,0 +1,114 @@
+"""Packed rows (``cu_seqlens``, `gdngen.packed`) on the metal backend's own packed kernels
+(`gdngen.backends.metal.render_packed`), validated in `gdngen.metal_sim` as the dense kernels
+are: the packed battery cases against the float64 reference (a sequence at a time), and the
+dense render unchanged by the packed build."""
+
+from __future__ import annotations
+
+import pytest
+
+from gdngen import Problem, metal_sim, packed, registry, settings, validate
+from gdngen.backends import metal
+from gdngen.cases import get_case
+
+pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
+pytestmark = pytest.mark.skipif(not metal_sim.available(), reason="no C++ compiler (g++)")
+
+#: sha256 of the dense render of the default variant (save_states True / False), recorded
+#: before the packed build existed: tuned cache entries are keyed on it, so the ``packed``
+#: flag must leave the dense sources byte for byte as they were. (Changing the dense kernels
+#: on purpose changes these, and invalidates the tuned metal entries.)
+DENSE_SHA256 = {
+    (Problem(2, 4, 64, 64), True):
+        "f761467070d79b82853320159cef822993f9812b06e25a7a4f9f8c5bf5bf3ebc",
+    (Problem(2, 4, 64, 64), False):
+        "cffd017e9dcf302ff4e35bb3629091e113a55715d567bed95fed4839bcf1ecb4",
+    (Problem(2, 6, 32, 64), True):
+        "f9925dd1172b978349bbb7b050789309c1e65ce107143af80b342dbf54c987a5",
+    (Problem(2, 6, 32, 64), False):
+        "92504c12967d877fdaea5dea9570a1f7cb536110be48f11a550804717f08e8c4",
+}
+#: the kernels the packed build changes (the state scans); every other source is the dense one
+PACKED_KERNELS = {"fwd_scan.metal", "fwd_scan_save.metal", "fwd_scan_states.metal",
+                  "bwd_scan.metal"}
+
+
+@pytest.mark.parametrize("problem, save", list(DENSE_SHA256),
+                         ids=[f"{p.key()}-save{s}" for p, s in DENSE_SHA256])
+def test_dense_render_is_unchanged_by_the_packed_build(problem, save):
+    v = registry.default_variant("metal", problem).replace(save_states=save)
+    dense = metal.SPEC.render(v, problem)
+    assert dense.sha256 == DENSE_SHA256[problem, save]
+    build = metal.render_packed(v, problem)
+    assert build.sha256 != dense.sha256
+    assert set(build.sources) == set(dense.sources) - {"recurrent.metal"}
+    changed = {n for n in build.sources if build.sources[n] != dense.sources[n]}
+    assert changed == PACKED_KERNELS & set(build.sources)
+
+
+def _check_packed_case(name, monkeypatch, params=None):
+    """``name`` on the default variant (with ``params`` changed) with outputs poisoned,
+    asserting that the walk ran the packed kernels (not the portable path) and every quantity
+    passed."""
+    assert packed.native(registry.get("metal"), vector_gate=False)
+    assert not packed.native(registry.get("metal"), vector_gate=True)
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    ran = []
+    run = metal._run
+
+    def spy(plan, launches, env, launcher):
+        ran.extend((plan.packed, launch.kernel) for launch in launches)
+        return run(plan, launches, env, launcher)
+
+    monkeypatch.setattr(metal, "_run", spy)
+    case = get_case(name)
+    variant = None
+    if params is not None:
+        problem = Problem(case.Hk, case.Hv, case.Dk, case.Dv)
+        variant = registry.default_variant("metal", problem).replace(**params)
+    result = validate.check_case("metal", case, variant=variant)
+    assert result.passed, result.errors
+    assert set(result.errors) >= {"y", "final_state", "dinitial_state", "dq", "dk", "dv",
+                                  "dbeta", "dg", "dg_linear"}
+    # forward and backward of the packed walk, and the dense one-chunk calls
+    scan = "fwd_scan" if params and not params.get("save_states", True) else "fwd_scan_save"
+    assert {(True, scan), (True, "bwd_scan"), (False, scan)} <= set(ran)
+    return result
+
+
+def test_packed_case_passes(monkeypatch):
+    """packed_boundaries (9 sequences: empty ones, length 1 at a chunk edge, a boundary inside
+    a chunk, the ragged tail; GVA 3x, Dk != Dv) in both gate conventions."""
+    _check_packed_case("packed_boundaries", monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [None, {"chunk_size": 32, "save_states": False}],
+                         ids=["default", "chunk32-recompute"])
+def test_packed_long_masked_passes(params, monkeypatch):
+    """packed_long_masked: an initial state carried through two chunk ends (the forward's
+    injection and the backward's dinject), with a padding mask; also on a variant whose
+    backward recomputes the states (the injection in fwd_scan_states)."""
+    _check_packed_case("packed_long_masked", monkeypatch, params)
+
+
+def test_packed_entry_checks_its_call():
+    """Scalar gates and a metal variant only; the offsets are checked (`check_call`)."""
+    import mlx.core as mx
+
+    variant = registry.default_variant("metal", Problem(1, 2, 32, 32))
+    arrays = {"q": mx.zeros((1, 8, 1, 32)), "k": mx.zeros((1, 8, 1, 32)),
+              "v": mx.zeros((1, 8, 2, 32)), "beta": mx.ones((1, 8, 2))}
+    cu = mx.array([0, 3, 8], mx.int32)
+    with pytest.raises(ValueError, match="scalar gates only"):
+        metal.packed_gated_delta(**arrays, g=mx.zeros((1, 8, 2, 32)), variant=variant,
+                                 cu_seqlens=cu)
+    with pytest.raises(ValueError, match="metal Variant"):
+        metal.packed_gated_delta(**arrays, g=mx.zeros((1, 8, 2)),
+                                 variant=registry.default_variant("mlx", Problem(1, 2, 32, 32)),
+                                 cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        metal.packed_gated_delta(**arrays, g=mx.zeros((1, 8, 2)), variant=variant,
+                                 cu_seqlens=mx.array([0, 3, 7], mx.int32))
+    with pytest.raises(ValueError, match="scalar gates only"):
+        metal.render_packed(variant, Problem(1, 2, 32, 32, "float32", "vector"))
