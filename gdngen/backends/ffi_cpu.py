@@ -296,9 +296,11 @@ def _load(rendered, kinds=("forward", "backward", "recurrent")) -> Kernels:
 
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     """The packed-row chunk kernels of ``variant`` (`gdngen.packed`): the chunk template with
-    ``packed`` set, whose forward also takes an injected state per chunk ``[B, Hv, N, Dv,
-    Dk]`` and whose backward also takes the entering states' cotangent and returns the
-    injection's. With ``packed`` unset the template renders the dense kernels byte for byte,
+    ``packed`` set: the forward also takes the injected states ``[B, Hv, n_seq, Dv, Dk]`` (or
+    empty), ``inject_at`` int32 ``[N]`` (the sequence whose state is added to the state leaving
+    each chunk, -1 none) and each sequence's last step, and returns the state after it; the
+    backward takes that state's cotangent and returns the injected states'. With ``packed``
+    unset the template renders the dense kernels byte for byte,
     so the dense variant's sha256 (and tuned entries) do not depend on it."""
     from gdngen.sources import Rendered, environment, sources_sha256
 
