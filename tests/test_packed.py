@@ -197,9 +197,10 @@ def test_empty_sequence_returns_its_initial_state(framework):
 
 
 def test_packed_paths_of_generated_backends():
-    """ffi_cpu runs packed rows in its own kernels; a backend without packed kernels
-    (pallas_tpu) runs its variants' packed rows on the portable path at the variant's chunk;
-    both match xla's packed row, and `explain` / `describe` say which ran."""
+    """ffi_cpu runs packed rows in its own kernels and matches xla's packed row (the Pallas
+    and Metal packed builds: tests/test_packed_pallas.py, tests/test_packed_metal.py); per-channel
+    gates, which no generated backend has packed kernels for, run on the portable path at the
+    variant's chunk; `explain` / `describe` say which ran."""
     import jax.numpy as jnp
 
     from gdngen import registry
@@ -213,19 +214,18 @@ def test_packed_paths_of_generated_backends():
     y_xla, final_xla = gated_delta(
         **arrays, cu_seqlens=cu,
         variant=registry.default_variant("xla", problem).replace(chunk_size=32))
-    for name in ("ffi_cpu", "pallas_tpu"):
-        spec = registry.get(name)
-        if not spec.available():
-            continue
-        variant = registry.default_variant(name, problem).replace(chunk_size=32)
+    variant = registry.default_variant("ffi_cpu", problem).replace(chunk_size=32)
+    if registry.get("ffi_cpu").available():
         y, final = gated_delta(**arrays, cu_seqlens=cu, variant=variant)
         np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=0, atol=2e-6)
         np.testing.assert_allclose(np.asarray(final), np.asarray(final_xla), rtol=0, atol=2e-6)
-    assert "ffi_cpu chunk kernels (their packed build)" in packed.describe(
-        registry.get("ffi_cpu"), variant, False, 5)
-    assert "portable jax_chunkwise chunk path (no packed pallas_tpu kernels" in \
-        packed.describe(registry.get("pallas_tpu"), variant, False, 5)
-    assert "portable jax_chunkwise" in packed.describe(registry.get("ffi_cpu"), variant, True, 5)
+    for name in ("ffi_cpu", "pallas_tpu", "pallas_gpu", "metal"):
+        spec = registry.get(name)
+        assert f"{name} chunk kernels (their packed build)" in packed.describe(
+            spec, variant, False, 5)
+        assert f"portable {packed.PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk path " \
+            f"(no packed {name} kernels for these gates yet)" in packed.describe(
+                spec, variant, True, 5)
     text = str(load_tuned("jax").explain(**arrays, cu_seqlens=cu))
     assert "packed row of 5 sequences" in text and "chunk_size=" in text
 

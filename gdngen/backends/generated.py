@@ -1,7 +1,8 @@
 """What the generated-kernel backends written in Python (`pallas_tpu`, `pallas_gpu`) share:
 variant and problem checks, exec of a rendered source as a module, jitting its entry points for
-top-level and nested calls, the custom-VJP core, the gate epilogue and the whole-sequence
-entry."""
+top-level and nested calls, the custom-VJP core, the gate epilogue, the whole-sequence entry and
+the packed-row entry (`render_packed`, `packed_gated_delta`: `gdngen.packed` on their packed
+kernel builds)."""
 
 from __future__ import annotations
 
@@ -242,4 +243,76 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
         q32, k32, v32, g32, beta32, s0)
     if mask is not None:
         y = jnp.where(mask[..., None, None], y, 0.0)
+    return y.astype(q.dtype), state
+
+
+# ------------------------------------------------------------------------------ packed rows
+
+
+def render_packed(spec, variant, problem, names, *, templates_dir=None, context=None):
+    """The packed build (`gdngen.packed`) of a generated backend's chunk kernels: the sources
+    ``names`` of ``spec``'s `render_plan` rendered with ``packed`` set (and ``context``'s
+    overrides), as a `gdngen.sources.Rendered` under the names ``packed_<name>``. With
+    ``packed`` unset the templates render the dense kernels byte for byte, so a dense variant's
+    sha256 (and its tuned entries) do not depend on the packed build."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    spec.parse(variant)
+    if problem.gate != "scalar":
+        raise ValueError(f"{spec.name} has packed kernels for scalar gates only, got "
+                         f"{problem.key()}")
+    plan = spec.render_plan(variant, problem)
+    env = environment(templates_dir)
+    texts = {f"packed_{name}": env.get_template(plan[name][0]).render(
+        **dict(plan[name][1], packed=True, **(context or {}))) for name in names}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def packed_gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant,
+                       cu_seqlens, templates_dir):
+    """A packed row (`gdngen.packed`, scalar gates) of a Pallas ``backend`` module: the row's
+    chunk walk on its packed kernels, each sequence's one-chunk calls on its dense chunk path
+    (`gated_delta`), float32 inside. Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens``
+    int32 ``[N+1]`` (B = 1, ``initial_state [N, Hv, Dv, Dk]`` or None). Returns ``(y
+    [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk] float32)``.
+
+    ``backend`` provides, besides what `gated_delta` needs, ``load_packed_kernels(variant,
+    problem, templates_dir=)`` and ``_packed_core((sha256, interpret), gate)``: a
+    ``jax.custom_vjp`` ``(q, k, v, gates, beta, inject) -> (Y, S_in)`` in `gdngen.chunkwise`'s
+    chunk layout (q already scaled, from a zero state, ``inject [M, 1, Hk, r, Dv, Dk]`` added
+    to the state leaving each chunk, ``S_in`` the states entering the chunks), the `walk` core
+    of `gdngen.packed.chunk_walk`."""
+    import jax.numpy as jnp
+
+    from gdngen import packed
+    from gdngen.backends.jax_chunkwise import XP
+    from gdngen.variant import problem_of
+
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale,
+                       cu_seqlens=cu_seqlens)
+    if shape.vector_gate:
+        raise ValueError(f"g has shape {tuple(g.shape)}: the {backend.SPEC.name} packed kernels "
+                         "take scalar gates (per-channel packed rows run on the portable path)")
+    dtype = dtype_name(q)
+    if dtype not in backend.SPEC.dtypes:
+        raise ValueError(f"q has dtype {dtype}, expected one of {backend.SPEC.dtypes} for the "
+                         f"{backend.SPEC.name} backend")
+    backend.interpret_mode()  # decided (and warned about) at the caller's frame
+    # float32 throughout (as `packed.run_portable`): the packed and one-chunk kernels of the
+    # float32 problem
+    kernels = backend.load_packed_kernels(variant, problem_of(shape, "float32"),
+                                          templates_dir=templates_dir)
+    chunk = kernels.params["chunk_size"]
+
+    def dense(q, k, v, g, beta, S0, mask):
+        return gated_delta(backend, q, k, v, g, beta, S0, mask=mask, scale=scale, gate=gate,
+                           variant=variant, templates_dir=templates_dir)
+
+    walk = packed.chunk_walk(XP, backend._packed_core((kernels.sha256, kernels.interpret), gate),
+                             scale=float(scale), gate=gate, chunk_size=chunk)
+    f32 = jnp.float32
+    y, state = packed.gated_delta(
+        XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
+        None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+        gate=gate, chunk_size=chunk)
     return y.astype(q.dtype), state

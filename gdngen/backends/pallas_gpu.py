@@ -31,6 +31,16 @@ Variant parameters (`variant_space`):
 * ``recurrent_below``: calls with fewer steps run the recurrent kernel forward
   (`gdngen.config.recurrent_switch`); it reaches no rendered source.
 
+Packed rows (``cu_seqlens``, `gdngen.packed`), scalar gates: `packed_gated_delta` runs the row's
+chunk walk on the variant's packed build (`render_packed`: the same templates with ``packed``
+set; the forward state walk, and the recomputing variants' ``residuals``, also takes a state per
+chunk ``[B, Hv, N, DV, DK]`` added to the state leaving it, and the forward always returns the
+entering states; the reverse walk also takes their cotangent, and its per-chunk dS_out is the
+injection's) and each sequence's one-chunk calls (initial-state response, final state from its
+last chunk's entering state) on the dense chunk kernels, float32. With ``packed`` unset the
+templates render the dense kernels byte for byte (tuned entries keep their sha256). Per-channel
+packed rows run on the portable chunk path.
+
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
 rendered or run.
 """
@@ -240,6 +250,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "num_warps": p["num_warps"],
         "num_stages": p["num_stages"],
         "save_states": p["save_states"],
+        "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
     }
     recurrent = {key: context[key] for key in ("problem_key", "dk", "dv", "bk", "bv", "n_dk",
                                                "n_dv", "hk", "hv", "group", "num_warps",
@@ -296,6 +307,7 @@ def clear_cache() -> None:
 
     _LOADED.clear()
     _core.cache_clear()
+    _packed_core.cache_clear()
     jax.clear_caches()
 
 
@@ -322,6 +334,37 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
             run_residuals=jit_pair(fwd.residuals, static, interpret),
             run_backward=jit_pair(bwd.backward, static, interpret),
             run_recurrent=jit_pair(rec.recurrent, static, interpret))
+    return _LOADED[key]
+
+
+def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The packed-row chunk kernels of ``variant`` (`gdngen.packed`, scalar gates): the forward
+    and backward templates with ``packed`` set. The forward state walk (also the recomputing
+    variants' ``residuals``) takes an injected state per chunk ``[B, Hv, N, DV, DK]``, added to
+    the state leaving the chunk, and the forward always returns the entering states; the
+    backward also takes their cotangent and returns the injection's (the template headers).
+    With ``packed`` unset the templates render the dense kernels byte for byte."""
+    return generated.render_packed(SPEC, variant, problem, ("forward.py", "backward.py"),
+                                   templates_dir=templates_dir)
+
+
+def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
+    """`render_packed`, loaded (cached as `load_kernels`): a namespace with ``forward``,
+    ``backward``, ``run_forward``, ``run_residuals``, ``run_backward``, ``sha256``,
+    ``variant``, ``problem``, ``params``, ``interpret``."""
+    rendered = render_packed(variant, problem, templates_dir=templates_dir)
+    interpret = interpret_mode()
+    key = (rendered.sha256, interpret)
+    if key not in _LOADED:
+        fwd, bwd = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
+                    for name in ("packed_forward.py", "packed_backward.py"))
+        static = ("scale", "interpret")
+        _LOADED[key] = types.SimpleNamespace(
+            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
+            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
+            run_forward=jit_pair(fwd.forward, static, interpret),
+            run_residuals=jit_pair(fwd.residuals, static, interpret),
+            run_backward=jit_pair(bwd.backward, static, interpret))
     return _LOADED[key]
 
 
@@ -420,6 +463,19 @@ def _states_to_kernel(x, dk, dv):
     return _pad_last(_pad_last(x.reshape(B, Hk * r, Dv, Dk), dk), dv, axis=-2)
 
 
+def _chunk_states_to_kernel(x, dk, dv):
+    """Per-chunk states in chunk layout [N, B, Hk, r, Dv, Dk] -> [B, Hv, N, DV, DK]."""
+    N, B, Hk, r, Dv, Dk = x.shape
+    x = x.transpose(1, 2, 3, 0, 4, 5).reshape(B, Hk * r, N, Dv, Dk)
+    return _pad_last(_pad_last(x, dk), dv, axis=-2)
+
+
+def _chunk_states_from_kernel(x, like):
+    """[B, Hv, N, DV, DK] -> chunk layout [N, B, Hk, r, Dv, Dk] of ``like``."""
+    N, B, Hk, r, Dv, Dk = like.shape
+    return x[..., :Dv, :Dk].reshape(B, Hk, r, N, Dv, Dk).transpose(3, 0, 1, 2, 4, 5)
+
+
 def _to_kernel_layout(q, k, v, gates, beta, S0, *, gate, dk, dv):
     """Chunk layout of `gdngen.chunkwise` -> the kernels' layout (see the forward template), as
     a dict; log gates clamped to `LOG_GATE_FLOOR`."""
@@ -511,6 +567,71 @@ def _core(key: tuple, gate: str, scale: float):
     return generated.custom_vjp_core(forward, backward)
 
 
+def _packed_layout(q, k, v, gates, beta, inject, *, gate, dk, dv):
+    """`_to_kernel_layout` of a packed walk (zero s0) plus ``inject`` [N, B, Hk, r, Dv, Dk]
+    -> [B, Hv, N, DV, DK]."""
+    import jax.numpy as jnp
+
+    lay = _to_kernel_layout(q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32),
+                            gate=gate, dk=dk, dv=dv)
+    lay["inject"] = _chunk_states_to_kernel(inject, dk, dv)
+    return lay
+
+
+def _packed_cotangents(primals, grads, *, gate):
+    """The packed backward's gradients -> cotangents of ``(q, k, v, gates, beta, inject)``."""
+    *front, inject = primals
+    return (*_cotangents((*front, inject[0]), grads[:-1], gate=gate)[:5],
+            _chunk_states_from_kernel(grads[-1], inject))
+
+
+@functools.cache
+def _packed_core(key: tuple, gate: str):
+    """The ``packed_core(q, k, v, gates, beta, inject) -> (Y, S_in)`` of
+    `gdngen.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret mode):
+    chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in`` ``[N, B, Hk,
+    r, Dv, Dk]`` float32; the packed backward kernels as its ``jax.custom_vjp`` (cotangents of
+    every input, ``inject``'s the state cotangent leaving each chunk)."""
+    import jax.numpy as jnp
+
+    kernels = _LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    prepare = jit_pair(functools.partial(_packed_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
+                       (), interpret)
+    finish = jit_pair(functools.partial(_packed_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_in, v, inject):
+        return _values_from_kernel(y, v), _chunk_states_from_kernel(s_in, inject)
+
+    def backward_inputs(dY, dS_in, lay_v, lay_s0):
+        return (_values_to_kernel(dY, p["dv"]).astype(lay_v.dtype),
+                jnp.zeros(lay_s0.shape, jnp.float32),
+                _chunk_states_to_kernel(dS_in.astype(jnp.float32), p["dk"], p["dv"]))
+
+    forward_outputs = jit_pair(forward_outputs, (), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
+
+    def forward(primals):
+        lay = call_jitted(prepare, *primals)
+        y, _, s_in, saved = call_jitted(kernels.run_forward, lay["q"], lay["k"], lay["v"],
+                                        lay["g"], lay["beta"], lay["s0"], lay["inject"],
+                                        scale=1.0, interpret=interpret)
+        return call_jitted(forward_outputs, y, s_in, primals[2], primals[5]), (lay, saved)
+
+    def backward(primals, saved_forward, cotangents):
+        lay, saved = saved_forward
+        args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
+        if not p["save_states"]:  # recomputed, the injection included
+            saved = call_jitted(kernels.run_residuals, *args, lay["s0"], lay["inject"],
+                                scale=1.0, interpret=interpret)
+        dy, dsf, dsin = call_jitted(backward_inputs, *cotangents, lay["v"], lay["s0"])
+        grads = call_jitted(kernels.run_backward, *args, *saved, dy, dsf, dsin, scale=1.0,
+                            interpret=interpret)
+        return call_jitted(finish, primals, grads)
+
+    return generated.custom_vjp_core(forward, backward)
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -584,9 +705,24 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                                           mask=mask, scale=scale, gate=gate, variant=variant,
                                           templates_dir=templates_dir)
 
+
+def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                       gate="log", variant, cu_seqlens, templates_dir=None):
+    """A packed row (`gdngen.packed`, scalar gates) on ``variant``'s kernels: the row's chunk
+    walk on its packed kernels (`render_packed`, `_packed_core`: entering states out, each
+    sequence's final state from its last chunk through the dense kernels), each sequence's
+    one-chunk calls on its dense chunk kernels (`generated.packed_gated_delta`). Arguments as
+    `gdngen.jax.gated_delta` with ``cu_seqlens`` int32 ``[N+1]`` (B = 1); float32 inside;
+    returns ``(y [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
+    return generated.packed_gated_delta(
+        sys.modules[__name__], q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+        gate=gate, variant=variant, cu_seqlens=cu_seqlens, templates_dir=templates_dir)
+
+
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("gpu",), dtypes=INPUT_DTYPES,
     gates=("scalar", "vector"), tuned_gates=("scalar",),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
-    footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100")
+    footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100",
+    packed_entry=packed_gated_delta, packed_gates=("scalar",))

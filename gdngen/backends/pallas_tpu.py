@@ -24,6 +24,15 @@ Variant parameters (`variant_space`):
 * ``recurrent_below``: calls with fewer steps run the recurrent kernel's forward (its Dv split is
   ``dv_tile``'s; it does not change any rendered source).
 
+Packed rows (``cu_seqlens``, `gdngen.packed`), scalar gates: `packed_gated_delta` runs the row's
+chunk walk on the variant's packed build (`render_packed`: the same templates with ``packed``
+set; the forward also takes a state per chunk ``[B, Hv, N, Dv, Dk]`` added to the state leaving
+it and always returns the entering states, the backward also takes their cotangent and returns
+the injection's) and each sequence's one-chunk calls (initial-state response, final state from
+its last chunk's entering state) on the dense chunk kernels, float32. With ``packed`` unset the
+templates render the dense kernels byte for byte (tuned entries keep their sha256). Per-channel
+packed rows run on the portable chunk path.
+
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
 rendered or run.
 """
@@ -280,6 +289,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "tf32_native": p["precision"] == "tf32" and mosaic_lowers_precision_high(),
         "save_states": p["save_states"],
         "vmem_limit_bytes": _vmem_limit(vmem_bytes(variant, problem)),
+        "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
     }
     return {"forward.py": ("pallas_tpu/forward.py.j2", context),
             "backward.py": ("pallas_tpu/backward.py.j2", context),
@@ -332,6 +342,7 @@ def clear_cache() -> None:
 
     _LOADED.clear()
     _core.cache_clear()
+    _packed_core.cache_clear()
     jax.clear_caches()
 
 
@@ -362,6 +373,41 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
         if fwd is not None:
             kernels.run_forward = jit_pair(fwd.forward, ("scale", "interpret"), interpret)
             kernels.run_backward = jit_pair(bwd.backward, ("scale", "interpret"), interpret)
+        if hasattr(fwd, "chunk_states"):
+            kernels.run_chunk_states = jit_pair(fwd.chunk_states, ("interpret",), interpret)
+        _LOADED[key] = kernels
+    return _LOADED[key]
+
+
+def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The packed-row chunk kernels of ``variant`` (`gdngen.packed`, scalar gates): the forward
+    and backward templates with ``packed`` set. The forward (and the recomputing variants'
+    state walk) also takes an injected state per chunk ``[B, Hv, N, Dv, Dk]``, added to the
+    state leaving the chunk, and always returns the entering states; the backward also takes
+    their cotangent and returns the injection's (the template headers). With ``packed`` unset
+    the templates render the dense kernels byte for byte."""
+    p = kernel_params(variant, problem)
+    extra = 4 * _padded_bytes((p["head_tile"], p["dv_tile"], problem.Dk))  # inject/S_in blocks
+    return generated.render_packed(
+        SPEC, variant, problem, ("forward.py", "backward.py"), templates_dir=templates_dir,
+        context={"vmem_limit_bytes": _vmem_limit(vmem_bytes(variant, problem) + extra)})
+
+
+def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
+    """`render_packed`, loaded (cached as `load_kernels`): a namespace with ``forward``,
+    ``backward``, ``run_forward``, ``run_backward`` (and ``run_chunk_states`` for variants that
+    recompute), ``sha256``, ``variant``, ``problem``, ``params``, ``interpret``."""
+    rendered = render_packed(variant, problem, templates_dir=templates_dir)
+    interpret = interpret_mode()
+    key = (rendered.sha256, interpret)
+    if key not in _LOADED:
+        fwd, bwd = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
+                    for name in ("packed_forward.py", "packed_backward.py"))
+        kernels = types.SimpleNamespace(
+            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
+            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
+            run_forward=jit_pair(fwd.forward, ("scale", "interpret"), interpret),
+            run_backward=jit_pair(bwd.backward, ("scale", "interpret"), interpret))
         if hasattr(fwd, "chunk_states"):
             kernels.run_chunk_states = jit_pair(fwd.chunk_states, ("interpret",), interpret)
         _LOADED[key] = kernels
@@ -572,6 +618,73 @@ def _core(key: tuple, gate: str, scale: float):
     return generated.custom_vjp_core(forward, backward)
 
 
+def _packed_layout(q, k, v, gates, beta, inject, gate):
+    """`_to_kernel_layout` of a packed walk (zero s0) plus ``inject`` [N, B, Hk, r, Dv, Dk]
+    -> [B, Hv, N, Dv, Dk]."""
+    import jax.numpy as jnp
+
+    lay = _to_kernel_layout(q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32),
+                            gate)
+    lay["inject"] = _to_heads(inject)
+    return lay
+
+
+def _packed_cotangents(primals, grads, gate):
+    """The packed backward's gradients -> cotangents of ``(q, k, v, gates, beta, inject)``."""
+    *front, inject = primals
+    Hk = inject.shape[2]
+    return (*_cotangents((*front, inject[0]), grads[:-1], gate)[:5],
+            _from_heads(grads[-1], Hk))
+
+
+@functools.cache
+def _packed_core(key: tuple, gate: str):
+    """The ``packed_core(q, k, v, gates, beta, inject) -> (Y, S_in)`` of
+    `gdngen.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret
+    parameters): chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in``
+    ``[N, B, Hk, r, Dv, Dk]`` float32; the packed backward kernel as its ``jax.custom_vjp``
+    (cotangents of every input, ``inject``'s the state cotangent leaving each chunk)."""
+    import jax.numpy as jnp
+
+    kernels = _LOADED[key]
+    interpret = kernels.interpret
+    prepare = jit_pair(functools.partial(_packed_layout, gate=gate), (), interpret)
+    finish = jit_pair(functools.partial(_packed_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_in, Hk):
+        return _from_heads(y, Hk), _from_heads(s_in, Hk)
+
+    def backward_inputs(dY, dS_in, v, s0):
+        return (_to_heads(dY).astype(v.dtype), jnp.zeros(s0.shape, jnp.float32),
+                _to_heads(dS_in).astype(jnp.float32))
+
+    forward_outputs = jit_pair(forward_outputs, ("Hk",), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
+
+    def forward(primals):
+        lay = call_jitted(prepare, *primals)
+        y, _, s_in, *tinv = _run_kernel(
+            kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"],
+            lay["beta"], lay["s0"], lay["inject"], scale=1.0, what="packed forward",
+            interpret=interpret)
+        saved = (s_in, *tinv) if kernels.params["save_states"] else ()
+        return call_jitted(forward_outputs, y, s_in, Hk=primals[0].shape[2]), (lay, saved)
+
+    def backward(primals, saved_forward, cotangents):
+        lay, saved = saved_forward
+        if not saved:  # the variant recomputes the entering states (injection included)
+            saved = (_run_kernel(kernels.run_chunk_states, lay["k"], lay["v"], lay["g_col"],
+                                 lay["g_row"], lay["beta"], lay["s0"], lay["inject"],
+                                 what="packed chunk-state", interpret=interpret),)
+        dy, dsf, dsin = call_jitted(backward_inputs, *cotangents, lay["v"], lay["s0"])
+        grads = _run_kernel(kernels.run_backward, lay["q"], lay["k"], lay["v"], lay["g_col"],
+                            lay["g_row"], lay["beta"], *saved, dy, dsf, dsin, scale=1.0,
+                            what="packed backward", interpret=interpret)
+        return call_jitted(finish, primals, grads)
+
+    return generated.custom_vjp_core(forward, backward)
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -636,9 +749,24 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                                           mask=mask, scale=scale, gate=gate, variant=variant,
                                           templates_dir=templates_dir)
 
+
+def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                       gate="log", variant, cu_seqlens, templates_dir=None):
+    """A packed row (`gdngen.packed`, scalar gates) on ``variant``'s kernels: the row's chunk
+    walk on its packed kernels (`render_packed`, `_packed_core`: entering states out, each
+    sequence's final state from its last chunk through the dense kernels), each sequence's
+    one-chunk calls on its dense chunk kernels (`generated.packed_gated_delta`). Arguments as
+    `gdngen.jax.gated_delta` with ``cu_seqlens`` int32 ``[N+1]`` (B = 1); float32 inside;
+    returns ``(y [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
+    return generated.packed_gated_delta(
+        sys.modules[__name__], q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+        gate=gate, variant=variant, cu_seqlens=cu_seqlens, templates_dir=templates_dir)
+
+
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("tpu",), dtypes=INPUT_DTYPES,
     gates=("scalar", "vector"), tuned_gates=("scalar",),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
-    footprint=vmem_bytes, device_limit="vmem_budget", reference_device="tpu-v5e")
+    footprint=vmem_bytes, device_limit="vmem_budget", reference_device="tpu-v5e",
+    packed_entry=packed_gated_delta, packed_gates=("scalar",))

@@ -1,0 +1,236 @@
+"""Native packed kernels of the Pallas backends (pallas_tpu, pallas_gpu): packed battery cases
+through each backend's packed build (`render_packed`: the walk takes the injected states and
+returns the entering ones; `gdngen.packed`), run as the dense kernels are validated off-device
+(TPU / Pallas interpret mode, buffers NaN-filled, TPU race detection on), their lowering for
+the real compilers, and the dense renders left byte for byte as they were."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+from gdngen import Problem, Variant, default_variant, packed, registry, settings, validate
+from gdngen.cases import Case, get_case
+
+BACKENDS = ("pallas_tpu", "pallas_gpu")
+QUANTITIES = {"y", "final_state", "dinitial_state", "dq", "dk", "dv", "dbeta", "dg",
+              "dg_linear"}
+
+
+def _module(backend):
+    return importlib.import_module(f"gdngen.backends.{backend}")
+
+
+def _check(backend, case, monkeypatch, **changes):
+    """``case`` on ``backend``'s packed kernels (its default variant at the case's chunk, with
+    ``changes``), outputs poisoned; asserts every quantity passes and the packed core ran."""
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    spec = registry.get(backend)
+    assert packed.native(spec, False) and not packed.native(spec, True)
+    core = _module(backend)._packed_core
+    calls = core.cache_info().hits + core.cache_info().misses
+    variant = None
+    if changes:
+        problem = Problem(case.Hk, case.Hv, case.Dk, case.Dv)
+        variant = Variant(backend, dict(default_variant(backend, problem).as_dict(),
+                                        chunk_size=case.chunk_size, **changes))
+    result = validate.check_case(backend, case, variant=variant)
+    assert result.passed, result.errors
+    assert set(result.errors) >= QUANTITIES, result.errors
+    assert core.cache_info().hits + core.cache_info().misses > calls  # the native walk ran
+    return result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_case_passes(backend, monkeypatch):
+    """packed_boundaries (boundaries inside chunks and at their edges, empty and length-1
+    sequences, an initial state carried over a chunk end, exact gates, GVA 3x, Dk != Dv) on
+    the packed kernels: every quantity in both gate conventions."""
+    _check(backend, get_case("packed_boundaries"), monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_core_matches_the_portable_walk(backend):
+    """The packed core (`_packed_core`: the chunk walk from a zero state, a non-zero state
+    injected at every chunk end, the entering states out) and its VJP (the cotangents of the
+    entering states in at every chunk, the injections' out) against the portable one
+    (`gdngen.backends.jax_chunkwise.packed_core`), on random inputs."""
+    import numpy as np
+
+    from gdngen.backends import jax_chunkwise
+
+    module = _module(backend)
+    M, Hk, r, C, Dk, Dv = 2, 1, 2, 32, 32, 32
+    problem = Problem(Hk, Hk * r, Dk, Dv)
+    kernels = module.load_packed_kernels(_variant(backend, problem, {"chunk_size": C}), problem)
+    rng = np.random.default_rng(0)
+
+    def draw(*shape, scale=1.0):
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+    k = draw(M, 1, Hk, C, Dk)
+    args = (draw(M, 1, Hk, C, Dk, scale=0.2), k / jnp.linalg.norm(k, axis=-1, keepdims=True),
+            draw(M, 1, Hk, r, C, Dv), -jnp.abs(draw(M, 1, Hk, r, C, scale=0.1)),
+            jax.nn.sigmoid(draw(M, 1, Hk, r, C)), draw(M, 1, Hk, r, Dv, Dk))
+    cotangents = (draw(M, 1, Hk, r, C, Dv), draw(M, 1, Hk, r, Dv, Dk))
+    results = []
+    for core in (module._packed_core((kernels.sha256, kernels.interpret), "log"),
+                 lambda *a: jax_chunkwise.packed_core(*a, "log", 8, True)):
+        outputs, vjp = jax.vjp(core, *args)
+        results.append((*outputs, *vjp(cotangents)))
+    names = ("Y", "S_in", "dq", "dk", "dv", "dgates", "dbeta", "dinject")
+    for name, got, want in zip(names, *results):
+        err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        assert err < 5e-6, (name, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_long_masked_passes(backend, monkeypatch):
+    """packed_long_masked: an initial state carried through two chunk ends, the padding mask."""
+    _check(backend, get_case("packed_long_masked"), monkeypatch)
+
+
+#: Dv = 256 split into two 128-wide Dv tiles (pallas_tpu) / 16-wide Dk and 32-wide Dv register
+#: tiles (pallas_gpu): the packed additions on every state tile
+TILED = Case("packed_tiled", "packed row, an initial state over a chunk end, several state tiles",
+             B=1, T=150, Hk=1, Hv=2, Dk=32, Dv=256, has_initial_state=True,
+             cu_seqlens=(0, 30, 64, 65, 150))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,changes", [
+    ("pallas_tpu", {"save_states": False}),
+    ("pallas_tpu", {"dv_tile": 128}),
+    ("pallas_tpu", {"dv_tile": 128, "save_states": False, "head_tile": 1}),
+    ("pallas_gpu", {"save_states": False}),
+    ("pallas_gpu", {"bk": 16, "bv": 32}),
+])
+def test_packed_variants_pass(backend, changes, monkeypatch):
+    """Recomputed entering states (the state walk with the injection), several state tiles."""
+    case = get_case("packed_boundaries") if changes == {"save_states": False} else TILED
+    _check(backend, case, monkeypatch, **changes)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+#: sha256 of dense renders (before the packed build existed): tuned entries are keyed on them,
+#: so the ``packed`` flag, off, must leave every dense source byte for byte as it was
+DENSE_SHA256 = {
+    ("pallas_tpu", (2, 6, 32, 64), ()):
+        "9db85e01cc76a5115f82bdc98bc90f19bb79f7f5ef1741038a87862ff28ff74e",
+    ("pallas_tpu", (2, 6, 32, 64), (("save_states", False),)):
+        "7a595f3d86b2b30e7fa2e31c5359ee3a6ebaed2c5c14cda8fbf0228822f284f6",
+    ("pallas_tpu", (1, 2, 64, 256), ()):
+        "3da5e00dfe2a1fbaa39d6c10536e1efa22f5478999e17d3fe5cf5dea550d28fe",
+    ("pallas_tpu", (1, 2, 64, 256), (("dv_tile", 128),)):
+        "578badb4a729780c90685e7cc741a658d8ed7edcd09b8f0ff0f032965cb810cd",
+    ("pallas_tpu", (1, 2, 64, 256), (("dv_tile", 128), ("save_states", False))):
+        "f511b5e4aecc3af146ce8738ea0f7fce0e235f35f825b27cda7b9bcb5a76a9b7",
+    ("pallas_tpu", (2, 4, 128, 128), ()):
+        "27e3682936f3ac2738fe657b85c999f15823d6b08f59ab8cbbe262291050aa2a",
+    ("pallas_tpu", (2, 4, 128, 128), (("head_tile", 1), ("precision", "bf16"))):
+        "a3b222f3699285275caf94b263753ff28e00954bd5ee14a564e5e84501281d37",
+    ("pallas_gpu", (2, 6, 32, 64), ()):
+        "71158be849734d448687d28d60afc21e3f5e29ba4ab6dc7e71a20320859eb5a6",
+    ("pallas_gpu", (2, 6, 32, 64), (("save_states", False),)):
+        "4eb566da4271e4964d3ae67929f4eaeda9cc6fdd8c29616ff891b67679b3df49",
+    ("pallas_gpu", (1, 2, 64, 256), (("bk", 32), ("bv", 32))):
+        "a4a2bdd790ddb0c2fb2b76500f772afdaa433c0df1893e5c7cfd35617c7f9d42",
+    ("pallas_gpu", (2, 4, 128, 128), ()):
+        "d0fee6f43fa79905b041290fc2dc40ff659a565663a7206772ec30205cda3f1f",
+    ("pallas_gpu", (2, 4, 128, 128), (("chunk_size", 32), ("precision", "tf32"))):
+        "f3ebc0915d6de720607b3872496043081921d7f7ba4a8fce40e04f81070f255a",
+}
+
+
+def _variant(backend, problem, changes=()):
+    return Variant(backend, dict(default_variant(backend, problem).as_dict(), **dict(changes)))
+
+
+def test_dense_renders_unchanged_and_packed_build_differs():
+    """Every dense render keeps its sha256; each packed build is its own source (its own
+    cache entry), deterministic, and only for scalar gates."""
+    for (backend, dims, changes), sha in DENSE_SHA256.items():
+        problem = Problem(*dims)
+        variant = _variant(backend, problem, changes)
+        assert registry.get(backend).render(variant, problem).sha256 == sha, (backend, dims,
+                                                                             changes)
+        packed_build = _module(backend).render_packed(variant, problem)
+        assert packed_build.sha256 != sha
+        assert _module(backend).render_packed(variant, problem).sha256 == packed_build.sha256
+        assert set(packed_build.sources) == {"packed_forward.py", "packed_backward.py"}
+    for backend in BACKENDS:
+        vector = Problem(1, 2, 32, 32, gate="vector")
+        with pytest.raises(ValueError, match="scalar gates only"):
+            _module(backend).render_packed(_variant(backend, Problem(1, 2, 32, 32)), vector)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_kernels_lower_for_the_device(backend):
+    """The packed builds lower through Mosaic (TPU) / the Triton lowering (CUDA) as the dense
+    kernels do (no device needed): every kernel, saving and recomputing variants."""
+    module = _module(backend)
+    case = get_case("packed_boundaries")
+    problem = Problem(case.Hk, case.Hv, case.Dk, case.Dv)
+    spec, f32 = jax.ShapeDtypeStruct, jnp.float32
+    B, N, Hk, Hv = 1, 2, problem.Hk, problem.Hv
+    for save in (True, False):
+        kernels = module.load_packed_kernels(_variant(backend, problem, {"save_states": save}),
+                                             problem)
+        C = kernels.params["chunk_size"]
+        texts = []
+        if backend == "pallas_tpu":
+            Dk, Dv = problem.Dk, problem.Dv
+            key, values = spec((B, Hk, N, C, Dk), f32), spec((B, Hv, N, C, Dv), f32)
+            g_col, g_row = spec((B, Hv, N, C, 1), f32), spec((B, Hv, N, 1, C), f32)
+            state, states = spec((B, Hv, Dv, Dk), f32), spec((B, Hv, N, Dv, Dk), f32)
+            tinv = (spec((B, Hv, N, C, C), f32),) if save else ()
+            platform, marker = "tpu", "tpu_custom_call"
+            calls = [(kernels.forward.forward, (key, key, values, g_col, g_row, g_col, state,
+                                                states), {"scale": 1.0}),
+                     (kernels.backward.backward, (key, key, values, g_col, g_row, g_col, states,
+                                                  *tinv, values, state, states),
+                      {"scale": 1.0})]
+            if not save:
+                calls.append((kernels.forward.chunk_states,
+                              (key, values, g_col, g_row, g_col, state, states), {}))
+        else:
+            Dk, Dv, T = kernels.params["dk"], kernels.params["dv"], N * C
+            q, v = spec((B, T, Hk, Dk), f32), spec((B, T, Hv, Dv), f32)
+            gates, state = spec((B, Hv, T), f32), spec((B, Hv, Dv, Dk), f32)
+            states = spec((B, Hv, N, Dv, Dk), f32)
+            residuals = (spec((B, Hv, T, Dv), f32), spec((B, Hv, T, Dk), f32),
+                         spec((B, Hv, T, C), f32), spec((B, Hv, T, C), f32), states)
+            platform, marker = "cuda", "triton"
+            calls = [(kernels.forward.forward, (q, q, v, gates, gates, state, states),
+                      {"scale": 1.0}),
+                     (kernels.forward.residuals, (q, q, v, gates, gates, state, states),
+                      {"scale": 1.0}),
+                     (kernels.backward.backward, (q, q, v, gates, gates, *residuals, v, state,
+                                                  states), {"scale": 1.0})]
+        for fn, args, static in calls:
+            static = dict(static, interpret=False)
+            texts.append(jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
+                         .lower(lowering_platforms=(platform,)).as_text())
+        assert all(marker in text for text in texts)
+
+
+def test_packed_entry_checks_its_call():
+    """The packed entries take scalar gates only (per-channel packed rows dispatch to the
+    portable path: `gdngen.packed.native`) and check the offsets."""
+    shape_args = {"q": jnp.zeros((1, 8, 1, 16)), "k": jnp.zeros((1, 8, 1, 16)),
+                  "v": jnp.zeros((1, 8, 2, 16)), "beta": jnp.ones((1, 8, 2))}
+    cu = jnp.asarray([0, 3, 8], jnp.int32)
+    for backend in BACKENDS:
+        entry = registry.get(backend).packed_entry
+        variant = default_variant(backend, Problem(1, 2, 16, 16))
+        with pytest.raises(ValueError, match="scalar gates"):
+            entry(**shape_args, g=jnp.zeros((1, 8, 2, 16)), variant=variant, cu_seqlens=cu)
+        with pytest.raises(ValueError, match="int32 array"):
+            entry(**shape_args, g=jnp.zeros((1, 8, 2)), variant=variant, cu_seqlens=[0, 3, 8])
