@@ -31,8 +31,8 @@ PROBLEM = Problem(2, 4, 64, 64)
 HARD_CASES = ("ragged", "identical_keys", "gates_exact_one_and_zero", "padding_mask",
               "vector_t1")
 FAST_FULL_BATTERY = {"mlx"}
-#: backends whose battery `make test` runs elsewhere: xla's in test_gated_delta (every case but
-#: its SLOW_HERE ones, which mlx's whole battery below covers), so no hard cases here
+#: backends whose battery `make test` runs elsewhere: xla's in test_gated_delta (its FAST_HERE
+#: hard cases; mlx's whole battery below covers every case), so no hard cases here
 BATTERY_ELSEWHERE = {"xla"}
 
 

@@ -76,11 +76,15 @@ def _inputs(B=1, T=20, Hk=2, Hv=4, Dk=16, Dv=16, seed=None):
                 "initial_state": rng.standard_normal((B, Hv, Dv, Dk))}
 
 
-#: cases left to `make test-all` here: the packed ones run in test_packed (xla, ffi_cpu) and in
-#: mlx's whole battery (test_conformance); so do the two 150-step per-channel ones (~45 s of
-#: compiling each on JAX), whose JAX chunk path test_chunkwise_channel also covers.
-SLOW_HERE = {c.name for c in BATTERY if c.cu_seqlens is not None} | {"vector_strong_half",
-                                                                      "vector_masked_gva3"}
+#: the cases xla runs in `make test` (each ~15-40 s of compiling on JAX): the hard ones of every
+#: kind (decay, exact gates, identical keys, GVA, T = 1, ragged T, masks, per-channel exact
+#: zeros); the rest in `make test-all`. mlx's whole battery (test_conformance) runs every case,
+#: packed ones included, on the same framework-neutral chunk algebra in `make test`, and
+#: test_packed / test_chunkwise_channel run xla's packed and per-channel chunk paths.
+FAST_HERE = ("strong_decay", "gates_exact_one_and_zero", "identical_keys", "gva3", "t1",
+             "ragged", "padding_mask", "vector_exact_zero")
+SLOW_HERE = {c.name for c in BATTERY} - set(FAST_HERE)
+assert set(FAST_HERE) <= {c.name for c in BATTERY}, "FAST_HERE names a case not in the battery"
 
 
 @pytest.mark.parametrize("case", [pytest.param(c.name, marks=pytest.mark.slow)
