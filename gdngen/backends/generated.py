@@ -316,3 +316,23 @@ def packed_gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale,
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
         gate=gate, chunk_size=chunk)
     return y.astype(q.dtype), state
+
+
+def packed_entry(module_name: str):
+    """The ``packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+    gate="log", variant, cu_seqlens, templates_dir=None)`` entry point (`BackendSpec`'s
+    ``packed_entry``) of the Pallas backend module ``module_name``: `packed_gated_delta` on
+    that module (looked up at call time)."""
+    import sys
+
+    def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+              variant, cu_seqlens, templates_dir=None):
+        return packed_gated_delta(sys.modules[module_name], q, k, v, g, beta, initial_state,
+                                  mask=mask, scale=scale, gate=gate, variant=variant,
+                                  cu_seqlens=cu_seqlens, templates_dir=templates_dir)
+
+    entry.__name__ = entry.__qualname__ = "packed_gated_delta"
+    entry.__module__ = module_name
+    entry.__doc__ = (f"A packed row (`gdngen.packed`, scalar gates) on a variant's {module_name} "
+                     "kernels (`gdngen.backends.generated.packed_gated_delta`).")
+    return entry

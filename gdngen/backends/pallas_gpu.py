@@ -706,17 +706,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                                           templates_dir=templates_dir)
 
 
-def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
-                       gate="log", variant, cu_seqlens, templates_dir=None):
-    """A packed row (`gdngen.packed`, scalar gates) on ``variant``'s kernels: the row's chunk
-    walk on its packed kernels (`render_packed`, `_packed_core`: entering states out, each
-    sequence's final state from its last chunk through the dense kernels), each sequence's
-    one-chunk calls on its dense chunk kernels (`generated.packed_gated_delta`). Arguments as
-    `gdngen.jax.gated_delta` with ``cu_seqlens`` int32 ``[N+1]`` (B = 1); float32 inside;
-    returns ``(y [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
-    return generated.packed_gated_delta(
-        sys.modules[__name__], q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-        gate=gate, variant=variant, cu_seqlens=cu_seqlens, templates_dir=templates_dir)
+#: the packed-row entry (`gdngen.backends.generated.packed_gated_delta` on this module)
+packed_gated_delta = generated.packed_entry(__name__)
 
 
 SPEC = BackendSpec(
