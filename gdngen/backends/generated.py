@@ -268,6 +268,21 @@ def render_packed(spec, variant, problem, names, *, templates_dir=None, context=
     return Rendered(variant, problem, texts, sources_sha256(texts))
 
 
+def load_packed(backend: str, rendered, params: dict, interpret):
+    """The packed build ``rendered`` (`render_packed`) of the Pallas backend ``backend`` as
+    modules: a namespace with ``forward``, ``backward``, ``run_forward``, ``run_backward``
+    (jitted with ``scale``/``interpret`` static, as `jit_pair`), ``sha256``, ``variant``,
+    ``problem``, ``params``, ``interpret``; the backend adds its own further entry points."""
+    fwd, bwd = (exec_module(backend, name, rendered.sources[name], rendered.sha256)
+                for name in ("packed_forward.py", "packed_backward.py"))
+    static = ("scale", "interpret")
+    return types.SimpleNamespace(
+        forward=fwd, backward=bwd, sha256=rendered.sha256, variant=rendered.variant,
+        problem=rendered.problem, params=params, interpret=interpret,
+        run_forward=jit_pair(fwd.forward, static, interpret),
+        run_backward=jit_pair(bwd.backward, static, interpret))
+
+
 def packed_gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant,
                        cu_seqlens, templates_dir):
     """A packed row (`gdngen.packed`, scalar gates) of a Pallas ``backend`` module: the row's

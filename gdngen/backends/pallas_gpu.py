@@ -356,15 +356,11 @@ def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=Non
     interpret = interpret_mode()
     key = (rendered.sha256, interpret)
     if key not in _LOADED:
-        fwd, bwd = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
-                    for name in ("packed_forward.py", "packed_backward.py"))
-        static = ("scale", "interpret")
-        _LOADED[key] = types.SimpleNamespace(
-            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
-            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            run_forward=jit_pair(fwd.forward, static, interpret),
-            run_residuals=jit_pair(fwd.residuals, static, interpret),
-            run_backward=jit_pair(bwd.backward, static, interpret))
+        kernels = generated.load_packed(BACKEND, rendered, kernel_params(variant, problem),
+                                        interpret)
+        kernels.run_residuals = jit_pair(kernels.forward.residuals, ("scale", "interpret"),
+                                         interpret)
+        _LOADED[key] = kernels
     return _LOADED[key]
 
 

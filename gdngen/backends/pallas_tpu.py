@@ -401,15 +401,11 @@ def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=Non
     interpret = interpret_mode()
     key = (rendered.sha256, interpret)
     if key not in _LOADED:
-        fwd, bwd = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
-                    for name in ("packed_forward.py", "packed_backward.py"))
-        kernels = types.SimpleNamespace(
-            forward=fwd, backward=bwd, sha256=rendered.sha256, variant=variant,
-            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            run_forward=jit_pair(fwd.forward, ("scale", "interpret"), interpret),
-            run_backward=jit_pair(bwd.backward, ("scale", "interpret"), interpret))
-        if hasattr(fwd, "chunk_states"):
-            kernels.run_chunk_states = jit_pair(fwd.chunk_states, ("interpret",), interpret)
+        kernels = generated.load_packed(BACKEND, rendered, kernel_params(variant, problem),
+                                        interpret)
+        if hasattr(kernels.forward, "chunk_states"):
+            kernels.run_chunk_states = jit_pair(kernels.forward.chunk_states, ("interpret",),
+                                                interpret)
         _LOADED[key] = kernels
     return _LOADED[key]
 
