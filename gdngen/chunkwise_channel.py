@@ -291,18 +291,35 @@ def _wy(xp, k, v, beta, blocks, D0, solve_block):
     return Tinv, U, Wk, Mkk
 
 
-def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None):
+def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None, walk=None):
     """Chunkwise forward for per-channel gates; returns ``(Y, S_final, residuals)`` as
     `gdngen.chunkwise.forward` does (``inject`` as there), the residuals ``(S_in, W, Tinv,
     Wk, Pm, Mkk)`` adding the decayed products ``M_qk``, ``M_kk`` [N,B,H,r,C,C] (C/Dk of the
-    keys' size; the backward would otherwise rebuild them from the factors)."""
-    ein = xp.einsum
+    keys' size; the backward would otherwise rebuild them from the factors).
+
+    ``walk``: the sequential stage (default `walk_forward`, an ``xp.scan``); a generated
+    backend passes its kernel with the same contract, the intra-chunk stages staying here."""
     C = k.shape[-2]
     blocks, (D0, DC, dCC) = _factors(xp, gates, gate, C)
     Tinv, U, Wk, Mkk = _wy(xp, k, v, beta, blocks, D0, solve_block)
     Qd = q[..., None, :, :] * D0  # [.., r, C, Dk]
     Kc = k[..., None, :, :] * DC
     Pm = decayed_products(xp, q, k, blocks)
+    Y, S_final, S_in, W = (walk or walk_forward)(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject)
+    return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
+
+
+def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
+    """The chunk walk of `forward`: ``(Y, S_final, S_in, W)``.
+
+    Per chunk n (chunk layout: U [N,B,H,r,C,Dv]; Wk, Kc, Qd [N,B,H,r,C,Dk]; Pm [N,B,H,r,C,C];
+    dCC [N,B,H,r,Dk]; S [B,H,r,Dv,Dk]; ``inject`` None or [N,B,H,r,Dv,Dk])::
+
+        W = U - Wk S^T,   Y = Qd S^T + Pm W,   S' = S diag(dCC) + W^T Kc (+ inject[n]).
+
+    Returns Y, W [N,B,H,r,C,Dv], the state after the last chunk and the states entering each
+    chunk S_in [N,B,H,r,Dv,Dk]."""
+    ein = xp.einsum
 
     def step(S, xs):
         U_n, Wk_n, Kc_n, Qd_n, Pm_n, dCC_n, *J_n = xs
@@ -313,17 +330,18 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None):
 
     S_final, (Y, S_in, W) = xp.scan(step, S0, (U, Wk, Kc, Qd, Pm, dCC) + _optional(inject),
                                     False)
-    return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
+    return Y, S_final, S_in, W
 
 
-def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None):
+def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None,
+             walk=None):
     """Hand-derived VJP of `forward`: ``(dq, dk, dv, dgates, dbeta, dS0)``, plus the
     cotangent of ``inject`` when ``dS_in`` is given (both as in `gdngen.chunkwise.backward`).
 
     The chunk walk in reverse is the scalar one's with per-channel decays (dW = Pm^T dY +
     Kc dS_out^T, dS_in = dS_out diag(dCC) + dY^T (Q*D0) - dW^T Wk); the cotangents of the decay
     factors then go through the straddle-sum adjoints, and for linear gates through the
-    exact-zero rule (module docstring).
+    exact-zero rule (module docstring). ``walk``: the reverse walk (default `walk_backward`).
     """
     ein = xp.einsum
     C = k.shape[-2]
@@ -332,19 +350,8 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     Qd = q[..., None, :, :] * D0
     Kc = k[..., None, :, :] * DC
     G = _T(Pm) @ dY
-
-    def step(dS_out, xs):
-        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, Qd_n, dCC_n, *dS_n = xs
-        dW = G_n + ein("...rck,...rvk->...rcv", Kc_n, dS_out)
-        dS_prev = (dS_out * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", dY_n, Qd_n)
-                   - ein("...rcv,...rck->...rvk", dW, Wk_n))
-        return (dS_prev + dS_n[0] if dS_n else dS_prev), (
-            dW, -ein("...rcv,...rvk->...rck", dW, S_n), ein("...rcv,...rvk->...rck", dY_n, S_n),
-            ein("...rcv,...rvk->...rck", W_n, dS_out), (dS_out * S_n).sum(axis=-2)
-        ) + _optional(dS_out if dS_n else None)
-
-    dS0, (dW, dWk, dQd, dKc, ddCC, *dJ) = xp.scan(
-        step, dS_final, (G, Kc, Wk, W, S_in, dY, Qd, dCC) + _optional(dS_in), True)
+    dS0, dW, dWk, dQd, dKc, ddCC, dJ = (walk or walk_backward)(
+        xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in)
 
     qr, kr = q[..., None, :, :], k[..., None, :, :]
     # Y = Qd S^T + Pm W ;  S_out = S_in diag(dCC) + W^T Kc
@@ -373,7 +380,7 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     vector_terms = (dD0, dDC, ddCC)
     db = db + db_a + chunk_sums_adjoint(
         xp, *(dX * X for dX, X in zip(vector_terms, (D0, DC, dCC))))
-    extra = tuple(dJ)
+    extra = () if dJ is None else (dJ,)
     if gate == "log":
         return (dq, dk, dv, db, dbeta, dS0) + extra
     # linear gates: d/da = (d/db) / a, and the exact-zero rule where a == 0
@@ -384,3 +391,32 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     zero = gates == 0
     dgates = xp.where(zero, d_zero, db / xp.where(zero, 1.0, gates))
     return (dq, dk, dv, dgates, dbeta, dS0) + extra
+
+
+def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
+    """The reverse chunk walk of `backward`: ``(dS0, dW, dWk, dQd, dKc, ddCC, dinject)``.
+
+    Shapes as `walk_forward` (G = Pm^T dY and dY [N,B,H,r,C,Dv]; ``dS_in`` None or the
+    cotangent of the entering states [N,B,H,r,Dv,Dk]). Per chunk n in reverse, from the
+    cotangent dS' of the state leaving it::
+
+        dW = G + Kc dS'^T,            dWk = -dW S,   dQd = dY S,   dKc = W dS',
+        ddCC = sum_v dS' * S,         dS = dS' diag(dCC) + dY^T Qd - dW^T Wk (+ dS_in[n]).
+
+    dinject [N,B,H,r,Dv,Dk] (the cotangent of the state leaving each chunk) when ``dS_in`` is
+    given, else None."""
+    ein = xp.einsum
+
+    def step(dS_out, xs):
+        G_n, Kc_n, Wk_n, W_n, S_n, dY_n, Qd_n, dCC_n, *dS_n = xs
+        dW = G_n + ein("...rck,...rvk->...rcv", Kc_n, dS_out)
+        dS_prev = (dS_out * dCC_n[..., None, :] + ein("...rcv,...rck->...rvk", dY_n, Qd_n)
+                   - ein("...rcv,...rck->...rvk", dW, Wk_n))
+        return (dS_prev + dS_n[0] if dS_n else dS_prev), (
+            dW, -ein("...rcv,...rvk->...rck", dW, S_n), ein("...rcv,...rvk->...rck", dY_n, S_n),
+            ein("...rcv,...rvk->...rck", W_n, dS_out), (dS_out * S_n).sum(axis=-2)
+        ) + _optional(dS_out if dS_n else None)
+
+    dS0, (dW, dWk, dQd, dKc, ddCC, *dJ) = xp.scan(
+        step, dS_final, (G, Kc, Wk, W, S_in, dY, Qd, dCC) + _optional(dS_in), True)
+    return dS0, dW, dWk, dQd, dKc, ddCC, (dJ[0] if dJ else None)
