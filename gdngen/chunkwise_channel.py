@@ -19,8 +19,12 @@ of a positive number. It is built on sub-chunks of `SUB_CHUNK` tokens (`anchored
   products of the gates over (start of I, t], over the sub-chunks strictly between (their
   totals) and over (j, end of J]. All three are products of gates in [0, 1], so bounded by 1,
   and the block is one matmul ``(X_I F_I) (Y_J L_J H_IJ)^T``;
-* pairs inside one sub-chunk are formed pairwise: the products over (j, t] per channel (a
-  masked cumulative product, the multiplicative form of Mamba-2's ``segsum``).
+* pairs inside one sub-chunk are formed one offset at a time (`pair_bands`): for
+  ``delta = t - j`` the products over (t - delta, t] per channel, ``E_delta[t] = a_t
+  E_{delta-1}[t-1]`` (the multiplicative form of Mamba-2's ``segsum``, a band of the [c, c]
+  segment matrix at a time), so no [c, c, Dk] tensor is ever formed: every intermediate of
+  the products is the size of the gates (peak memory, measured in MLX: see
+  `decayed_products`).
 
 Every factor is a product of its own gates (one exp per log gate, never one per factor), never
 a ratio or a difference of cumulative sums, so no digits are lost (``ulp(170) = 1.5e-5``) and
@@ -109,11 +113,10 @@ def anchored_segments(xp, x, c, op=SUM):
     The segment (j, t] for t in sub-chunk I and j in an earlier J splits into ``F[I, t]`` over
     (start of I, t] (t included; ``[..., n, c, Dk]``), ``H[I, J]`` the whole sub-chunks strictly
     between J and I (``[..., nI, nJ, Dk]``, the identity unless I > J) and ``L[J, j]`` over
-    (j, end of J] (``[..., n, c, Dk]``); ``S [..., n, c, c, Dk]``: S[I, t, j] over (j, t] inside
-    sub-chunk I (the identity for t <= j). Each accumulates its own terms only (sub-chunk
-    totals taken whole), never a difference or a ratio: sums of log gates are exact to their own
-    rounding, products of gates in [0, 1] stay bounded, and a zero gate (-inf log gate) gives an
-    exact zero factor.
+    (j, end of J] (``[..., n, c, Dk]``); the pairs inside one sub-chunk are `pair_bands`'.
+    Each accumulates its own terms only (sub-chunk totals taken whole), never a difference or
+    a ratio: sums of log gates are exact to their own rounding, products of gates in [0, 1]
+    stay bounded, and a zero gate (-inf log gate) gives an exact zero factor.
     """
     one = 0.0 if op == SUM else 1.0
     xs = _split(x, c)
@@ -123,12 +126,55 @@ def anchored_segments(xp, x, c, op=SUM):
     later = xp.tril_mask(n, -1)[:, :, None]  # I' > J
     H = _shift_down(xp, _scan(xp, xp.where(later, F[..., :, None, -1, :], one), -3, op), -3,
                     one)
-    S = _scan(xp, xp.where(xp.tril_mask(c, -1)[:, :, None], xs[..., :, None, :], one), -3, op)
-    return F, H, L, S
+    return F, H, L
 
 
-def anchored_sums_adjoint(xp, dF, dH, dL, dS):
-    """Transpose of the linear map b -> (F, H, L, S) of `anchored_segments` (sums of log
+def pair_bands(xp, x, op=PRODUCT):
+    """The in-sub-chunk segments by offset: for delta = 0, 1, ..., c-1 (a generator), ``x``
+    (per token, ``[..., n, c, Dk]``, split in sub-chunks) accumulated over (t - delta, t] for
+    every t of each sub-chunk, ``[..., n, c, Dk]``: the delta-th subdiagonal of the pairwise
+    segment matrix S[t, j] over (j, t]. Entries with t < delta (a pair reaching into the
+    previous sub-chunk) are 0. Built by recursion on delta, ``E_delta[t] = x_t op
+    E_{delta-1}[t-1]`` (``E_0`` the identity of ``op``): each band accumulates its own terms."""
+    c = x.shape[-2]
+    band = xp.zeros(tuple(x.shape)) + (0.0 if op == SUM else 1.0)
+    for delta in range(c):
+        if delta:
+            shifted = _shift_down(xp, band, -2)
+            band = x + shifted if op == SUM else x * shifted
+            band = xp.where(xp.tril_mask(c, -delta)[:, :1], band, 0.0)  # t >= delta
+        yield band
+
+
+def _pair_factors(xp, diag):
+    """The bands of `pair_bands` of the pairwise factors ``diag = (a, zeros)``: products of
+    the gates ``a [..., n, c, Dk]``, and where ``zeros`` (the zero indicator, or None) is
+    given, only on the segments holding exactly one zero (`zero_gate_factors`)."""
+    a, zeros = diag
+    if zeros is None:
+        yield from pair_bands(xp, a)
+        return
+    for E, count in zip(pair_bands(xp, a), pair_bands(xp, zeros, SUM)):
+        yield xp.where(count == 1, E, 0.0)
+
+
+def pair_sums_adjoint(xp, P):
+    """Transpose of b -> (bands 1..c-1 of ``pair_bands(b, SUM)``): ``db [..., n, c, Dk]``
+    from ``P`` (the list of the bands' cotangents, delta = 1..c-1, each ``[..., n, c, Dk]``
+    and 0 at t < delta, where the band holds no pair).
+
+    ``db_m = sum_{s>=0} Ptail_{s+1}[m+s]`` with ``Ptail_e = sum_{delta>=e} P_delta`` (the
+    segment (t - delta, t] holds m iff t - delta < m <= t): suffix sums over delta, then a
+    Horner sum of one-step shifts; no differences."""
+    tail = acc = None
+    for P_delta in reversed(P):
+        tail = P_delta if tail is None else tail + P_delta
+        acc = tail if acc is None else tail + _shift_up(xp, acc, -2)
+    return 0.0 if acc is None else _merge(acc)
+
+
+def anchored_sums_adjoint(xp, dF, dH, dL):
+    """Transpose of the linear map b -> (F, H, L) of `anchored_segments` (sums of log
     gates): ``db [..., C, Dk]``.
 
     Fed the P terms (cotangent of a factor times the factor), every output is a sum of P
@@ -140,10 +186,7 @@ def anchored_sums_adjoint(xp, dF, dH, dL, dS):
     dF = dF + xp.concatenate([xp.zeros(d_totals.shape[:-1] + (c - 1, d_totals.shape[-1])),
                               d_totals[..., None, :]], axis=-2)
     dbs = xp.cumsum(dF, axis=-2, reverse=True)
-    dbs = dbs + _shift_down(xp, xp.cumsum(dL, axis=-2), -2)
-    d_pairs = xp.cumsum(dS, axis=-3, reverse=True)  # [.., n, c(m), c(j), Dk]
-    dbs = dbs + xp.where(xp.tril_mask(c, -1)[:, :, None], d_pairs, 0.0).sum(axis=-2)
-    return _merge(dbs)
+    return _merge(dbs + _shift_down(xp, xp.cumsum(dL, axis=-2), -2))
 
 
 def chunk_segments(xp, x, op=SUM):
@@ -167,14 +210,14 @@ def gate_factors(xp, a, c):
     DC, dCC))``, products of the gates over each segment (one exp per gate for log gates,
     never one per factor).
 
-    ``blocks = (terms, ED)``: ``terms`` a list of separable factor triples ``(EF, EH, EL)``
-    (the products F, H, L of `anchored_segments`; EH zero unless I > J), here one; ED the
-    pairwise in-sub-chunk factors (zero above the diagonal)."""
-    F, H, L, S = anchored_segments(xp, a, c, PRODUCT)
+    ``blocks = (terms, diag)``: ``terms`` a list of separable factor triples ``(EF, EH, EL)``
+    (the products F, H, L of `anchored_segments`; EH zero unless I > J), here one; ``diag =
+    (gates [..., n, c, Dk], None)`` what the in-sub-chunk factors are built from, a band at a
+    time, where they are used (`_pair_factors`)."""
+    F, H, L = anchored_segments(xp, a, c, PRODUCT)
     n = L.shape[-3]
     EH = xp.where(xp.tril_mask(n, -1)[:, :, None], H, 0.0)
-    ED = xp.where(xp.tril_mask(c, 0)[:, :, None], S, 0.0)
-    return ([(F, EH, L)], ED), chunk_segments(xp, a, PRODUCT)
+    return ([(F, EH, L)], (_split(a, c), None)), chunk_segments(xp, a, PRODUCT)
 
 
 def zero_gate_factors(xp, a, c):
@@ -185,8 +228,8 @@ def zero_gate_factors(xp, a, c):
     zero = a == 0
     ones = xp.where(zero, 1.0, a)
     count = xp.where(zero, 1.0, 0.0)
-    F, H, L, S = anchored_segments(xp, ones, c, PRODUCT)
-    cF, cH, cL, cS = anchored_segments(xp, count, c)
+    F, H, L = anchored_segments(xp, ones, c, PRODUCT)
+    cF, cH, cL = anchored_segments(xp, count, c)
     n = L.shape[-3]
     H = xp.where(xp.tril_mask(n, -1)[:, :, None], H, 0.0)
 
@@ -196,10 +239,9 @@ def zero_gate_factors(xp, a, c):
     terms = [(only(F, cF, 0), only(H, cH, 0), only(L, cL, 1)),
              (only(F, cF, 0), only(H, cH, 1), only(L, cL, 0)),
              (only(F, cF, 1), only(H, cH, 0), only(L, cL, 0))]
-    ED = xp.where(xp.tril_mask(c, 0)[:, :, None], only(S, cS, 1), 0.0)
     vectors = tuple(only(e, n_, 1) for e, n_ in
                     zip(chunk_segments(xp, ones, PRODUCT), chunk_segments(xp, count)))
-    return (terms, ED), vectors
+    return (terms, (_split(ones, c), _split(count, c))), vectors
 
 
 # --------------------------------------------------------------------------- decayed products
@@ -217,22 +259,45 @@ def _matrix_to_blocks(x, c):
     return x.swapaxes(-3, -2)
 
 
+def _shift_rows(xp, x, steps):
+    """``x [..., c, Dk]`` moved ``steps`` rows down (up if negative) inside each sub-chunk,
+    zeros coming in: out[t] = x[t - steps]."""
+    if steps == 0:
+        return x
+    c = x.shape[-2]
+    edge = xp.zeros(tuple(x.shape[:-2]) + (abs(steps), x.shape[-1]))
+    if steps > 0:
+        return xp.concatenate([edge, x[..., :c - steps, :]], axis=-2)
+    return xp.concatenate([x[..., -steps:, :], edge], axis=-2)
+
+
+def _subdiagonal(xp, c, delta):
+    """``[c, c]`` float: 1 where t - j == delta, else 0."""
+    return (xp.where(xp.tril_mask(c, -delta), 1.0, 0.0)
+            * xp.where(xp.tril_mask(c, -delta - 1), 0.0, 1.0))
+
+
 def decayed_products(xp, x, y, blocks):
     """``M [..., r, C, C]``, M[t, j] = sum_d x_t[d] y_j[d] d(t, j)[d] for j <= t (0 above).
 
     ``x``, ``y``: key-head ``[..., C, Dk]`` (shared by the r value heads); ``blocks``: the
-    ``(terms, ED)`` of `gate_factors` (per value head, ``[..., r, ...]``). Block (I, J < I)
-    is ``(X_I EF_I) ((Y_J EL_J) EH_IJ)^T``, one matmul."""
-    terms, ED = blocks
-    c = ED.shape[-2]
-    n = ED.shape[-4]
+    ``(terms, diag)`` of `gate_factors` (per value head, ``[..., r, ...]``). Block (I, J < I)
+    is ``(X_I EF_I) ((Y_J EL_J) EH_IJ)^T``, one matmul; the blocks I = J are built one offset
+    delta = t - j at a time, ``M[t, t - delta] = sum_d x_t y_{t-delta} E_delta[t]``
+    (`pair_bands`), each intermediate the size of the gates. (MLX, T = 2048, Hv = 8, D = 128,
+    chunk 32: fwd+bwd peak 888 MiB with the [c, c, Dk] pairwise factors before.)"""
+    terms, diag = blocks
+    c, n = diag[0].shape[-2], diag[0].shape[-3]
     xs, ys = _split(x, c)[..., None, :, :, :], _split(y, c)[..., None, :, :, :]
     M = 0.0
     for EF, EH, EL in terms:
         YLH = (ys * EL)[..., None, :, :, :] * EH[..., :, :, None, :]  # [.., r, nI, nJ, c, Dk]
         M = M + xp.einsum("...Itd,...IJjd->...IJtj", xs * EF, YLH)
-    diag = xp.mul_sum(xs[..., :, None, :] * ED, ys[..., None, :, :], -1)  # [.., r, n, c, c]
-    M = M + xp.where(xp.eye(n)[:, :, None, None] > 0, diag[..., :, None, :, :], 0.0)
+    Md = 0.0  # [.., r, n, c, c]
+    for delta, E in enumerate(_pair_factors(xp, diag)):
+        m = xp.mul_sum(xs * _shift_rows(xp, ys, delta), E, -1)  # [.., r, n, c]
+        Md = Md + m[..., None] * _subdiagonal(xp, c, delta)
+    M = M + xp.where(xp.eye(n)[:, :, None, None] > 0, Md[..., :, None, :, :], 0.0)
     return _blocks_to_matrix(M)
 
 
@@ -241,31 +306,37 @@ def decayed_products_vjp(xp, x, y, blocks, dM, *, inputs=True):
     diagonal): ``(dx, dy, db)`` with dx, dy per value head ``[..., r, C, Dk]`` (the caller sums
     over r) and db ``[..., r, C, Dk]`` the log-gate cotangent (straddle sums of the P terms).
     ``inputs=False``: only db (dx, dy None)."""
-    terms, ED = blocks
-    c = ED.shape[-2]
-    n = ED.shape[-4]
+    terms, diag = blocks
+    c, n = diag[0].shape[-2], diag[0].shape[-3]
     xs, ys = _split(x, c)[..., None, :, :, :], _split(y, c)[..., None, :, :, :]
     dMb = _matrix_to_blocks(dM, c)  # [.., r, nI, nJ, c, c]
     dx = dy = P_F = P_H = P_L = 0.0
     for EF, EH, EL in terms:
-        XF = xs * EF
-        YLH = (ys * EL)[..., None, :, :, :] * EH[..., :, :, None, :]
-        dXF = xp.einsum("...IJtj,...IJjd->...Itd", dMb, YLH)
-        dYLH = xp.einsum("...IJtj,...Itd->...IJjd", dMb, XF)
+        XF, YL = xs * EF, ys * EL
+        dXF = xp.einsum("...IJtj,...IJjd->...Itd", dMb, YL[..., None, :, :, :]
+                        * EH[..., :, :, None, :])
+        dYLH = xp.einsum("...IJtj,...Itd->...IJjd", dMb, XF)  # [.., r, nI, nJ, c, Dk]
+        dYL = xp.mul_sum(dYLH, EH[..., :, :, None, :], -4)  # [.., r, nJ, c, Dk]
         P_F = P_F + dXF * XF
-        P_H = P_H + xp.mul_sum(dYLH, YLH, -2)
-        P_L = P_L + xp.mul_sum(dYLH, YLH, -4)
+        P_H = P_H + xp.mul_sum(dYLH, YL[..., None, :, :, :], -2) * EH
+        P_L = P_L + dYL * YL
         if inputs:
             dx = dx + dXF * EF
-            dy = dy + xp.mul_sum(dYLH, EH[..., :, :, None, :], -4) * EL
+            dy = dy + dYL * EL
     dMd = xp.where(xp.eye(n)[:, :, None, None] > 0, dMb, 0.0).sum(axis=-3)  # [.., r, n, c, c]
-    dMD = xp.where(xp.tril_mask(c, 0), dMd, 0.0)[..., None] * ED
-    db = anchored_sums_adjoint(xp, P_F, P_H, P_L,
-                               dMD * (xs[..., :, None, :] * ys[..., None, :, :]))
+    P_pairs = []  # the P terms of the bands delta >= 1 (band 0 holds no gate)
+    for delta, E in enumerate(_pair_factors(xp, diag)):
+        dm = (dMd * _subdiagonal(xp, c, delta)).sum(axis=-1)[..., None]  # [.., r, n, c, 1]
+        y_pair = _shift_rows(xp, ys, delta)  # y_{t-delta}
+        dmE = dm * E
+        if delta:
+            P_pairs.append(dmE * xs * y_pair)
+        if inputs:
+            dx = dx + dmE * y_pair
+            dy = dy + _shift_rows(xp, dmE * xs, -delta)
+    db = anchored_sums_adjoint(xp, P_F, P_H, P_L) + pair_sums_adjoint(xp, P_pairs)
     if not inputs:
         return None, None, db
-    dx = dx + xp.mul_sum(dMD, ys[..., None, :, :], -2)
-    dy = dy + xp.mul_sum(dMD, xs[..., :, None, :], -3)
     return _merge(dx), _merge(dy), db
 
 

@@ -54,26 +54,38 @@ def test_decayed_products_match_the_definition(C, c):
     np.testing.assert_allclose(np.asarray(D0), start, rtol=1e-5, atol=1e-30)
     np.testing.assert_allclose(np.asarray(DC), d[-1], rtol=1e-5, atol=1e-30)
     np.testing.assert_allclose(np.asarray(dCC), start[-1], rtol=1e-5, atol=1e-30)
-    terms, ED = blocks
-    for factor in (*terms[0], ED, D0, DC, dCC):  # every factor a bounded product
+    terms, diag = blocks
+    bands = list(cc._pair_factors(XP, diag))
+    for factor in (*terms[0], *bands, D0, DC, dCC):  # every factor a bounded product
         f = np.asarray(factor)
         assert np.all((f >= 0) & (f <= 1))
+    for delta, band in enumerate(bands):  # band delta: d(t, t - delta) inside a sub-chunk
+        for t in range(C):
+            expected = d[t, t - delta] if t % c >= delta else np.zeros(Dk)
+            np.testing.assert_allclose(np.asarray(band).reshape(C, Dk)[t], expected,
+                                       rtol=1e-5, atol=1e-30)
 
 
 def test_adjoint_is_the_transpose_of_the_segment_sums():
-    """<adjoint(dF, dH, dL, dS), b> = <(dF, dH, dL, dS), segments(b)> for random cotangents:
-    the map the gate gradient goes through (the straddle-sum rule) is exact."""
+    """<adjoint(dF, dH, dL), b> = <(dF, dH, dL), segments(b)>, and the same for the
+    in-sub-chunk bands, for random cotangents: the maps the gate gradient goes through (the
+    straddle-sum rule) are exact."""
     rng = np.random.default_rng(0)
     C, c, Dk = 32, 8, 4
     b = jnp.asarray(rng.standard_normal((C, Dk)), jnp.float32)
     parts = cc.anchored_segments(XP, b, c)
     cotangents = [jnp.asarray(rng.standard_normal(p.shape), jnp.float32) for p in parts]
     n = C // c
-    # only the meaningful entries: H below the block diagonal, S on and below the diagonal
+    # only the meaningful entries: H below the block diagonal
     cotangents[1] = cotangents[1] * np.tri(n, n, -1)[:, :, None]
-    cotangents[3] = cotangents[3] * np.tri(c, c, 0)[:, :, None]
     lhs = float(jnp.sum(cc.anchored_sums_adjoint(XP, *cotangents) * b))
     rhs = sum(float(jnp.sum(d * p)) for d, p in zip(cotangents, parts))
+    assert abs(lhs - rhs) <= 1e-4 * abs(rhs)
+    bands = list(cc.pair_bands(XP, b.reshape(n, c, Dk), cc.SUM))[1:]
+    d_bands = [jnp.asarray(rng.standard_normal(p.shape) * (np.arange(c) >= delta)[:, None],
+                           jnp.float32) for delta, p in enumerate(bands, 1)]  # pairs in I
+    lhs = float(jnp.sum(cc.pair_sums_adjoint(XP, d_bands) * b))
+    rhs = sum(float(jnp.sum(d * p)) for d, p in zip(d_bands, bands))
     assert abs(lhs - rhs) <= 1e-4 * abs(rhs)
     c0, cc_, ccc = (jnp.asarray(rng.standard_normal(s), jnp.float32)
                     for s in ((C, Dk), (C, Dk), (Dk,)))
