@@ -60,7 +60,7 @@ class Choice:
             return dataclasses.replace(self, kernel_path="chunk kernels")
         origin = "tuned crossover" if self.entry and self.entry.get("crossover") else \
             "untuned default crossover"
-        if vector_gate and not registry.get(self.variant.backend).portable:
+        if vector_gate and "vector" not in registry.get(self.variant.backend).tuned_gates:
             text = ("recurrent kernel forward (per-channel gates: no chunk kernels yet); the "
                     "gradient runs the portable chunkwise path")
         elif T < below:

@@ -1,12 +1,14 @@
 """Generated Metal kernels: the variant space, the launch plan, and the battery in the simulator.
 
 Everything here runs the shipped MLX path (`gdngen.mlx.gated_delta` with a metal variant) with
-`gdngen.metal_sim` standing in for the GPU; the `metal`-marked test runs the same plan on an
-Apple GPU and compares it with the simulator.
+`gdngen.metal_sim` standing in for the GPU; the `metal`-marked tests run the same plan on an
+Apple GPU and compare it with the simulator. Per-channel gates: the walk kernels (the scan
+templates' per-channel build) under `gdngen.chunkwise_channel`, on the battery's vector cases.
 """
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 from gdngen import (
     Problem,
     Variant,
+    chunkwise_channel,
     default_variant,
     metal_sim,
     registry,
@@ -25,7 +28,7 @@ from gdngen import (
     variants,
 )
 from gdngen.backends import metal
-from gdngen.cases import get_case
+from gdngen.cases import BATTERY, get_case
 from gdngen.tolerance import allowed_error
 
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
@@ -74,8 +77,6 @@ def test_space_respects_threadgroup_memory_and_holds_the_default():
             assert max(metal.threadgroup_bytes(v.as_dict(), problem).values()) <= 32 * 1024
             assert metal.accumulator_floats(v.as_dict(), problem) <= metal.MAX_ACC_FLOATS
     assert len(variants("metal", PROBLEM)) == 160
-    # per-channel gates: the recurrent kernel (its own space, rows per threadgroup = dv_tile)
-    assert variants("metal", Problem(2, 4, 64, 64, gate="vector"))
     with pytest.raises(ValueError, match="multiple of 32"):
         variants("metal", Problem(2, 4, 48, 64))
 
@@ -252,6 +253,124 @@ def test_threadgroup_memory_matches_the_static_plan():
 def test_gpu_matches_simulator():
     v = default_variant("metal", PROBLEM)
     case = get_case("hard_decay")
+    raw = case.inputs(seed=3)
+    args = [mx.array(raw[n].astype(np.float32)) for n in ("q", "k", "v", "g_log", "beta")]
+    results = {}
+    for launcher in (metal.MLXLauncher(), metal.SimLauncher()):
+        def loss(*a, launcher=launcher):
+            y, s = metal.gated_delta(*a, scale=case.scale, variant=v, launcher=launcher)
+            return (y * y).sum() + (s * s).sum()
+
+        value, grads = mx.value_and_grad(loss, argnums=tuple(range(5)))(*args)
+        results[launcher.name] = [np.array(value)] + [np.array(g) for g in grads]
+    for gpu, sim in zip(results["metal"], results["simulator"]):
+        np.testing.assert_allclose(gpu, sim, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ per-channel gates
+
+VECTOR = Problem(2, 4, 32, 32, gate="vector")
+VECTOR_CASES = tuple(c.name for c in BATTERY if c.name.startswith("vector_"))
+# Every chunk, simdgroups and dv_tile value at least once, and the scalar-FMA tiles.
+VECTOR_SAMPLED = (
+    {"chunk_size": 16, "simdgroups": 1, "dv_tile": 16, "mma": "fma"},
+    {"chunk_size": 32, "simdgroups": 2, "dv_tile": 64},
+    {"chunk_size": 64, "simdgroups": 4, "dv_tile": 16},
+    {"chunk_size": 64, "simdgroups": 1, "dv_tile": 32, "mma": "fma"},
+)
+
+
+def _vector_variant(problem: Problem, **params) -> Variant:
+    base = default_variant("metal", problem).as_dict()
+    return metal.adapt(Variant("metal", dict(base, **params)), problem)
+
+
+@pytest.fixture
+def _poisoned(monkeypatch):
+    """GDNGEN_POISON_OUTPUTS=1 as in the conformance suite (the simulator poisons every output
+    buffer and fails on anything left unwritten whatever the flag)."""
+    monkeypatch.setenv("GDNGEN_POISON_OUTPUTS", "1")
+
+
+def test_vector_space_render_and_plan():
+    space = variants("metal", VECTOR)
+    assert {(v["chunk_size"], v["simdgroups"], v["dv_tile"]) for v in space} == set(
+        itertools.product(metal.CHUNK_SIZES, metal.SIMDGROUPS, (16, 32)))  # dv_tile <= Dv
+    assert {(v["precision"], v["mma"], v["save_states"]) for v in space} == {
+        ("ieee", "simdgroup", True)}
+    assert "vector" in metal.SPEC.tuned_gates
+    v = _vector_variant(VECTOR, dv_tile=16)
+    sources = render(v, VECTOR).sources
+    assert set(sources) == {"common.metal", "fwd_scan_channel.metal", "bwd_scan_channel.metal",
+                            "recurrent.metal"}
+    for name in metal.CHANNEL_KERNELS:  # decays come in per channel: no gate work in the walk
+        assert "dcc[j]" in sources[f"{name}.metal"] and "load_gates" not in sources[
+            f"{name}.metal"]
+    plan = metal.channel_plan(v, VECTOR, 3, 2)
+    (fwd,), (bwd,) = plan.forward, plan.backward
+    assert fwd.grid == bwd.grid == (128, 32 // 16, 2 * 4)
+    shapes = dict(zip(bwd.outputs, bwd.output_shapes))
+    assert shapes["dwk"] == (2, 3, 2, 4, v["chunk_size"], 32) and shapes["ddcc"] == (2, 3, 2, 4, 32)
+    assert plan.threadgroup_bytes == dict.fromkeys(metal.CHANNEL_KERNELS,
+                                                   4 * v["chunk_size"] * 16)
+
+
+def test_vector_gate_walk_kernels_pass_a_multi_chunk_case(_poisoned, monkeypatch):
+    """vector_exact_zero (exact per-channel zeros and ones, both sides of chunk edges) at chunk
+    32 (four chunks) with two Dv tiles, poisoned outputs: forward and backward walks are the
+    Metal kernels (the default walks are disabled), every quantity within the float32 target,
+    and the simulator measures the threadgroup memory the plan declares."""
+    def default_walk(*args, **kwargs):
+        raise AssertionError("the portable chunk walk ran")
+
+    monkeypatch.setattr(chunkwise_channel, "walk_forward", default_walk)
+    monkeypatch.setattr(chunkwise_channel, "walk_backward", default_walk)
+    v = _vector_variant(VECTOR, chunk_size=32, dv_tile=16, simdgroups=2)
+    launcher = metal.default_launcher()
+    launcher.threadgroup_bytes.clear()
+    results = validate.run_battery(None, variant=v, cases=["vector_exact_zero"])
+    _check(results, v)
+    plan = metal.channel_plan(v, VECTOR, 4, 2)
+    assert {n: launcher.threadgroup_bytes[n] for n in metal.CHANNEL_KERNELS} == \
+        plan.threadgroup_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", VECTOR_SAMPLED, ids=lambda p: "-".join(map(str, p.values())))
+def test_vector_variants_pass_every_vector_case(params, _poisoned):
+    v = Variant("metal", dict(default_variant("metal", VECTOR).as_dict(), **params))
+    results = validate.run_battery(None, variant=v, cases=VECTOR_CASES)
+    assert [r.case for r in results] == list(VECTOR_CASES)
+    _check(results, v)
+
+
+def _simulate_vector(v, case_name, schedule="forward", seed=0):
+    case = get_case(case_name)
+    raw = case.inputs(seed=1)
+    inputs = {"q": raw["q"], "k": raw["k"], "v": raw["v"], "g": raw["g_log"],
+              "beta": raw["beta"], "initial_state": raw["initial_state"], "mask": raw["mask"]}
+    problem = Problem(case.Hk, case.Hv, case.Dk, case.Dv, gate="vector")
+    return metal.simulate(v, problem, inputs, {"y": raw["dy"], "final_state": raw["dfinal_state"]},
+                          scale=case.scale, schedule=schedule, seed=seed)
+
+
+@pytest.mark.slow
+def test_vector_walk_results_do_not_depend_on_thread_order():
+    v = _vector_variant(VECTOR, chunk_size=32, dv_tile=16, simdgroups=4)
+    out, grads = _simulate_vector(v, "vector_masked_gva3")
+    for schedule, seed in SCHEDULES:
+        out2, grads2 = _simulate_vector(v, "vector_masked_gva3", schedule, seed)
+        for name, x in {**out, **grads}.items():
+            np.testing.assert_array_equal(x, {**out2, **grads2}[name],
+                                          err_msg=f"{schedule} {name}")
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs an Apple GPU (MLX Metal backend)")
+def test_vector_gpu_matches_simulator():
+    case = get_case("vector_strong_half")
+    problem = Problem(case.Hk, case.Hv, case.Dk, case.Dv, gate="vector")
+    v = _vector_variant(problem, chunk_size=32, dv_tile=16)
     raw = case.inputs(seed=3)
     args = [mx.array(raw[n].astype(np.float32)) for n in ("q", "k", "v", "g_log", "beta")]
     results = {}

@@ -1,5 +1,6 @@
 """The Metal recurrent kernel (``templates/metal/recurrent.metal.j2``): the forward of short calls
-and of every per-channel-gate call, checked in `gdngen.metal_sim` against the float64 reference.
+(T < recurrent_below, scalar and per-channel gates), checked in `gdngen.metal_sim` against the
+float64 reference.
 
 The simulator poisons every output before a launch and fails on anything left unwritten (the
 project's poisoned-outputs mode, ``GDNGEN_POISON_OUTPUTS=1``, is set as well: on an Apple GPU it
@@ -116,7 +117,8 @@ def test_render_plan_holds_the_recurrent_kernel():
     other = Variant("metal", dict(base.as_dict(), chunk_size=chunk))
     assert render(other, problem).sources["recurrent.metal"] == sources["recurrent.metal"]
     vector = render(base, Problem(2, 4, 64, 32, gate="vector")).sources
-    assert set(vector) == {"recurrent.metal"}
+    assert set(vector) == {"common.metal", "recurrent.metal",
+                           *(f"{name}.metal" for name in metal.CHANNEL_KERNELS)}
     assert vector["recurrent.metal"] != sources["recurrent.metal"]
     assert "ap[j]" in vector["recurrent.metal"] and "ap[j]" not in sources["recurrent.metal"]
 
@@ -180,20 +182,28 @@ def test_entry_short_call_takes_the_recurrent_kernel_with_the_chunk_vjp():
         assert relative_error(g, ref[name]) <= TOL, name
 
 
-def test_entry_vector_gate_runs_the_recurrent_kernel_with_the_sequential_vjp():
-    """Per-channel gates at any T: the recurrent kernel's forward, the sequential path's VJP."""
+def test_entry_vector_gate_switches_like_scalar_gates():
+    """Per-channel gates, T < recurrent_below: the recurrent kernel's forward, the VJP of the
+    chunk path (`gdngen.chunkwise_channel` on the walk kernels); T >= recurrent_below: the chunk
+    path forward and backward. Same gradients, both equal to the reference."""
     B, T, Hk, Hv, Dk, Dv = 1, 9, 2, 6, 32, 32
     x = _entry_inputs(np.random.default_rng(8), B, T, Hk, Hv, Dk, Dv, True)
     scale = Dk ** -0.5
-    variant = Variant("metal", dict(_variant(Problem(Hk, Hv, Dk, Dv), 16, 4).as_dict(),
-                                    recurrent_below=0))  # vector gates ignore the switch
+    problem = Problem(Hk, Hv, Dk, Dv, gate="vector")
+    base = _variant(problem, 16, 4, chunk_size=16).as_dict()
     launcher = metal.default_launcher()
     launcher.threadgroup_bytes.clear()
-    y, S, grads = _entry_vjp(x, variant, scale)
-    assert set(launcher.threadgroup_bytes) == {"recurrent"}
+    y, S, grads = _entry_vjp(x, Variant("metal", dict(base, recurrent_below=1000)), scale)
+    assert set(launcher.threadgroup_bytes) == {"recurrent", *metal.CHANNEL_KERNELS}
+    launcher.threadgroup_bytes.clear()
+    y0, S0, grads0 = _entry_vjp(x, Variant("metal", dict(base, recurrent_below=0)), scale)
+    assert set(launcher.threadgroup_bytes) == set(metal.CHANNEL_KERNELS)
     ref = _reference(x, scale)
-    assert relative_error(y, ref["y"]) <= TOL and relative_error(S, ref["final_state"]) <= TOL
-    for name, g in zip(GRADS, grads):
+    for got, want in ((y, ref["y"]), (S, ref["final_state"]), (y0, ref["y"]),
+                      (S0, ref["final_state"])):
+        assert relative_error(got, want) <= TOL
+    for name, g, g0 in zip(GRADS, grads, grads0):
+        np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-6, err_msg=name)
         assert relative_error(g, ref[name]) <= TOL, name
 
 

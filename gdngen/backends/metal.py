@@ -23,9 +23,23 @@ bwd_scan          (Dv/dv_tile) x B*Hv   dW, dS_out per chunk, dS0 (chunks in rev
 bwd_tri           N*B*Hv                dv, dA = -T^T dT T^T and the T-dependent dk, dbeta
 bwd_qk            N*B*Hv                dq, dk, dbeta and the decay cotangent dD
 recurrent         (Dv/dv_tile) x B*Hv   forward only, step by step: y and S_T, the state's rows
-                                        in registers (calls with T < recurrent_below, and every
-                                        per-channel gate call)
+                                        in registers (calls with T < recurrent_below)
+fwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.walk_forward`, W, y,
+                                        S_in and the state over the chunks
+bwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.walk_backward`, dW,
+                                        dS_out per chunk, dS0, and per Dv tile its part of dWk,
+                                        dQd, dKc, ddCC (summed in mx)
 ================  ====================  ==========================================================
+
+Per-channel (vector) gates run `gdngen.chunkwise_channel` (the mlx backend's
+``mx.custom_function``, `gdngen.backends.mlx_chunkwise.chunk_core`) with its two chunk walks on
+the ``*_channel`` kernels (`ChannelWalks`, `channel_plan`): the scan templates' per-channel build
+(``per_channel`` set), whose decays d0 / dc / dcc come in as per-channel inputs (Qd = scale Q *
+D0, Kc = K * DC, dCC) instead of being formed from scalar per-token gates. The intra-chunk stages
+(factors, decayed products, WY, the backward's adjoints and straddle sums) stay
+`gdngen.chunkwise_channel`'s shared code in mx ops; fusing them into kernels is a later step.
+Validated as the scalar kernels: the battery's vector cases in the simulator with poisoned
+outputs, worst relative error 1.1e-6 (vector_identical_keys, dbeta; tests/test_metal_kernels.py).
 
 Packed rows (`gdngen.packed`, ``cu_seqlens``), scalar gates: `packed_gated_delta` runs the
 row's chunk walk on the templates' ``packed`` build (`render_packed`, `packed_launch_plan`):
@@ -48,7 +62,7 @@ import math
 from dataclasses import dataclass
 
 from gdngen import settings
-from gdngen.config import VariantConfig, recurrent_switch
+from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
 from gdngen.spec import BackendSpec
@@ -64,6 +78,10 @@ DV_TILES = (16, 32, 64)
 THREADGROUP_MEMORY = 32 * KiB
 #: Accumulator floats a thread may hold (beyond this the GPU spills registers).
 MAX_ACC_FLOATS = 128
+#: The per-channel gates' walk kernels (`channel_plan`): the scan templates' per-channel build.
+CHANNEL_KERNELS = ("fwd_scan_channel", "bwd_scan_channel")
+#: Dk columns per block of the backward walk's chunk products (``KB`` in bwd_scan.metal.j2).
+CHANNEL_BLOCK = 32
 
 #: Relative L2 error the battery allows per precision (`gdngen.tolerance`: the input dtype's
 #: own tolerance applies when it is looser). ieee: float32 arithmetic throughout (worst
@@ -116,9 +134,12 @@ def intra_tile(chunk_size: int) -> int:
 
 
 def threadgroup_bytes(params: dict, problem: Problem) -> dict:
-    """Threadgroup memory each kernel declares, in bytes (float32 arrays, see the templates)."""
+    """Threadgroup memory each kernel of ``problem``'s gate kind declares, in bytes (float32
+    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile."""
     C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
         intra_tile(params["chunk_size"])
+    if problem.gate == "vector":
+        return {name: 4 * C * dvt for name in CHANNEL_KERNELS}
     floats = {
         "fwd_intra": C * C + 3 * C,
         "fwd_intra_tinv": C * C + 3 * C,
@@ -149,6 +170,8 @@ def accumulator_floats(params: dict, problem: Problem) -> int:
     """Most accumulator floats a thread keeps live in any kernel (a register-pressure bound)."""
     C, dvt, dw = params["chunk_size"], params["dv_tile"], intra_tile(params["chunk_size"])
     acc = functools.partial(_acc_floats, params)
+    if problem.gate == "vector":  # the walks: W / dW tiles, the state tile, KB-column products
+        return max(acc(C, dvt), acc(dvt, problem.Dk), acc(C, CHANNEL_BLOCK))
     return max(
         acc(C, C), acc(C, dw),                                     # fwd_intra
         acc(C, dvt), acc(dvt, problem.Dk),                         # fwd_scan
@@ -184,10 +207,21 @@ def variant_space(problem: Problem, device) -> list[Config]:
     ``save_states`` (the forward keeps per-chunk states, W and T for the backward, else the
     backward recomputes them). Variants over the device's threadgroup memory or
     `MAX_ACC_FLOATS` are left out.
+
+    Per-channel gates: ``chunk_size`` x ``simdgroups`` x ``dv_tile``, the params their path
+    depends on (the chunk of `gdngen.chunkwise_channel`'s stages, the walk kernels' tiling, which
+    the recurrent kernel shares); precision ieee, simdgroup matrices, saved states (the
+    intra-chunk stages run in float32 mx ops whatever the walks' operand precision).
     """
     SPEC.check(problem)
     limit = device.limits["threadgroup_memory"]
     space = []
+    if problem.gate == "vector":
+        for C, sg, dvt in itertools.product(CHUNK_SIZES, SIMDGROUPS, DV_TILES):
+            config = Config(C, dvt, simdgroups=sg)
+            if params_valid(config.params(), problem, limit) is None:
+                space.append(config)
+        return space
     for C, precision, mma, sg, dvt, save in itertools.product(
             CHUNK_SIZES, PRECISIONS, ("simdgroup", "fma"), SIMDGROUPS, DV_TILES, (True, False)):
         if mma == "fma" and precision != "ieee":
@@ -200,8 +234,10 @@ def variant_space(problem: Problem, device) -> list[Config]:
 
 def default_config(problem: Problem, device) -> Config:
     """Chunk 64, ieee, simdgroup matrices, 4 simdgroups, 32-column Dv tiles, saving states (the
-    first variant of the space if that does not fit ``device``)."""
-    config = Config()
+    first variant of the space if that does not fit ``device``). Per-channel gates: chunk
+    `gdngen.config.VECTOR_CHUNK` (the portable path's per-channel chunk; not measured on an
+    Apple GPU, the tuner chooses there)."""
+    config = Config(VECTOR_CHUNK) if problem.gate == "vector" else Config()
     if params_valid(config.params(), problem, device.limits["threadgroup_memory"]) is not None:
         config = variant_space(problem, device)[0]
     return config
@@ -228,7 +264,7 @@ def _context(variant: Variant, problem: Problem) -> dict:
         "C": p["chunk_size"], "DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk,
         "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
         "DW": intra_tile(p["chunk_size"]), "policy": p["precision"], "mma": p["mma"],
-        "packed": False,  # the packed build (`render_packed`) sets it
+        "per_channel": False, "packed": False,  # the packed build (`render_packed`) sets it
         # 16-bit operands: bfloat under precision bf16, else (tf32 rounding) half for float16
         "op_type": "bfloat" if p["precision"] == "bf16" or problem.dtype == "bfloat16"
         else "half",
@@ -245,6 +281,10 @@ _KERNEL_TEMPLATES = {
     "bwd_scan": ("metal/bwd_scan.metal.j2", {}),
     "bwd_tri": ("metal/bwd_tri.metal.j2", {}),
     "bwd_qk": ("metal/bwd_qk.metal.j2", {}),
+    # per-channel gates: the scan templates' per-channel build (the chunkwise_channel walks)
+    "fwd_scan_channel": ("metal/fwd_scan.metal.j2",
+                         {"save": True, "write_y": True, "per_channel": True}),
+    "bwd_scan_channel": ("metal/bwd_scan.metal.j2", {"per_channel": True, "KB": CHANNEL_BLOCK}),
 }
 
 
@@ -268,16 +308,18 @@ def _recurrent_context(variant: Variant, problem: Problem) -> dict:
 def render_plan(variant: Variant, problem: Problem) -> dict:
     """`gdngen.render` hook: ``{"common.metal": ..., "<kernel>.metal": ...}`` for the kernels
     this variant launches; each value is ``(template path, context)``. A scalar-gate problem
-    runs the chunk kernels and the recurrent kernel (short calls); a vector-gate problem only
-    the recurrent kernel (its backward is the portable chunkwise path)."""
+    runs the chunk kernels and the recurrent kernel (short calls); a vector-gate problem the
+    per-channel build of the scan templates (`CHANNEL_KERNELS`, the walks of
+    `gdngen.chunkwise_channel`) and the recurrent kernel."""
     variant = adapt(variant, problem)
     plan = {}
-    if problem.gate == "scalar":
-        ctx = _context(variant, problem)
-        plan["common.metal"] = ("metal/common.metal.j2", ctx)
-        for name in _kernels_used(variant["save_states"]):
-            template, extra = _KERNEL_TEMPLATES[name]
-            plan[f"{name}.metal"] = (template, dict(ctx, **extra))
+    ctx = _context(variant, problem)
+    names = CHANNEL_KERNELS if problem.gate == "vector" else \
+        _kernels_used(variant["save_states"])
+    plan["common.metal"] = ("metal/common.metal.j2", ctx)
+    for name in names:
+        template, extra = _KERNEL_TEMPLATES[name]
+        plan[f"{name}.metal"] = (template, dict(ctx, **extra))
     plan["recurrent.metal"] = ("metal/recurrent.metal.j2", _recurrent_context(variant, problem))
     return plan
 
@@ -340,6 +382,9 @@ class Plan:
     ``packed`` (`packed_launch_plan`): the packed build; the forward also takes ``inject`` and
     returns ``states`` (S_in, never in ``saved``: it is an output), the backward also takes
     ``dsin`` and its ``dsout`` is the injection's cotangent.
+
+    A walk plan (`channel_plan`, per-channel gates) has one launch in each: the forward walk's
+    and the backward walk's, each run on its own inputs by `ChannelWalks` (nothing ``saved``).
     """
 
     variant: Variant
@@ -367,6 +412,10 @@ _KERNEL_IO = {
     "bwd_qk": (("q", "k", "g", "beta", "dy", "w", "states", "dsout", "da", "dkt", "vec_in",
                 "prm"), ("dq", "dk", "dbeta", "dd")),
     "recurrent": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "final_state")),
+    "fwd_scan_channel": (("s0", "u", "wk", "kc", "qd", "pm", "dccv"),
+                         ("y_out", "final_state", "states", "w_out")),
+    "bwd_scan_channel": (("dsf", "ptdy", "kc", "wk", "w", "states", "dy", "qd", "dccv"),
+                         ("dw", "dsout", "ds0", "dwk", "dqd", "dkc", "ddcc")),
 }
 # Kernel parameter -> environment name, where they differ.
 _ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
@@ -389,7 +438,7 @@ def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
     from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder."""
     if problem.gate != "scalar":
         raise ValueError(f"the metal chunk kernels take scalar gates only, got {problem.key()} "
-                         f"(vector gates run the recurrent kernel, `recurrent_plan`)")
+                         f"(vector gates run the walk kernels, `channel_plan`)")
     return _launch_plan(adapt(variant, problem), problem, N, B,
                         settings.templates_override())
 
@@ -443,6 +492,115 @@ def recurrent_input_metas(plan: Plan) -> dict:
             "v": (f32, 4, B * T * pb.Hv * pb.Dv),
             "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
             "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 1)}
+
+
+@functools.lru_cache(maxsize=64)
+def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=None) -> Plan:
+    """The walk kernels of per-channel gates (`CHANNEL_KERNELS`) for N chunks and batch B:
+    ``forward`` is the one launch of `ChannelWalks.forward` (fwd_scan_channel), ``backward``
+    the one of `ChannelWalks.backward` (bwd_scan_channel); both on grid (32 * simdgroups,
+    Dv / dv_tile, B * Hv), every buffer float32 (names and shapes in the templates' headers).
+    ``variant`` must be adapted to ``problem`` (a vector-gate `Problem`); ``templates``: a
+    template override folder (None: the shipped templates)."""
+    if problem.gate != "vector":
+        raise ValueError(f"the metal walk kernels take vector gates, got {problem.key()}")
+    rendered = SPEC.render(variant, problem, templates_dir=templates)
+    p = variant.as_dict()
+    C, nt, dvt = p["chunk_size"], 32 * p["simdgroups"], p["dv_tile"]
+    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
+    header = rendered.sources["common.metal"]
+    chunks, tiles = (N, B, Hv), (Dv // dvt, N, B, Hv)
+    shapes = {"y_out": chunks + (C, Dv), "final_state": (B, Hv, Dv, Dk),
+              "states": chunks + (Dv, Dk), "w_out": chunks + (C, Dv), "dw": chunks + (C, Dv),
+              "dsout": chunks + (Dv, Dk), "ds0": (B, Hv, Dv, Dk), "dwk": tiles + (C, Dk),
+              "dqd": tiles + (C, Dk), "dkc": tiles + (C, Dk), "ddcc": tiles + (Dk,)}
+    kernels, launches = {}, []
+    for name in CHANNEL_KERNELS:
+        body = rendered.sources[f"{name}.metal"]
+        tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
+        ins, outs = _KERNEL_IO[name]
+        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", ins, outs, body, header)
+        launches.append(Launch(kernel=name, inputs=ins, outputs=outs,
+                               output_shapes=tuple(shapes[o] for o in outs),
+                               output_dtypes=("float32",) * len(outs),
+                               grid=(nt, Dv // dvt, B * Hv), threadgroup=(nt, 1, 1),
+                               template=(("InT", "float32"),)))
+    tg = threadgroup_bytes(p, problem)
+    return Plan(variant, problem, N, B, kernels, (launches[0],), (launches[1],), (),
+                {name: tg[name] for name in kernels})
+
+
+def channel_input_metas(plan: Plan) -> dict:
+    """``(dtype, ndim, size)`` of the walk kernels' inputs for ``plan`` (`channel_plan`), in
+    the chunk layout `gdngen.chunkwise_channel` passes ([N, B, Hk, r, ...], states [B, Hk, r,
+    Dv, Dk])."""
+    pb, N, B, C = plan.problem, plan.N, plan.B, plan.variant["chunk_size"]
+    f32, heads = "float32", N * B * pb.Hv
+    state, rows_v, rows_k = (f32, 5, B * pb.Hv * pb.Dv * pb.Dk), (f32, 6, heads * C * pb.Dv), \
+        (f32, 6, heads * C * pb.Dk)
+    return {"s0": state, "dsf": state, "u": rows_v, "ptdy": rows_v, "w": rows_v, "dy": rows_v,
+            "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
+            "dccv": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk)}
+
+
+@dataclass(frozen=True)
+class ChannelWalks:
+    """The chunk walks of `gdngen.chunkwise_channel` on the Metal walk kernels of ``variant``
+    (`channel_plan`), run by ``launcher``: ``forward`` has `chunkwise_channel.walk_forward`'s
+    contract, ``backward`` `walk_backward`'s (mx arrays in chunk layout; float32 inside). The
+    intra-chunk stages (factors, decayed products, WY, the backward's adjoints and straddle
+    sums) stay `gdngen.chunkwise_channel`'s shared mx code; fusing them into kernels is a later
+    step. Injected states (packed rows) are not taken: per-channel packed rows run the portable
+    walk. Hashable, so `gdngen.backends.mlx_chunkwise.chunk_core` caches one core per walks."""
+
+    variant: Variant
+    problem: Problem
+    launcher: object
+    templates: object = None
+
+    def _plan(self, N: int, B: int) -> Plan:
+        return channel_plan(self.variant, self.problem, N, B, self.templates)
+
+    def _launch(self, plan: Plan, launches, env: dict) -> dict:
+        import mlx.core as mx
+
+        env = {n: x.astype(mx.float32) for n, x in env.items()}
+        if hasattr(self.launcher, "prepare"):
+            self.launcher.prepare(plan, env)
+        return _run(plan, launches, env, self.launcher)
+
+    def forward(self, xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
+        """``(Y, S_final, S_in, W)``: one launch of fwd_scan_channel (shapes as
+        `gdngen.chunkwise_channel.walk_forward`)."""
+        if inject is not None:
+            raise ValueError("the metal walk kernels take no injected states (per-channel "
+                             "packed rows run the portable walk)")
+        N, B = int(U.shape[0]), int(U.shape[1])
+        plan = self._plan(N, B)
+        env = self._launch(plan, plan.forward, {"s0": S0, "u": U, "wk": Wk, "kc": Kc, "qd": Qd,
+                                                "pm": Pm, "dccv": dCC})
+        return (env["y_out"].reshape(U.shape), env["final_state"].reshape(S0.shape),
+                env["states"].reshape((N,) + tuple(S0.shape)), env["w_out"].reshape(U.shape))
+
+    def backward(self, xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
+        """``(dS0, dW, dWk, dQd, dKc, ddCC, None)``: one launch of bwd_scan_channel (shapes as
+        `gdngen.chunkwise_channel.walk_backward`); the Dk-wide products come back one part per
+        Dv tile and are summed here."""
+        if dS_in is not None:
+            raise ValueError("the metal walk kernels take no injected states (per-channel "
+                             "packed rows run the portable walk)")
+        N, B = int(W.shape[0]), int(W.shape[1])
+        plan = self._plan(N, B)
+        env = self._launch(plan, plan.backward, {
+            "dsf": dS_final, "ptdy": G, "kc": Kc, "wk": Wk, "w": W, "states": S_in, "dy": dY,
+            "qd": Qd, "dccv": dCC})
+
+        def summed(name, like):
+            return env[name].sum(axis=0).reshape(like.shape)
+
+        return (env["ds0"].reshape(dS_final.shape), env["dw"].reshape(W.shape),
+                summed("dwk", Wk), summed("dqd", Qd), summed("dkc", Kc), summed("ddcc", dCC),
+                None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -584,7 +742,9 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
     source MLX would compile, g++ against the MSL shim); returns the shared-object paths.
 
     ``metas`` gives ``(dtype, ndim, size)`` of the forward's inputs (default: as MLX passes
-    them, `plan_input_metas`); every other buffer is declared by the plan.
+    them, `plan_input_metas`; for a walk plan, `channel_input_metas`, which also completes the
+    given ones: the backward walk's inputs are not the forward's outputs); every other buffer
+    is declared by the plan.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -592,6 +752,8 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
     from gdngen.metal_sim import compiler, source
     from gdngen.metal_sim.launch import default_workers
 
+    if set(plan.kernels) == set(CHANNEL_KERNELS):
+        metas = {**channel_input_metas(plan), **(metas or {})}
     metas = dict(plan_input_metas(plan) if metas is None else metas)
     texts = {}
     for launch in plan.forward + plan.backward:
@@ -617,6 +779,9 @@ def lower_check(variant: Variant, problem: Problem) -> None:
     g++ against the simulator's MSL shim; no Metal device needed). Raises on failure."""
     if problem.gate == "scalar":
         compile_plan(launch_plan(variant, problem, 2, 1))
+    else:
+        compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
+                                  settings.templates_override()))
     plan = recurrent_plan(variant, problem, 2, 1)
     compile_plan(plan, recurrent_input_metas(plan))
 
@@ -870,15 +1035,16 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     Scalar gates with T >= the variant's ``recurrent_below``: the chunk kernels, forward and
     backward. T < recurrent_below: the forward is the recurrent kernel (`recurrent_forward`)
     and the VJP the chunk path's (`gdngen.backends.mlx_chunkwise.recurrent_or_chunkwise`).
-    Per-channel (vector) gates ``[B,T,Hv,Dk]``: the recurrent kernel's forward at every T, the
-    VJP the portable chunkwise path's (`gdngen.backends.mlx_chunkwise.chunkwise_gated_delta`,
-    chunk `gdngen.backends.generated.PORTABLE_CHUNK`; no per-channel chunk kernels yet).
+    Per-channel (vector) gates ``[B,T,Hv,Dk]``, likewise switched at recurrent_below: the chunk
+    path is `gdngen.chunkwise_channel` at the variant's chunk (the mlx backend's
+    ``mx.custom_function``, `gdngen.backends.mlx_chunkwise.chunkwise_gated_delta`) with its two
+    chunk walks on the walk kernels (`ChannelWalks`), forward and backward; its intra-chunk
+    stages run in mx ops (float32).
     """
     import mlx.core as mx
 
     from gdngen import chunkwise
     from gdngen.backends import mlx_chunkwise
-    from gdngen.backends.generated import PORTABLE_CHUNK
     from gdngen.backends.mlx_chunkwise import XP
 
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
@@ -897,15 +1063,18 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
             initial_state.astype(f32))
 
     if shape.vector_gate:
-        def chunkwise_call(q, k, v, g, beta, s0):
+        walks = ChannelWalks(variant, problem, launcher, settings.templates_override())
+
+        def chunkwise_call(q, k, v, g, beta, s0, mask=None):
             y, state = mlx_chunkwise.chunkwise_gated_delta(
-                q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, None, scale=scale,
-                gate=gate, chunk_size=PORTABLE_CHUNK)
+                q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, mask, scale=scale,
+                gate=gate, chunk_size=variant["chunk_size"], save_states=variant["save_states"],
+                walks=(walks.forward, walks.backward))
             return y.astype(q.dtype), state
     else:
         chunkwise_call = _chunk_call(variant, problem, gate, scale, launcher)
-        if shape.T >= SPEC.parse(variant).recurrent_below:
-            return chunkwise_call(*args, mask)
+    if shape.T >= SPEC.parse(variant).recurrent_below:
+        return chunkwise_call(*args, mask)
 
     def recurrent(q, k, v, g, beta, s0):
         decay = mx.exp(g) if gate == "log" else g  # exp(-inf) = 0 exactly
@@ -1024,7 +1193,7 @@ def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, sc
 SPEC = BackendSpec(
     name=BACKEND, framework="mlx", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("apple",), supports=supports,
-    gates=("scalar", "vector"), tuned_gates=("scalar",),
+    gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, footprint=max_threadgroup_bytes,
     device_limit="threadgroup_memory", reference_device="apple-m1",
     packed_entry=packed_gated_delta, packed_gates=("scalar",))

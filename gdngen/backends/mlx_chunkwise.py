@@ -54,18 +54,22 @@ class XP(chunkwise.ArrayNamespace):
 
 
 @functools.cache
-def chunk_core(gate, solve_block, save_states):
+def chunk_core(gate, solve_block, save_states, walks=None):
     """`gdngen.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
 
     The core returns ``(Y, S_final, *residuals)``. With ``save_states`` the backward reads the
     forward's residuals (per-chunk entering states, WY pseudo-values, triangular inverses) from
-    its outputs; otherwise it recomputes them.
+    its outputs; otherwise it recomputes them. ``walks``: None, or for per-channel gates a pair
+    ``(walk_forward, walk_backward)`` with the contracts of `gdngen.chunkwise_channel`'s
+    defaults (a generated backend's walk kernels, `gdngen.backends.metal.ChannelWalks`), passed
+    as its ``walk`` to every forward and backward.
     """
+    fwd, bwd = ({}, {}) if walks is None else ({"walk": walks[0]}, {"walk": walks[1]})
 
     @mx.custom_function
     def core(q, k, v, gates, beta, S0):
         Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
-            XP, q, k, v, gates, beta, S0, gate=gate, solve_block=solve_block)
+            XP, q, k, v, gates, beta, S0, gate=gate, solve_block=solve_block, **fwd)
         return (Y, S_final, *residuals)
 
     @core.vjp
@@ -76,9 +80,10 @@ def chunk_core(gate, solve_block, save_states):
             residuals = tuple(outputs[2:])
         else:
             residuals = stages.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                       solve_block=solve_block)[2]
+                                       solve_block=solve_block, **fwd)[2]
         dY, dS_final = cotangents[0], cotangents[1]
-        return stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate)
+        return stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate,
+                               **bwd)
 
     return core
 
@@ -164,13 +169,14 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
 
 
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=8, save_states=True):
+                          solve_block=8, save_states=True, walks=None):
     """Chunkwise path, scalar or per-channel gates; float32 arrays, shapes as
     `gdngen.mlx.gated_delta`.
 
-    ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`.
+    ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`;
+    ``walks``: per-channel gates' chunk walks (`chunk_core`), None for the default scans.
     """
-    core = chunk_core(gate, solve_block, save_states)
+    core = chunk_core(gate, solve_block, save_states, walks)
 
     def core_outputs(*arrays):
         Y, S_final, *_ = core(*arrays)
