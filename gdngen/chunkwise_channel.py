@@ -139,10 +139,10 @@ def pair_bands(xp, x, op=PRODUCT):
     c = x.shape[-2]
     band = xp.zeros(tuple(x.shape)) + (0.0 if op == SUM else 1.0)
     for delta in range(c):
-        if delta:
-            shifted = _shift_down(xp, band, -2)
-            band = x + shifted if op == SUM else x * shifted
-            band = xp.where(xp.tril_mask(c, -delta)[:, :1], band, 0.0)  # t >= delta
+        if delta and op == SUM:
+            band = xp.where(xp.tril_mask(c, -delta)[:, :1], x + _shift_rows(xp, band, 1), 0.0)
+        elif delta:  # a zero shifted in at t = delta - 1 leaves t < delta at 0
+            band = x * _shift_rows(xp, band, 1)
         yield band
 
 
@@ -284,15 +284,17 @@ def decayed_products(xp, x, y, blocks):
     ``(terms, diag)`` of `gate_factors` (per value head, ``[..., r, ...]``). Block (I, J < I)
     is ``(X_I EF_I) ((Y_J EL_J) EH_IJ)^T``, one matmul; the blocks I = J are built one offset
     delta = t - j at a time, ``M[t, t - delta] = sum_d x_t y_{t-delta} E_delta[t]``
-    (`pair_bands`), each intermediate the size of the gates. (MLX, T = 2048, Hv = 8, D = 128,
-    chunk 32: fwd+bwd peak 888 MiB with the [c, c, Dk] pairwise factors before.)"""
+    (`pair_bands`), and the blocks I > J one J at a time: each intermediate has the size of
+    the gates (MLX, T = 2048, Hv = 8, D = 128, chunk 32: fwd+bwd peak 573 MiB, 888 MiB with
+    [c, c, Dk] pairwise factors and all (I, J) blocks at once)."""
     terms, diag = blocks
     c, n = diag[0].shape[-2], diag[0].shape[-3]
     xs, ys = _split(x, c)[..., None, :, :, :], _split(y, c)[..., None, :, :, :]
     M = 0.0
     for EF, EH, EL in terms:
-        YLH = (ys * EL)[..., None, :, :, :] * EH[..., :, :, None, :]  # [.., r, nI, nJ, c, Dk]
-        M = M + xp.einsum("...Itd,...IJjd->...IJtj", xs * EF, YLH)
+        XF, YL = xs * EF, ys * EL
+        M = M + xp.stack([XF @ _T(YL[..., J, None, :, :] * EH[..., :, J, None, :])
+                          for J in range(n)], axis=-3)  # one J at a time: [.., r, nI, c, c]
     Md = 0.0  # [.., r, n, c, c]
     for delta, E in enumerate(_pair_factors(xp, diag)):
         m = xp.mul_sum(xs * _shift_rows(xp, ys, delta), E, -1)  # [.., r, n, c]
@@ -313,28 +315,35 @@ def decayed_products_vjp(xp, x, y, blocks, dM, *, inputs=True):
     dx = dy = P_F = P_H = P_L = 0.0
     for EF, EH, EL in terms:
         XF, YL = xs * EF, ys * EL
-        dXF = xp.einsum("...IJtj,...IJjd->...Itd", dMb, YL[..., None, :, :, :]
-                        * EH[..., :, :, None, :])
-        dYLH = xp.einsum("...IJtj,...Itd->...IJjd", dMb, XF)  # [.., r, nI, nJ, c, Dk]
-        dYL = xp.mul_sum(dYLH, EH[..., :, :, None, :], -4)  # [.., r, nJ, c, Dk]
+        dXF, dYL, dH = 0.0, [], []
+        for J in range(n):  # one sub-chunk J at a time: intermediates [.., r, nI, c, Dk]
+            dM_J, EH_J = dMb[..., :, J, :, :], EH[..., :, J, None, :]  # [.., r, nI, c, c]
+            dXF = dXF + (dM_J @ YL[..., J, None, :, :]) * EH_J
+            dYLH_J = _T(dM_J) @ XF  # cotangent of (Y_J L_J H_IJ) for every I
+            dYL.append(xp.mul_sum(dYLH_J, EH_J, -3))  # [.., r, c, Dk]
+            dH.append(xp.mul_sum(dYLH_J, YL[..., J, None, :, :], -2) * EH_J[..., 0, :])
+        dYL = xp.stack(dYL, axis=-3)  # [.., r, nJ, c, Dk]
         P_F = P_F + dXF * XF
-        P_H = P_H + xp.mul_sum(dYLH, YL[..., None, :, :, :], -2) * EH
+        P_H = P_H + xp.stack(dH, axis=-2)  # [.., r, nI, nJ, Dk]
         P_L = P_L + dYL * YL
         if inputs:
             dx = dx + dXF * EF
             dy = dy + dYL * EL
     dMd = xp.where(xp.eye(n)[:, :, None, None] > 0, dMb, 0.0).sum(axis=-3)  # [.., r, n, c, c]
-    P_pairs = []  # the P terms of the bands delta >= 1 (band 0 holds no gate)
-    for delta, E in enumerate(_pair_factors(xp, diag)):
-        dm = (dMd * _subdiagonal(xp, c, delta)).sum(axis=-1)[..., None]  # [.., r, n, c, 1]
-        y_pair = _shift_rows(xp, ys, delta)  # y_{t-delta}
-        dmE = dm * E
-        if delta:
-            P_pairs.append(dmE * xs * y_pair)
+    # the cotangents of the bands' factors first (each band then dies with the next), the
+    # rest from them with the bands' P terms in reverse for `pair_sums_adjoint`'s Horner sum
+    dE = [(dMd * _subdiagonal(xp, c, delta)).sum(axis=-1)[..., None] * E  # [.., r, n, c, Dk]
+          for delta, E in enumerate(_pair_factors(xp, diag))]
+    tail = pairs = None
+    for delta in range(c - 1, -1, -1):
+        x_pair = dE[delta] * _shift_rows(xp, ys, delta)  # times y_{t-delta}
         if inputs:
-            dx = dx + dmE * y_pair
-            dy = dy + _shift_rows(xp, dmE * xs, -delta)
-    db = anchored_sums_adjoint(xp, P_F, P_H, P_L) + pair_sums_adjoint(xp, P_pairs)
+            dx = dx + x_pair
+            dy = dy + _shift_rows(xp, dE[delta] * xs, -delta)
+        if delta:  # band 0 holds no gate
+            tail = x_pair * xs if tail is None else tail + x_pair * xs
+            pairs = tail if pairs is None else tail + _shift_rows(xp, pairs, -1)
+    db = anchored_sums_adjoint(xp, P_F, P_H, P_L) + (0.0 if pairs is None else _merge(pairs))
     if not inputs:
         return None, None, db
     return _merge(dx), _merge(dy), db
