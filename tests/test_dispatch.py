@@ -42,12 +42,13 @@ def test_cpu_default_is_the_generated_kernel_and_explain_says_why():
 
 
 @pytest.mark.skipif(not ffi_cpu.available(), reason="ffi_cpu needs a C++ compiler")
-def test_vector_gates_run_the_generated_recurrent_kernel_and_explain_says_so():
+def test_vector_gates_run_the_generated_chunk_kernels_and_explain_says_so():
     vector = dataclasses_replace(UNTUNED, gate="vector")
     choice = dispatch.choose("jax", shape(vector, vector=True), "float32", device="cpu")
     assert choice.variant.backend == "ffi_cpu"
-    path = choice.for_length(4096, vector_gate=True).kernel_path
-    assert "recurrent kernel forward (per-channel gates" in path
+    assert choice.for_length(4096, vector_gate=True).kernel_path.startswith("chunk kernels")
+    path = choice.for_length(16, vector_gate=True).kernel_path
+    assert path.startswith("recurrent kernel forward, T=16") and "chunk kernels" in path
 
 
 def test_portable_path_where_the_generated_kernel_does_not_apply():

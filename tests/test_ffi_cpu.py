@@ -57,9 +57,13 @@ def test_variant_space_and_default():
         len(ffi_cpu.CHUNK_SIZES) * len(ffi_cpu.ROW_BLOCKS) * len(ffi_cpu.PANELS)
     assert {v["vector_floats"] for v in space} == {width}
     assert default_variant("ffi_cpu", problem) == _variant(64, 6)
-    # per-channel gates: the recurrent kernel only (nothing of the variant is tuned for them)
-    assert variants("ffi_cpu", Problem(4, 8, 128, 128, gate="vector"))
-    assert ffi_cpu.SPEC.tuned_gates == ("scalar",)
+    # per-channel gates: chunk kernels of every chunk size, default chunk 32, tuned too
+    vector = Problem(4, 8, 128, 128, gate="vector")
+    assert {v["chunk_size"] for v in variants("ffi_cpu", vector)} == set(ffi_cpu.CHUNK_SIZES)
+    assert default_variant("ffi_cpu", vector)["chunk_size"] == ffi_cpu.VECTOR_CHUNK_SIZE == 32
+    assert default_variant("ffi_cpu", vector)["recurrent_below"] == ffi_cpu.VECTOR_RECURRENT_BELOW
+    assert default_variant("ffi_cpu", vector) in variants("ffi_cpu", vector)
+    assert ffi_cpu.SPEC.tuned_gates == ("scalar", "vector")
 
 
 @pytest.mark.parametrize("changes, match", [

@@ -126,7 +126,9 @@ def test_recurrent_source_is_rendered_with_the_variant():
     assert render(_variant(recurrent_below=0), Problem(1, 3, DK, DV)).sha256 == scalar.sha256
     vector = render(_variant(), Problem(1, 3, DK, DV, gate="vector"))
     assert "constexpr bool PER_CHANNEL = true;" in vector.sources["recurrent.cc"]
-    assert vector.sources["gated_delta.cc"] == scalar.sources["gated_delta.cc"]
+    # per-channel gates have chunk kernels of their own (templates/ffi_cpu/channel.cc.j2)
+    assert "constexpr int SC = 8;" in vector.sources["gated_delta.cc"]
+    assert "constexpr int SC" not in scalar.sources["gated_delta.cc"]
 
 
 # ----------------------------------------------------------------------------- the entry
@@ -171,16 +173,18 @@ def test_entry_short_call_forward_and_vjp(gate):
 
 
 def test_entry_vector_gate_forward_and_vjp():
-    """A per-channel-gate call: the recurrent kernel forward at every T, the sequential path's
-    VJP."""
+    """A short per-channel-gate call: the recurrent kernel forward, the per-channel chunk
+    kernels' VJP."""
     B, T, Hk, Hv = 1, 9, 2, 6
     args = _inputs(21, B, T, Hk, Hv, per_channel=True, gate="log")
     mask = np.ones((B, T), bool)
     mask[0, 4] = False
     scale = 0.7
     arrays = tuple(map(jnp.asarray, args))
-    f = _entry(args, jnp.asarray(mask), "log", _variant(0), scale)
+    f = _entry(args, jnp.asarray(mask), "log", _variant(1000), scale)
     assert "_recurrent" in str(jax.make_jaxpr(f)(*arrays))
+    assert "_backward" in str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1]((a[2], a[5])))(
+        *arrays))
     y, S = f(*arrays)
     y_ref, S_ref = reference.forward(*args, mask=mask, scale=scale, gate="log")
     assert _rel(y, y_ref) <= TOL and _rel(S, S_ref) <= TOL

@@ -1,9 +1,11 @@
 """ffi_cpu backend: generated C++ kernels for the chunkwise gated delta rule on the host CPU,
-called from JAX as XLA FFI custom calls (scalar gates; per-channel gates forward only, through
-the recurrent kernel, with the portable chunkwise path's VJP).
+called from JAX as XLA FFI custom calls, for scalar and per-channel (vector) gates.
 
 The forward and backward are rendered from ``templates/ffi_cpu/gated_delta.cc.j2`` with the
-chunk size and the padded head dims baked in, compiled with the host C++ compiler
+chunk size, the padded head dims and the gate kind baked in (per-channel gates: the template
+includes ``templates/ffi_cpu/channel.cc.j2``, the algebra of `gdngen.chunkwise_channel`, in
+place of its scalar decay factors and chunk walks; the matmul kernel, triangular solve,
+padding and FFI plumbing are shared), compiled with the host C++ compiler
 (``$CXX``, else g++ / c++; ``-O3 -march=native``) into a shared library cached under
 ``<gdngen cache>/ffi_cpu/`` (key: source sha256, compiler version, flags, host CPU, jaxlib
 version; written atomically) and registered as XLA FFI targets. Each (batch, value head) is one
@@ -16,18 +18,22 @@ kernel keeps a chunk's operands in cache and runs those products near the square
 
 Variant parameters (`variant_space`):
 
-* ``chunk_size`` 32 | 64 | 128: steps per chunk.
+* ``chunk_size`` 32 | 64 | 128: steps per chunk (per-channel gates: sub-chunks of
+  `gdngen.chunkwise_channel.SUB_CHUNK` steps inside; default 32, as the portable path's).
 * ``row_block`` 4 | 6: output rows per register block of the matmul kernel (4 or 6 rows by
   up to 64 columns of float32 accumulators).
 
-A short call (T < ``recurrent_below``) and every per-channel-gate call evaluate through the
-recurrent kernel rendered from ``templates/ffi_cpu/recurrent.cc.j2`` into the same library
-(`recurrent_forward`): one task per (batch, value head, block of state rows), the rows held in
-a local buffer over the whole walk, nothing saved; its VJP is the chunk kernels'.
+A short call (T < ``recurrent_below``; untuned `RECURRENT_BELOW`, per-channel gates
+`VECTOR_RECURRENT_BELOW`) evaluates through the recurrent kernel rendered from
+``templates/ffi_cpu/recurrent.cc.j2`` into the same library (`recurrent_forward`): one task per
+(batch, value head, block of state rows), the rows held in a local buffer over the whole walk,
+nothing saved; its VJP is the chunk kernels'.
 
 The forward saves only the state entering each chunk; the backward walks the chunks in reverse,
-recomputes each chunk's WY form from it, and forms the gate cotangent in-kernel by the
-straddle-sum rule of `gdngen.chunkwise` (exact at g = 0 for linear gates).
+recomputes each chunk's WY form (per-channel gates: also the decay factors and decayed products)
+from it, and forms the gate cotangent in-kernel by the straddle-sum rule of `gdngen.chunkwise`
+(per channel: `gdngen.chunkwise_channel`'s anchored and chunk sums), exact at g = 0 for linear
+gates. Packed rows of per-channel gates run on the portable path (``packed_gates``).
 """
 
 from __future__ import annotations
@@ -43,9 +49,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gdngen import chunkwise, settings
+from gdngen import chunkwise, chunkwise_channel, settings
 from gdngen.backends import generated
-from gdngen.config import VariantConfig, recurrent_switch
+from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
@@ -96,6 +102,23 @@ def padded(dim: int) -> int:
 #: kernels' 5.6 / 6.4 / 5.1 / 9.4 / 17.0 ms (equal at 128, slower from 256)
 RECURRENT_BELOW = 128
 
+#: default chunk of per-channel gates (the portable path's, `gdngen.config.VECTOR_CHUNK`):
+#: measured fwd+bwd at B=1, Hk=4, Hv=8, Dk=Dv=128, T=2048 on the 2-core AVX-512 host (shared,
+#: load ~5): chunk 32 / 64 / 128 in 344 / 401 / 627 ms (medians of 5)
+VECTOR_CHUNK_SIZE = VECTOR_CHUNK
+
+#: untuned crossover T of per-channel gates: measured forward with a state at B=1, Hk=16,
+#: Hv=32, Dk=Dv=128 on the same host (shared, load ~4.5; medians of 11), the per-channel
+#: recurrent kernel's 7.9 / 8.0 / 14.5 / 20.0 / 22.4 ms at T = 16 / 24 / 32 / 48 / 64 against
+#: the chunk kernels' (chunk 32) 8.2 / 8.2 / 11.9 / 17.9 / 16.4 ms (equal near 24, slower from 32)
+VECTOR_RECURRENT_BELOW = 32
+
+
+def _recurrent_below(problem: Problem) -> int:
+    """The untuned ``recurrent_below`` of ``problem``'s gate kind."""
+    return VECTOR_RECURRENT_BELOW if problem.gate == "vector" else RECURRENT_BELOW
+
+
 @dataclass(frozen=True)
 class Config(VariantConfig):
     """``chunk_size``: steps per chunk; ``row_block`` / ``panel``: output rows / columns per
@@ -139,19 +162,23 @@ def kernel_params(variant: Variant, problem: Problem) -> dict:
 
 def variant_space(problem: Problem, device=None) -> list[Config]:
     """Every chunk size, panel and row block at this host's vector width (`host_vector_floats`;
-    no on-chip limit to prune with)."""
+    no on-chip limit to prune with), at the gate kind's untuned ``recurrent_below``."""
     SPEC.check(problem)
     width = host_vector_floats()
-    return [Config(c, p, r, width) for c, p, r in
+    below = _recurrent_below(problem)
+    return [Config(c, p, r, width, recurrent_below=below) for c, p, r in
             itertools.product(CHUNK_SIZES, PANELS, ROW_BLOCKS)]
 
 
 def default_config(problem: Problem, device=None) -> Config:
-    """Chunk 64, row block 6, at this host's vector width, with the panel its registers hold:
-    64 columns of 16-float vectors with AVX-512 (24 of 32 registers), else 16 columns (12 of
-    AVX2's 16 registers)."""
+    """Chunk 64 (per-channel gates: `VECTOR_CHUNK_SIZE`), row block 6, at this host's vector
+    width, with the panel its registers hold: 64 columns of 16-float vectors with AVX-512 (24
+    of 32 registers), else 16 columns (12 of AVX2's 16 registers); ``recurrent_below``
+    `RECURRENT_BELOW` (per-channel gates: `VECTOR_RECURRENT_BELOW`)."""
     width = host_vector_floats()
-    return Config(64, 64 if width == 16 else 16, 6, width)
+    chunk = VECTOR_CHUNK_SIZE if problem.gate == "vector" else 64
+    return Config(chunk, 64 if width == 16 else 16, 6, width,
+                  recurrent_below=_recurrent_below(problem))
 
 
 def host_vector_floats() -> int:
@@ -162,13 +189,17 @@ def host_vector_floats() -> int:
 def render_plan(variant: Variant, problem: Problem) -> dict:
     """``{"gated_delta.cc": (template, context), "recurrent.cc": (template, context)}`` for
     `gdngen.render`: the chunk kernels and the recurrent kernel (per-channel gates when
-    ``problem.gate`` is "vector"). ``recurrent_below`` renders into neither."""
+    ``problem.gate`` is "vector"; the scalar renders do not depend on the per-channel parts).
+    ``recurrent_below`` renders into neither."""
     p = kernel_params(variant, problem)
+    per_channel = problem.gate == "vector"
     dims = {"dk": problem.Dk, "dv": problem.Dv, "dk_pad": padded(problem.Dk),
-            "dv_pad": padded(problem.Dv), "vector_floats": p["vector_floats"], "symbol": SYMBOL}
+            "dv_pad": padded(problem.Dv), "vector_floats": p["vector_floats"], "symbol": SYMBOL,
+            "per_channel": per_channel}
     context = {"chunk": p["chunk_size"], "row_block": p["row_block"], "panel": p["panel"],
-               "packed": False, **dims}
-    recurrent = {"per_channel": problem.gate == "vector", "row_tile": RECURRENT_ROW_TILE, **dims}
+               "packed": False,
+               "sub_chunk": chunkwise_channel.sub_chunk_size(p["chunk_size"]), **dims}
+    recurrent = {"row_tile": RECURRENT_ROW_TILE, **dims}
     return {SOURCE_NAME: (TEMPLATE, context),
             RECURRENT_SOURCE_NAME: (RECURRENT_TEMPLATE, recurrent)}
 
@@ -305,6 +336,8 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     from gdngen.sources import Rendered, environment, sources_sha256
 
     SPEC.parse(variant)
+    if problem.gate == "vector":
+        raise ValueError(f"{BACKEND}: packed rows of per-channel gates run on the portable path")
     template, context = render_plan(variant, problem)[SOURCE_NAME]
     texts = {PACKED_SOURCE_NAME: environment(templates_dir).get_template(template).render(
         **dict(context, packed=True))}
@@ -365,8 +398,8 @@ def _call_context(sha256: str, gate: str, scale: float, poison: bool):
 @functools.cache
 def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = False):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
-    (gates in their own convention, already masked), with the generated backward as its
-    ``jax.custom_vjp``."""
+    (gates ``[B,T,Hv]`` or, on per-channel kernels, ``[B,T,Hv,Dk]``, in their own convention,
+    already masked), with the generated backward as its ``jax.custom_vjp``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -393,7 +426,7 @@ def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = Fa
         P = head_splits(B, Hk, Hv // Hk, workers)
         dq, dk, dv, dbeta, dg, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
             f32((B, T, Hk * P, Dk), q), f32((B, T, Hk * P, Dk), q), f32((B, T, Hv, Dv), q),
-            f32((B, T, Hv), q), f32((B, T, Hv), q), f32((B, Hv, Dv, Dk), q)),
+            f32((B, T, Hv), q), f32(g.shape, q), f32((B, Hv, Dv, Dk), q)),
             vmap_method="sequential")(q, k, v, log_gates(g), beta, states,
                                       dy.astype(jnp.float32), dS_final.astype(jnp.float32),
                                       linear=gate == "linear", splits=np.int64(P), **attrs)
@@ -602,15 +635,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     final_state)``. Arguments as `gdngen.jax.gated_delta`; computes in float32 whatever the
     input dtype. Differentiable (custom VJP) and jit-able.
 
-    A scalar-gate call with T < the variant's ``recurrent_below`` evaluates through the
-    recurrent kernel (`recurrent_forward`), and its VJP is the chunk kernels' (the forward then
-    runs the chunk kernels: `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). Per-channel
-    (vector) gates: the forward is the recurrent kernel at every T, the VJP the portable
-    chunkwise path's (`gdngen.backends.jax_chunkwise.chunkwise_gated_delta`).
+    Scalar and per-channel (vector) gates alike: a call with T < the variant's
+    ``recurrent_below`` evaluates through the recurrent kernel (`recurrent_forward`), and its
+    VJP is the chunk kernels' (the forward then runs the chunk kernels:
+    `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`); longer calls run the chunk
+    kernels (per-channel gates: the kernels rendered from ``templates/ffi_cpu/channel.cc.j2``).
 
     ``qk_norm``: q, k are raw. The chunk path's custom VJP normalises them itself and keeps
     only the raw ones (`gdngen.backends.generated.custom_vjp_core`: the kernels save only the
-    chunk states); the recurrent and per-channel paths normalise them first."""
+    chunk states); the recurrent path normalises them first."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
@@ -632,14 +665,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     def normalized(q, k):
         return chunkwise.normalized_qk(jax_chunkwise.XP, q, k, 1.0 if qk_norm else None)
 
-    if shape.vector_gate:
-        def chunkwise_call(q, k, *arrays):
-            return jax_chunkwise.chunkwise_gated_delta(*normalized(q, k), *arrays, None,
-                                                       scale=float(scale), gate=gate,
-                                                       chunk_size=generated.PORTABLE_CHUNK)
-    else:
-        chunkwise_call = _core(kernels.sha256, gate, float(scale), poison, qk_norm)
-    if shape.vector_gate or shape.T < recurrent_below:
+    chunkwise_call = _core(kernels.sha256, gate, float(scale), poison, qk_norm)
+    if shape.T < recurrent_below:
         call = _recurrent(kernels.sha256, float(scale), poison)
 
         def recurrent(q, k, v, g, beta, S0):
@@ -654,12 +681,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
 
 #: relative L2 error per precision policy: the kernels compute in float32 under every policy
-#: (worst measured 9.7e-7, dbeta / identical_keys).
+#: (worst measured 9.7e-7, dbeta / identical_keys; per-channel gates 1.4e-6, dbeta /
+#: vector_identical_keys at chunk 128, tests/test_ffi_cpu_channel.py).
 TOLERANCES = {"ieee": 5e-5, "tf32": 5e-5, "bf16": 5e-5}
 
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=TOLERANCES, device_kinds=("cpu",), dtypes=INPUT_DTYPES,
-    gates=("scalar", "vector"), tuned_gates=("scalar",), render_plan=render_plan,
+    gates=("scalar", "vector"), tuned_gates=("scalar", "vector"), render_plan=render_plan,
     available=available, lower_check=lower_check, fused_inputs=("qk_norm",),
     packed_entry=packed_gated_delta, packed_gates=("scalar",))
