@@ -8,6 +8,8 @@ pass through its numerics class: ``num_warps`` and ``num_stages`` only reach
 ``plgpu.CompilerParams``, so variants that differ only there render to the same kernels up to
 those two constants (checked), and one representative per class is lowered and validated by
 ``gdngen.build`` on the hardest battery case. The test marked ``gpu`` runs on a CUDA device.
+Per-channel gates: the chunk walks' contract against gdngen.chunkwise_channel's, their Triton
+lowering, and a battery case through them.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 
-from gdngen import Problem, Variant, default_variant, render, validate
+from channel_walks import check_walks_match_the_portable_walks, spy_chunk_walks
+
+from gdngen import Problem, Variant, default_variant, render, settings, validate
 from gdngen.backends import pallas_gpu
-from gdngen.cases import Case
+from gdngen.cases import BATTERY, Case
 from gdngen.registry import variants
 from gdngen.tolerance import allowed_error
 
@@ -70,8 +74,12 @@ def test_variant_space_and_default():
     assert default_variant("pallas_gpu", PROBLEM).as_dict() == {
         "chunk_size": 64, "precision": "ieee", "bk": 64, "bv": 64, "num_warps": 4,
         "num_stages": 2, "save_states": True, "recurrent_below": pallas_gpu.RECURRENT_BELOW}
-    # per-channel gates: the recurrent kernel (bk/bv tiles, launch params)
-    assert variants("pallas_gpu", Problem(2, 4, 64, 64, gate="vector"))
+    # per-channel gates: the chunk walks' parameters (chunk, tiles, launch params; ieee,
+    # saving states), tuned
+    vector = variants("pallas_gpu", Problem(2, 4, 32, 32, gate="vector"))
+    assert len(vector) == 12  # 3 chunks x bk {32} x bv {32} x 2 warps x 2 stages
+    assert {(v["precision"], v["save_states"]) for v in vector} == {("ieee", True)}
+    assert "vector" in pallas_gpu.SPEC.tuned_gates
 
 
 def test_shared_memory_estimate_prunes_per_device():
@@ -235,6 +243,51 @@ def test_padded_head_dims_and_several_tiles(save_states):
     params = pallas_gpu.kernel_params(variant, Problem(1, 3, 40, 72))
     assert (params["dk"], params["bk"], params["dv"], params["bv"]) == (48, 16, 80, 16)
     _check([validate.check_case("pallas_gpu", case, variant=variant)], variant, "float32")
+
+
+# ----------------------------------------------------------------------------- per-channel gates
+
+
+def test_channel_walks_match_the_portable_walks():
+    """Three chunks of 16, three value heads, Dk = 40 and Dv = 72 zero-padded to 48 and 80 in
+    16-wide tiles (3 BK x 5 BV: the state walks over the BV tiles, the chunk-parallel sums over
+    Dv): every output of both walks, in interpret mode (outputs start as NaN)."""
+    problem = Problem(1, 3, 40, 72, gate="vector")
+    kernels = pallas_gpu.load_kernels(_variant(chunk_size=16, bk=16, bv=16), problem)
+    p = kernels.params
+    assert (p["dk"], p["bk"], p["dv"], p["bv"]) == (48, 16, 80, 16)
+    check_walks_match_the_portable_walks(
+        *pallas_gpu.chunk_walks((kernels.sha256, kernels.interpret)), (3, 1, 1, 3, 16, 40, 72))
+
+
+@pytest.mark.slow
+def test_per_channel_battery_case_runs_the_kernel_walks(monkeypatch):
+    """vector_exact_zero (two chunks; per-channel exact zeros and ones on channels and whole
+    steps, across the chunk edge; an initial state) with poisoned outputs: y, the final state
+    and every gradient, dg in both conventions, through the kernel walks. Slow: a per-channel
+    battery case compiles the shared jnp stages four times (about a minute here); `make test`
+    has the walks' contract, the entry point's VJP through them and the conformance suite's
+    vector_t1."""
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    ran = spy_chunk_walks(monkeypatch, pallas_gpu)
+    variant = default_variant("pallas_gpu", PROBLEM)
+    results = validate.run_battery(None, variant=variant, cases=["vector_exact_zero"])
+    assert {"dg", "dg_linear", "y_recurrent"} <= set(results[0].errors)
+    _check(results, variant, "float32")
+    assert ran.count("forward") >= 2 and ran.count("backward") == 2  # log and linear gates
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes", [
+    {"chunk_size": 16, "bk": 16, "bv": 16},
+    {"chunk_size": 32, "bk": 32, "bv": 32, "num_warps": 8},
+], ids=["chunk16-tiles16", "chunk32"])
+def test_per_channel_battery_on_other_variants(changes):
+    """Every per-channel case on two more points of the vector variant space."""
+    variant = Variant("pallas_gpu", dict(default_variant("pallas_gpu", PROBLEM).as_dict(),
+                                         **changes))
+    cases = [c.name for c in BATTERY if c.name.startswith("vector_")]
+    _check(validate.run_battery(None, variant=variant, cases=cases), variant, "float32")
 
 
 # ----------------------------------------------------------------------------- entry point

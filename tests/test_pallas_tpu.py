@@ -1,5 +1,7 @@
 """Generated Pallas TPU kernels: the battery in TPU interpret mode (race detection on, buffers
-poisoned with NaN), Mosaic lowering for the TPU platform, the variant space and the entry point.
+poisoned with NaN), Mosaic lowering for the TPU platform, the variant space and the entry point;
+the per-channel chunk walks (their contract against gdngen.chunkwise_channel's, a battery case
+through them).
 
 Interpret mode compiles one host executable per kernel and shape (seconds each), so the whole
 battery runs for the default variants only; other variants run a few adversarial cases each.
@@ -9,6 +11,7 @@ the backend's docstring). The tests marked ``tpu`` run the same kernels compiled
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -18,11 +21,12 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+from channel_walks import check_walks_match_the_portable_walks, spy_chunk_walks
 from generated_kernels import small_call_inputs
 
-from gdngen import Problem, Variant, default_variant, reference, validate
+from gdngen import Problem, Variant, default_variant, reference, settings, validate
 from gdngen.backends import pallas_tpu
-from gdngen.cases import Case
+from gdngen.cases import BATTERY, Case
 from gdngen.registry import variants
 from gdngen.tolerance import allowed_error
 
@@ -55,8 +59,11 @@ def test_variant_space_and_default():
     assert default_variant("pallas_tpu", PROBLEM).as_dict() == {
         "chunk_size": 64, "precision": "ieee", "head_tile": 2, "dv_tile": 128,
         "save_states": True, "recurrent_below": pallas_tpu.RECURRENT_BELOW}
-    # per-channel gates: the recurrent kernel only
-    assert variants("pallas_tpu", Problem(2, 4, 128, 128, gate="vector"))
+    # per-channel gates: the chunk walks' parameters only (ieee, saving states), tuned
+    vector = variants("pallas_tpu", Problem(2, 4, 128, 128, gate="vector"))
+    assert len(vector) == 6  # 3 chunks x head tiles {1, 2}
+    assert {(v["precision"], v["save_states"]) for v in vector} == {("ieee", True)}
+    assert "vector" in pallas_tpu.SPEC.tuned_gates
     with pytest.raises(ValueError, match="dtype"):
         variants("pallas_tpu", Problem(2, 4, 128, 128, dtype="float16"))
 
@@ -104,6 +111,19 @@ def test_kernels_lower_for_mosaic(params, dtype):
     assert all("tpu_custom_call" in text for text in lowered.values())
 
 
+def test_channel_walks_lower_for_mosaic():
+    """The per-channel chunk walks (several Dv tiles and head tiles; the whole Dv) lower
+    through Mosaic, with the recurrent kernel; nothing of the scalar chunk kernels."""
+    for params, problem in (
+            ({"chunk_size": 64, "head_tile": 2, "dv_tile": 128}, Problem(2, 4, 128, 256)),
+            ({"chunk_size": 32, "head_tile": 3, "dv_tile": 256}, Problem(1, 3, 64, 256))):
+        variant = Variant("pallas_tpu", dict(params, precision="ieee", save_states=True))
+        lowered = pallas_tpu.lower_check(variant, dataclasses.replace(problem, gate="vector"))
+        assert set(lowered) == {"channel_walk", "channel_walk_backward", "recurrent",
+                                "recurrent_blocks"}
+        assert all("tpu_custom_call" in text for text in lowered.values())
+
+
 # ----------------------------------------------------------------------------- battery
 
 
@@ -141,6 +161,52 @@ def test_dv_tiles(save_states):
                                      "dv_tile": 128, "save_states": save_states})
     assert pallas_tpu.kernel_params(variant, Problem(1, 2, 16, 256))["dv_tile"] == 128
     _check([validate.check_case("pallas_tpu", case, variant=variant)], variant, "float32")
+
+
+# ----------------------------------------------------------------------------- per-channel gates
+
+
+def test_channel_walks_match_the_portable_walks():
+    """Three chunks, two value heads per program (head_tile 2), Dv = 256 in two 128-column
+    tiles (the reverse walk's sums over Dv accumulated over the tiles), Dk != Dv: every output of
+    both walks, in interpret mode (buffers NaN-poisoned)."""
+    problem = Problem(1, 2, 32, 256, gate="vector")
+    variant = Variant("pallas_tpu", {"chunk_size": 32, "precision": "ieee", "head_tile": 2,
+                                     "dv_tile": 128, "save_states": True})
+    kernels = pallas_tpu.load_kernels(variant, problem)
+    assert kernels.params["dv_tile"] == 128 and kernels.params["head_tile"] == 2
+    check_walks_match_the_portable_walks(
+        *pallas_tpu.chunk_walks((kernels.sha256, kernels.interpret)), (3, 2, 1, 2, 32, 32, 256))
+
+
+@pytest.mark.slow
+def test_per_channel_battery_case_runs_the_kernel_walks(monkeypatch):
+    """vector_exact_zero (two chunks; per-channel exact zeros and ones on channels and whole
+    steps, across the chunk edge; an initial state) with poisoned outputs: y, the final state
+    and every gradient, dg in both conventions, through the kernel walks. Slow: a per-channel
+    battery case compiles the shared jnp stages four times (about a minute here); `make test`
+    has the walks' contract, the entry point's VJP through them and the conformance suite's
+    vector_t1."""
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    ran = spy_chunk_walks(monkeypatch, pallas_tpu)
+    variant = default_variant("pallas_tpu", Problem(2, 4, 64, 64))
+    results = validate.run_battery(None, variant=variant, cases=["vector_exact_zero"])
+    assert {"dg", "dg_linear", "y_recurrent"} <= set(results[0].errors)
+    _check(results, variant, "float32")
+    assert ran.count("forward") >= 2 and ran.count("backward") == 2  # log and linear gates
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [
+    {"chunk_size": 32, "head_tile": 2},
+    {"chunk_size": 128, "head_tile": 1},
+], ids=["chunk32-heads2", "chunk128"])
+def test_per_channel_battery_on_other_variants(params):
+    """Every per-channel case on two more points of the vector variant space."""
+    base = default_variant("pallas_tpu", Problem(2, 4, 64, 64)).as_dict()
+    variant = Variant("pallas_tpu", dict(base, **params))
+    cases = [c.name for c in BATTERY if c.name.startswith("vector_")]
+    _check(validate.run_battery(None, variant=variant, cases=cases), variant, "float32")
 
 
 # ----------------------------------------------------------------------------- entry point

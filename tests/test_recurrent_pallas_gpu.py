@@ -16,6 +16,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+from channel_walks import spy_chunk_walks
+
 import gdngen.jax as gjax
 from gdngen import Problem, Variant, reference, render, settings, validate
 from gdngen.backends import pallas_gpu
@@ -90,11 +92,12 @@ def test_kernel_matches_reference(vector, B, T, Hk, Hv, Dk, Dv):
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 def test_kernel_lowers_through_triton(gate):
     """The recurrent kernel lowers through the Pallas Triton lowering for CUDA (power-of-two
-    tiles, scalar loads at a traced step, no scratch memory), with several BK / BV tiles."""
+    tiles, scalar loads at a traced step, no scratch memory), with several BK / BV tiles; so do
+    the chunk kernels (per-channel gates: the chunk walks)."""
     problem = Problem(1, 3, 40, 72, gate=gate)
     lowered = pallas_gpu.lower_check(_variant(bk=16, bv=16), problem, steps=7)
-    expected = {"recurrent"} if gate == "vector" else {"forward", "residuals", "backward",
-                                                       "recurrent"}
+    expected = ({"channel_walk", "channel_walk_backward", "recurrent"} if gate == "vector"
+                else {"forward", "residuals", "backward", "recurrent"})
     assert set(lowered) == expected
     text = lowered["recurrent"]
     assert "gpu.triton" in text or "triton_kernel_call" in text
@@ -181,9 +184,10 @@ def _cotangents(B, T, Hv, Dv, Dk):
 
 
 def test_entry_vector_gates(monkeypatch):
-    """Per-channel gates: the recurrent kernel at every T (even with recurrent_below = 0), the
-    portable sequential path's VJP; values and gradients against the reference."""
-    B, T, Hk, Hv, Dk, Dv = 1, 19, 2, 6, 16, 32
+    """Per-channel gates, a short call (T < recurrent_below): the recurrent kernel's values,
+    gdngen.chunkwise_channel's VJP with the kernel walks; values and gradients against the
+    reference."""
+    B, T, Hk, Hv, Dk, Dv = 1, 19, 2, 6, 16, 32  # two chunks of 16
     q, k, v, g, beta, s0 = _inputs(5, B, T, Hk, Hv, Dk, Dv, vector=True, log=True)
     mask = np.ones((B, T), bool)
     mask[0, 9:12] = False
@@ -191,16 +195,18 @@ def test_entry_vector_gates(monkeypatch):
     cot = _cotangents(B, T, Hv, Dv, Dk)
     ref = reference.vjp(q, k, v, g, beta, s0, *cot, mask=mask, scale=0.3, gate="log")
     calls = _counting_recurrent(monkeypatch)
+    walks = spy_chunk_walks(monkeypatch, pallas_gpu)
 
     def f(*arrays):
         return gjax.gated_delta(*arrays, mask=jnp.asarray(mask), scale=0.3, gate="log",
-                                variant=_variant(0))
+                                variant=_variant(1000))
 
     y, state = f(*args)
-    assert calls
+    assert calls and walks == []
     assert _rel(y, ref["y"]) <= TOL and _rel(state, ref["final_state"]) <= TOL
     _, vjp = jax.vjp(f, *args)
     grads = vjp(tuple(jnp.asarray(c) for c in cot))
+    assert walks.count("backward") == 1 and "forward" in walks
     for name, grad in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads):
         assert _rel(grad, ref[name]) <= TOL, name
 

@@ -1,8 +1,8 @@
 """The pallas_tpu recurrent kernel (``templates/pallas_tpu/recurrent.py.j2``): the kernel function
 against the float64 reference (scalar and per-channel gates, T = 1 and an odd T, GVA, Dk != Dv,
 exact resets, an initial state), its wiring into the entry point (short calls evaluate through it;
-their VJP is the chunk kernels'; per-channel gates always take it, differentiated through the
-portable sequential path), and its place in the rendered sources.
+their VJP is the chunk path's: the chunk kernels, or for per-channel gates gdngen.chunkwise_channel
+with the kernel chunk walks), and its place in the rendered sources.
 
 Off a TPU everything runs in TPU interpret mode, whose buffers (the outputs included) start
 NaN-filled, so an output element the kernel leaves unwritten fails the comparisons; the tests also
@@ -16,6 +16,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
+
+from channel_walks import spy_chunk_walks
 
 from gdngen import Problem, Variant, default_variant, reference, render, settings
 from gdngen.backends import pallas_tpu
@@ -170,24 +172,47 @@ def test_entry_short_masked_call_recurrent_forward_chunk_vjp(monkeypatch):
         assert relative_error(a, ref[name]) <= TOL, name
 
 
+def _per_channel_entry_call():
+    """A per-channel call of two chunks at chunk 32: (variant, inputs, mask, dy, dS, reference)."""
+    problem = Problem(1, 3, 16, 24, gate="vector")
+    args, mask, dy, ds = _entry_inputs(7, 1, 40, 1, 3, 16, 24, True)
+    ref = reference.vjp(*args, dy, ds, mask=mask, scale=0.25)
+    return _variant(problem, recurrent_below=1000, chunk_size=32), args, mask, dy, ds, ref
+
+
 def test_entry_per_channel_gates_take_the_recurrent_kernel(monkeypatch):
-    """A per-channel gate call evaluates through the recurrent kernel at any recurrent_below;
-    its VJP is the portable sequential path's (checked against the reference)."""
+    """A short per-channel gate call (T < recurrent_below) evaluates through the recurrent
+    kernel; its VJP is gdngen.chunkwise_channel's with the kernel walks over two chunks (checked
+    against the reference)."""
     from gdngen.jax import gated_delta
 
-    problem = Problem(1, 3, 16, 24, gate="vector")
-    args, mask, dy, ds = _entry_inputs(7, 1, 11, 1, 3, 16, 24, True)
-    variant = _variant(problem, recurrent_below=0)
+    variant, args, mask, dy, ds, ref = _per_channel_entry_call()
     calls = _spy_recurrent(monkeypatch)
+    walks = spy_chunk_walks(monkeypatch, pallas_tpu)
     y, state = gated_delta(*(jnp.asarray(x) for x in args), mask=jnp.asarray(mask), scale=0.25,
                            variant=variant)
-    assert calls == [4]
-    ref = reference.vjp(*args, dy, ds, mask=mask, scale=0.25)
+    assert calls == [4] and walks == []
     assert relative_error(y, ref["y"]) <= TOL
     assert relative_error(state, ref["final_state"]) <= TOL
     _, grads = _entry_vjp(args, mask, dy, ds, variant, 0.25)
+    assert walks.count("backward") == 1 and "forward" in walks
     for name, grad in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads):
         assert relative_error(grad, ref[name]) <= TOL, name
+
+
+def test_entry_long_per_channel_call_evaluates_on_the_chunk_path(monkeypatch):
+    """recurrent_below = 0: the same call evaluates through gdngen.chunkwise_channel.forward
+    with the kernel walk, not the recurrent kernel."""
+    from gdngen.jax import gated_delta
+
+    variant, args, mask, _, _, ref = _per_channel_entry_call()
+    calls = _spy_recurrent(monkeypatch)
+    walks = spy_chunk_walks(monkeypatch, pallas_tpu)
+    y, state = gated_delta(*(jnp.asarray(x) for x in args), mask=jnp.asarray(mask), scale=0.25,
+                           variant=variant.replace(recurrent_below=0))
+    assert calls == [] and walks == ["forward"]
+    assert relative_error(y, ref["y"]) <= TOL
+    assert relative_error(state, ref["final_state"]) <= TOL
 
 
 # ----------------------------------------------------------------------------- sources
@@ -205,8 +230,9 @@ def test_recurrent_source_is_rendered_and_ignores_recurrent_below():
     assert render(_variant(scalar, recurrent_below=0), scalar).sha256 == rendered.sha256
     assert render(_variant(scalar, recurrent_below=7), scalar).sha256 == rendered.sha256
     per_channel = render(_variant(vector), vector)
-    assert set(per_channel.sources) == {"recurrent.py"}
+    assert set(per_channel.sources) == {"forward.py", "backward.py", "recurrent.py"}
     assert "PER_CHANNEL = True" in per_channel.sources["recurrent.py"]
+    assert "per-channel gates" in per_channel.sources["forward.py"]
 
 
 def test_recurrent_kernel_lowers_for_mosaic():

@@ -131,6 +131,6 @@ def test_bad_variant_params_are_rejected():
             render(Variant("pallas_tpu", dict(base, **bad)), PROBLEM)
     with pytest.raises(ValueError, match="params"):
         render(Variant("pallas_tpu", {"chunk_size": 64}), PROBLEM)
-    # per-channel gates render the recurrent kernel alone
+    # per-channel gates render the chunk walks (``per_channel`` set) and the recurrent kernel
     per_channel = render(Variant("pallas_tpu", base), Problem(2, 4, 128, 128, gate="vector"))
-    assert set(per_channel.sources) == {"recurrent.py"}
+    assert set(per_channel.sources) == {"forward.py", "backward.py", "recurrent.py"}

@@ -13,8 +13,9 @@ from gdngen import chunkwise
 from gdngen.config import VECTOR_CHUNK
 from gdngen.problem import check_call, dtype_name
 
-#: chunk of the portable chunkwise path (its per-channel default) that the generated backends'
-#: per-channel-gate gradients take (no per-channel chunk kernels yet)
+#: chunk of the portable chunkwise path (its per-channel default) that a generated backend's
+#: per-channel-gate gradients take where it has no per-channel chunk kernels (the Pallas backends
+#: walk the variant's own chunk, `switched_gated_delta`)
 PORTABLE_CHUNK = VECTOR_CHUNK
 
 # ------------------------------------------------------------------------------ checks
@@ -199,13 +200,19 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
                          scale, gate, variant, templates_dir):
     """Whole-sequence call of a Pallas ``backend`` module with its recurrent switch
     (`gdngen.config.recurrent_switch`): a scalar-gate call of T >= the variant's
-    ``recurrent_below`` runs `gated_delta` (the chunk kernels). A shorter one, and every
-    per-channel gate call, evaluates through ``recurrent_forward(problem, q, k, v, decay, beta,
-    S0)`` (``problem`` the call's `Problem`)
+    ``recurrent_below`` runs `gated_delta` (the chunk kernels). A shorter one evaluates through
+    ``recurrent_forward(problem, q, k, v, decay, beta, S0)`` (``problem`` the call's `Problem`)
     (float32, masks folded, the gate made a linear decay: exp(-inf) = 0, an exact reset)
     inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`, whose VJP is the chunk
-    kernels' on the same call (per-channel gates: the portable chunkwise path's, chunk
-    `PORTABLE_CHUNK`)."""
+    path's on the same call.
+
+    Per-channel gates: the chunk path is `gdngen.chunkwise_channel` (through
+    `gdngen.backends.jax_chunkwise.chunkwise_gated_delta`, float32, the variant's chunk size
+    and ``save_states``) with its chunk walks run by the variant's kernels,
+    ``backend.chunk_walks((sha256, interpret))`` -> ``(walk_forward, walk_backward)`` of
+    `gdngen.chunkwise_channel`'s contract; a call of T >= ``recurrent_below`` evaluates through
+    it too, a shorter one through the recurrent kernel, and every differentiated call takes its
+    VJP (`gdngen.chunkwise_channel.backward` with the kernel walks)."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
@@ -213,7 +220,8 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
 
     shape, dtype = check_scalar_call(backend.SPEC, q, k, v, g, beta, initial_state, mask,
                                      gate=gate, scale=scale)
-    if not shape.vector_gate and shape.T >= backend.SPEC.parse(variant).recurrent_below:
+    chunked = shape.T >= backend.SPEC.parse(variant).recurrent_below
+    if not shape.vector_gate and chunked:
         return gated_delta(backend, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                            gate=gate, variant=variant, templates_dir=templates_dir)
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
@@ -224,6 +232,9 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
 
     problem = problem_of(shape, dtype)
+    if shape.vector_gate:
+        kernels = backend.load_kernels(variant, problem, templates_dir=templates_dir)
+        walks = backend.chunk_walks((kernels.sha256, kernels.interpret))
 
     def recurrent(q, k, v, g, beta, S0):
         return recurrent_forward(problem, q, k, v, jnp.exp(g) if gate == "log" else g, beta,
@@ -231,16 +242,18 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
 
     def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
         if shape.vector_gate:
-            return jax_chunkwise.chunkwise_gated_delta(q, k, v, g, beta, S0, None,
-                                                       scale=float(scale), gate=gate,
-                                                       chunk_size=PORTABLE_CHUNK)
+            return jax_chunkwise.chunkwise_gated_delta(
+                q, k, v, g, beta, S0, None, scale=float(scale), gate=gate,
+                chunk_size=kernels.params["chunk_size"],
+                save_states=kernels.params["save_states"], walks=walks)
         y, state = gated_delta(backend, q.astype(dtype), k.astype(dtype), v.astype(dtype), g,
                                beta, S0, mask=None, scale=scale, gate=gate, variant=variant,
                                templates_dir=templates_dir)
         return y.astype(f32), state
 
-    y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
-        q32, k32, v32, g32, beta32, s0)
+    call = (chunkwise_call if chunked  # per-channel gates: evaluated on the chunk path too
+            else jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call))
+    y, state = call(q32, k32, v32, g32, beta32, s0)
     if mask is not None:
         y = jnp.where(mask[..., None, None], y, 0.0)
     return y.astype(q.dtype), state

@@ -77,32 +77,43 @@ class XP(chunkwise.ArrayNamespace):
 FLOAT32_MATMULS = jax.default_matmul_precision("highest")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale=None):
+def _walk(walks, which):
+    """The ``walk=`` keyword of `gdngen.chunkwise_channel`'s ``forward`` (``which`` 0) or
+    ``backward`` (1) for the ``walks`` pair, none for the default walks."""
+    return {} if walks is None else {"walk": walks[which]}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale=None,
+               walks=None):
     """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP.
 
     ``save_states``: keep the forward's residuals (per-chunk entering states, WY pseudo-values,
     triangular inverses) for the backward, or recompute them there (one more sequential pass,
     less memory). ``qk_scale`` (a float): q, k are the raw ones and the core L2-normalises
     them itself (`gdngen.chunkwise.normalized_qk`, q then times ``qk_scale``), keeping the raw
-    ones for its backward, which recomputes the normalised ones behind a barrier.
+    ones for its backward, which recomputes the normalised ones behind a barrier. ``walks``
+    (per-channel gates only): ``(walk_forward, walk_backward)`` replacing
+    `gdngen.chunkwise_channel`'s default chunk walks (a generated backend's kernels; hashable).
     """
     with FLOAT32_MATMULS:
         qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
         Y, S_final, _ = chunkwise_channel.stages(gates).forward(XP, qn, kn, v, gates, beta, S0,
-                                                        gate=gate, solve_block=solve_block)
+                                                        gate=gate, solve_block=solve_block,
+                                                        **_walk(walks, 0))
     return Y, S_final
 
 
-def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale):
+def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale, walks):
     with FLOAT32_MATMULS:
         qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
         Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
-            XP, qn, kn, v, gates, beta, S0, gate=gate, solve_block=solve_block)
+            XP, qn, kn, v, gates, beta, S0, gate=gate, solve_block=solve_block,
+            **_walk(walks, 0))
     return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
 
 
-def _core_bwd(gate, solve_block, save_states, qk_scale, saved, cotangents):
+def _core_bwd(gate, solve_block, save_states, qk_scale, walks, saved, cotangents):
     q, k, v, gates, beta, S0, residuals = saved
     dY, dS_final = cotangents
     with FLOAT32_MATMULS:
@@ -112,9 +123,9 @@ def _core_bwd(gate, solve_block, save_states, qk_scale, saved, cotangents):
         stages = chunkwise_channel.stages(gates)
         if residuals is None:
             residuals = stages.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
-                                       solve_block=solve_block)[2]
+                                       solve_block=solve_block, **_walk(walks, 0))[2]
         dq, dk, *rest = stages.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
-                                        gate=gate)
+                                        gate=gate, **_walk(walks, 1))
         return (*chunkwise.normalized_qk_vjp(XP, q, k, dq, dk, qk_scale), *rest)
 
 
@@ -197,19 +208,20 @@ packed_scalar_core.defvjp(_packed_scalar_fwd, _packed_scalar_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size", "solve_block",
-                                             "save_states", "qk_norm"))
+                                             "save_states", "qk_norm", "walks"))
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=8, save_states=True, qk_norm=False):
+                          solve_block=8, save_states=True, qk_norm=False, walks=None):
     """Chunkwise path, scalar or per-channel gates; float32 arrays, shapes as
     `gdngen.jax.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``xla`` `Variant`.
     ``qk_norm``: q, k are raw and the chunk core normalises them (see `chunk_core`).
+    ``walks``: per-channel gates' chunk walks (see `chunk_core`).
     """
     qk_scale = float(scale) if qk_norm else None
 
     def core(*arrays):
-        return chunk_core(*arrays, gate, solve_block, save_states, qk_scale)
+        return chunk_core(*arrays, gate, solve_block, save_states, qk_scale, walks)
 
     return chunkwise.gated_delta(XP, core, q, k, v, g, beta, initial_state, mask,
                                  scale=1.0 if qk_norm else scale, gate=gate,

@@ -1,6 +1,6 @@
 """Pallas GPU backend: generated Triton-lowered kernels for the chunkwise gated delta rule
-(scalar gates) and a recurrent forward kernel for short calls (scalar and per-channel gates),
-for NVIDIA GPUs (a100, h100, h200 in `gdngen.devices`).
+(scalar gates; for per-channel gates its chunk walks) and a recurrent forward kernel for short
+calls (scalar and per-channel gates), for NVIDIA GPUs (a100, h100, h200 in `gdngen.devices`).
 
 The kernels are rendered from ``templates/pallas_gpu/`` (forward and backward module, every
 variant parameter baked in as a constant) and wired into ``jax.custom_vjp``. On a GPU they are
@@ -11,10 +11,23 @@ once per process. ``GDNGEN_INTERPRET=1`` forces interpret mode (``gdngen tune --
 Kernel plan (the template docstrings have the algebra): the O(C^2)/O(C^3) chunk work runs
 chunk-parallel (grid batch * value head x chunk); only the state recurrence walks the chunks in
 order, one program per (batch * value head, BV columns of the state), the state in registers.
-Calls with T < ``recurrent_below`` (and every per-channel-gate call) evaluate through the
-recurrent kernel (``recurrent.py``: grid batch x value head x BV rows of the state, every step
-in order, the state in registers, nothing saved); their VJP is the chunk kernels' (per-channel
-gates: the portable sequential path's, as the chunk kernels take scalar gates only).
+Calls with T < ``recurrent_below`` evaluate through the recurrent kernel (``recurrent.py``: grid
+batch x value head x BV rows of the state, every step in order, the state in registers, nothing
+saved); their VJP is the chunk path's.
+
+Per-channel (vector) gates: the same forward and backward templates rendered with
+``per_channel`` set are the two chunk walks of `gdngen.chunkwise_channel` (`chunk_walks`: the
+forward walk and the reverse state-cotangent walk carry the state, its cotangent, in registers
+over the chunks; a chunk-parallel kernel forms the backward's sums over Dv); the intra-chunk
+stages stay its shared jnp code (not fused into the kernels yet). Calls of T >=
+``recurrent_below`` evaluate through `gdngen.chunkwise_channel.forward` with the kernel walk,
+shorter ones through the recurrent kernel, and every differentiated call takes
+`gdngen.chunkwise_channel.backward` with the kernel walks. Their variant space is the walks'
+parameters (``chunk_size``, ``bk``, ``bv``, ``num_warps``, ``num_stages``; ieee, saving states),
+and they are tuned. Validated as the scalar variants (`gdngen.validate.run_battery`, interpret
+mode, poisoned outputs): worst relative L2 error over every per-channel battery case and
+quantity (dg in both conventions), default variant, float32: 7.5e-7 (dbeta,
+vector_identical_keys; the other cases <= 3.0e-7).
 
 Variant parameters (`variant_space`):
 
@@ -177,7 +190,9 @@ def shared_memory_bytes(variant: Variant, problem: Problem) -> int:
     p = kernel_params(variant, problem)
     C, bk, bv, dk = p["chunk_size"], p["bk"], p["bv"], p["dk"]
     isz = 4 if problem.dtype == "float32" else 2
-    per_chunk = 2 * C * dk * isz + C * dk * 4 + C * C * 4 + C * bv * 4
+    # per-channel walks: Wk, Kc (forward) or Qd (reverse) and Pm, all float32
+    keys = 3 * C * dk * 4 if problem.gate == "vector" else 2 * C * dk * isz + C * dk * 4
+    per_chunk = keys + C * C * 4 + C * bv * 4
     walk = p["num_stages"] * per_chunk + (C * C + C * bv) * 4
     parallel = 2 * (C * C + C * max(bk, bv)) * 4
     return max(walk, parallel)
@@ -185,13 +200,15 @@ def shared_memory_bytes(variant: Variant, problem: Problem) -> int:
 
 def variant_space(problem: Problem, device) -> list[Config]:
     """Every variant whose `shared_memory_bytes` fits ``device``'s ``shared_memory``
-    (gdngen.devices)."""
+    (gdngen.devices). For per-channel gates only the walks' parameters vary (chunk, tiles,
+    launch parameters), at ieee, saving states."""
     SPEC.check(problem)
     budget = device.limits["shared_memory"]
+    vector = problem.gate == "vector"
     space = []
     for chunk, precision, bk, bv, warps, stages, save in itertools.product(
-            CHUNK_SIZES, PRECISIONS, tiles(problem.Dk), tiles(problem.Dv), NUM_WARPS,
-            NUM_STAGES, (True, False)):
+            CHUNK_SIZES, ("ieee",) if vector else PRECISIONS, tiles(problem.Dk),
+            tiles(problem.Dv), NUM_WARPS, NUM_STAGES, (True,) if vector else (True, False)):
         config = Config(bk, bv, chunk, stages, warps, precision, save)
         if shared_memory_bytes(Variant(BACKEND, config.params()), problem) <= budget:
             space.append(config)
@@ -229,7 +246,9 @@ def numerics_key(variant: Variant, problem: Problem) -> tuple:
 def render_plan(variant: Variant, problem: Problem) -> dict:
     """``{"forward.py": (template, context), "backward.py": (template, context), "recurrent.py":
     (template, context)}``; the contexts hold the parameters resolved for ``problem``
-    (`kernel_params`). The recurrent kernel's are the head dims and heads, the tiles ``bk`` /
+    (`kernel_params`). For a per-channel (vector) gate problem the forward and backward sources
+    are the chunk walks (``per_channel`` set; ``save_states`` and the input dtype reach them
+    not). The recurrent kernel's are the head dims and heads, the tiles ``bk`` /
     ``bv``, the launch parameters and the gate kind ``per_channel`` (``problem.gate ==
     "vector"``); ``recurrent_below`` reaches no source (the switch is taken in `gated_delta`)."""
     p = kernel_params(variant, problem)
@@ -251,6 +270,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "num_stages": p["num_stages"],
         "save_states": p["save_states"],
         "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
+        "per_channel": problem.gate == "vector",  # the chunk walks of chunkwise_channel
     }
     recurrent = {key: context[key] for key in ("problem_key", "dk", "dv", "bk", "bv", "n_dk",
                                                "n_dv", "hk", "hv", "group", "num_warps",
@@ -308,6 +328,7 @@ def clear_cache() -> None:
     _LOADED.clear()
     _core.cache_clear()
     _packed_core.cache_clear()
+    chunk_walks.cache_clear()
     jax.clear_caches()
 
 
@@ -318,7 +339,9 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     Returns a namespace: ``forward``/``backward``/``recurrent`` (the generated modules),
     ``run_forward``, ``run_residuals``, ``run_backward``, ``run_recurrent`` (their functions
     jitted with ``scale``/``interpret`` static: a pair, top-level and nested), ``sha256``,
-    ``variant``, ``problem``, ``params`` (`kernel_params`), ``interpret``.
+    ``variant``, ``problem``, ``params`` (`kernel_params`), ``interpret``. For a vector-gate
+    problem ``forward``/``backward`` are the per-channel chunk walks (``run_forward``/
+    ``run_backward`` with only ``interpret`` static, no ``run_residuals``; see `chunk_walks`).
     """
     rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
     interpret = interpret_mode()
@@ -327,13 +350,16 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
         fwd, bwd, rec = (exec_module(BACKEND, name, rendered.sources[name], rendered.sha256)
                          for name in ("forward.py", "backward.py", "recurrent.py"))
         static = ("scale", "interpret")
-        _LOADED[key] = types.SimpleNamespace(
+        walk_static = ("interpret",) if problem.gate == "vector" else static
+        kernels = types.SimpleNamespace(
             forward=fwd, backward=bwd, recurrent=rec, sha256=rendered.sha256, variant=variant,
             problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            run_forward=jit_pair(fwd.forward, static, interpret),
-            run_residuals=jit_pair(fwd.residuals, static, interpret),
-            run_backward=jit_pair(bwd.backward, static, interpret),
+            run_forward=jit_pair(fwd.forward, walk_static, interpret),
+            run_backward=jit_pair(bwd.backward, walk_static, interpret),
             run_recurrent=jit_pair(rec.recurrent, static, interpret))
+        if problem.gate != "vector":
+            kernels.run_residuals = jit_pair(fwd.residuals, static, interpret)
+        _LOADED[key] = kernels
     return _LOADED[key]
 
 
@@ -368,8 +394,9 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
                 steps: int = 5) -> dict:
     """Lower the variant's kernels (forward, residual recomputation, backward, and the
     recurrent forward over ``steps`` steps) through the Pallas Triton lowering for the CUDA
-    platform, which needs no GPU; returns ``{function name: StableHLO text}``. A vector-gate
-    problem has only the recurrent kernel (its chunk path is the portable sequential one).
+    platform, which needs no GPU; returns ``{function name: StableHLO text}``. For a
+    vector-gate problem: ``channel_walk`` and ``channel_walk_backward`` (the per-channel chunk
+    walks) instead of forward, residuals and backward.
     Raises what the lowering raises (non-power-of-two shapes, unsupported ops, scratch memory,
     ...). Triton's own compilation to PTX runs only on a GPU."""
     import jax
@@ -386,13 +413,20 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
     residuals = (spec((B, Hv, T, Dv), f32), spec((B, Hv, T, Dk), f32), spec((B, Hv, T, C), f32),
                  spec((B, Hv, T, C), f32), spec((B, Hv, N, Dv, Dk), f32))
 
-    def lower(fn, *args):
-        static = {"scale": Dk ** -0.5, "interpret": False}
+    def lower(fn, *args, scaled=True):  # the per-channel walks take no scale
+        static = {"interpret": False} | ({"scale": Dk ** -0.5} if scaled else {})
         return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
                 .lower(lowering_platforms=("cuda",)).as_text())
 
     vector = problem.gate == "vector"
-    lowered = {} if vector else {
+    keys, values = spec((B, Hv, T, Dk), f32), spec((B, Hv, T, Dv), f32)
+    dcc, pm = spec((B, Hv, N, Dk), f32), spec((B, Hv, T, C), f32)
+    lowered = {
+        "channel_walk": lower(kernels.forward.forward, values, keys, keys, keys, pm, dcc, state,
+                              scaled=False),
+        "channel_walk_backward": lower(kernels.backward.backward, values, keys, keys, values,
+                                       residuals[-1], values, keys, dcc, state, scaled=False),
+    } if vector else {
         "forward": lower(kernels.forward.forward, q, q, v, gates, gates, state),
         "residuals": lower(kernels.forward.residuals, q, q, v, gates, gates, state),
         "backward": lower(kernels.backward.backward, q, q, v, gates, gates, *residuals, v,
@@ -628,6 +662,77 @@ def _packed_core(key: tuple, gate: str):
     return generated.custom_vjp_core(forward, backward)
 
 
+def _rows_to_kernel(x, width):
+    """Chunk layout [N, B, Hk, r, C, X] -> [B, Hv, T, width] (zero-padded last dim)."""
+    N, B, Hk, r, C, X = x.shape
+    return _pad_last(x.transpose(1, 2, 3, 0, 4, 5).reshape(B, Hk * r, N * C, X), width)
+
+
+def _rows_from_kernel(x, like):
+    """[B, Hv, T, X'] -> chunk layout [N, B, Hk, r, C, X] of ``like``."""
+    N, B, Hk, r, C, X = like.shape
+    return x[..., :X].reshape(B, Hk, r, N, C, X).transpose(3, 0, 1, 2, 4, 5)
+
+
+def _chunk_vectors_to_kernel(x, dk):
+    """Per-chunk vectors in chunk layout [N, B, Hk, r, Dk] -> [B, Hv, N, DK]."""
+    N, B, Hk, r, Dk = x.shape
+    return _pad_last(x.transpose(1, 2, 3, 0, 4).reshape(B, Hk * r, N, Dk), dk)
+
+
+@functools.cache
+def chunk_walks(key: tuple):
+    """``(walk_forward, walk_backward)`` with the signatures and contracts of
+    `gdngen.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r, ...],
+    float32) on the loaded per-channel kernels ``key`` (sha256, interpret mode): the forward and
+    backward templates rendered with ``per_channel``. The forward walk is one ``pallas_call``
+    (grid batch * value head x Dv tiles, the chunks in order in one program, the state in
+    registers); the reverse walk two (the state-cotangent walk likewise, then the sums over Dv
+    chunk-parallel). Inputs go to the kernels' layout (value heads merged, time rows, head dims
+    zero-padded: one copy each) and back. Packed rows (``inject`` / ``dS_in``) are not taken:
+    per-channel packed rows run on the portable path."""
+    kernels = _LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    dk, dv = p["dk"], p["dv"]
+
+    def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
+        del xp  # the kernels' own arrays
+        _no_packed(inject)
+        y, s_final, s_in, w = call_jitted(
+            kernels.run_forward, _rows_to_kernel(U, dv),
+            *(_rows_to_kernel(x, dk) for x in (Wk, Kc, Qd)), _rows_to_kernel(Pm, Pm.shape[-1]),
+            _chunk_vectors_to_kernel(dCC, dk), _states_to_kernel(S0, dk, dv),
+            interpret=interpret)
+        N, B, Hk, r = U.shape[:4]
+        Dv, Dk = S0.shape[-2:]
+        s_in = s_in[..., :Dv, :Dk].reshape(B, Hk, r, N, Dv, Dk).transpose(3, 0, 1, 2, 4, 5)
+        return (_rows_from_kernel(y, U), s_final[:, :, :Dv, :Dk].reshape(S0.shape), s_in,
+                _rows_from_kernel(w, U))
+
+    def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
+        del xp
+        _no_packed(dS_in)
+        dw, dwk, dqd, dkc, ddcc, ds0 = call_jitted(
+            kernels.run_backward, _rows_to_kernel(G, dv),
+            *(_rows_to_kernel(x, dk) for x in (Kc, Wk)), _rows_to_kernel(W, dv),
+            _chunk_states_to_kernel(S_in, dk, dv), _rows_to_kernel(dY, dv),
+            _rows_to_kernel(Qd, dk), _chunk_vectors_to_kernel(dCC, dk),
+            _states_to_kernel(dS_final, dk, dv), interpret=interpret)
+        Dv, Dk = dS_final.shape[-2:]
+        N, B, Hk, r = dCC.shape[:4]
+        return (ds0[:, :, :Dv, :Dk].reshape(dS_final.shape), _rows_from_kernel(dw, G),
+                *(_rows_from_kernel(x, like) for x, like in ((dwk, Wk), (dqd, Qd), (dkc, Kc))),
+                ddcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4), None)
+
+    return walk_forward, walk_backward
+
+
+def _no_packed(extra):
+    if extra is not None:
+        raise ValueError(f"the {BACKEND} per-channel chunk walks take no injected states "
+                         "(per-channel packed rows run on the portable path)")
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -684,12 +789,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (q, k, v float32, bfloat16 or
     float16). Differentiable (custom VJP) and jit-able.
 
-    Scalar gates: a call with T >= the variant's ``recurrent_below`` runs the chunk kernels;
+    A call with T >= the variant's ``recurrent_below`` runs the chunk kernels (per-channel
+    gates, g ``[B,T,Hv,Dk]``: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`);
     a shorter one evaluates through the recurrent kernel (`recurrent_forward`, on the inputs
-    upcast to float32, masks folded) and differentiates through the chunk kernels
-    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). Per-channel gates (g
-    ``[B,T,Hv,Dk]``): the recurrent kernel at every T, differentiated through the portable
-    chunkwise path (`gdngen.backends.jax_chunkwise.chunkwise_gated_delta`).
+    upcast to float32, masks folded) and differentiates through the chunk path
+    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`).
     """
     module = sys.modules[__name__]
 
@@ -709,7 +813,7 @@ packed_gated_delta = generated.packed_entry(__name__)
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("gpu",), dtypes=INPUT_DTYPES,
-    gates=("scalar", "vector"), tuned_gates=("scalar",),
+    gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
     footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100",
     packed_entry=packed_gated_delta, packed_gates=("scalar",))

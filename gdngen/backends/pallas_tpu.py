@@ -4,11 +4,22 @@ The kernels are rendered from ``templates/pallas_tpu/`` (forward and backward mo
 variant parameter baked in as a constant) and wired into ``jax.custom_vjp``. A third module, the
 recurrent kernel (``recurrent.py``: the state held in VMEM for the whole walk over T, one step at
 a time, forward only), evaluates short calls (T < ``recurrent_below``, whose VJP is the chunk
-kernels') and every per-channel (vector) gate call (whose VJP is the portable sequential path;
-there are no chunkwise per-channel kernels yet, so vector gates are not tuned). On a TPU they
-compile with Mosaic; elsewhere they run in TPU interpret mode (``pltpu.InterpretParams``:
-simulated VMEM, uninitialised buffers filled with NaN, dynamic race detection), with a warning
-once per process.
+path's). On a TPU they compile with Mosaic; elsewhere they run in TPU interpret mode
+(``pltpu.InterpretParams``: simulated VMEM, uninitialised buffers filled with NaN, dynamic race
+detection), with a warning once per process.
+
+Per-channel (vector) gates: the same forward and backward templates rendered with
+``per_channel`` set are the two chunk walks of `gdngen.chunkwise_channel` (`chunk_walks`: the
+state, and in reverse its cotangent, carried in VMEM over the chunk axis); the intra-chunk
+stages stay its shared jnp code (not fused into the kernels yet). Calls of T >=
+``recurrent_below`` evaluate through `gdngen.chunkwise_channel.forward` with the kernel walk,
+shorter ones through the recurrent kernel, and every differentiated call takes
+`gdngen.chunkwise_channel.backward` with the kernel walks. Their variant space is the walk's
+parameters (``chunk_size``, ``head_tile``, ``dv_tile``; ieee, saving states), and they are
+tuned. Validated as the scalar variants (`gdngen.validate.run_battery`, interpret mode, poisoned
+outputs): worst relative L2 error over every per-channel battery case and quantity (dg in both
+conventions), default variant, float32: 6.7e-7 (dbeta, vector_identical_keys; the other cases <=
+3.0e-7).
 
 Variant parameters (`variant_space`):
 
@@ -171,9 +182,28 @@ def vmem_bytes(variant: Variant, problem: Problem) -> int:
     backward_scratch = state + ((5 * cc + 4 * ck + 4 * c1 + 2 * b((ht, 1, 1)) + 2 * b((C, C))
                                  + 2 * ck + c1) if tiled else 0)
     backward = 2 * backward_blocks + backward_scratch + temps + 4 * b((C, C)) + 2 * b((C, Dk))
-    if problem.gate == "vector":  # only the recurrent kernel runs
-        return recurrent_vmem_bytes(variant, problem)
+    if problem.gate == "vector":  # the chunk walks and the recurrent kernel
+        return max(walk_vmem_bytes(variant, problem), recurrent_vmem_bytes(variant, problem))
     return max(forward, backward, recurrent_vmem_bytes(variant, problem))
+
+
+def walk_vmem_bytes(variant: Variant, problem: Problem) -> int:
+    """Static VMEM estimate of the per-channel chunk walks (forward or reverse, the larger), in
+    bytes: double-buffered blocks (all float32), the carried state and the Dv-tile sums, and a
+    working set of chunk-sized temporaries."""
+    p = kernel_params(variant, problem)
+    C, ht, tv = p["chunk_size"], p["head_tile"], p["dv_tile"]
+    Dk, Dv = problem.Dk, problem.Dv
+    b = _padded_bytes
+    values, keys, column = b((ht, C, tv)), b((ht, C, Dk)), b((ht, 1, Dk))
+    state, tile_state = b((ht, Dv, Dk)), b((ht, tv, Dk))
+    temps = 3 * b((C, tv)) + 2 * b((tv, Dk)) + b((C, Dk))
+    # in: u, wk, kc, qd, pm, dcc, s0; out: y, sf, s_in, w
+    forward = 2 * (3 * values + 3 * keys + b((ht, C, C)) + column + 2 * state + tile_state)
+    # in: g, kc, wk, w, s_in, dy, qd, dcc, dsf; out: dw, dwk, dqd, dkc, ddcc, ds0
+    backward = (2 * (4 * values + 6 * keys + 2 * column + tile_state + 2 * state)
+                + (3 * keys + column if tv < Dv else 0))
+    return max(forward, backward) + state + temps
 
 
 def recurrent_vmem_bytes(variant: Variant, problem: Problem) -> int:
@@ -193,13 +223,16 @@ def _vmem_limit(estimate: int) -> int:
 
 
 def variant_space(problem: Problem, device) -> list[Config]:
-    """Every variant whose `vmem_bytes` fits ``device``'s ``vmem_budget`` (gdngen.devices)."""
+    """Every variant whose `vmem_bytes` fits ``device``'s ``vmem_budget`` (gdngen.devices). For
+    per-channel gates only the walks' parameters vary (chunk, head tile, Dv tile), at ieee,
+    saving states."""
     SPEC.check(problem)
     budget = device.limits["vmem_budget"]
+    vector = problem.gate == "vector"
     space = []
     for chunk, precision, head_tile, dv_tile, save in itertools.product(
-            CHUNK_SIZES, PRECISIONS, _divisors(problem.group), _dv_tiles(problem.Dv),
-            (True, False)):
+            CHUNK_SIZES, ("ieee",) if vector else PRECISIONS, _divisors(problem.group),
+            _dv_tiles(problem.Dv), (True,) if vector else (True, False)):
         config = Config(chunk, dv_tile, head_tile, precision, save)
         if vmem_bytes(Variant(BACKEND, config.params()), problem) <= budget:
             space.append(config)
@@ -249,10 +282,12 @@ def mosaic_lowers_precision_high() -> bool:
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
     """``{"forward.py": (template, context), "backward.py": (template, context), "recurrent.py":
-    (template, context)}``; for a per-channel (vector) gate problem only ``recurrent.py``.
+    (template, context)}``; for a per-channel (vector) gate problem the forward and backward
+    sources are the chunk walks (``per_channel`` set).
 
     The context holds the parameters resolved for ``problem`` (`kernel_params`), not the raw
-    variant, so variants that resolve alike on a shape render the same sources (one compile).
+    variant, so variants that resolve alike on a shape render the same sources (one compile;
+    ``save_states`` and the input dtype reach no per-channel walk).
     The recurrent kernel's: the head dims, ``dv_tile`` (its Dv split), ``per_channel`` (the
     problem's gate kind) and ``time_block`` (`RECURRENT_TIME_BLOCK`); not the input dtype (it
     runs float32) nor ``recurrent_below``.
@@ -270,8 +305,6 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "time_block": RECURRENT_TIME_BLOCK,
         "vmem_limit_bytes": _vmem_limit(recurrent_vmem_bytes(variant, problem)),
     })
-    if problem.gate == "vector":
-        return {"recurrent.py": recurrent}
     context = {
         "problem_key": problem.key(),
         "chunk": p["chunk_size"],
@@ -290,6 +323,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "save_states": p["save_states"],
         "vmem_limit_bytes": _vmem_limit(vmem_bytes(variant, problem)),
         "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
+        "per_channel": problem.gate == "vector",  # the chunk walks of chunkwise_channel
     }
     return {"forward.py": ("pallas_tpu/forward.py.j2", context),
             "backward.py": ("pallas_tpu/backward.py.j2", context),
@@ -343,6 +377,7 @@ def clear_cache() -> None:
     _LOADED.clear()
     _core.cache_clear()
     _packed_core.cache_clear()
+    chunk_walks.cache_clear()
     jax.clear_caches()
 
 
@@ -354,8 +389,9 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     ``run_forward``, ``run_backward``, ``run_recurrent`` and, for variants that recompute,
     ``run_chunk_states`` (their functions jitted with ``scale``/``interpret`` static: a pair,
     top-level and nested), ``sha256``, ``variant``, ``problem``, ``params`` (`kernel_params`),
-    ``interpret`` (what they run with). A vector-gate problem has only the recurrent kernel
-    (``forward``/``backward`` None).
+    ``interpret`` (what they run with). For a vector-gate problem ``forward``/``backward``
+    are the per-channel chunk walks (``run_forward``/``run_backward`` with only ``interpret``
+    static; see `chunk_walks`).
     """
     rendered = SPEC.render(variant, problem, templates_dir=templates_dir)
     key = (rendered.sha256, interpret_mode())
@@ -363,16 +399,15 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
         modules = {name: exec_module(BACKEND, name, source, rendered.sha256)
                    for name, source in rendered.sources.items()}
         interpret = interpret_mode()
-        fwd, bwd = modules.get("forward.py"), modules.get("backward.py")
-        rec = modules["recurrent.py"]
+        fwd, bwd, rec = (modules[name] for name in ("forward.py", "backward.py", "recurrent.py"))
+        static = ("interpret",) if problem.gate == "vector" else ("scale", "interpret")
 
         kernels = types.SimpleNamespace(
             forward=fwd, backward=bwd, recurrent=rec, sha256=rendered.sha256, variant=variant,
             problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            run_recurrent=jit_pair(rec.recurrent, ("scale", "interpret"), interpret))
-        if fwd is not None:
-            kernels.run_forward = jit_pair(fwd.forward, ("scale", "interpret"), interpret)
-            kernels.run_backward = jit_pair(bwd.backward, ("scale", "interpret"), interpret)
+            run_recurrent=jit_pair(rec.recurrent, ("scale", "interpret"), interpret),
+            run_forward=jit_pair(fwd.forward, static, interpret),
+            run_backward=jit_pair(bwd.backward, static, interpret))
         if hasattr(fwd, "chunk_states"):
             kernels.run_chunk_states = jit_pair(fwd.chunk_states, ("interpret",), interpret)
         _LOADED[key] = kernels
@@ -449,7 +484,8 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
     """Lower the variant's kernels (forward, backward and, if it recomputes, the chunk-state
     walk; the recurrent kernel, over one short block and over two whole time blocks and a tail)
     through Mosaic for the TPU platform, which needs no TPU; returns
-    ``{kernel name: StableHLO text}`` (a vector-gate problem: the recurrent kernel only).
+    ``{kernel name: StableHLO text}`` (a vector-gate problem: ``channel_walk`` and
+    ``channel_walk_backward``, the per-channel chunk walks, instead of forward and backward).
     Raises what the Mosaic lowering raises (unsupported ops, illegal block shapes, ...). The
     TPU compiler's own passes run only on a TPU."""
     import jax
@@ -477,7 +513,15 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
                               spec((B, T, Hk, Dk), f32), spec((B, T, Hv, Dv), f32),
                               spec((B, T, Hv) + decay_tail, f32), spec((B, T, Hv), f32), state,
                               **static)
-    if kernels.forward is None:
+    if problem.gate == "vector":
+        chunk_values, chunk_keys = spec((N, B, Hv, C, Dv), f32), spec((N, B, Hv, C, Dk), f32)
+        dcc, chunk_states = spec((N, B, Hv, 1, Dk), f32), spec((N, B, Hv, Dv, Dk), f32)
+        lowered["channel_walk"] = lower(kernels.forward.forward, chunk_values, chunk_keys,
+                                        chunk_keys, chunk_keys, spec((N, B, Hv, C, C), f32), dcc,
+                                        state, interpret=False)
+        lowered["channel_walk_backward"] = lower(
+            kernels.backward.backward, chunk_values, chunk_keys, chunk_keys, chunk_values,
+            chunk_states, chunk_values, chunk_keys, dcc, state, interpret=False)
         return _check_lowered(lowered)
     lowered |= {
         "forward": lower(kernels.forward.forward, key, key, values, g_col, g_row, g_col, state,
@@ -681,6 +725,52 @@ def _packed_core(key: tuple, gate: str):
     return generated.custom_vjp_core(forward, backward)
 
 
+def _heads_merged(x, axis):
+    """``x`` with its key-head axis ``axis`` and the next (r) merged into one Hv axis."""
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+@functools.cache
+def chunk_walks(key: tuple):
+    """``(walk_forward, walk_backward)`` with the signatures and contracts of
+    `gdngen.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r, ...],
+    float32) on the loaded per-channel kernels ``key`` (sha256, interpret parameters): the
+    forward and backward templates rendered with ``per_channel``, each one ``pallas_call``
+    walking the chunks in order (in reverse) with the state (its cotangent) in VMEM. Only the
+    value heads are merged (reshapes, no transposes). Packed rows (``inject`` / ``dS_in``) are
+    not taken: per-channel packed rows run on the portable path."""
+    kernels = _LOADED[key]
+    interpret = kernels.interpret
+
+    def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
+        del xp  # the kernels' own arrays
+        _no_packed(inject)
+        y, s_final, s_in, w = _run_kernel(
+            kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
+                                                                 dCC[..., None, :])),
+            _heads_merged(S0, 1), what="per-channel forward walk", interpret=interpret)
+        return (y.reshape(U.shape), s_final.reshape(S0.shape),
+                s_in.reshape(U.shape[:4] + S0.shape[-2:]), w.reshape(U.shape))
+
+    def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
+        del xp
+        _no_packed(dS_in)
+        dw, dwk, dqd, dkc, ddcc, ds0 = _run_kernel(
+            kernels.run_backward, *(_heads_merged(x, 2) for x in (G, Kc, Wk, W, S_in, dY, Qd,
+                                                                  dCC[..., None, :])),
+            _heads_merged(dS_final, 1), what="per-channel backward walk", interpret=interpret)
+        return (ds0.reshape(dS_final.shape), dw.reshape(G.shape), dwk.reshape(Wk.shape),
+                dqd.reshape(Qd.shape), dkc.reshape(Kc.shape), ddcc.reshape(dCC.shape), None)
+
+    return walk_forward, walk_backward
+
+
+def _no_packed(extra):
+    if extra is not None:
+        raise ValueError(f"the {BACKEND} per-channel chunk walks take no injected states "
+                         "(per-channel packed rows run on the portable path)")
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -729,11 +819,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar or per-channel gates;
     q, k, v float32 or bfloat16). Differentiable (custom VJP) and jit-able.
 
-    A scalar-gate call with T >= the variant's ``recurrent_below`` runs the chunk kernels. A
-    shorter one, and every per-channel gate call, evaluates through the recurrent kernel
-    (`recurrent_forward`, masks folded, the gate made a linear decay) inside
-    `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`: its VJP is that of the chunk
-    kernels on the same call (per-channel gates: the portable sequential path's).
+    A call with T >= the variant's ``recurrent_below`` runs the chunk kernels (per-channel
+    gates: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`). A shorter one
+    evaluates through the recurrent kernel (`recurrent_forward`, masks folded, the gate made a
+    linear decay) inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`: its VJP is
+    that of the chunk path on the same call.
     """
     module = sys.modules[__name__]
 
@@ -753,7 +843,7 @@ packed_gated_delta = generated.packed_entry(__name__)
 SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("tpu",), dtypes=INPUT_DTYPES,
-    gates=("scalar", "vector"), tuned_gates=("scalar",),
+    gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
     footprint=vmem_bytes, device_limit="vmem_budget", reference_device="tpu-v5e",
     packed_entry=packed_gated_delta, packed_gates=("scalar",))
