@@ -10,13 +10,7 @@ import linecache
 import types
 
 from gdngen import chunkwise
-from gdngen.config import VECTOR_CHUNK
 from gdngen.problem import check_call, dtype_name
-
-#: chunk of the portable chunkwise path (its per-channel default) that a generated backend's
-#: per-channel-gate gradients take where it has no per-channel chunk kernels (the Pallas backends
-#: walk the variant's own chunk, `switched_gated_delta`)
-PORTABLE_CHUNK = VECTOR_CHUNK
 
 # ------------------------------------------------------------------------------ checks
 
