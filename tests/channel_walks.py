@@ -9,7 +9,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from gdngen import chunkwise_channel, validate
+from gdngen import chunkwise_channel, settings, validate
 from gdngen.backends.jax_chunkwise import XP
 
 
@@ -68,3 +68,16 @@ def spy_chunk_walks(monkeypatch, backend):
 
     monkeypatch.setattr(backend, "chunk_walks", spied)
     return ran
+
+
+def check_battery_case_through_the_walks(monkeypatch, backend, variant, check):
+    """vector_exact_zero (two chunks; per-channel exact zeros and ones on channels and whole
+    steps, across the chunk edge; an initial state) with poisoned outputs: y, the final state
+    and every gradient, dg in both conventions, through ``backend``'s kernel walks;
+    ``check(results, variant, dtype)`` is the backend tests' tolerance check."""
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    ran = spy_chunk_walks(monkeypatch, backend)
+    results = validate.run_battery(None, variant=variant, cases=["vector_exact_zero"])
+    assert {"dg", "dg_linear", "y_recurrent"} <= set(results[0].errors)
+    check(results, variant, "float32")
+    assert ran.count("forward") >= 2 and ran.count("backward") == 2  # log and linear gates

@@ -251,14 +251,18 @@ def test_threadgroup_memory_matches_the_static_plan():
 @pytest.mark.metal
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs an Apple GPU (MLX Metal backend)")
 def test_gpu_matches_simulator():
-    v = default_variant("metal", PROBLEM)
-    case = get_case("hard_decay")
+    check_gpu_matches_simulator(get_case("hard_decay"), default_variant("metal", PROBLEM))
+
+
+def check_gpu_matches_simulator(case, variant):
+    """The loss and the five input gradients of ``variant`` on ``case`` agree on the Apple GPU
+    (`metal.MLXLauncher`) and in the MSL simulator."""
     raw = case.inputs(seed=3)
     args = [mx.array(raw[n].astype(np.float32)) for n in ("q", "k", "v", "g_log", "beta")]
     results = {}
     for launcher in (metal.MLXLauncher(), metal.SimLauncher()):
         def loss(*a, launcher=launcher):
-            y, s = metal.gated_delta(*a, scale=case.scale, variant=v, launcher=launcher)
+            y, s = metal.gated_delta(*a, scale=case.scale, variant=variant, launcher=launcher)
             return (y * y).sum() + (s * s).sum()
 
         value, grads = mx.value_and_grad(loss, argnums=tuple(range(5)))(*args)
@@ -370,16 +374,4 @@ def test_vector_walk_results_do_not_depend_on_thread_order():
 def test_vector_gpu_matches_simulator():
     case = get_case("vector_strong_half")
     problem = Problem(case.Hk, case.Hv, case.Dk, case.Dv, gate="vector")
-    v = _vector_variant(problem, chunk_size=32, dv_tile=16)
-    raw = case.inputs(seed=3)
-    args = [mx.array(raw[n].astype(np.float32)) for n in ("q", "k", "v", "g_log", "beta")]
-    results = {}
-    for launcher in (metal.MLXLauncher(), metal.SimLauncher()):
-        def loss(*a, launcher=launcher):
-            y, s = metal.gated_delta(*a, scale=case.scale, variant=v, launcher=launcher)
-            return (y * y).sum() + (s * s).sum()
-
-        value, grads = mx.value_and_grad(loss, argnums=tuple(range(5)))(*args)
-        results[launcher.name] = [np.array(value)] + [np.array(g) for g in grads]
-    for gpu, sim in zip(results["metal"], results["simulator"]):
-        np.testing.assert_allclose(gpu, sim, rtol=1e-4, atol=1e-5)
+    check_gpu_matches_simulator(case, _vector_variant(problem, chunk_size=32, dv_tile=16))

@@ -21,10 +21,10 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from channel_walks import check_walks_match_the_portable_walks, spy_chunk_walks
+from channel_walks import check_battery_case_through_the_walks, check_walks_match_the_portable_walks
 from generated_kernels import small_call_inputs
 
-from gdngen import Problem, Variant, default_variant, reference, settings, validate
+from gdngen import Problem, Variant, default_variant, reference, validate
 from gdngen.backends import pallas_tpu
 from gdngen.cases import BATTERY, Case
 from gdngen.registry import variants
@@ -181,19 +181,10 @@ def test_channel_walks_match_the_portable_walks():
 
 @pytest.mark.slow
 def test_per_channel_battery_case_runs_the_kernel_walks(monkeypatch):
-    """vector_exact_zero (two chunks; per-channel exact zeros and ones on channels and whole
-    steps, across the chunk edge; an initial state) with poisoned outputs: y, the final state
-    and every gradient, dg in both conventions, through the kernel walks. Slow: a per-channel
-    battery case compiles the shared jnp stages four times (about a minute here); `make test`
-    has the walks' contract, the entry point's VJP through them and the conformance suite's
-    vector_t1."""
-    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
-    ran = spy_chunk_walks(monkeypatch, pallas_tpu)
+    """pallas_tpu's kernel walks on a per-channel battery case (slow: about a minute here;
+    `make test` has the walks' contract and the entry point's VJP through them)."""
     variant = default_variant("pallas_tpu", Problem(2, 4, 64, 64))
-    results = validate.run_battery(None, variant=variant, cases=["vector_exact_zero"])
-    assert {"dg", "dg_linear", "y_recurrent"} <= set(results[0].errors)
-    _check(results, variant, "float32")
-    assert ran.count("forward") >= 2 and ran.count("backward") == 2  # log and linear gates
+    check_battery_case_through_the_walks(monkeypatch, pallas_tpu, variant, _check)
 
 
 @pytest.mark.slow
