@@ -112,7 +112,8 @@ def test_resume_keeps_matching_entries_only(tmp_path, monkeypatch):
     again = build_mod.build("pallas_tpu", PROBLEM, tmp_path, variant_list=space,
                             validate=False, resume=True)
     assert built == [] and [r.to_json() for r in again] == [r.to_json() for r in first]
-    folder = _plant(tmp_path, "backward.py.j2", "Do not edit", "Edited")  # other sources
+    folder = _plant(tmp_path, "backward.py.j2", "backward kernel of the chunkwise",
+                    "edited backward kernel of the chunkwise")  # other sources
     build_mod.build("pallas_tpu", PROBLEM, tmp_path, variant_list=space, validate=False,
                     resume=True, templates_dir=folder)
     assert built == space  # a different override folder: nothing is reused
