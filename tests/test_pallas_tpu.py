@@ -139,10 +139,10 @@ def test_default_variant_on_grouped_heads():
 
 @pytest.mark.parametrize("changes, cases, dtype", [
     ({"head_tile": 1, "save_states": False, "chunk_size": 32}, ["gva3"], "float32"),
-    ({"chunk_size": 128}, ["identical_keys"], "float32"),
+    pytest.param({"chunk_size": 128}, ["identical_keys"], "float32", marks=pytest.mark.slow),
     ({"precision": "tf32"}, ["identical_keys"], "float32"),
     ({"precision": "bf16", "save_states": False}, ["hard_decay"], "float32"),
-    ({}, ["gates_exact_one_and_zero"], "bfloat16"),
+    pytest.param({}, ["gates_exact_one_and_zero"], "bfloat16", marks=pytest.mark.slow),
 ], ids=["recompute-gva", "chunk128", "tf32", "bf16-policy", "bf16-inputs"])
 def test_variants_on_adversarial_cases(changes, cases, dtype):
     problem = Problem(2, 4, 128, 128, dtype=dtype)
