@@ -363,9 +363,12 @@ def write_entry(entry: dict, directory: str | os.PathLike | None = None) -> Path
 
 
 def _fuller(new: dict, old: dict) -> bool:
-    """Whether ``new`` saw more of its study than ``old`` (more trials run; then newer)."""
+    """Whether ``new`` should replace ``old``: an entry this host can use beats a stale one
+    (`stale_reason`: a source or version changed since it was tuned), then the one that saw
+    more of its study (more trials run), then the newer."""
     def rank(e):
-        return (int((e.get("trials") or {}).get("run", 0)), str(e.get("date", "")))
+        return (stale_reason(e) is None, int((e.get("trials") or {}).get("run", 0)),
+                str(e.get("date", "")))
 
     return rank(new) > rank(old)
 
@@ -373,8 +376,9 @@ def _fuller(new: dict, old: dict) -> bool:
 def merge_files(paths, directory: str | os.PathLike | None = None) -> dict:
     """Merge the tuned files ``paths`` (e.g. copied from other hosts that tuned shared studies)
     into ``<directory>/<device>.json`` (default the user's tuned folder), locked and atomic as
-    `write_entry`: per key an incoming entry replaces the present one only if it saw more of
-    its study (more trials run, then a newer date). Returns ``{"taken": [...], "kept": [...]}``
+    `write_entry`: per key an incoming entry replaces the present one if the present one is
+    stale here and the incoming one is not, else only if it saw more of its study (more trials
+    run, then a newer date). Returns ``{"taken": [...], "kept": [...]}``
     (keys); CorruptCacheFile for a source that is not a tuned file of this format."""
     by_device: dict = {}
     for source in paths:

@@ -327,6 +327,12 @@ def test_merge_takes_the_entry_that_saw_more_of_its_study(tmp_path, monkeypatch)
     result = CliRunner().invoke(cli.main, ["merge", str(partial), "--json"])
     assert json.loads(result.output) == {"taken": [], "kept": [key]}
     assert cache.load_file(here)[key]["best_ms"] == 5.0
+    stale = dict(entry(12, 0.002), sha256="0" * 64)  # tuned from sources changed since
+    cache.write_entry(stale)
+    assert cache.stale_reason(cache.load_file(here)[key]).startswith("source changed")
+    result = CliRunner().invoke(cli.main, ["merge", str(partial), "--json"])
+    assert json.loads(result.output) == {"taken": [key], "kept": []}  # fewer trials, usable
+    assert cache.load_file(here)[key]["trials"]["run"] == 5
     (tmp_path / "bad.json").write_text("{}")
     result = CliRunner().invoke(cli.main, ["merge", str(tmp_path / "bad.json")])
     assert result.exit_code == 2 and "expected {'format'" in result.output
