@@ -15,6 +15,15 @@ from gdngen.problem import check_call, dtype_name
 # ------------------------------------------------------------------------------ checks
 
 
+def refuse_injection(backend: str, injected) -> None:
+    """Guard of a generated backend's per-channel chunk walks: ValueError unless ``injected``
+    (the walk's ``inject`` / ``dS_in``) is None; per-channel packed rows run on the portable
+    path."""
+    if injected is not None:
+        raise ValueError(f"the {backend} per-channel chunk walks take no injected states "
+                         "(per-channel packed rows run on the portable path)")
+
+
 def check_scalar_call(spec, q, k, v, g, beta, initial_state, mask, *, gate, scale):
     """`check_call` for the generated backend ``spec``: ``(CallShape, input dtype name)``;
     ValueError for vector gates (unless ``spec.gates`` has them) or a dtype the backend does

@@ -62,6 +62,7 @@ import math
 from dataclasses import dataclass
 
 from gdngen import settings
+from gdngen.backends.generated import refuse_injection
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
@@ -572,9 +573,7 @@ class ChannelWalks:
     def forward(self, xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         """``(Y, S_final, S_in, W)``: one launch of fwd_scan_channel (shapes as
         `gdngen.chunkwise_channel.walk_forward`)."""
-        if inject is not None:
-            raise ValueError("the metal walk kernels take no injected states (per-channel "
-                             "packed rows run the portable walk)")
+        refuse_injection(BACKEND, inject)
         N, B = int(U.shape[0]), int(U.shape[1])
         plan = self._plan(N, B)
         env = self._launch(plan, plan.forward, {"s0": S0, "u": U, "wk": Wk, "kc": Kc, "qd": Qd,
@@ -586,9 +585,7 @@ class ChannelWalks:
         """``(dS0, dW, dWk, dQd, dKc, ddCC, None)``: one launch of bwd_scan_channel (shapes as
         `gdngen.chunkwise_channel.walk_backward`); the Dk-wide products come back one part per
         Dv tile and are summed here."""
-        if dS_in is not None:
-            raise ValueError("the metal walk kernels take no injected states (per-channel "
-                             "packed rows run the portable walk)")
+        refuse_injection(BACKEND, dS_in)
         N, B = int(W.shape[0]), int(W.shape[1])
         plan = self._plan(N, B)
         env = self._launch(plan, plan.backward, {

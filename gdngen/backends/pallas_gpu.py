@@ -697,7 +697,7 @@ def chunk_walks(key: tuple):
 
     def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         del xp  # the kernels' own arrays
-        _no_packed(inject)
+        generated.refuse_injection(BACKEND, inject)
         y, s_final, s_in, w = call_jitted(
             kernels.run_forward, _rows_to_kernel(U, dv),
             *(_rows_to_kernel(x, dk) for x in (Wk, Kc, Qd)), _rows_to_kernel(Pm, Pm.shape[-1]),
@@ -711,7 +711,7 @@ def chunk_walks(key: tuple):
 
     def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
         del xp
-        _no_packed(dS_in)
+        generated.refuse_injection(BACKEND, dS_in)
         dw, dwk, dqd, dkc, ddcc, ds0 = call_jitted(
             kernels.run_backward, _rows_to_kernel(G, dv),
             *(_rows_to_kernel(x, dk) for x in (Kc, Wk)), _rows_to_kernel(W, dv),
@@ -725,12 +725,6 @@ def chunk_walks(key: tuple):
                 ddcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4), None)
 
     return walk_forward, walk_backward
-
-
-def _no_packed(extra):
-    if extra is not None:
-        raise ValueError(f"the {BACKEND} per-channel chunk walks take no injected states "
-                         "(per-channel packed rows run on the portable path)")
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -744,7 +744,7 @@ def chunk_walks(key: tuple):
 
     def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         del xp  # the kernels' own arrays
-        _no_packed(inject)
+        generated.refuse_injection(BACKEND, inject)
         y, s_final, s_in, w = _run_kernel(
             kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
                                                                  dCC[..., None, :])),
@@ -754,7 +754,7 @@ def chunk_walks(key: tuple):
 
     def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
         del xp
-        _no_packed(dS_in)
+        generated.refuse_injection(BACKEND, dS_in)
         dw, dwk, dqd, dkc, ddcc, ds0 = _run_kernel(
             kernels.run_backward, *(_heads_merged(x, 2) for x in (G, Kc, Wk, W, S_in, dY, Qd,
                                                                   dCC[..., None, :])),
@@ -763,12 +763,6 @@ def chunk_walks(key: tuple):
                 dqd.reshape(Qd.shape), dkc.reshape(Kc.shape), ddcc.reshape(dCC.shape), None)
 
     return walk_forward, walk_backward
-
-
-def _no_packed(extra):
-    if extra is not None:
-        raise ValueError(f"the {BACKEND} per-channel chunk walks take no injected states "
-                         "(per-channel packed rows run on the portable path)")
 
 
 # ----------------------------------------------------------------------------- entry point
