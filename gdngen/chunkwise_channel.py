@@ -285,8 +285,9 @@ def decayed_products(xp, x, y, blocks):
     is ``(X_I EF_I) ((Y_J EL_J) EH_IJ)^T``, one matmul; the blocks I = J are built one offset
     delta = t - j at a time, ``M[t, t - delta] = sum_d x_t y_{t-delta} E_delta[t]``
     (`pair_bands`), and the blocks I > J one J at a time: each intermediate has the size of
-    the gates (MLX, T = 2048, Hv = 8, D = 128, chunk 32: fwd+bwd peak 573 MiB, 888 MiB with
-    [c, c, Dk] pairwise factors and all (I, J) blocks at once)."""
+    the gates (MLX, T = 2048, Hv = 8, D = 128, chunk 32, fwd+bwd with every gradient: peak
+    665 MiB, 888 MiB with [c, c, Dk] pairwise factors and all (I, J) blocks at once; 298 MiB
+    with the backward `by_chunk_groups`)."""
     terms, diag = blocks
     c, n = diag[0].shape[-2], diag[0].shape[-3]
     xs, ys = _split(x, c)[..., None, :, :, :], _split(y, c)[..., None, :, :, :]
@@ -414,7 +415,7 @@ def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
 
 
 def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None,
-             walk=None):
+             walk=None, chunk_group=None):
     """Hand-derived VJP of `forward`: ``(dq, dk, dv, dgates, dbeta, dS0)``, plus the
     cotangent of ``inject`` when ``dS_in`` is given (both as in `gdngen.chunkwise.backward`).
 
@@ -422,17 +423,30 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     Kc dS_out^T, dS_in = dS_out diag(dCC) + dY^T (Q*D0) - dW^T Wk); the cotangents of the decay
     factors then go through the straddle-sum adjoints, and for linear gates through the
     exact-zero rule (module docstring). ``walk``: the reverse walk (default `walk_backward`).
+    ``chunk_group``: the chunk-local stages after the walk (`backward_in_chunks`) run
+    `by_chunk_groups` of that many chunks (None: all chunks at once).
     """
-    ein = xp.einsum
     C = k.shape[-2]
     S_in, W, Tinv, Wk, Pm, Mkk = residuals
-    blocks, (D0, DC, dCC) = _factors(xp, gates, gate, C)
-    Qd = q[..., None, :, :] * D0
-    Kc = k[..., None, :, :] * DC
+    _, (D0, DC, dCC) = _factors(xp, gates, gate, C)
     G = _T(Pm) @ dY
     dS0, dW, dWk, dQd, dKc, ddCC, dJ = (walk or walk_backward)(
-        xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in)
+        xp, dS_final, G, k[..., None, :, :] * DC, Wk, W, S_in, dY, q[..., None, :, :] * D0,
+        dCC, dS_in)
+    grads = by_chunk_groups(
+        xp, lambda *arrays: backward_in_chunks(xp, *arrays, gate=gate), chunk_group,
+        q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC)
+    return grads[:5] + (dS0,) + (() if dJ is None else (dJ,))
 
+
+def backward_in_chunks(xp, q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC, *,
+                       gate):
+    """The chunk-local part of `backward`, from the reverse walk's cotangents of W, Wk,
+    Q * D0, K * DC and dCC (and the forward's W, T, M_kk): ``(dq, dk, dv, dgates, dbeta)``.
+    Every array holds whole chunks along its leading axis, and so do the results."""
+    ein = xp.einsum
+    C = k.shape[-2]
+    blocks, (D0, DC, dCC) = _factors(xp, gates, gate, C)
     qr, kr = q[..., None, :, :], k[..., None, :, :]
     # Y = Qd S^T + Pm W ;  S_out = S_in diag(dCC) + W^T Kc
     dq = _sum_heads(dQd * D0)
@@ -460,9 +474,8 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     vector_terms = (dD0, dDC, ddCC)
     db = db + db_a + chunk_sums_adjoint(
         xp, *(dX * X for dX, X in zip(vector_terms, (D0, DC, dCC))))
-    extra = () if dJ is None else (dJ,)
     if gate == "log":
-        return (dq, dk, dv, db, dbeta, dS0) + extra
+        return dq, dk, dv, db, dbeta
     # linear gates: d/da = (d/db) / a, and the exact-zero rule where a == 0
     zero_blocks, zero_vectors = zero_gate_factors(xp, gates, sub_chunk_size(C))
     d_zero = (decayed_products_vjp(xp, q, k, zero_blocks, dPm, inputs=False)[2]
@@ -470,7 +483,32 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
               + chunk_sums_adjoint(xp, *(dX * X for dX, X in zip(vector_terms, zero_vectors))))
     zero = gates == 0
     dgates = xp.where(zero, d_zero, db / xp.where(zero, 1.0, gates))
-    return (dq, dk, dv, dgates, dbeta, dS0) + extra
+    return dq, dk, dv, dgates, dbeta
+
+
+def by_chunk_groups(xp, fn, group, *arrays):
+    """``fn(*arrays)`` for a chunk-local ``fn`` (every argument and result ``[N, ...]``, chunk
+    n of a result depending on chunk n of the arguments only), evaluated ``group`` chunks at a
+    time (``group`` None: once, on all N).
+
+    The groups' results are packed into one array per group ``[group, -1]`` and those joined
+    along the chunks: a lazy framework (MLX evaluates a graph depth-first, inputs in order)
+    then finishes one group before it starts the next, so the intermediates of ``fn`` live for
+    one group only. Measured (MLX CPU, T=2048, Hv=8, D=128, chunk 32): ``decayed_products_vjp``
+    alone 310 MiB above what was resident at once, 187 MiB in groups of 8 chunks."""
+    N = arrays[0].shape[0]
+    if group is None or group >= N:
+        return fn(*arrays)
+    parts = []
+    for start in range(0, N, group):
+        outs = fn(*(x[start:start + group] for x in arrays))
+        parts.append(xp.concatenate([o.reshape(o.shape[0], -1) for o in outs], axis=1))
+    packed, results, column = xp.concatenate(parts, axis=0), [], 0
+    for o in outs:
+        size = o[0].size
+        results.append(packed[:, column:column + size].reshape((N,) + tuple(o.shape[1:])))
+        column += size
+    return tuple(results)
 
 
 def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):

@@ -95,6 +95,33 @@ def test_adjoint_is_the_transpose_of_the_segment_sums():
     assert abs(lhs - rhs) <= 1e-4 * abs(rhs)
 
 
+@pytest.mark.parametrize("gate", ["log", "linear"])
+def test_backward_by_chunk_groups_is_the_whole_backward(gate):
+    """`cc.backward` with its chunk-local stages in groups of 3 of 7 chunks (a ragged last
+    group) gives the cotangents of the ungrouped backward, for both gate conventions (the
+    linear one with exact zero gates: the exact-zero rule runs per group)."""
+    rng = np.random.default_rng(5)
+    N, B, Hk, r, C, D = 7, 1, 2, 2, 8, 16
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    q, k = f32(N, B, Hk, C, D) * 0.3, f32(N, B, Hk, C, D) * 0.3
+    v, S0 = f32(N, B, Hk, r, C, D), f32(B, Hk, r, D, D)
+    a = rng.uniform(0.2, 1.0, (N, B, Hk, r, C, D))
+    a[rng.uniform(size=a.shape) < 0.02] = 0.0
+    with np.errstate(divide="ignore"):
+        gates = jnp.asarray(np.log(a) if gate == "log" else a, jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 1.0, (N, B, Hk, r, C)), jnp.float32)
+    _, _, residuals = cc.forward(XP, q, k, v, gates, beta, S0, gate=gate)
+    dY, dS = f32(N, B, Hk, r, C, D), f32(B, Hk, r, D, D)
+    whole = cc.backward(XP, q, k, v, gates, beta, residuals, dY, dS, gate=gate)
+    grouped = cc.backward(XP, q, k, v, gates, beta, residuals, dY, dS, gate=gate,
+                          chunk_group=3)
+    assert len(grouped) == len(whole) == 6
+    for name, x, y in zip(("dq", "dk", "dv", "dgates", "dbeta", "dS0"), grouped, whole):
+        assert x.shape == y.shape, name
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
 def _strong_problem(seed, T=45, Hk=1, Hv=2, D=16):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, T, Hk, D))
@@ -108,15 +135,16 @@ def _strong_problem(seed, T=45, Hk=1, Hv=2, D=16):
     return q, k, v, g, beta, s0, rng.standard_normal((1, T, Hv, D)), rng.standard_normal(s0.shape)
 
 
-@pytest.mark.parametrize("framework", ["jax", "mlx"])
+@pytest.mark.parametrize("framework, chunk_size", [("jax", 16), ("mlx", 16), ("mlx", 4)])
 @pytest.mark.parametrize("gate", ["log", "linear"])
-def test_chunk_path_matches_reference_at_strong_decay_with_zeros(framework, gate):
+def test_chunk_path_matches_reference_at_strong_decay_with_zeros(framework, chunk_size, gate):
     """Chunk 16 over T = 45 (a ragged tail), half the channels at log g ~ -35, exact zero and
-    exact one gates; every gradient, dg in the call's own convention."""
+    exact one gates; every gradient, dg in the call's own convention. MLX at chunk 4 has 12
+    chunks: its backward runs in groups (`mlx_chunkwise.CHUNK_GROUP`) of 8 and 4 chunks."""
     q, k, v, g, beta, s0, dy, dS = _strong_problem(1)
     gates = g if gate == "log" else np.exp(g)
     ref = reference.vjp(q, k, v, gates, beta, s0, dy, dS, scale=0.25, gate=gate)
-    params = {"scale": 0.25, "gate": gate, "chunk_size": 16}
+    params = {"scale": 0.25, "gate": gate, "chunk_size": chunk_size}
     if framework == "jax":
         from gdngen.backends.jax_chunkwise import chunkwise_gated_delta
 
