@@ -46,7 +46,21 @@ def check_framework(framework: str) -> None:
 
 def dtype_name(x) -> str:
     """Framework-neutral dtype name of an array (``"float32"``, ``"bfloat16"``, ``"bool"`` ...)."""
-    return str(getattr(x, "dtype", type(x).__name__)).replace("mlx.core.", "")
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return type(x).__name__
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # a new (or unhashable) dtype object
+        name = str(dtype).replace("mlx.core.", "")
+        try:
+            _DTYPE_NAMES[dtype] = name
+        except TypeError:
+            pass
+        return name
+
+
+_DTYPE_NAMES: dict = {}  # dtype object -> name: a decode-length call asks a dozen times
 
 
 def _shape_error(name: str, x, expected: str, why: str = "") -> ValueError:
@@ -97,6 +111,33 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
 
 def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", chunk_size=64,
                scale=1.0, cu_seqlens=None) -> CallShape:
+    """`check_call_once`, remembered per shapes, dtypes and options when ``cu_seqlens`` is None
+    (then nothing it checks depends on values): a decode loop pays for the checks once."""
+    if cu_seqlens is not None:
+        return check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
+                               chunk_size=chunk_size, scale=scale, cu_seqlens=cu_seqlens)
+    try:
+        key = (gate, chunk_size, type(chunk_size), type(scale), tuple(
+            None if x is None else (tuple(x.shape), x.dtype)
+            for x in (q, k, v, g, beta, initial_state, mask)))
+        return _CHECKED[key]
+    except (KeyError, TypeError, AttributeError):  # not seen, or not hashable: check in full
+        pass
+    shape = check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
+                            chunk_size=chunk_size, scale=scale)
+    if len(_CHECKED) < 4096:
+        try:
+            _CHECKED[key] = shape
+        except (TypeError, NameError):
+            pass
+    return shape
+
+
+_CHECKED: dict = {}  # check_call's key -> CallShape of a call that passed every check
+
+
+def check_call_once(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
+                    chunk_size=64, scale=1.0, cu_seqlens=None) -> CallShape:
     """Check shapes, dtypes and options of a ``gated_delta`` call; return its `CallShape`.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` with Hv a multiple of Hk; g ``[B,T,Hv]`` or

@@ -125,6 +125,64 @@ def test_head_dims(fw, dims):
     assert validate.relative_error(fw.numpy(S), S_ref) < 5e-6
 
 
+def test_short_chunk_is_the_call_length():
+    """A call shorter than the variant's chunk is one chunk of its own length, rounded up to
+    whole per-channel sub-chunks past `SUB_CHUNK`; longer calls keep the variant's chunk."""
+    from gdngen.backends.portable import SUB_CHUNK, short_chunk
+
+    assert [short_chunk(T, 64) for T in (1, 5, SUB_CHUNK)] == [1, 5, SUB_CHUNK]
+    assert short_chunk(13, 64) == 16 and short_chunk(31, 32) == 32
+    assert short_chunk(64, 64) == 64 and short_chunk(1000, 32) == 32
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["scalar", "vector"])
+@pytest.mark.parametrize("T", [5, 13])
+def test_short_call_in_one_chunk_of_its_length(fw, T, vector, monkeypatch):
+    """T = 5 (a chunk of 5) and T = 13 (a chunk of 16) on the portable chunk path
+    (recurrent_below = 0): y, the state and every gradient against the float64 reference;
+    the chunk core sees the short chunk, not the variant's."""
+    import importlib
+
+    from gdngen import Variant
+
+    backend = BACKEND_OF[fw.name]
+    ops = importlib.import_module(f"gdngen.backends.{'jax' if fw.name == 'jax' else 'mlx'}"
+                                  "_chunkwise")
+    seen = []
+    real = ops.chunkwise_gated_delta
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["chunk_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "chunkwise_gated_delta", spy)
+    x = _inputs(T=T, seed=T)
+    if vector:
+        x["g"] = -np.random.default_rng(T).uniform(0.01, 3.0, x["k"].shape[:2] + (4, 16))
+    rng = np.random.default_rng(T + 1)
+    dy, dS = rng.standard_normal(x["v"].shape), rng.standard_normal(x["initial_state"].shape)
+    variant = Variant(backend, {"chunk_size": 32, "solve_block": 8, "save_states": True,
+                                "recurrent_below": 0})
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def run(*args):
+        return fw.gated_delta(*args, scale=0.25, variant=variant)
+
+    args = [fw.array(x[n]) for n in names]
+    if fw.name == "jax":
+        out, pullback = fw.jax.vjp(run, *args)
+        grads = pullback((fw.array(dy), fw.array(dS)))
+    else:
+        out, grads = fw.mx.vjp(run, args, [fw.array(dy), fw.array(dS)])
+    ref = reference.vjp(*(x[n] for n in names), dy, dS, scale=0.25)
+    errors = {n: validate.relative_error(fw.numpy(a), ref[n])
+              for n, a in zip(("y", "final_state"), out)}
+    errors.update({n: validate.relative_error(fw.numpy(a), ref[n])
+                   for n, a in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads)})
+    assert max(errors.values()) < 5e-6, errors
+    assert seen and set(seen) == {5 if T == 5 else 16}, seen
+
+
 def test_dtypes_of_outputs(fw):
     x = _inputs()
     args = [fw.array(x[n], "bfloat16") for n in ("q", "k", "v", "g", "beta")]

@@ -104,9 +104,10 @@ def test_plain_gated_delta_uses_the_cache_unless_disabled(mlx_calls, monkeypatch
     x = {n: mx.array(a) for n, a in inputs(64, np.random.default_rng()).items()}
     gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert mlx_calls[-1] == TUNED_CHUNK
-    # past the default variant's crossover, so its chunk path runs
-    long = {n: mx.array(a) for n, a in inputs(default_variant("mlx", PROBLEM)["recurrent_below"],
-                                              np.random.default_rng()).items()}
+    # past the default variant's crossover and chunk, so its chunk path runs whole chunks
+    T = max(default_variant("mlx", PROBLEM)["recurrent_below"],
+            default_variant("mlx", PROBLEM)["chunk_size"])
+    long = {n: mx.array(a) for n, a in inputs(T, np.random.default_rng()).items()}
     gated_delta(long["q"], long["k"], long["v"], long["g"], long["beta"], chunk_size=32)
     assert mlx_calls[-1]["chunk_size"] == 32
     assert mlx_calls[-1]["solve_block"] == default_variant("mlx", PROBLEM)["solve_block"]

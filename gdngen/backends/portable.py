@@ -12,6 +12,7 @@ import importlib
 import itertools
 from dataclasses import dataclass
 
+from gdngen.chunkwise_channel import SUB_CHUNK
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 
@@ -22,12 +23,14 @@ SOLVE_BLOCKS = (4, 8, 16, 32)
 #: mantissa bits, bfloat16 7); the chunk core itself always traces its matmuls at float32.
 TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 
-#: untuned crossover T per portable backend (`gdngen.config.recurrent_switch`), measured on the
-#: 2-core AVX2 development host at the Qwen3-Next head shape (B=1, Hk=16, Hv=32, D=128), the
-#: forward with a state, the default variant's chunk path against the step loop: xla's
-#: ``lax.scan`` loses from T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx's loop wins up to
-#: T=64 (144 vs 158 ms) and loses at T=128 (403 vs 370)
-RECURRENT_BELOW = {"xla": 4, "mlx": 128}
+#: untuned crossover T per portable backend and gate kind (`gdngen.config.recurrent_switch`),
+#: measured on the 2-core AVX2 development host at the Qwen3-Next head shape (B=1, Hk=16, Hv=32,
+#: D=128), the forward with a state, the default variant's chunk path (a short call in one
+#: chunk of its own length, `short_chunk`) against the step loop: xla's ``lax.scan`` loses from
+#: T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx, scalar gates: the loop wins at T=1, 2 (2.1
+#: vs 3.4 ms, 3.9 vs 5.3) and ties at T=3 (5.7 vs 5.4), the chunk wins from T=4 on (T=16: 23 vs
+#: 34 ms); per-channel gates: the loop wins to T=8 (21 vs 24 ms), the chunk at T=16 (32 vs 38)
+RECURRENT_BELOW = {"xla": {"scalar": 4, "vector": 4}, "mlx": {"scalar": 3, "vector": 16}}
 
 @dataclass(frozen=True)
 class PortableConfig(VariantConfig):
@@ -53,7 +56,8 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
     """``(Config, gated_delta, SPEC)`` of the portable backend ``name`` whose framework code is
     the module ``ops`` (imported when a call runs, so the declaration imports no framework)."""
     config_cls = dataclasses.make_dataclass(
-        "Config", [("recurrent_below", int, recurrent_switch(RECURRENT_BELOW[name]))],
+        "Config", [("recurrent_below", int,
+                    recurrent_switch(RECURRENT_BELOW[name]["scalar"]))],
         bases=(PortableConfig,), frozen=True, namespace={"backend": name})
     config_cls.__module__ = f"gdngen.backends.{name}"
 
@@ -62,7 +66,10 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
                 itertools.product(CHUNK_SIZES, SOLVE_BLOCKS, (True, False)) if b <= c]
 
     def default(problem, device=None):
-        return config_cls(VECTOR_CHUNK) if problem.gate == "vector" else config_cls()
+        crossover = RECURRENT_BELOW[name][problem.gate]
+        if problem.gate == "vector":
+            return config_cls(VECTOR_CHUNK, recurrent_below=crossover)
+        return config_cls(recurrent_below=crossover)
 
     def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
               variant, qk_norm=False):
@@ -90,6 +97,17 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
     return config_cls, entry, spec
 
 
+def short_chunk(T: int, chunk_size: int) -> int:
+    """The chunk a call of T steps runs: a call shorter than the variant's chunk is one chunk
+    of its own length (rounded up to a multiple of `SUB_CHUNK` past it, so per-channel
+    sub-chunks stay whole) instead of a chunk padded with identity steps; the algebra is the
+    same at any C. Measured (MLX CPU, Qwen3-Next heads, forward with a state): T=16 19 ms in a
+    chunk of 16 against 150 ms padded to 64, T=4 5.9 ms against 137 ms."""
+    if T >= chunk_size:
+        return chunk_size
+    return T if T <= SUB_CHUNK else min(chunk_size, -(-T // SUB_CHUNK) * SUB_CHUNK)
+
+
 def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, config,
                 qk_norm=False):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
@@ -112,6 +130,7 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
     args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
             initial_state.astype(f32), mask)
     chunk_params = {n: x for n, x in config.params().items() if n != "recurrent_below"}
+    chunk_params["chunk_size"] = short_chunk(shape.T, config.chunk_size)
 
     def normalized(q, k):
         return chunkwise.normalized_qk(ops.XP, q, k, 1.0 if qk_norm else None)
