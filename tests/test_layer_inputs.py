@@ -424,15 +424,15 @@ def _fusing_variant(framework, backend, recurrent_below):
     return Variant(backend, dict(params, chunk_size=32, recurrent_below=recurrent_below))
 
 
-@pytest.mark.parametrize("backend", ["portable", "ffi_cpu"])
+@pytest.mark.parametrize("framework, backend",
+                         [("jax", "portable"), ("jax", "ffi_cpu"), ("mlx", "portable")])
 @pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
 @pytest.mark.parametrize("name", ["qk_norm_only", "softplus_per_head"])
-def test_qk_norm_fused_into_the_chunk_core(name, path, backend):
-    """xla and ffi_cpu take ``qk_norm`` raw (`BackendSpec.fused_inputs`): the chunk core
+def test_qk_norm_fused_into_the_chunk_core(name, path, framework, backend):
+    """xla, mlx and ffi_cpu take ``qk_norm`` raw (`BackendSpec.fused_inputs`): the chunk core
     normalises q, k itself and its backward recomputes them; a short call's forward normalises
-    before its recurrent kernel. Values and gradients against float64. (MLX computes the norm
-    before the call: fused, its backward's recomputation raised MLX's peak memory.)"""
-    fw = Framework("jax")
+    before its recurrent kernel. Values and gradients against float64."""
+    fw = Framework(framework)
     variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
     setup = SETUPS[name]
     assert setup.options["qk_norm"]

@@ -9,4 +9,5 @@ from __future__ import annotations
 from gdngen.backends import portable
 
 Config, gated_delta, SPEC = portable.declare("mlx", "mlx", "gdngen.backends.mlx_chunkwise",
-                                             device_kinds=("cpu", "apple"))
+                                             device_kinds=("cpu", "apple"),
+                                             fused_inputs=("qk_norm",))

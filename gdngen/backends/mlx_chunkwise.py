@@ -66,7 +66,7 @@ def _grouped(stages):
 
 
 @functools.cache
-def chunk_core(gate, solve_block, save_states, walks=None):
+def chunk_core(gate, solve_block, save_states, walks=None, qk_scale=None):
     """`gdngen.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
 
     The core returns ``(Y, S_final, *residuals)``. With ``save_states`` the backward reads the
@@ -74,28 +74,34 @@ def chunk_core(gate, solve_block, save_states, walks=None):
     its outputs; otherwise it recomputes them. ``walks``: None, or for per-channel gates a pair
     ``(walk_forward, walk_backward)`` with the contracts of `gdngen.chunkwise_channel`'s
     defaults (a generated backend's walk kernels, `gdngen.backends.metal.ChannelWalks`), passed
-    as its ``walk`` to every forward and backward.
+    as its ``walk`` to every forward and backward. ``qk_scale`` (a float): q, k are the raw
+    ones and the core L2-normalises them (`gdngen.chunkwise.normalized_qk`, q then times
+    ``qk_scale``); its backward recomputes the normalised ones from the raw q, k (no
+    normalised copy outlives the forward) and returns the raw ones' cotangents.
     """
     fwd, bwd = ({}, {}) if walks is None else ({"walk": walks[0]}, {"walk": walks[1]})
 
     @mx.custom_function
     def core(q, k, v, gates, beta, S0):
+        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
         Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
-            XP, q, k, v, gates, beta, S0, gate=gate, solve_block=solve_block, **fwd)
+            XP, qn, kn, v, gates, beta, S0, gate=gate, solve_block=solve_block, **fwd)
         return (Y, S_final, *residuals)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         q, k, v, gates, beta, S0 = primals
+        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
         stages = chunkwise_channel.stages(gates)
         if save_states:
             residuals = tuple(outputs[2:])
         else:
-            residuals = stages.forward(XP, q, k, v, gates, beta, S0, gate=gate,
+            residuals = stages.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
                                        solve_block=solve_block, **fwd)[2]
         dY, dS_final = cotangents[0], cotangents[1]
-        return stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final, gate=gate,
-                               **bwd, **_grouped(stages))
+        dq, dk, *rest = stages.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
+                                        gate=gate, **bwd, **_grouped(stages))
+        return (*chunkwise.normalized_qk_vjp(XP, q, k, dq, dk, qk_scale), *rest)
 
     return core
 
@@ -181,21 +187,23 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
 
 
 def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
-                          solve_block=8, save_states=True, walks=None):
+                          solve_block=8, save_states=True, walks=None, qk_norm=False):
     """Chunkwise path, scalar or per-channel gates; float32 arrays, shapes as
     `gdngen.mlx.gated_delta`.
 
     ``chunk_size``, ``solve_block``, ``save_states``: the params of an ``mlx`` `Variant`;
     ``walks``: per-channel gates' chunk walks (`chunk_core`), None for the default scans.
+    ``qk_norm``: q, k are raw and the chunk core normalises them (see `chunk_core`).
     """
-    core = chunk_core(gate, solve_block, save_states, walks)
+    core = chunk_core(gate, solve_block, save_states, walks, float(scale) if qk_norm else None)
 
     def core_outputs(*arrays):
         Y, S_final, *_ = core(*arrays)
         return Y, S_final
 
     return chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
-                                 scale=scale, gate=gate, chunk_size=chunk_size)
+                                 scale=1.0 if qk_norm else scale, gate=gate,
+                                 chunk_size=chunk_size)
 
 
 def recurrent_or_chunkwise(recurrent, chunkwise_call):

@@ -115,8 +115,8 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
     ``recurrent_or_chunkwise``): float32 inputs, zero initial state when None; scalar or
     per-channel gates (`gdngen.chunkwise_channel`). A call shorter than the config's
     ``recurrent_below`` evaluates through the recurrent step loop, differentiated through the
-    chunkwise path. ``qk_norm`` (only for a backend declaring it in ``fused_inputs``: xla): q, k
-    are raw; the chunk core normalises them and keeps only the raw ones
+    chunkwise path. ``qk_norm`` (only for a backend declaring it in ``fused_inputs``: xla,
+    mlx): q, k are raw; the chunk core normalises them and keeps only the raw ones
     (`gdngen.chunkwise.normalized_qk`); the recurrent path normalises them first. Returns
     ``(y in q's dtype, final_state)``."""
     from gdngen import chunkwise

@@ -1,0 +1,181 @@
+"""Fused layer inputs: forward+backward of ``gated_delta(..., qk_norm=True)`` (the backend takes
+the raw q, k and normalises them inside its chunk core, `BackendSpec.fused_inputs`) against the
+same call with q, k normalised before it (`gdngen.layer_inputs.normalize_qk`, autodiff through
+the norm), both at once on the same inputs: peak memory and time.
+
+What is differentiated is ``sum(y * dy) + sum(final_state)`` with respect to q, k, v, g and
+beta, B=1, float32, ``scale = Dk ** -0.5``, the plain ``gdngen.<framework>.gated_delta`` call
+(tuned entry, else the default variant). Memory:
+
+* MLX: ``mx.get_peak_memory()`` of one fwd+bwd after ``mx.clear_cache()`` and a reset (inputs
+  and gradients included), and that peak above what was resident before the call;
+* JAX: what ``jax.vjp`` keeps between the forward and the backward (the residuals: in a
+  model, what each layer holds until its backward runs), and the jitted gradient's
+  ``compiled.memory_analysis()``: temporaries plus outputs (what XLA allocates for one
+  fwd+bwd beyond its arguments).
+
+Time: median of ``--repeats`` interleaved runs after a warm-up (`gdngen.timing._interleaved`).
+Ratios are ``outside / fused`` (>= 1: the fused call is smaller / faster). Run from the repo
+root::
+
+    python benchmarks/bench_layer_inputs.py [--frameworks jax,mlx] [--seq-len 2048]
+        [--heads 4,8] [--dim 128] [--gates scalar,vector] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+
+def make_inputs(B, T, Hk, Hv, D, vector, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    gate_shape = (B, T, Hv, D) if vector else (B, T, Hv)
+    return {"q": rng.standard_normal((B, T, Hk, D)), "k": rng.standard_normal((B, T, Hk, D)),
+            "v": rng.standard_normal((B, T, Hv, D)),
+            "g": -rng.uniform(0.0, 0.3, gate_shape), "beta": rng.uniform(0, 1, (B, T, Hv)),
+            "dy": rng.standard_normal((B, T, Hv, D))}
+
+
+def mlx_calls(inputs, D):
+    """``({"fused", "outside"}: zero-argument fwd+bwd calls}, eval)``."""
+    import mlx.core as mx
+
+    from gdngen import layer_inputs
+    from gdngen.mlx import gated_delta
+
+    a = {n: mx.array(x.astype("float32")) for n, x in inputs.items()}
+    mx.eval(list(a.values()))
+    dy = a["dy"]
+
+    def fused(q, k, v, g, beta):
+        y, s = gated_delta(q, k, v, g, beta, scale=D ** -0.5, qk_norm=True)
+        return mx.sum(y * dy) + mx.sum(s)
+
+    def outside(q, k, v, g, beta):
+        qn, kn = layer_inputs.normalize_qk("mlx", q, k)
+        y, s = gated_delta(qn, kn, v, g, beta, scale=D ** -0.5)
+        return mx.sum(y * dy) + mx.sum(s)
+
+    args = [a[n] for n in ("q", "k", "v", "g", "beta")]
+    calls = {name: (lambda fn=fn: mx.grad(fn, argnums=[0, 1, 2, 3, 4])(*args))
+             for name, fn in (("fused", fused), ("outside", outside))}
+    return calls, mx.eval
+
+
+def mlx_memory(calls):
+    import mlx.core as mx
+
+    out = {}
+    for name, call in calls.items():
+        gc.collect()
+        mx.clear_cache()
+        resident = mx.get_active_memory()
+        mx.reset_peak_memory()
+        result = call()
+        mx.eval(result)
+        out[name] = {"peak_bytes": int(mx.get_peak_memory()),
+                     "above_resident_bytes": int(mx.get_peak_memory() - resident)}
+        del result
+    return out
+
+
+def jax_calls(inputs, D):
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen import layer_inputs
+    from gdngen.jax import gated_delta
+
+    a = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
+    dy = a["dy"]
+
+    def fused(q, k, v, g, beta):
+        y, s = gated_delta(q, k, v, g, beta, scale=D ** -0.5, qk_norm=True)
+        return jnp.sum(y * dy) + jnp.sum(s)
+
+    def outside(q, k, v, g, beta):
+        qn, kn = layer_inputs.normalize_qk("jax", q, k)
+        y, s = gated_delta(qn, kn, v, g, beta, scale=D ** -0.5)
+        return jnp.sum(y * dy) + jnp.sum(s)
+
+    args = [a[n] for n in ("q", "k", "v", "g", "beta")]
+    grads = {name: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3, 4)))
+             for name, fn in (("fused", fused), ("outside", outside))}
+    memory = {}
+    for name, (fn, loss) in zip(grads, ((grads["fused"], fused), (grads["outside"], outside))):
+        stats = fn.lower(*args).compile().memory_analysis()
+        _, pullback = jax.vjp(loss, *args)
+        memory[name] = {"temp_bytes": int(stats.temp_size_in_bytes),
+                        "temp_and_output_bytes": int(stats.temp_size_in_bytes
+                                                     + stats.output_size_in_bytes),
+                        "residual_bytes": sum(int(x.nbytes)
+                                              for x in jax.tree.leaves(pullback))}
+    calls = {name: (lambda fn=fn: fn(*args)) for name, fn in grads.items()}
+    return calls, jax.block_until_ready, memory
+
+
+def run(framework, args, vector):
+    from gdngen import timing
+
+    Hk, Hv = args.heads
+    inputs = make_inputs(1, args.seq_len, Hk, Hv, args.dim, vector)
+    if framework == "mlx":
+        calls, sync = mlx_calls(inputs, args.dim)
+        memory = None
+    else:
+        calls, sync, memory = jax_calls(inputs, args.dim)
+    timings = timing._interleaved(calls, sync, args.repeats, 1, True)
+    if framework == "mlx":
+        memory = mlx_memory(calls)
+    key = "peak_bytes" if framework == "mlx" else "residual_bytes"
+    ms = {n: t.median_s * 1e3 for n, t in timings.items()}
+    return {"framework": framework, "gate": "vector" if vector else "scalar",
+            "T": args.seq_len, "Hk": Hk, "Hv": Hv, "D": args.dim, "ms": ms,
+            "spread": {n: max(t.times_s) / min(t.times_s) for n, t in timings.items()},
+            "memory": memory, "memory_key": key,
+            "memory_ratio": memory["outside"][key] / memory["fused"][key],
+            "time_ratio": ms["outside"] / ms["fused"]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frameworks", default="jax,mlx")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--heads", default="4,8", help="Hk,Hv")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--gates", default="scalar,vector")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    args.heads = tuple(int(h) for h in args.heads.split(","))
+    rows = [run(fw, args, gate == "vector") for fw in args.frameworks.split(",")
+            for gate in args.gates.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"fwd+bwd, qk_norm fused in the op vs normalised before it; B=1 T={args.seq_len} "
+          f"Hk={args.heads[0]} Hv={args.heads[1]} D={args.dim} float32, median of "
+          f"{args.repeats}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"{'fw':5} {'gate':7} {'memory':22} {'fused MiB':>10} {'outside MiB':>12} "
+          f"{'ratio':>6} | {'fused ms':>9} {'outside ms':>11} {'ratio':>6}")
+    for r in rows:
+        mem = r["memory"]
+        keys = [key for key in mem["fused"] if key != "temp_bytes"]
+        for i, key in enumerate(keys):
+            times = (f"{r['ms']['fused']:9.1f} {r['ms']['outside']:11.1f} "
+                     f"{r['time_ratio']:5.2f}x") if not i else ""
+            print(f"{r['framework']:5} {r['gate']:7} {key:22} "
+                  f"{mem['fused'][key] / 2**20:10.1f} {mem['outside'][key] / 2**20:12.1f} "
+                  f"{mem['outside'][key] / mem['fused'][key]:5.2f}x | {times}")
+    print("memory: MLX peak_bytes, the peak of the call (inputs and gradients included); JAX "
+          "residual_bytes, kept by jax.vjp for the backward, and temp_and_output_bytes, the "
+          "compiled gradient's temporaries plus outputs")
+
+
+if __name__ == "__main__":
+    main()
