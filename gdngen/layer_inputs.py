@@ -15,11 +15,13 @@ for a per-channel gate each is ``[Hv]``, ``[Hv,1]`` (mlx-lm's Kimi Linear / Bail
 ``A_log.reshape(Hv, 1)``) or ``[Hv,Dk]``, and ``[Hv]`` means one value per head (it broadcasts
 over Dk, not over the heads).
 
-Today every backend gets the transformed inputs: `prepare` computes them once, before the call,
-as ordinary differentiable array operations, so the gradients reach the raw q, k, g, A_log,
-dt_bias and beta logits through the framework's autodiff, and the normalised q, k are kept as
-activations of that autodiff. Fusing the gate into a kernel's in-chunk cumulative sums and the
-norms into its loads is not done yet.
+`prepare` computes the gate and beta once, before the call, as ordinary differentiable array
+operations, so the gradients reach the raw g, A_log, dt_bias and beta logits through the
+framework's autodiff. The q/k norm is computed there too (its normalised q, k then kept as
+activations of that autodiff), except on a backend that fuses it (`BackendSpec.fused_inputs`:
+xla, mlx, ffi_cpu), whose chunk core takes the raw q, k and recomputes the norm in its backward
+(``defer_qk_norm``). Fusing the gate into a kernel's in-chunk cumulative sums and the norms
+into a kernel's loads is not done yet.
 
 Numerics: everything is computed in float32. The gate is produced directly in log space (never
 ``log(exp(...))``), so strong decay (log g around -37 and below) neither underflows nor loses the
