@@ -25,7 +25,6 @@ root::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 
@@ -41,81 +40,71 @@ def make_inputs(B, T, Hk, Hv, D, vector, seed=0):
             "dy": rng.standard_normal((B, T, Hv, D))}
 
 
+def losses(framework, dy, D):
+    """``{"fused", "outside"}``: ``loss(q, k, v, g, beta) = sum(y * dy) + sum(final_state)``
+    of the plain call with ``qk_norm=True``, and with q, k normalised before it."""
+    from gdngen import layer_inputs
+
+    if framework == "jax":
+        import jax.numpy as ops
+
+        from gdngen.jax import gated_delta
+    else:
+        import mlx.core as ops
+
+        from gdngen.mlx import gated_delta
+
+    def fused(q, k, v, g, beta):
+        y, s = gated_delta(q, k, v, g, beta, scale=D ** -0.5, qk_norm=True)
+        return ops.sum(y * dy) + ops.sum(s)
+
+    def outside(q, k, v, g, beta):
+        qn, kn = layer_inputs.normalize_qk(framework, q, k)
+        y, s = gated_delta(qn, kn, v, g, beta, scale=D ** -0.5)
+        return ops.sum(y * dy) + ops.sum(s)
+
+    return {"fused": fused, "outside": outside}
+
+
 def mlx_calls(inputs, D):
     """``({"fused", "outside"}: zero-argument fwd+bwd calls}, eval)``."""
     import mlx.core as mx
 
-    from gdngen import layer_inputs
-    from gdngen.mlx import gated_delta
-
     a = {n: mx.array(x.astype("float32")) for n, x in inputs.items()}
     mx.eval(list(a.values()))
-    dy = a["dy"]
-
-    def fused(q, k, v, g, beta):
-        y, s = gated_delta(q, k, v, g, beta, scale=D ** -0.5, qk_norm=True)
-        return mx.sum(y * dy) + mx.sum(s)
-
-    def outside(q, k, v, g, beta):
-        qn, kn = layer_inputs.normalize_qk("mlx", q, k)
-        y, s = gated_delta(qn, kn, v, g, beta, scale=D ** -0.5)
-        return mx.sum(y * dy) + mx.sum(s)
-
     args = [a[n] for n in ("q", "k", "v", "g", "beta")]
     calls = {name: (lambda fn=fn: mx.grad(fn, argnums=[0, 1, 2, 3, 4])(*args))
-             for name, fn in (("fused", fused), ("outside", outside))}
+             for name, fn in losses("mlx", a["dy"], D).items()}
     return calls, mx.eval
 
 
 def mlx_memory(calls):
-    import mlx.core as mx
+    """`gdngen.timing.mlx_peak_memory`, with the peak above what was resident."""
+    from gdngen import timing
 
-    out = {}
-    for name, call in calls.items():
-        gc.collect()
-        mx.clear_cache()
-        resident = mx.get_active_memory()
-        mx.reset_peak_memory()
-        result = call()
-        mx.eval(result)
-        out[name] = {"peak_bytes": int(mx.get_peak_memory()),
-                     "above_resident_bytes": int(mx.get_peak_memory() - resident)}
-        del result
-    return out
+    return {name: {"peak_bytes": m["peak_bytes"],
+                   "above_resident_bytes": m["peak_bytes"] - m["resident_bytes"]}
+            for name, m in timing.mlx_peak_memory(calls).items()}
 
 
 def jax_calls(inputs, D):
+    """``(calls, block_until_ready, memory)``: the jitted gradients and their memory."""
     import jax
     import jax.numpy as jnp
 
-    from gdngen import layer_inputs
-    from gdngen.jax import gated_delta
-
     a = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
-    dy = a["dy"]
-
-    def fused(q, k, v, g, beta):
-        y, s = gated_delta(q, k, v, g, beta, scale=D ** -0.5, qk_norm=True)
-        return jnp.sum(y * dy) + jnp.sum(s)
-
-    def outside(q, k, v, g, beta):
-        qn, kn = layer_inputs.normalize_qk("jax", q, k)
-        y, s = gated_delta(qn, kn, v, g, beta, scale=D ** -0.5)
-        return jnp.sum(y * dy) + jnp.sum(s)
-
     args = [a[n] for n in ("q", "k", "v", "g", "beta")]
-    grads = {name: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3, 4)))
-             for name, fn in (("fused", fused), ("outside", outside))}
-    memory = {}
-    for name, (fn, loss) in zip(grads, ((grads["fused"], fused), (grads["outside"], outside))):
-        stats = fn.lower(*args).compile().memory_analysis()
+    memory, calls = {}, {}
+    for name, loss in losses("jax", a["dy"], D).items():
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        stats = grad.lower(*args).compile().memory_analysis()
         _, pullback = jax.vjp(loss, *args)
         memory[name] = {"temp_bytes": int(stats.temp_size_in_bytes),
                         "temp_and_output_bytes": int(stats.temp_size_in_bytes
                                                      + stats.output_size_in_bytes),
                         "residual_bytes": sum(int(x.nbytes)
                                               for x in jax.tree.leaves(pullback))}
-    calls = {name: (lambda fn=fn: fn(*args)) for name, fn in grads.items()}
+        calls[name] = lambda grad=grad: grad(*args)
     return calls, jax.block_until_ready, memory
 
 

@@ -46,7 +46,6 @@ Without ``--seq-lens`` JAX runs T=2048,4096 and MLX T=2048.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 
@@ -191,24 +190,6 @@ def mlx_lm_ops(q, k, v, g, beta, initial_state, *, scale, gate="log"):
     return gated_delta_ops(q * scale, k, v, mx.exp(g), beta, initial_state)
 
 
-def mlx_peak_memory(calls: dict) -> dict:
-    """Per zero-argument MLX call (already warmed up): ``{"peak_bytes", "resident_bytes"}`` of
-    one run after the caches are cleared and the peak reset."""
-    import mlx.core as mx
-
-    out = {}
-    for name, call in calls.items():
-        gc.collect()
-        mx.clear_cache()
-        resident = mx.get_active_memory()
-        mx.reset_peak_memory()
-        result = call()
-        mx.eval(result)
-        out[name] = {"peak_bytes": int(mx.get_peak_memory()), "resident_bytes": int(resident)}
-        del result
-    return out
-
-
 def run(framework: str, problem, seq_lens, repeats: int, baseline_max_T: int,
         settle: bool) -> list[dict]:
     import gdngen
@@ -243,7 +224,7 @@ def run(framework: str, problem, seq_lens, repeats: int, baseline_max_T: int,
             else:
                 calls, sync = timing._mlx_grad_fns(fns, problem, inputs)
             timings = timing._interleaved(calls, sync, repeats, 1, settle)
-            memory = mlx_peak_memory(calls) if framework == "mlx" else None
+            memory = timing.mlx_peak_memory(calls) if framework == "mlx" else None
         del calls
         ms = {n: t.median_s * 1e3 for n, t in timings.items()}
         row = {"framework": framework, "T": T, "B": 1, "Hk": problem.Hk, "Hv": problem.Hv,

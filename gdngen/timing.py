@@ -13,6 +13,7 @@ Precision policies are `gdngen.precision`'s; `time_fwd_bwd` runs under one.
 from __future__ import annotations
 
 import functools
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -227,3 +228,21 @@ def _interleaved(calls: dict, sync, repeats: int, warmup: int, settle: bool) -> 
             sync(calls[name]())
             timings[name].times_s.append(time.perf_counter() - t0)
     return timings
+
+
+def mlx_peak_memory(calls: dict) -> dict:
+    """Per zero-argument MLX call (already warmed up): ``{"peak_bytes", "resident_bytes"}`` of
+    one run after the caches are cleared and the peak reset."""
+    import mlx.core as mx
+
+    out = {}
+    for name, call in calls.items():
+        gc.collect()
+        mx.clear_cache()
+        resident = mx.get_active_memory()
+        mx.reset_peak_memory()
+        result = call()
+        mx.eval(result)
+        out[name] = {"peak_bytes": int(mx.get_peak_memory()), "resident_bytes": int(resident)}
+        del result
+    return out

@@ -184,12 +184,40 @@ def test_time_fwd_bwd_interleaves_and_settles(settle, monkeypatch):
     assert runs == expected
 
 
-def _vector_gate_bench():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vector_gate.py"
-    spec = importlib.util.spec_from_file_location("bench_vector_gate", path)
+def _benchmark(name):
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _vector_gate_bench():
+    return _benchmark("bench_vector_gate")
+
+
+def test_layer_inputs_bench_smoke(capsys):
+    """benchmarks/bench_layer_inputs.py runs end to end at a toy size on every installed
+    framework: fused and normalised-before both timed, with their memory (JAX: residuals kept
+    by jax.vjp, the fused smaller by at least the normalised q and k; MLX: peaks)."""
+    frameworks = [f for f in ("jax", "mlx") if importlib.util.find_spec(f)]
+    if not frameworks:
+        pytest.skip("neither jax nor mlx is installed")
+    _benchmark("bench_layer_inputs").main(
+        ["--frameworks", ",".join(frameworks), "--seq-len", "64", "--heads", "1,2", "--dim",
+         "16", "--repeats", "1", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["framework"], r["gate"]) for r in rows} == {
+        (f, gate) for f in frameworks for gate in ("scalar", "vector")}
+    for r in rows:
+        assert set(r["ms"]) == {"fused", "outside"} and min(r["ms"].values()) > 0
+        if r["framework"] == "jax":
+            qk_bytes = 2 * 64 * 16 * 4  # the normalised q and k, [1, 64, 1, 16] float32 each
+            saved = (r["memory"]["outside"]["residual_bytes"]
+                     - r["memory"]["fused"]["residual_bytes"])
+            assert saved >= qk_bytes, r["memory"]
+        else:
+            assert min(m["peak_bytes"] for m in r["memory"].values()) > 0
 
 
 @pytest.mark.parametrize("name", [pytest.param("textbook_chunked", marks=pytest.mark.slow),
