@@ -49,15 +49,10 @@ def dtype_name(x) -> str:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return type(x).__name__
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):  # a new (or unhashable) dtype object
-        name = str(dtype).replace("mlx.core.", "")
-        try:
-            _DTYPE_NAMES[dtype] = name
-        except TypeError:
-            pass
-        return name
+    name = _DTYPE_NAMES.get(dtype)  # dtype objects (jax, mlx, numpy) are hashable
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("mlx.core.", "")
+    return name
 
 
 _DTYPE_NAMES: dict = {}  # dtype object -> name: a decode-length call asks a dozen times
@@ -116,20 +111,19 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
     if cu_seqlens is not None:
         return check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
                                chunk_size=chunk_size, scale=scale, cu_seqlens=cu_seqlens)
+    key = (gate, chunk_size, type(chunk_size), type(scale),
+           tuple(None if x is None else (tuple(x.shape), dtype_name(x))
+                 for x in (q, k, v, g, beta, initial_state, mask)))
     try:
-        key = (gate, chunk_size, type(chunk_size), type(scale), tuple(
-            None if x is None else (tuple(x.shape), x.dtype)
-            for x in (q, k, v, g, beta, initial_state, mask)))
-        return _CHECKED[key]
-    except (KeyError, TypeError, AttributeError):  # not seen, or not hashable: check in full
-        pass
-    shape = check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
-                            chunk_size=chunk_size, scale=scale)
-    if len(_CHECKED) < 4096:
-        try:
+        shape = _CHECKED.get(key)
+    except TypeError:  # an unhashable option: the checks name it
+        return check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
+                               chunk_size=chunk_size, scale=scale)
+    if shape is None:  # raises unless every check passes; nothing remembered then
+        shape = check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
+                                chunk_size=chunk_size, scale=scale)
+        if len(_CHECKED) < 4096:
             _CHECKED[key] = shape
-        except (TypeError, NameError):
-            pass
     return shape
 
 
