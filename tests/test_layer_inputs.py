@@ -425,13 +425,15 @@ def _fusing_variant(framework, backend, recurrent_below):
 
 
 @pytest.mark.parametrize("framework, backend",
-                         [("jax", "portable"), ("jax", "ffi_cpu"), ("mlx", "portable")])
+                         [("jax", "portable"), ("jax", "ffi_cpu"), ("mlx", "portable"),
+                          ("jax", "pallas_tpu"), ("jax", "pallas_gpu")])
 @pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
 @pytest.mark.parametrize("name", ["qk_norm_only", "softplus_per_head"])
 def test_qk_norm_fused_into_the_chunk_core(name, path, framework, backend):
-    """xla, mlx and ffi_cpu take ``qk_norm`` raw (`BackendSpec.fused_inputs`): the chunk core
-    normalises q, k itself and its backward recomputes them; a short call's forward normalises
-    before its recurrent kernel. Values and gradients against float64."""
+    """xla, mlx, ffi_cpu, pallas_tpu and pallas_gpu (interpret mode here) take ``qk_norm`` raw
+    (`BackendSpec.fused_inputs`): the chunk core normalises q, k itself and its backward
+    recomputes them; a short call's forward normalises before its recurrent kernel. Values and
+    gradients against float64."""
     fw = Framework(framework)
     variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
     setup = SETUPS[name]
@@ -456,7 +458,7 @@ def test_qk_norm_fused_into_the_chunk_core(name, path, framework, backend):
     assert worst[1] <= RTOL, (name, path, worst)
 
 
-@pytest.mark.parametrize("backend", ["portable", "ffi_cpu"])
+@pytest.mark.parametrize("backend", ["portable", "ffi_cpu", "pallas_tpu", "pallas_gpu"])
 def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward(backend):
     """Under ``jax.vjp`` (the forward's residuals kept for the backward), the chunk core with
     the fused norm keeps the raw q, k only: its residuals are smaller by the normalised q and

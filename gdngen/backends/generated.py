@@ -169,7 +169,7 @@ def gate_cotangent(gates, gate, dD):
 
 
 def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant,
-                templates_dir):
+                templates_dir, qk_norm=False):
     """Whole-sequence call of a generated-kernel ``backend`` module (`pallas_tpu`,
     `pallas_gpu`): checks the call, loads ``variant``'s kernels and runs them through
     `gdngen.chunkwise.gated_delta` (masks, padding to the chunk, layouts) with the backend's
@@ -177,7 +177,8 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
 
     ``backend`` provides ``SPEC``, ``interpret_mode()``,
     ``load_kernels(variant, problem, templates_dir=)`` and ``_core((sha256, interpret), gate,
-    scale)``.
+    scale, qk_norm)``. ``qk_norm``: q, k are raw and the core normalises them
+    (`custom_vjp_core`).
     """
     import jax.numpy as jnp
 
@@ -191,7 +192,7 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    core = backend._core((kernels.sha256, kernels.interpret), gate, float(scale))
+    core = backend._core((kernels.sha256, kernels.interpret), gate, float(scale), qk_norm)
     y, state = chunkwise.gated_delta(
         XP, core, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
         initial_state.astype(f32), mask, scale=1.0, gate=gate,
@@ -200,7 +201,7 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
 
 
 def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_state, *, mask,
-                         scale, gate, variant, templates_dir):
+                         scale, gate, variant, templates_dir, qk_norm=False):
     """Whole-sequence call of a Pallas ``backend`` module with its recurrent switch
     (`gdngen.config.recurrent_switch`): a scalar-gate call of T >= the variant's
     ``recurrent_below`` runs `gated_delta` (the chunk kernels). A shorter one evaluates through
@@ -215,7 +216,11 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     ``backend.chunk_walks((sha256, interpret))`` -> ``(walk_forward, walk_backward)`` of
     `gdngen.chunkwise_channel`'s contract; a call of T >= ``recurrent_below`` evaluates through
     it too, a shorter one through the recurrent kernel, and every differentiated call takes its
-    VJP (`gdngen.chunkwise_channel.backward` with the kernel walks)."""
+    VJP (`gdngen.chunkwise_channel.backward` with the kernel walks).
+
+    ``qk_norm``: q, k are raw. The chunk path normalises them inside its custom VJP and keeps
+    only the raw ones (`custom_vjp_core`; per-channel gates: `gdngen.backends.jax_chunkwise.
+    chunk_core`); the recurrent kernel gets them normalised first."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
@@ -226,7 +231,8 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     chunked = shape.T >= backend.SPEC.parse(variant).recurrent_below
     if not shape.vector_gate and chunked:
         return gated_delta(backend, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                           gate=gate, variant=variant, templates_dir=templates_dir)
+                           gate=gate, variant=variant, templates_dir=templates_dir,
+                           qk_norm=qk_norm)
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
     f32 = jnp.float32
     if initial_state is None:
@@ -240,6 +246,7 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
         walks = backend.chunk_walks((kernels.sha256, kernels.interpret))
 
     def recurrent(q, k, v, g, beta, S0):
+        q, k = chunkwise.normalized_qk(jax_chunkwise.XP, q, k, 1.0 if qk_norm else None)
         return recurrent_forward(problem, q, k, v, jnp.exp(g) if gate == "log" else g, beta,
                                  S0)
 
@@ -248,10 +255,10 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
             return jax_chunkwise.chunkwise_gated_delta(
                 q, k, v, g, beta, S0, None, scale=float(scale), gate=gate,
                 chunk_size=kernels.params["chunk_size"],
-                save_states=kernels.params["save_states"], walks=walks)
+                save_states=kernels.params["save_states"], walks=walks, qk_norm=qk_norm)
         y, state = gated_delta(backend, q.astype(dtype), k.astype(dtype), v.astype(dtype), g,
                                beta, S0, mask=None, scale=scale, gate=gate, variant=variant,
-                               templates_dir=templates_dir)
+                               templates_dir=templates_dir, qk_norm=qk_norm)
         return y.astype(f32), state
 
     call = (chunkwise_call if chunked  # per-channel gates: evaluated on the chunk path too

@@ -553,11 +553,15 @@ def _cotangents(primals, grads, *, gate):
 
 
 @functools.cache
-def _core(key: tuple, gate: str, scale: float):
+def _core(key: tuple, gate: str, scale: float, qk_norm: bool = False):
     """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
     (sha256, interpret mode), with the generated backward as its ``jax.custom_vjp``. Layout
     changes and the gate epilogue are jitted on their own; each kernel module function is its
-    own executable (shared by both gate kinds)."""
+    own executable (shared by both gate kinds).
+
+    The backward lays the primals out again rather than keeping the forward's copies (the
+    custom VJP keeps the primals), so nothing of q, k outlives the forward but the primals:
+    with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only."""
     import jax.numpy as jnp
 
     kernels = _LOADED[key]
@@ -581,10 +585,10 @@ def _core(key: tuple, gate: str, scale: float):
         lay = call_jitted(prepare, *primals)
         y, s_final, saved = call_jitted(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g"],
                                   lay["beta"], lay["s0"], scale=scale, interpret=interpret)
-        return call_jitted(forward_outputs, y, s_final, primals[2], primals[5]), (lay, saved)
+        return call_jitted(forward_outputs, y, s_final, primals[2], primals[5]), saved
 
-    def backward(primals, saved_forward, cotangents):
-        lay, saved = saved_forward
+    def backward(primals, saved, cotangents):
+        lay = call_jitted(prepare, *primals)
         args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
         if not p["save_states"]:
             saved = call_jitted(kernels.run_residuals, *args, lay["s0"], scale=scale,
@@ -594,7 +598,7 @@ def _core(key: tuple, gate: str, scale: float):
                       interpret=interpret)
         return call_jitted(finish, primals, grads)
 
-    return generated.custom_vjp_core(forward, backward)
+    return generated.custom_vjp_core(forward, backward, qk_norm)
 
 
 def _packed_layout(q, k, v, gates, beta, inject, *, gate, dk, dv):
@@ -778,7 +782,7 @@ def _run_recurrent(kernels, q, k, v, decay, beta, S0, *, scale):
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                variant, templates_dir=None):
+                variant, templates_dir=None, qk_norm=False):
     """Gated delta rule with the generated Pallas GPU kernels of ``variant``; returns
     ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (q, k, v float32, bfloat16 or
     float16). Differentiable (custom VJP) and jit-able.
@@ -787,7 +791,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     gates, g ``[B,T,Hv,Dk]``: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`);
     a shorter one evaluates through the recurrent kernel (`recurrent_forward`, on the inputs
     upcast to float32, masks folded) and differentiates through the chunk path
-    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`).
+    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). ``qk_norm``: q, k are raw,
+    normalised inside the chunk path's custom VJP, which keeps only the raw ones
+    (`BackendSpec.fused_inputs`).
     """
     module = sys.modules[__name__]
 
@@ -797,7 +803,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     return generated.switched_gated_delta(module, recurrent, q, k, v, g, beta, initial_state,
                                           mask=mask, scale=scale, gate=gate, variant=variant,
-                                          templates_dir=templates_dir)
+                                          templates_dir=templates_dir, qk_norm=qk_norm)
 
 
 #: the packed-row entry (`gdngen.backends.generated.packed_gated_delta` on this module)
@@ -810,4 +816,4 @@ SPEC = BackendSpec(
     gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
     footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100",
-    packed_entry=packed_gated_delta, packed_gates=("scalar",))
+    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm",))

@@ -610,11 +610,15 @@ def _cotangents(primals, grads, gate):
 
 
 @functools.cache
-def _core(key: tuple, gate: str, scale: float):
+def _core(key: tuple, gate: str, scale: float, qk_norm: bool = False):
     """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key`` (sha256,
     interpret parameters), with the
     generated backward as its ``jax.custom_vjp``. Layout changes and the gate epilogue are
-    jitted on their own; each kernel is its own executable (shared by both gate kinds)."""
+    jitted on their own; each kernel is its own executable (shared by both gate kinds).
+
+    The backward lays the primals out again rather than keeping the forward's copies (the
+    custom VJP keeps the primals), so nothing of q, k outlives the forward but the primals:
+    with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only."""
     import jax.numpy as jnp
 
     kernels = _LOADED[key]
@@ -637,10 +641,10 @@ def _core(key: tuple, gate: str, scale: float):
                            lay["g_row"], lay["beta"], lay["s0"], scale=scale, what="forward",
                            interpret=interpret)
         return (call_jitted(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
-                (lay, tuple(outs[2:])))
+                tuple(outs[2:]))
 
-    def backward(primals, saved_forward, cotangents):
-        lay, saved = saved_forward
+    def backward(primals, saved, cotangents):
+        lay = call_jitted(prepare, *primals)
         if kernels.params["save_states"]:
             s_in, tinv = saved
             extra = (tinv,)
@@ -655,7 +659,7 @@ def _core(key: tuple, gate: str, scale: float):
                             what="backward", interpret=interpret)
         return call_jitted(finish, primals, grads)
 
-    return generated.custom_vjp_core(forward, backward)
+    return generated.custom_vjp_core(forward, backward, qk_norm)
 
 
 def _packed_layout(q, k, v, gates, beta, inject, gate):
@@ -808,7 +812,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                variant, templates_dir=None):
+                variant, templates_dir=None, qk_norm=False):
     """Gated delta rule with the generated Pallas TPU kernels of ``variant``; returns
     ``(y, final_state)``. Arguments as `gdngen.jax.gated_delta` (scalar or per-channel gates;
     q, k, v float32 or bfloat16). Differentiable (custom VJP) and jit-able.
@@ -817,7 +821,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     gates: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`). A shorter one
     evaluates through the recurrent kernel (`recurrent_forward`, masks folded, the gate made a
     linear decay) inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`: its VJP is
-    that of the chunk path on the same call.
+    that of the chunk path on the same call. ``qk_norm``: q, k are raw, normalised inside
+    the chunk path's custom VJP, which keeps only the raw ones (`BackendSpec.fused_inputs`).
     """
     module = sys.modules[__name__]
 
@@ -827,7 +832,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     return generated.switched_gated_delta(module, recurrent, q, k, v, g, beta, initial_state,
                                           mask=mask, scale=scale, gate=gate, variant=variant,
-                                          templates_dir=templates_dir)
+                                          templates_dir=templates_dir, qk_norm=qk_norm)
 
 
 #: the packed-row entry (`gdngen.backends.generated.packed_gated_delta` on this module)
@@ -840,4 +845,4 @@ SPEC = BackendSpec(
     gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
     footprint=vmem_bytes, device_limit="vmem_budget", reference_device="tpu-v5e",
-    packed_entry=packed_gated_delta, packed_gates=("scalar",))
+    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm",))
