@@ -433,7 +433,7 @@ def test_qk_norm_fused_into_the_chunk_core(name, path, framework, backend):
     """xla, mlx, ffi_cpu, pallas_tpu and pallas_gpu (interpret mode here) take ``qk_norm`` raw
     (`BackendSpec.fused_inputs`): the chunk core normalises q, k itself and its backward
     recomputes them; a short call's forward normalises before its recurrent kernel. Values and
-    gradients against float64."""
+    gradients against float64 (metal: `test_metal_fuses_qk_norm`)."""
     fw = Framework(framework)
     variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
     setup = SETUPS[name]
@@ -456,6 +456,53 @@ def test_qk_norm_fused_into_the_chunk_core(name, path, framework, backend):
                    for n in names if f"d{n}" in grads_ref})
     worst = max(errors.items(), key=lambda item: item[1])
     assert worst[1] <= RTOL, (name, path, worst)
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["scalar", "vector"])
+@pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
+def test_metal_fuses_qk_norm(path, vector):
+    """metal (its MSL simulator here; Dk a multiple of 32) takes ``qk_norm`` raw: its chunk
+    core (scalar gates) or the per-channel path's core normalises q, k and its VJP maps the
+    kernels' dq, dk through the norm's VJP; the recurrent kernel gets them normalised first.
+    Values and the gradients of raw q, k, v, g and beta against float64."""
+    import mlx.core as mx
+
+    from gdngen import Variant, reference, registry
+    from gdngen.backends import metal
+    from gdngen.variant import Problem
+
+    Tm, Hkm, Hvm, D = 40, 1, 2, 32
+    rng = np.random.default_rng(21)
+    x = {"q": rng.standard_normal((1, Tm, Hkm, D)), "k": rng.standard_normal((1, Tm, Hkm, D)),
+         "v": rng.standard_normal((1, Tm, Hvm, D)),
+         "g": -rng.uniform(0.0, 0.5, (1, Tm, Hvm) + ((D,) if vector else ())),
+         "beta": rng.uniform(0.1, 1.0, (1, Tm, Hvm))}
+    dy = rng.standard_normal((1, Tm, Hvm, D))
+    problem = Problem(Hkm, Hvm, D, D, gate="vector" if vector else "scalar")
+    params = registry.default_variant("metal", problem).as_dict()
+    variant = Variant("metal", dict(params, chunk_size=32, recurrent_below=(
+        0 if path == "chunkwise" else Tm + 1)))
+    names = ("q", "k", "v", "g", "beta")
+    args = [mx.array(x[n].astype(np.float32)) for n in names]
+
+    def loss(*a):
+        y, state = metal.gated_delta(*a, scale=D ** -0.5, variant=variant, qk_norm=True)
+        return (y * mx.array(dy.astype(np.float32))).sum() + state.sum()
+
+    grads = mx.grad(loss, argnums=list(range(5)))(*args)
+    qn, kn = (x[n] / np.sqrt((x[n] ** 2).sum(-1, keepdims=True) + layer_inputs.QK_NORM_EPS)
+              for n in ("q", "k"))
+    ref = reference.vjp(qn, kn, x["v"], x["g"], x["beta"], None, dy,
+                        np.ones((1, Hvm, D, D)), scale=D ** -0.5)
+    # the reference's dq, dk are w.r.t. the normalised q, k: through the norm's VJP
+    for n, xn in (("q", qn), ("k", kn)):
+        d = ref[f"d{n}"]
+        norm = np.sqrt((x[n] ** 2).sum(-1, keepdims=True) + layer_inputs.QK_NORM_EPS)
+        ref[f"d{n}"] = (d - xn * (xn * d).sum(-1, keepdims=True)) / norm
+    errors = {n: relative_error(np.array(gr), ref[f"d{n}"]) for n, gr in zip(names, grads)}
+    y, _ = metal.gated_delta(*args, scale=D ** -0.5, variant=variant, qk_norm=True)
+    errors["y"] = relative_error(np.array(y), ref["y"])
+    assert max(errors.values()) <= RTOL, errors
 
 
 @pytest.mark.parametrize("backend", ["portable", "ffi_cpu", "pallas_tpu", "pallas_gpu"])

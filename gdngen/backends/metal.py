@@ -845,11 +845,28 @@ def _input_grads(env: dict, primals, gate: str) -> tuple:
 
 @functools.lru_cache(maxsize=128)
 def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
-          templates=None):
+          templates=None, qk_norm=False):
     """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
     passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP. ``templates``:
-    a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made)."""
+    a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made).
+    ``qk_norm``: q, k are raw; the core L2-normalises them (float32, back in their dtype)
+    before the kernels, and its VJP recomputes the normalised ones from the raw q, k and maps
+    the kernels' dq, dk through the norm's VJP (`gdngen.chunkwise.l2_normalize_vjp`)."""
     import mlx.core as mx
+
+    from gdngen import chunkwise
+    from gdngen.backends.mlx_chunkwise import XP
+
+    def normalized(x):
+        if not qk_norm:
+            return x
+        return chunkwise.l2_normalize(XP, x.astype(mx.float32)).astype(x.dtype)
+
+    def raw_cotangent(x, dx):
+        if not qk_norm:
+            return dx
+        return chunkwise.l2_normalize_vjp(XP, x.astype(mx.float32),
+                                          dx.astype(mx.float32)).astype(x.dtype)
 
     prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
 
@@ -865,7 +882,8 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
     @mx.custom_function
     def core(q, k, v, gates, beta, s0):
         plan = plan_for(v)
-        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta, "s0": s0, "prm": prm}
+        env = {"q": normalized(q), "k": normalized(k), "v": v, "g": gates, "beta": beta,
+               "s0": s0, "prm": prm}
         if hasattr(launcher, "prepare"):
             launcher.prepare(plan, env)
         env = _run(plan, plan.forward, env, launcher)
@@ -884,11 +902,14 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
         dY = mx.zeros(outputs[0].shape, q.dtype) if dY is None else dY.astype(q.dtype)
         dS = cotangents[1]
         dS = mx.zeros(s0.shape, mx.float32) if dS is None else dS.astype(mx.float32)
-        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta, "s0": s0, "prm": prm,
-               "dy": dY.reshape(N, B, Hv, C, Dv), "dsf": dS.reshape(B, Hv, Dv, Dk)}
+        env = {"q": normalized(q), "k": normalized(k), "v": v, "g": gates, "beta": beta,
+               "s0": s0, "prm": prm, "dy": dY.reshape(N, B, Hv, C, Dv),
+               "dsf": dS.reshape(B, Hv, Dv, Dk)}
         env.update(zip(plan.saved, outputs[2:]))
         env = _run(plan, plan.backward, env, launcher)
-        return _input_grads(env, primals, gate) + (env["ds0"].reshape(s0.shape),)
+        dq, dk, *rest = _input_grads(env, primals, gate)
+        return (raw_cotangent(q, dq), raw_cotangent(k, dk), *rest,
+                env["ds0"].reshape(s0.shape))
 
     return core
 
@@ -1000,13 +1021,14 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
 
 
 def _chunk_call(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
-                templates=None):
+                templates=None, qk_norm=False):
     """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
-    (API layout, inputs cast as `gated_delta` casts them; y in q's dtype)."""
+    (API layout, inputs cast as `gated_delta` casts them; y in q's dtype); ``qk_norm``: q, k
+    raw, normalised by the core (`_core`)."""
     from gdngen import chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
-    core = _core(variant, problem, gate, scale, launcher, templates)
+    core = _core(variant, problem, gate, scale, launcher, templates, qk_norm)
 
     def core_outputs(*arrays):
         outs = core(*arrays)
@@ -1022,7 +1044,7 @@ def _chunk_call(variant: Variant, problem: Problem, gate: str, scale: float, lau
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                variant=None, launcher=None):
+                variant=None, launcher=None, qk_norm=False):
     """Run a Metal ``variant`` (differentiable, through ``mx.custom_function``).
 
     Shapes and semantics as `gdngen.mlx.gated_delta`; y has q's dtype, the final state is
@@ -1037,6 +1059,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``mx.custom_function``, `gdngen.backends.mlx_chunkwise.chunkwise_gated_delta`) with its two
     chunk walks on the walk kernels (`ChannelWalks`), forward and backward; its intra-chunk
     stages run in mx ops (float32).
+
+    ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`). The chunk path's custom function
+    normalises them and its VJP recomputes the normalised ones from the raw ones (`_core`;
+    per-channel gates: `gdngen.backends.mlx_chunkwise.chunk_core`); the recurrent kernel gets
+    them normalised first.
     """
     import mlx.core as mx
 
@@ -1066,14 +1093,16 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
             y, state = mlx_chunkwise.chunkwise_gated_delta(
                 q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, mask, scale=scale,
                 gate=gate, chunk_size=variant["chunk_size"], save_states=variant["save_states"],
-                walks=(walks.forward, walks.backward))
+                walks=(walks.forward, walks.backward), qk_norm=qk_norm)
             return y.astype(q.dtype), state
     else:
-        chunkwise_call = _chunk_call(variant, problem, gate, scale, launcher)
+        chunkwise_call = _chunk_call(variant, problem, gate, scale, launcher, qk_norm=qk_norm)
     if shape.T >= SPEC.parse(variant).recurrent_below:
         return chunkwise_call(*args, mask)
 
     def recurrent(q, k, v, g, beta, s0):
+        if qk_norm:
+            q, k = (chunkwise.l2_normalize(XP, x.astype(f32)).astype(x.dtype) for x in (q, k))
         decay = mx.exp(g) if gate == "log" else g  # exp(-inf) = 0 exactly
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
                                      problem=problem, launcher=launcher)
@@ -1193,4 +1222,4 @@ SPEC = BackendSpec(
     gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, footprint=max_threadgroup_bytes,
     device_limit="threadgroup_memory", reference_device="apple-m1",
-    packed_entry=packed_gated_delta, packed_gates=("scalar",))
+    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm",))
