@@ -19,8 +19,8 @@ over Dk, not over the heads).
 operations, so the gradients reach the raw g, A_log, dt_bias and beta logits through the
 framework's autodiff. The q/k norm is computed there too (its normalised q, k then kept as
 activations of that autodiff), except on a backend that fuses it (`BackendSpec.fused_inputs`:
-xla, mlx, ffi_cpu), whose chunk core takes the raw q, k and recomputes the norm in its backward
-(``defer_qk_norm``). Fusing the gate into a kernel's in-chunk cumulative sums and the norms
+every backend today), whose chunk core takes the raw q, k and recomputes the norm in its
+backward (``defer_qk_norm``). Fusing the gate into a kernel's in-chunk cumulative sums and the norms
 into a kernel's loads is not done yet.
 
 Numerics: everything is computed in float32. The gate is produced directly in log space (never
