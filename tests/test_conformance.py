@@ -91,6 +91,9 @@ def test_declaration_is_consistent(name):
     space = registry.variants(name, PROBLEM)
     default = registry.default_variant(name, PROBLEM)
     assert space and default in space
+    if "vector" in spec.gates:  # per-channel defaults may differ (chunk, crossover)
+        vector = dataclasses.replace(PROBLEM, gate="vector")
+        assert registry.default_variant(name, vector) in registry.variants(name, vector)
     assert len({v.name() for v in space}) == len(space)
     assert registry.check_variant(default).params() == default.as_dict()
     assert spec.render(default, PROBLEM).sha256 == spec.render(default, PROBLEM).sha256

@@ -62,7 +62,8 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
     config_cls.__module__ = f"gdngen.backends.{name}"
 
     def space(problem, device=None):
-        return [config_cls(c, b, s) for c, b, s in
+        crossover = RECURRENT_BELOW[name][problem.gate]  # the tuner measures its own
+        return [config_cls(c, b, s, recurrent_below=crossover) for c, b, s in
                 itertools.product(CHUNK_SIZES, SOLVE_BLOCKS, (True, False)) if b <= c]
 
     def default(problem, device=None):
