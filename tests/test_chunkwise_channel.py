@@ -97,16 +97,16 @@ def test_adjoint_is_the_transpose_of_the_segment_sums():
 
 @pytest.mark.parametrize("gate", ["log", "linear"])
 def test_backward_by_chunk_groups_is_the_whole_backward(gate):
-    """`cc.backward` with its chunk-local stages in groups of 3 of 7 chunks (a ragged last
+    """`cc.backward` with its chunk-local stages in groups of 2 of 5 chunks (a ragged last
     group) gives the cotangents of the ungrouped backward, for both gate conventions (the
     linear one with exact zero gates: the exact-zero rule runs per group)."""
     rng = np.random.default_rng(5)
-    N, B, Hk, r, C, D = 7, 1, 2, 2, 8, 16
+    N, B, Hk, r, C, D = 5, 1, 2, 2, 4, 16
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     q, k = f32(N, B, Hk, C, D) * 0.3, f32(N, B, Hk, C, D) * 0.3
     v, S0 = f32(N, B, Hk, r, C, D), f32(B, Hk, r, D, D)
     a = rng.uniform(0.2, 1.0, (N, B, Hk, r, C, D))
-    a[rng.uniform(size=a.shape) < 0.02] = 0.0
+    a[rng.uniform(size=a.shape) < 0.03] = 0.0
     with np.errstate(divide="ignore"):
         gates = jnp.asarray(np.log(a) if gate == "log" else a, jnp.float32)
     beta = jnp.asarray(rng.uniform(0.1, 1.0, (N, B, Hk, r, C)), jnp.float32)
@@ -114,7 +114,7 @@ def test_backward_by_chunk_groups_is_the_whole_backward(gate):
     dY, dS = f32(N, B, Hk, r, C, D), f32(B, Hk, r, D, D)
     whole = cc.backward(XP, q, k, v, gates, beta, residuals, dY, dS, gate=gate)
     grouped = cc.backward(XP, q, k, v, gates, beta, residuals, dY, dS, gate=gate,
-                          chunk_group=3)
+                          chunk_group=2)
     assert len(grouped) == len(whole) == 6
     for name, x, y in zip(("dq", "dk", "dv", "dgates", "dbeta", "dS0"), grouped, whole):
         assert x.shape == y.shape, name
