@@ -107,6 +107,18 @@ def result_type(shape, dtype, like):
                                 manual_axis_type=aval.manual_axis_type)
 
 
+def l2_normalized(xp, x):
+    """``x`` L2-normalised over its last axis in float32 and back in its own dtype: the fused
+    ``qk_norm`` of a generated backend's chunk core (``xp`` the framework's namespace)."""
+    return chunkwise.l2_normalize(xp, x.astype(xp.module.float32)).astype(x.dtype)
+
+
+def l2_normalized_vjp(xp, x, dx):
+    """Cotangent of the raw ``x`` of `l2_normalized` from ``dx``, in ``x``'s dtype."""
+    f32 = xp.module.float32
+    return chunkwise.l2_normalize_vjp(xp, x.astype(f32), dx.astype(f32)).astype(x.dtype)
+
+
 def custom_vjp_core(forward, backward, qk_norm=False):
     """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
     ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->
@@ -119,7 +131,6 @@ def custom_vjp_core(forward, backward, qk_norm=False):
     ``saved`` holds no copy of q, k, so no normalised q, k outlive the forward.
     """
     import jax
-    import jax.numpy as jnp
 
     from gdngen.backends.jax_chunkwise import XP
 
@@ -127,8 +138,7 @@ def custom_vjp_core(forward, backward, qk_norm=False):
         if not qk_norm:
             return primals
         q, k, *rest = primals
-        return (*(chunkwise.l2_normalize(XP, x.astype(jnp.float32)).astype(x.dtype)
-                  for x in (q, k)), *rest)
+        return l2_normalized(XP, q), l2_normalized(XP, k), *rest
 
     @jax.custom_vjp
     def core(q, k, v, gates, beta, S0):
@@ -144,9 +154,7 @@ def custom_vjp_core(forward, backward, qk_norm=False):
             return backward(primals, saved, cotangents)
         q, k = XP.barrier(primals[:2])
         dq, dk, *rest = backward(normalized((q, k, *primals[2:])), saved, cotangents)
-        return (*(chunkwise.l2_normalize_vjp(XP, x.astype(jnp.float32),
-                                             dx.astype(jnp.float32)).astype(x.dtype)
-                  for x, dx in ((q, dq), (k, dk))), *rest)
+        return l2_normalized_vjp(XP, q, dq), l2_normalized_vjp(XP, k, dk), *rest
 
     core.defvjp(core_fwd, core_bwd)
     return core

@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass
 
 from gdngen import settings
-from gdngen.backends.generated import refuse_injection
+from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
@@ -851,22 +851,16 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
     a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made).
     ``qk_norm``: q, k are raw; the core L2-normalises them (float32, back in their dtype)
     before the kernels, and its VJP recomputes the normalised ones from the raw q, k and maps
-    the kernels' dq, dk through the norm's VJP (`gdngen.chunkwise.l2_normalize_vjp`)."""
+    the kernels' dq, dk through the norm's VJP (`gdngen.backends.generated.l2_normalized`)."""
     import mlx.core as mx
 
-    from gdngen import chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
     def normalized(x):
-        if not qk_norm:
-            return x
-        return chunkwise.l2_normalize(XP, x.astype(mx.float32)).astype(x.dtype)
+        return l2_normalized(XP, x) if qk_norm else x
 
     def raw_cotangent(x, dx):
-        if not qk_norm:
-            return dx
-        return chunkwise.l2_normalize_vjp(XP, x.astype(mx.float32),
-                                          dx.astype(mx.float32)).astype(x.dtype)
+        return l2_normalized_vjp(XP, x, dx) if qk_norm else dx
 
     prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
 
@@ -1102,7 +1096,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     def recurrent(q, k, v, g, beta, s0):
         if qk_norm:
-            q, k = (chunkwise.l2_normalize(XP, x.astype(f32)).astype(x.dtype) for x in (q, k))
+            q, k = l2_normalized(XP, q), l2_normalized(XP, k)
         decay = mx.exp(g) if gate == "log" else g  # exp(-inf) = 0 exactly
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
                                      problem=problem, launcher=launcher)
