@@ -64,6 +64,12 @@ class ArrayNamespace:
         """``(a * b).sum(axis)`` with numpy broadcasting."""
         return (a * b).sum(axis=axis)
 
+    @staticmethod
+    def dot_last(a, b):
+        """``(a * b).sum(-1)`` with numpy broadcasting: the recurrent step's state-vector
+        products (`recurrent_forward`)."""
+        return (a * b).sum(axis=-1)
+
     @classmethod
     def scatter_add(cls, n, index, values):
         """``[n, ...]`` zeros plus ``values [m, ...]`` added at rows ``index [m]`` (repeats
@@ -507,12 +513,12 @@ def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate):
     def step(S, xs):
         q_t, k_t, v_t, a_t, beta_t = xs  # [B, Hv, Dk] / [B, Hv, Dv] / a [B, Hv(, Dk)], [B, Hv]
         if per_channel:
-            Sk = (S * (a_t * k_t)[..., None, :]).sum(axis=-1)  # [B, Hv, Dv]
-            Sq = (S * (a_t * q_t)[..., None, :]).sum(axis=-1)
+            Sk = xp.dot_last(S, (a_t * k_t)[..., None, :])  # [B, Hv, Dv]
+            Sq = xp.dot_last(S, (a_t * q_t)[..., None, :])
             decay = a_t[..., None, :]
         else:
-            Sk = a_t[..., None] * (S * k_t[..., None, :]).sum(axis=-1)
-            Sq = a_t[..., None] * (S * q_t[..., None, :]).sum(axis=-1)
+            Sk = a_t[..., None] * xp.dot_last(S, k_t[..., None, :])
+            Sq = a_t[..., None] * xp.dot_last(S, q_t[..., None, :])
             decay = a_t[..., None, None]
         u = beta_t[..., None] * (v_t - Sk)
         y_t = Sq + u * (k_t * q_t).sum(axis=-1)[..., None]

@@ -355,9 +355,14 @@ def decayed_products_vjp(xp, x, y, blocks, dM, *, inputs=True):
 # gates [N, B, H, r, C, Dk]; beta [N, B, H, r, C]; states [B, H, r, Dv, Dk].
 
 
+def _linear(xp, gates, gate):
+    """Linear gates of log or linear ``gates`` (exp of a log gate <= 0: exact 0 at -inf)."""
+    return xp.exp(gates) if gate == "log" else gates
+
+
 def _factors(xp, gates, gate, C):
-    """`gate_factors` of log or linear gates (exp of a log gate <= 0: exact 0 at -inf)."""
-    return gate_factors(xp, xp.exp(gates) if gate == "log" else gates, sub_chunk_size(C))
+    """`gate_factors` of log or linear gates."""
+    return gate_factors(xp, _linear(xp, gates, gate), sub_chunk_size(C))
 
 
 def _wy(xp, k, v, beta, blocks, D0, solve_block):
@@ -426,9 +431,8 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     ``chunk_group``: the chunk-local stages after the walk (`backward_in_chunks`) run
     `by_chunk_groups` of that many chunks (None: all chunks at once).
     """
-    C = k.shape[-2]
     S_in, W, Tinv, Wk, Pm, Mkk = residuals
-    _, (D0, DC, dCC) = _factors(xp, gates, gate, C)
+    D0, DC, dCC = chunk_segments(xp, _linear(xp, gates, gate), PRODUCT)  # what the walk needs
     G = _T(Pm) @ dY
     dS0, dW, dWk, dQd, dKc, ddCC, dJ = (walk or walk_backward)(
         xp, dS_final, G, k[..., None, :, :] * DC, Wk, W, S_in, dY, q[..., None, :, :] * D0,

@@ -52,6 +52,22 @@ class XP(chunkwise.ArrayNamespace):
     def rsqrt(x):
         return mx.rsqrt(x)
 
+    @staticmethod
+    def dot_last(a, b):
+        """``(a * b).sum(-1)``, a last axis of n = 16 m > 16 summed as m sums of 16 then their
+        sum: MLX CPU's reduction over one long contiguous axis is the slower. Measured (MLX
+        0.32 CPU, recurrent forward at Qwen3-Next heads Hv=32, D=128, against mlx-lm's
+        ``gated_delta_ops``): T=1 1.20-1.35x with it, 0.94-0.99x with one sum; T=16 1.28x
+        against 1.07x."""
+        p = a * b
+        n = p.shape[-1]
+        if n <= DOT_BLOCK or n % DOT_BLOCK:
+            return p.sum(axis=-1)
+        return p.reshape(*p.shape[:-1], n // DOT_BLOCK, DOT_BLOCK).sum(axis=-1).sum(axis=-1)
+
+
+#: the inner block of `XP.dot_last`'s split sum (8 x 16 at D = 128 measured fastest of 2..64)
+DOT_BLOCK = 16
 
 #: chunks per group of the per-channel backward's chunk-local stages
 #: (`gdngen.chunkwise_channel.by_chunk_groups`). Measured, MLX CPU, fwd+bwd with every gradient,

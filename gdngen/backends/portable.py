@@ -27,10 +27,12 @@ TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 #: measured on the 2-core AVX2 development host at the Qwen3-Next head shape (B=1, Hk=16, Hv=32,
 #: D=128), the forward with a state, the default variant's chunk path (a short call in one
 #: chunk of its own length, `short_chunk`) against the step loop: xla's ``lax.scan`` loses from
-#: T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx, scalar gates: the loop wins at T=1, 2 (2.1
-#: vs 3.4 ms, 3.9 vs 5.3) and ties at T=3 (5.7 vs 5.4), the chunk wins from T=4 on (T=16: 23 vs
-#: 34 ms); per-channel gates: the loop wins to T=8 (21 vs 24 ms), the chunk at T=16 (32 vs 38)
-RECURRENT_BELOW = {"xla": {"scalar": 4, "vector": 4}, "mlx": {"scalar": 3, "vector": 16}}
+#: T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx (the loop's products as split sums,
+#: `gdngen.backends.mlx_chunkwise.XP.dot_last`), scalar gates: the loop wins through T=128
+#: (T=1 2.0 vs 2.6 ms, T=16 15 vs 17, T=64 62 vs 85, T=128 218 vs 255) and loses at T=256 (404
+#: vs 355); per-channel gates: the loop wins through T=256 (T=16 17 vs 23 ms, T=128 135 vs
+#: 191, T=256 287 vs 384), the switch kept at the longest T measured
+RECURRENT_BELOW = {"xla": {"scalar": 4, "vector": 4}, "mlx": {"scalar": 256, "vector": 256}}
 
 @dataclass(frozen=True)
 class PortableConfig(VariantConfig):
