@@ -7,9 +7,12 @@ quantity in `QUANTITIES`:
 
 * y, final_state, dq, dk, dv, dbeta, dinitial_state: max over the log and linear runs;
 * dg: the log-gate run's dg (d/d log g); dg_linear: the linear run's dg (d/d g);
-* y_recurrent, final_state_recurrent (max over both runs, when the runner returns them): the
-  outputs of a forward-only call through the variant's recurrent kernel
-  (`gdngen.config.recurrent_switch`, forced on for the case whatever its T).
+* y_other_path, final_state_other_path (max over both runs, when the runner returns them): the
+  outputs of a forward-only call through the path of the variant's recurrent switch
+  (`gdngen.config.recurrent_switch`) that the differentiated call did not take at the case's
+  T: the recurrent kernel when the call ran chunkwise, the chunk kernels when its forward ran
+  recurrent (its VJP is the chunk path's either way). So both forward paths meet the reference
+  on every case, whatever the variant's crossover.
 
 A case passes when every error is <= its tolerance: `gdngen.tolerance.allowed_error` of the
 variant under test (the dtype's battery tolerance `tolerance(dtype)` without one).
@@ -37,7 +40,7 @@ from gdngen.tolerance import DTYPE_TOLERANCES, allowed_error, dtype_tolerance
 
 __all__ = [
     "QUANTITIES",
-    "RECURRENT_QUANTITIES",
+    "OTHER_PATH_QUANTITIES",
     "TOLERANCES",
     "CaseResult",
     "check_case",
@@ -52,14 +55,14 @@ __all__ = [
 
 QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear")
 #: recorded when the runner returns them (every registered backend's runner, `runner_for`)
-RECURRENT_QUANTITIES = ("y_recurrent", "final_state_recurrent")
+OTHER_PATH_QUANTITIES = ("y_other_path", "final_state_other_path")
 TOLERANCES = DTYPE_TOLERANCES
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
                  "float64": np.float64}
 # Quantities taken from both runs (max of the two errors); dg is split by gate convention.
 _SHARED = ("y", "final_state", "dq", "dk", "dv", "dbeta", "dinitial_state")
-# Outputs of the forward-only call through the recurrent kernel, checked against y / final_state.
-_RECURRENT = {"y_recurrent": "y", "final_state_recurrent": "final_state"}
+# Outputs of the forward-only call through the other path, checked against y / final_state.
+_OTHER_PATH = {"y_other_path": "y", "final_state_other_path": "final_state"}
 # Inputs rounded to the tested dtype (the gate is rounded separately, per convention).
 _ROUNDED_INPUTS = ("q", "k", "v", "beta", "dy", "dfinal_state")
 
@@ -166,7 +169,7 @@ def _state_shape(inputs: dict) -> tuple:
     return (B if packed is None else len(packed) - 1, Hv, Dv, Dk)
 
 
-def _jax_runner(inputs, *, gate, dtype, scale, variant, recurrent):
+def _jax_runner(inputs, *, gate, dtype, scale, variant, other_path):
     import jax
     import jax.numpy as jnp
 
@@ -189,13 +192,13 @@ def _jax_runner(inputs, *, gate, dtype, scale, variant, recurrent):
     grads = vjp((jnp.asarray(inputs["dy"], jdt),
                  jnp.asarray(inputs["dfinal_state"], jnp.float32)))
     out = {"y": y, "final_state": S, **dict(zip(_GRADS, grads))}
-    if recurrent is not None:
-        out["y_recurrent"], out["final_state_recurrent"] = gated_delta(
-            *args, S0, mask=mask, scale=scale, gate=gate, variant=recurrent)
+    if other_path is not None:
+        out["y_other_path"], out["final_state_other_path"] = gated_delta(
+            *args, S0, mask=mask, scale=scale, gate=gate, variant=other_path)
     return {n: np.asarray(x, np.float64) for n, x in out.items()}
 
 
-def _mlx_runner(inputs, *, gate, dtype, scale, variant, recurrent):
+def _mlx_runner(inputs, *, gate, dtype, scale, variant, other_path):
     import mlx.core as mx
 
     from gdngen.mlx import gated_delta
@@ -216,25 +219,28 @@ def _mlx_runner(inputs, *, gate, dtype, scale, variant, recurrent):
            mx.array(np.asarray(inputs["dfinal_state"], np.float32))]
     (y, S), grads = mx.vjp(f, args + [S0], cot)
     out = {"y": y, "final_state": S, **dict(zip(_GRADS, grads))}
-    if recurrent is not None:
-        out["y_recurrent"], out["final_state_recurrent"] = gated_delta(
-            *args, S0, mask=mask, scale=scale, gate=gate, variant=recurrent)
+    if other_path is not None:
+        out["y_other_path"], out["final_state_other_path"] = gated_delta(
+            *args, S0, mask=mask, scale=scale, gate=gate, variant=other_path)
     return {n: np.asarray(x.astype(mx.float32), np.float64) for n, x in out.items()}
 
 
-def _always_recurrent(variant):
-    """``variant`` with its recurrent kernel taken at every T (None for a backend without
-    one)."""
-    if variant.get("recurrent_below") is None:
+def _other_path(variant, T: int):
+    """``variant`` forced onto the path of its recurrent switch that a call of ``T`` steps does
+    not take (recurrent kernel at every T, or chunk kernels at every T); None for a backend
+    without a switch."""
+    below = variant.get("recurrent_below")
+    if below is None:
         return None
-    return variant.replace(recurrent_below=RECURRENT_ALWAYS)
+    return variant.replace(recurrent_below=0 if T < below else RECURRENT_ALWAYS)
 
 
 def runner_for(backend: str):
     """The battery runner of ``backend`` (protocol in docs/CONTRACT.md): forward + VJP through
     its framework's ``gated_delta`` with ``variant``, else the backend's default variant for the
-    case's shape at the case's ``chunk_size``; and a forward-only call through the variant's
-    recurrent kernel (``y_recurrent``, ``final_state_recurrent``)."""
+    case's shape at the case's ``chunk_size``; and a forward-only call through the path of the
+    variant's recurrent switch the first call did not take (``y_other_path``,
+    ``final_state_other_path``; `_other_path`)."""
     spec = registry.get(backend)
     run = _jax_runner if spec.framework == "jax" else _mlx_runner
 
@@ -242,8 +248,9 @@ def runner_for(backend: str):
         chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
         # a packed row always walks chunks (`gdngen.packed`): no recurrent path to check
         packed = inputs.get("cu_seqlens") is not None
+        T = np.shape(inputs["q"])[1]
         return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
-                   recurrent=None if packed else _always_recurrent(chosen))
+                   other_path=None if packed else _other_path(chosen, T))
 
     runner.backend = backend
     return runner
@@ -300,13 +307,13 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
                     and out.get(name) is None):
                 continue
             errors[name] = relative_error(out.get(name), ref[name])
-        for name, of in _RECURRENT.items():
+        for name, of in _OTHER_PATH.items():
             if name in out:
                 errors[name] = relative_error(out[name], ref[of])
         per_gate[gate] = errors
 
     errors = {}
-    for name in QUANTITIES + RECURRENT_QUANTITIES:
+    for name in QUANTITIES + OTHER_PATH_QUANTITIES:
         if name == "dg":
             values = [per_gate["log"].get("dg")]
         elif name == "dg_linear":

@@ -5,8 +5,8 @@ Every numerics check runs the compiled kernels through the battery (`gdngen.vali
 linear gates: y, final state, the six gradients, dg in both conventions) with the kernels'
 outputs NaN-filled before they are written (``GDNGEN_POISON_OUTPUTS=1``), so an element a
 kernel leaves unwritten fails the check. ``recurrent_below=0`` makes every call, forward and
-VJP, run the chunk kernels (the runner's ``y_recurrent`` check still forces the recurrent
-kernel once per case). Worst relative L2 measured over every ``vector_`` case at chunk 32, 64
+VJP, run the chunk kernels (the runner's other-path check, ``y_other_path``, still forces the
+recurrent kernel once per case). Worst relative L2 measured over every ``vector_`` case at chunk 32, 64
 and 128: 1.4e-6 (dbeta, vector_identical_keys, chunk 128); dg 4.2e-7 and dg_linear 3.9e-7
 (vector_strong_half, chunk 128).
 """

@@ -112,13 +112,24 @@ def test_chunk_sizes(fw, chunk_size):
     assert result.passed, validate.format_table([result])
 
 
+@pytest.mark.parametrize("path", ["recurrent", "chunkwise"])
 @pytest.mark.parametrize("dims", [(16, 256), (256, 16), (48, 80)])
-def test_head_dims(fw, dims):
-    """Any Dk, Dv in 16..256, not only powers of two, agree with the reference."""
+def test_head_dims(fw, dims, path):
+    """Any Dk, Dv in 16..256, not only powers of two, agree with the reference, on both paths
+    of the recurrent switch (MLX's step loop sums its state-vector products in blocks of 16
+    past Dk = 16, `gdngen.backends.mlx_chunkwise.XP.dot_last`: Dk 16 one sum, 48 and 256
+    split)."""
+    from gdngen import registry
+    from gdngen.config import RECURRENT_ALWAYS
+    from gdngen.variant import Problem
+
     Dk, Dv = dims
     x = _inputs(T=9, Dk=Dk, Dv=Dv)
+    variant = registry.default_variant(BACKEND_OF[fw.name], Problem(2, 4, Dk, Dv)).replace(
+        recurrent_below=RECURRENT_ALWAYS if path == "recurrent" else 0)
     y, S = fw.gated_delta(*(fw.array(x[n]) for n in ("q", "k", "v", "g", "beta",
-                                                       "initial_state")), scale=Dk ** -0.5)
+                                                       "initial_state")), scale=Dk ** -0.5,
+                          variant=variant)
     y_ref, S_ref = reference.forward(*(x[n] for n in ("q", "k", "v", "g", "beta",
                                                         "initial_state")), scale=Dk ** -0.5)
     assert validate.relative_error(fw.numpy(y), y_ref) < 5e-6

@@ -230,8 +230,11 @@ def test_low_precision_inputs_take_the_recurrent_kernel_in_float32(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["t1", "short"])
-def test_battery_checks_the_recurrent_kernel(case):
+def test_battery_checks_both_paths(case):
+    """T < recurrent_below: the differentiated call's forward is the recurrent kernel, and the
+    runner's other-path call forces the chunk kernels."""
     result = validate.check_case("pallas_gpu", case, variant=_variant(64, chunk_size=64))
-    assert "y_recurrent" in result.errors and "final_state_recurrent" in result.errors
-    assert result.errors["y_recurrent"] <= TOL
-    assert result.errors["final_state_recurrent"] <= TOL
+    assert "y_other_path" in result.errors and "final_state_other_path" in result.errors
+    assert result.errors["y"] <= TOL and result.errors["final_state"] <= TOL
+    assert result.errors["y_other_path"] <= TOL
+    assert result.errors["final_state_other_path"] <= TOL

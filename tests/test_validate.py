@@ -166,6 +166,36 @@ def test_registered_backend_runner_runs_that_backend():
     assert res.passed
 
 
+@pytest.mark.parametrize("recurrent_below", [64, 0])
+def test_runner_checks_the_path_the_call_did_not_take(monkeypatch, recurrent_below):
+    """"short" is T = 37: below a crossover of 64 the differentiated call's forward is the
+    recurrent loop and the other-path call forces the chunk path; with 0 the reverse. Both
+    forwards meet the reference, and each path runs forward-only once per gate convention."""
+    from gdngen import registry
+    from gdngen.backends import mlx_chunkwise
+    from gdngen.variant import Problem
+
+    calls = []
+    for name in ("recurrent_gated_delta", "chunkwise_gated_delta"):
+        original = getattr(mlx_chunkwise, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(mlx_chunkwise, name, spy)
+    case = get_case("short")
+    variant = registry.default_variant("mlx", Problem(case.Hk, case.Hv, case.Dk, case.Dv))
+    (res,) = validate.run_battery("mlx", cases=["short"], seed=0,
+                                  variant=variant.replace(recurrent_below=recurrent_below))
+    assert res.passed and {"y_other_path", "final_state_other_path"} <= set(res.errors)
+    assert res.errors["y_other_path"] <= 5e-5 and res.errors["final_state_other_path"] <= 5e-5
+    # per gate convention: recurrent forward + chunk VJP, plus the chunk forward alone (64);
+    # chunk forward + VJP, plus the recurrent forward alone (0)
+    assert calls.count("recurrent_gated_delta") == 2
+    assert calls.count("chunkwise_gated_delta") == (4 if recurrent_below else 2)
+
+
 def test_missing_dinitial_state_skipped_only_without_initial_state():
     def no_dinit(inputs, **kwargs):
         return dict(reference_runner(inputs, **kwargs), dinitial_state=None)
