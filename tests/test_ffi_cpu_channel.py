@@ -6,9 +6,9 @@ linear gates: y, final state, the six gradients, dg in both conventions) with th
 outputs NaN-filled before they are written (``GDNGEN_POISON_OUTPUTS=1``), so an element a
 kernel leaves unwritten fails the check. ``recurrent_below=0`` makes every call, forward and
 VJP, run the chunk kernels (the runner's other-path check, ``y_other_path``, still forces the
-recurrent kernel once per case). Worst relative L2 measured over every ``vector_`` case at chunk 32, 64
-and 128: 1.4e-6 (dbeta, vector_identical_keys, chunk 128); dg 4.2e-7 and dg_linear 3.9e-7
-(vector_strong_half, chunk 128).
+recurrent kernel once per case). Worst relative L2 measured over every ``vector_`` case at
+chunk 32, 64 and 128: 1.4e-6 (dbeta, vector_identical_keys, chunk 128); dg 4.2e-7 and
+dg_linear 3.9e-7 (vector_strong_half, chunk 128).
 """
 
 from __future__ import annotations

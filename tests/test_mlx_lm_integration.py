@@ -18,6 +18,7 @@ import mlx.optimizers as optim
 import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
+from spies import spy_calls
 
 mlx_lm = pytest.importorskip("mlx_lm")
 
@@ -274,6 +275,49 @@ def test_lower_bound_gate_values_and_gradients_match():
     assert relative_error(ref_value, value) < 1e-5
     for ref, got in zip(ref_grads, grads):
         assert relative_error(ref, got) < GRAD_RTOL
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_training_path_runs_chunkwise_and_inference_path_switches(monkeypatch, vector):
+    """mlx-lm's training calls (``use_kernel=False``) are differentiated, so they run the chunk
+    path at every T (no step-loop forward paid on top of the chunk forward the VJP needs);
+    inference calls (``use_kernel=True`` under ``patch(inference=True)``) take the recurrent
+    switch (T = 24 is under the default crossover of every MLX backend here). Both match
+    mlx-lm's ops loop, values and (training) every gradient."""
+    from gdngen.backends import mlx_chunkwise
+
+    ran = spy_calls(monkeypatch, mlx_chunkwise,
+                    ("recurrent_gated_delta", "chunkwise_gated_delta"))
+    q, k = (mx.random.normal((1, 24, 2, 16), key=mx.random.key(i)) * 0.3 for i in range(2))
+    v = mx.random.normal((1, 24, 4, 16), key=mx.random.key(2))
+    gate_shape = (1, 24, 4, 16) if vector else (1, 24, 4)
+    a = mx.random.normal(gate_shape, key=mx.random.key(3))
+    b = mx.random.normal((1, 24, 4), key=mx.random.key(4))
+    A_log = mx.array([0.0, 0.5, 1.0, 2.0])
+    dt_bias = mx.random.normal((4, 16) if vector else (4,), key=mx.random.key(5))
+    if vector:
+        A_log = A_log.reshape(4, 1)
+
+    def loss(update):
+        def fn(q, k, v, a, b, A_log, dt_bias):
+            y, state = update(q, k, v, a, b, A_log, dt_bias, use_kernel=False)
+            return (y * y).sum() + (state * state).sum()
+        return mx.value_and_grad(fn, argnums=tuple(range(7)))(q, k, v, a, b, A_log, dt_bias)
+
+    ref_value, ref_grads = loss(ORIGINAL)
+    with integration.patched(inference=True):
+        value, grads = loss(qwen3_5.gated_delta_update)
+        mx.eval(value, grads)
+        assert ran and "recurrent_gated_delta" not in ran
+        ran.clear()
+        y, state = qwen3_5.gated_delta_update(q, k, v, a, b, A_log, dt_bias, use_kernel=True)
+        mx.eval(y, state)
+        assert ran == ["recurrent_gated_delta"]
+    assert relative_error(ref_value, value) < 1e-5
+    for ref, got in zip(ref_grads, grads):
+        assert relative_error(ref, got) < GRAD_RTOL
+    ref_y, ref_state = ORIGINAL(q, k, v, a, b, A_log, dt_bias, use_kernel=False)
+    assert relative_error(ref_y, y) < 1e-5 and relative_error(ref_state, state) < 1e-5
 
 
 def test_output_and_state_dtypes_follow_mlx_lm():

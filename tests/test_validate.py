@@ -8,6 +8,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from spies import spy_calls
 
 from gdngen import reference, validate
 from gdngen.cases import BATTERY, get_case
@@ -175,15 +176,8 @@ def test_runner_checks_the_path_the_call_did_not_take(monkeypatch, recurrent_bel
     from gdngen.backends import mlx_chunkwise
     from gdngen.variant import Problem
 
-    calls = []
-    for name in ("recurrent_gated_delta", "chunkwise_gated_delta"):
-        original = getattr(mlx_chunkwise, name)
-
-        def spy(*args, _name=name, _original=original, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(mlx_chunkwise, name, spy)
+    calls = spy_calls(monkeypatch, mlx_chunkwise,
+                      ("recurrent_gated_delta", "chunkwise_gated_delta"))
     case = get_case("short")
     variant = registry.default_variant("mlx", Problem(case.Hk, case.Hv, case.Dk, case.Dv))
     (res,) = validate.run_battery("mlx", cases=["short"], seed=0,

@@ -20,7 +20,10 @@ q and k arrive normalised (mlx-lm's models call ``normalize_qk`` before
 ``gated_delta_update``), so ``qk_norm`` stays off. Calls with ``use_kernel=True`` (inference;
 mlx-lm's Metal kernel where it has one) keep mlx-lm's function unless ``patch(inference=True)``
 (Kimi K3 ``mx.compile``s its T=1 decode step per layer on first use, on Metal: patch before the
-first decode for that step to be routed).
+first decode for that step to be routed). Training calls run gdngen's chunk path at every T
+(they are differentiated, and the chunk path's VJP needs its forward); inference calls take the
+variant's recurrent switch (decode and short prefill through the step loop below the tuned
+crossover T).
 Calls gdngen cannot take (a head dim outside 16..256, a ``lower_bound`` that is not a finite
 negative number, a gate or parameter shape other than the above) keep mlx-lm's function.
 
@@ -102,10 +105,10 @@ def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=No
     ``log g = -exp(A_log) softplus(a + dt_bias)`` (or the ``lower_bound`` form) and, without
     ``allow_neg_eigval``, ``sigmoid(b)`` are computed by ``gdngen.mlx.gated_delta`` itself
     (``gate="softplus"`` / ``"sigmoid_bound"``, ``beta_activation="sigmoid"``). Returns
-    ``(y [B,T,Hv,Dv] in q's dtype, state [B,Hv,Dv,Dk] float32)``. ``use_kernel`` is accepted for
-    signature compatibility and ignored.
+    ``(y [B,T,Hv,Dv] in q's dtype, state [B,Hv,Dv,Dk] float32)``. ``use_kernel=False`` (mlx-lm's
+    training path) runs the chunk path at every T (`_training_variant`); ``use_kernel=True``
+    (inference) lets the variant's recurrent switch pick the path by T.
     """
-    del use_kernel
     if allow_neg_eigval:  # beta in [0, 2]: not one of gdngen's activations, so taken here
         beta, beta_activation = 2.0 * mx.sigmoid(b.astype(mx.float32)), None
     else:
@@ -115,11 +118,29 @@ def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=No
     A_log, dt_bias = (_onto_gate_axes(p, a.shape[2:]) for p in (A_log, dt_bias))
     if mask is not None and mask.dtype != mx.bool_:
         mask = mask.astype(mx.bool_)
+    variant = None if use_kernel else _training_variant(q, k, v, a, chunk_size)
     return gdngen_mlx.gated_delta(
         q, k, v, a, beta, state, mask=mask, scale=1.0,
         gate="softplus" if lower_bound is None else "sigmoid_bound", A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation,
-        chunk_size=chunk_size)
+        chunk_size=None if variant is not None else chunk_size, variant=variant)
+
+
+def _training_variant(q, k, v, a, chunk_size):
+    """The variant a plain call would run, with its recurrent switch off: mlx-lm's training
+    path (``use_kernel=False``) is differentiated, and a differentiated call's VJP runs the
+    chunk path's forward anyway (`gdngen.config.recurrent_switch`), so a forward through the
+    step loop below the crossover would be paid on top. None for a backend without a switch."""
+    from gdngen import dispatch
+    from gdngen.problem import CallShape, dtype_name
+
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    shape = CallShape(B, T, Hk, Hv, Dk, Dv, a.ndim == 4)
+    chosen = dispatch.resolve("mlx", shape, dtype_name(q), None, chunk_size)
+    if chosen.get("recurrent_below") is None:
+        return None
+    return chosen.replace(recurrent_below=0)
 
 
 def _onto_gate_axes(p, gate_axes):
@@ -208,7 +229,8 @@ def _routed_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
         return _ORIGINAL(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
                          lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
     return gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask,
-                                     lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval,
+                                     use_kernel=use_kernel, lower_bound=lower_bound,
+                                     allow_neg_eigval=allow_neg_eigval,
                                      chunk_size=active.chunk_size)
 
 
