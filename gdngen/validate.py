@@ -39,8 +39,8 @@ from gdngen.config import RECURRENT_ALWAYS
 from gdngen.tolerance import DTYPE_TOLERANCES, allowed_error, dtype_tolerance
 
 __all__ = [
-    "QUANTITIES",
     "OTHER_PATH_QUANTITIES",
+    "QUANTITIES",
     "TOLERANCES",
     "CaseResult",
     "check_case",
