@@ -148,7 +148,7 @@ def runner_for(mode, backend, check_vma, report):
         out = _outputs(y, S, grads, names)
         plain = validate._jax_runner(inputs, gate=gate, dtype=dtype, scale=scale,
                                      variant=_variant(backend, inputs, dtype, chunk_size),
-                                     recurrent=None)
+                                     other_path=None)
         differences = [validate.relative_error(out[n], plain[n]) for n in out
                        if plain.get(n) is not None]
         report["vs_unsharded"] = max(differences + [report.get("vs_unsharded", 0.0)])

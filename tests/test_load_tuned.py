@@ -86,7 +86,8 @@ def test_load_tuned_mlx_dispatches_per_bucket_and_explains(mlx_calls):
     np.testing.assert_array_equal(np.array(y), np.array(y_ref))
     np.testing.assert_array_equal(np.array(s), np.array(s_ref))
 
-    long = {n: mx.array(a) for n, a in inputs(200, rng).items()}  # bucket 256: not tuned
+    # bucket 256, not tuned; T = 256 reaches the default's crossover, so the chunk path runs
+    long = {n: mx.array(a) for n, a in inputs(256, rng).items()}
     choice = tuned.explain(long["q"], long["k"], long["v"], long["g"], long["beta"])
     assert choice.source == "default" and choice.variant == default_variant("mlx", PROBLEM)
     assert "T bucket 256" in choice.reason and "tuned buckets: [64]" in choice.reason
