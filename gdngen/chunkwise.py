@@ -25,6 +25,9 @@ gives an exact 0.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 
 class ArrayNamespace:
     """Base of the ``xp`` namespaces: subclasses set ``module`` (jax.numpy, mlx.core) and add
@@ -52,6 +55,16 @@ class ArrayNamespace:
     @classmethod
     def rsqrt(cls, x):
         return 1.0 / cls.module.sqrt(x)
+
+    @classmethod
+    def sigmoid(cls, x):
+        return 1.0 / (1.0 + cls.module.exp(-x))
+
+    @classmethod
+    def softplus(cls, x):
+        """``log(1 + exp(x))`` as ``logaddexp(x, 0)``: x for large x, exp(x) for very negative
+        x; its derivative is sigmoid(x)."""
+        return cls.module.logaddexp(x, 0.0)
 
     @staticmethod
     def barrier(arrays):
@@ -118,6 +131,139 @@ def normalized_qk_vjp(xp, q, k, dq, dk, qk_scale):
     if qk_scale is None:
         return dq, dk
     return l2_normalize_vjp(xp, q, dq * qk_scale), l2_normalize_vjp(xp, k, dk)
+
+
+# --------------------------------------------------------------------------- gates from parameters
+
+
+@dataclass(frozen=True)
+class ParameterGate:
+    """The ``gate`` of a chunk core (and of the layout functions here) whose gates are the tuple
+    ``(a, A_log, dt_bias)``: the raw gate projection ``a`` and the gate's parameters, broadcast
+    against ``a`` (`parameter_layout`). The core computes the log gate itself (`log_gates`) and
+    keeps only ``a`` for its backward, which recomputes the log gate and maps its cotangent to
+    the three arrays (`gates_vjp`)::
+
+        lower_bound None:   log g = -exp(A_log) * softplus(a + dt_bias)         ("softplus")
+        lower_bound < 0:    log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
+
+    ``a = -inf`` is an identity step for both (log g = 0 exactly, zero cotangents): masked and
+    padded steps (`identity_value`). The log gate is produced in log space (never
+    ``log(exp(..))``), so strong decay keeps its digits and its gradients.
+    """
+
+    lower_bound: float | None = None
+
+    def _terms(self, xp, a, A_log, dt_bias):
+        """``(live, x, rate)``: the steps that are not identity steps, ``a + dt_bias`` there
+        (0 elsewhere, so no inf reaches the arithmetic) and ``exp(A_log)``."""
+        live = a > -math.inf
+        return live, xp.where(live, a + dt_bias, 0.0), xp.exp(A_log)
+
+    def log_gates(self, xp, a, A_log, dt_bias):
+        """The log gate, shaped like ``a`` (float32 arrays)."""
+        live, x, rate = self._terms(xp, a, A_log, dt_bias)
+        if self.lower_bound is None:
+            return xp.where(live, -rate * xp.softplus(x), 0.0)
+        return xp.where(live, self.lower_bound * xp.sigmoid(rate * x), 0.0)
+
+    def vjp(self, xp, a, A_log, dt_bias, dlog_g):
+        """``(da, dA_log, ddt_bias)`` from the log gate's cotangent ``dlog_g`` (like ``a``);
+        the parameters' summed over the axes they broadcast along (`sum_to`).
+
+        softplus: d/dx = -rate sigmoid(x), d/dA_log = log g. sigmoid_bound, s = sigmoid(rate x):
+        d/dx = lower_bound s (1 - s) rate, d/dA_log = that times x. d/ddt_bias = d/da.
+        """
+        live, x, rate = self._terms(xp, a, A_log, dt_bias)
+        if self.lower_bound is None:
+            da = -rate * xp.sigmoid(x) * dlog_g
+            dlog_rate = -rate * xp.softplus(x) * dlog_g
+        else:
+            s = xp.sigmoid(rate * x)
+            da = self.lower_bound * s * (1.0 - s) * rate * dlog_g
+            dlog_rate = da * x
+        da, dlog_rate = (xp.where(live, d, 0.0) for d in (da, dlog_rate))
+        return da, sum_to(dlog_rate, A_log.shape), sum_to(da, dt_bias.shape)
+
+
+def sum_to(x, shape):
+    """``x`` summed down to ``shape``, the shape of an array that broadcast to ``x``'s (the
+    cotangent of a broadcast)."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + i] != 1)
+    return (x.sum(axis=axes, keepdims=True) if axes else x).reshape(tuple(shape))
+
+
+def log_gates(xp, gates, gate):
+    """``(gates, gate)`` for the chunk algebra: a `ParameterGate`'s ``(a, A_log, dt_bias)`` made
+    its log gate (``gate`` then "log"); other gates as given."""
+    if isinstance(gate, ParameterGate):
+        return gate.log_gates(xp, *gates), "log"
+    return gates, gate
+
+
+def gates_vjp(xp, gates, gate, dgates):
+    """The cotangent of ``gates`` from that of `log_gates`'s output: for a `ParameterGate` the
+    tuple ``(da, dA_log, ddt_bias)``, otherwise ``dgates`` itself."""
+    if isinstance(gate, ParameterGate):
+        return gate.vjp(xp, *gates, dgates)
+    return dgates
+
+
+def identity_value(gate):
+    """The gate value of an identity step (state kept): log g = 0, g = 1, or a raw projection
+    of -inf for a `ParameterGate`."""
+    if isinstance(gate, ParameterGate):
+        return -math.inf
+    return 0.0 if gate == "log" else 1.0
+
+
+def convention(gate):
+    """The convention of the gates the chunk algebra sees: "log" for a `ParameterGate` (its
+    log gate), else ``gate`` ("log" or "linear")."""
+    return "log" if isinstance(gate, ParameterGate) else gate
+
+
+def cast_gates(g, dtype):
+    """Gates ``g`` (an array or a `ParameterGate`'s tuple) cast to ``dtype``."""
+    return tuple(x.astype(dtype) for x in g) if isinstance(g, tuple) else g.astype(dtype)
+
+
+def raw_gates(g):
+    """The array that carries the time axis of gates ``g``: ``a`` of a `ParameterGate`'s tuple,
+    else ``g`` itself."""
+    return g[0] if isinstance(g, tuple) else g
+
+
+def with_raw_gates(g, raw):
+    """``g`` with its time-carrying array (`raw_gates`) replaced by ``raw``."""
+    return (raw, *g[1:]) if isinstance(g, tuple) else raw
+
+
+def linear_decay(xp, g, gate):
+    """The gates as the decay factor itself: exp of a log gate (exactly 0 at -inf; a
+    `ParameterGate`'s computed first), a linear gate as given."""
+    g, gate = log_gates(xp, g, gate)
+    return xp.exp(g) if gate == "log" else g
+
+
+def core_inputs(xp, primals, qk_scale, gate):
+    """``(q, k, v, gates, beta, S0), gate`` as the chunk algebra takes them from a chunk core's
+    primals: q, k normalised (`normalized_qk`), a `ParameterGate`'s gates made log gates
+    (`log_gates`)."""
+    q, k, v, gates, beta, S0 = primals
+    q, k = normalized_qk(xp, q, k, qk_scale)
+    gates, gate = log_gates(xp, gates, gate)
+    return (q, k, v, gates, beta, S0), gate
+
+
+def core_inputs_vjp(xp, primals, cotangents, qk_scale, gate):
+    """The cotangents of a chunk core's primals from those of `core_inputs`'s arrays."""
+    q, k, _, gates, _, _ = primals
+    dq, dk, dv, dgates, dbeta, dS0 = cotangents
+    dq, dk = normalized_qk_vjp(xp, q, k, dq, dk, qk_scale)
+    return dq, dk, dv, gates_vjp(xp, gates, gate, dgates), dbeta, dS0
 
 
 # --------------------------------------------------------------------------- decay factors
@@ -454,14 +600,31 @@ def from_chunks(y, T):
 
 
 def fold_mask(xp, g, beta, mask, gate):
-    """Gates ``g`` [B, T, H] (or per-channel [B, T, H, Dk]) and ``beta`` [B, T, H] with masked
-    steps (``mask`` [B, T] False) made identity steps: log g = 0 (g = 1 for ``gate="linear"``)
-    and beta = 0. ``mask`` None: as is."""
+    """Gates ``g`` [B, T, H] (or per-channel [B, T, H, Dk]; a `ParameterGate`'s tuple) and
+    ``beta`` [B, T, H] with masked steps (``mask`` [B, T] False) made identity steps
+    (`identity_value`: log g = 0, g = 1 for ``gate="linear"``, a = -inf) and beta = 0.
+    ``mask`` None: as is."""
     if mask is None:
         return g, beta
-    return (xp.where(mask.reshape(mask.shape + (1,) * (g.ndim - 2)), g,
-                     0.0 if gate == "log" else 1.0),
+    a = raw_gates(g)
+    return (with_raw_gates(g, xp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 2)), a,
+                                       identity_value(gate))),
             xp.where(mask[..., None], beta, 0.0))
+
+
+def parameter_layout(A_log, dt_bias, vector_gate):
+    """A `ParameterGate`'s ``A_log``, ``dt_bias`` (``[Hv]``; per-channel also ``[Hv, 1]``,
+    ``[Hv, Dk]``) shaped to broadcast against ``a`` in the API layout: ``[Hv]`` against a
+    per-head ``a [B,T,Hv]``, ``[Hv, 1 or Dk]`` against a per-channel ``a [B,T,Hv,Dk]``."""
+    if vector_gate:
+        return tuple(x.reshape(x.shape[0], 1) if x.ndim == 1 else x for x in (A_log, dt_bias))
+    return A_log, dt_bias
+
+
+def _chunk_parameters(x, Hk, r, vector_gate):
+    """A parameter in the API broadcast form (`parameter_layout`) against ``a`` in chunk layout
+    ``[N, B, Hk, r, C(, Dk)]``: ``[Hk, r, 1(, 1 or Dk)]``."""
+    return x.reshape((Hk, r, 1) + tuple(x.shape[1:]) if vector_gate else (Hk, r, 1))
 
 
 def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
@@ -471,20 +634,24 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` is `forward` in chunk layout wrapped with
     `backward` as its VJP by the framework. A masked step folds into the gates (log g = 0 /
     g = 1, beta = 0) and its output is zeroed; T is padded to a multiple of the chunk with
-    identity steps, which leave the state unchanged.
+    identity steps, which leave the state unchanged. With a `ParameterGate` ``g`` is the tuple
+    ``(a, A_log, dt_bias)`` (parameters as `parameter_layout` gives them) and the core gets it
+    in chunk layout.
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     r, C = Hv // Hk, chunk_size
     N = -(-T // C)
     g, beta = fold_mask(xp, g, beta, mask, gate)
-    identity_gate = 0.0 if gate == "log" else 1.0
+    a = raw_gates(g)
     pad = N * C - T
     if pad:
         q, k, v, beta = (xp.pad_time(x, pad, 0.0) for x in (q, k, v, beta))
-        g = xp.pad_time(g, pad, identity_gate)
-    gates = to_chunks(g, N, C, (Hk, r)) if g.ndim == 4 else \
-        to_chunks(g[..., None], N, C, (Hk, r))[..., 0]
+        a = xp.pad_time(a, pad, identity_value(gate))
+    gates = to_chunks(a, N, C, (Hk, r)) if a.ndim == 4 else \
+        to_chunks(a[..., None], N, C, (Hk, r))[..., 0]
+    if isinstance(g, tuple):
+        gates = (gates, *(_chunk_parameters(x, Hk, r, a.ndim == 4) for x in g[1:]))
     Y, S_final = core(to_chunks(q * scale, N, C, (Hk,)), to_chunks(k, N, C, (Hk,)),
                       to_chunks(v, N, C, (Hk, r)), gates,
                       to_chunks(beta[..., None], N, C, (Hk, r))[..., 0],
@@ -506,7 +673,7 @@ def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate):
     and ``y = S' q = S (a q) + u (k.q)`` (expanded, so S' is not read again).
     """
     r = v.shape[2] // q.shape[2]
-    a = xp.exp(g) if gate == "log" else g  # exp of log g <= 0 only; -inf gives exactly 0
+    a = linear_decay(xp, g, gate)  # exp of log g <= 0 only; -inf gives exactly 0
     q, k = (xp.repeat(x, r, axis=2) for x in (q * scale, k))
     per_channel = a.ndim == 4
 

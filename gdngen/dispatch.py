@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gdngen import layer_inputs, packed, registry, settings
+from gdngen import chunkwise, layer_inputs, packed, registry, settings
 from gdngen.problem import CallShape, check_call, check_framework, dtype_name
 from gdngen.variant import Problem, Variant, problem_of
 
@@ -186,14 +186,17 @@ def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
          variant, qk_norm=False, cu_seqlens=None):
     """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant, run it
     through its backend's entry point (``qk_norm``: q, k raw, normalised by the backend;
-    ``cu_seqlens``: a packed row; `gdngen.spec.BackendSpec.run`)."""
+    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)``, the log gate
+    computed by the backend; ``cu_seqlens``: a packed row; `gdngen.spec.BackendSpec.run`)."""
     check_framework(framework)
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
+                       gate=chunkwise.convention(gate),
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
     chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
     spec = registry.get(chosen.backend)
-    if cu_seqlens is not None:  # no packed kernel fuses the q/k norm: computed before
+    if cu_seqlens is not None:  # no packed kernel fuses the q/k norm or the gate: before
+        g, gate = layer_inputs.computed_gate(framework, g, gate)
         if qk_norm:
             q, k = layer_inputs.normalize_qk(framework, q, k)
         return packed.run(spec, q, k, v, g, beta, initial_state, mask=mask, scale=float(scale),
@@ -236,14 +239,15 @@ class TunedGatedDelta:
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
         from gdngen.precision import precision_context
 
+        chosen = self.explain(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+                              gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
+                              lower_bound=lower_bound, beta_activation=beta_activation,
+                              cu_seqlens=cu_seqlens).variant
         q, k, g, beta, gate = layer_inputs.prepare(
             self.framework, q, k, v, g, beta, None if cu_seqlens is not None else initial_state,
             mask, gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, beta_activation=beta_activation, scale=scale,
-            defer_qk_norm=True)
-
-        chosen = self.explain(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                              gate=gate, cu_seqlens=cu_seqlens).variant
+            defer_qk_norm=True, defer_gate=True)
         with precision_context(self.framework, self.precision):
             return call(self.framework, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                         gate=gate, chunk_size=None, variant=chosen, qk_norm=qk_norm,

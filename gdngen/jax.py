@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gdngen import layer_inputs, sharding
+from gdngen import chunkwise, layer_inputs, sharding
 from gdngen.dispatch import call
 from gdngen.problem import check_call
 
@@ -35,8 +35,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     returned ``final_state`` (both replicated over that axis) leaves the last shard; ``y`` is
     the shard's own tokens.
 
-    Layer inputs (`gdngen.layer_inputs`, computed once before the call today, for every
-    backend; gradients reach the raw arrays): ``qk_norm=True`` L2-normalises q and k per head
+    Layer inputs (`gdngen.layer_inputs`; the q/k norm and the gate are computed inside the
+    chunk core, which keeps only the raw arrays; the recurrent path, a packed row and a sharded
+    call get them computed first; gradients reach the raw arrays): ``qk_norm=True``
+    L2-normalises q and k per head
     over Dk (``x * rsqrt(sum(x^2) + 1e-6)``); ``gate="softplus"`` takes g as the raw projection
     ``a`` with ``A_log``, ``dt_bias`` ``[Hv]`` (per-channel g: ``[Hv]``, ``[Hv,1]`` or
     ``[Hv,Dk]``), ``log g = -exp(A_log) * softplus(a + dt_bias)``; ``gate="sigmoid_bound"``
@@ -54,8 +56,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     q, k, g, beta, gate = layer_inputs.prepare(
         "jax", q, k, v, g, beta, None if packed else initial_state, mask, gate=gate,
         qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        beta_activation=beta_activation, scale=scale, defer_qk_norm=True)
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+        beta_activation=beta_activation, scale=scale, defer_qk_norm=True,
+        defer_gate=packed or sharding.runs_whole(context_axis))
+    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
+                       gate=chunkwise.convention(gate),
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
     if packed:

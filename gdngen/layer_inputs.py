@@ -15,13 +15,18 @@ for a per-channel gate each is ``[Hv]``, ``[Hv,1]`` (mlx-lm's Kimi Linear / Bail
 ``A_log.reshape(Hv, 1)``) or ``[Hv,Dk]``, and ``[Hv]`` means one value per head (it broadcasts
 over Dk, not over the heads).
 
-`prepare` computes the gate and beta once, before the call, as ordinary differentiable array
-operations, so the gradients reach the raw g, A_log, dt_bias and beta logits through the
-framework's autodiff. The q/k norm is computed there too (its normalised q, k then kept as
-activations of that autodiff), except on a backend that fuses it (`BackendSpec.fused_inputs`:
-every backend today), whose chunk core takes the raw q, k and recomputes the norm in its
-backward (``defer_qk_norm``). Fusing the gate into a kernel's in-chunk cumulative sums and the norms
-into a kernel's loads is not done yet.
+`prepare` computes beta once, before the call, as ordinary differentiable array operations, so
+the gradients reach the beta logits through the framework's autodiff. The q/k norm and the gate
+are computed there too (the normalised q, k and the log gate then kept as activations of that
+autodiff), except where the chunk core takes them raw (``defer_qk_norm``, ``defer_gate``, on a
+backend listing them in `BackendSpec.fused_inputs`: every backend today): its custom VJP
+takes the raw q, k and the raw projection ``a`` with A_log and dt_bias
+(`gdngen.chunkwise.ParameterGate`), computes the norm and the log gate inside the core (for
+the kernels' loads and in-chunk cumulative sums), keeps only the raw arrays, and recomputes
+both in its backward, mapping their cotangents to the raw arrays. A packed row, a sharded call
+and a backend that does not list them get them computed before the call. (The C++, Pallas
+and Metal kernels receive the normalised q, k and the log gate from the core as arrays; they
+do not compute them in their own loads yet.)
 
 Numerics: everything is computed in float32. The gate is produced directly in log space (never
 ``log(exp(...))``), so strong decay (log g around -37 and below) neither underflows nor loses the
@@ -152,37 +157,39 @@ def l2_normalize(xp, x):
 
 
 def log_gate(xp, a, A_log, dt_bias, lower_bound=None):
-    """Log decay from the gate's parameters, float32, shaped like ``a + dt_bias``.
+    """Log decay from the gate's parameters, float32, shaped like ``a + dt_bias``
+    (`gdngen.chunkwise.ParameterGate.log_gates`).
 
     ``-exp(A_log) * softplus(a + dt_bias)``, or with ``lower_bound``:
     ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``. ``A_log`` and ``dt_bias`` must
     already broadcast against ``a``.
     """
-    rate = xp.exp(xp.float32(A_log))
-    x = xp.float32(a) + xp.float32(dt_bias)
-    if lower_bound is None:
-        return -rate * xp.softplus(x)
-    return lower_bound * xp.sigmoid(rate * x)
-
-
-def _per_head(x, vector_gate: bool):
-    """A gate parameter ``[Hv]`` as ``[Hv, 1]`` against a per-channel ``g [B,T,Hv,Dk]``."""
-    return x.reshape(x.shape[0], 1) if vector_gate and len(x.shape) == 1 else x
+    return chunkwise.ParameterGate(lower_bound).log_gates(
+        xp, *(xp.float32(x) for x in (a, A_log, dt_bias)))
 
 
 def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None, *,
-              normalize=True):
-    """``(q, k, g, beta)`` for the backends: normalised q, k (q's dtype), the log gate and the
-    activated beta (float32), each unchanged where its option is off (q, k also with
-    ``normalize`` False: the call's backend normalises them, `normalize_qk`)."""
+              normalize=True, compute_gate=True):
+    """``(q, k, g, beta, gate)`` for the backends: normalised q, k (q's dtype), the log gate
+    and the activated beta (float32), each unchanged where its option is off, and the gate
+    convention of ``g``. q, k stay raw with ``normalize`` False (the call's backend normalises
+    them, `normalize_qk`); a parameterised gate with ``compute_gate`` False comes back as the
+    float32 tuple ``(a, A_log, dt_bias)`` (parameters in
+    `gdngen.chunkwise.parameter_layout`) with a `gdngen.chunkwise.ParameterGate` as its
+    convention, for the chunk core to compute (`computed_gate` where it does not)."""
     if options.qk_norm and normalize:
         q, k = (xp.astype(l2_normalize(xp, x), q.dtype) for x in (q, k))
+    gate = options.call_gate
     if options.gate in PARAMETER_GATES:
-        vg = options.vector_gate
-        g = log_gate(xp, g, _per_head(A_log, vg), _per_head(dt_bias, vg), options.lower_bound)
+        A_log, dt_bias = chunkwise.parameter_layout(A_log, dt_bias, options.vector_gate)
+        if compute_gate:
+            g = log_gate(xp, g, A_log, dt_bias, options.lower_bound)
+        else:
+            g = tuple(xp.float32(x) for x in (g, A_log, dt_bias))
+            gate = chunkwise.ParameterGate(options.lower_bound)
     if options.beta_activation == "sigmoid":
         beta = xp.sigmoid(xp.float32(beta))
-    return q, k, g, beta
+    return q, k, g, beta, gate
 
 
 # --------------------------------------------------------------------------- per framework
@@ -192,21 +199,13 @@ def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None,
 def namespace(framework: str):
     """The ``xp`` of `transform` for ``framework``: its chunkwise ``XP`` namespace
     (`gdngen.backends.jax_chunkwise.XP`, `gdngen.backends.mlx_chunkwise.XP`) plus
-    ``float32 astype sigmoid softplus``."""
+    ``float32 astype``."""
     check_framework(framework)
     if framework == "jax":
-        import jax
-        import jax.numpy as module
-
         from gdngen.backends.jax_chunkwise import XP
-
-        sigmoid = jax.nn.sigmoid
     else:
-        import mlx.core as module
-
         from gdngen.backends.mlx_chunkwise import XP
-
-        sigmoid = module.sigmoid
+    module = XP.module
 
     class LayerXP(XP):
         @staticmethod
@@ -217,31 +216,36 @@ def namespace(framework: str):
         def astype(x, dtype):
             return x.astype(dtype)
 
-        @staticmethod
-        def softplus(x):
-            return module.logaddexp(x, 0.0)
-
-    LayerXP.sigmoid = staticmethod(sigmoid)
     LayerXP.__name__ = LayerXP.__qualname__ = f"LayerXP[{framework}]"
     return LayerXP
 
 
 def prepare(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
             qk_norm=False, A_log=None, dt_bias=None, lower_bound=None, beta_activation=None,
-            scale=1.0, defer_qk_norm=False):
+            scale=1.0, defer_qk_norm=False, defer_gate=False):
     """Check the layer-input options and apply them; return ``(q, k, g, beta, gate)`` for the
     ordinary call (``gate`` "log" after a parameterised gate). With every option off the
     arguments come back as given, after only the Python-value checks. ``defer_qk_norm``: q, k
-    come back raw, for the dispatch to normalise in the chosen backend (`normalize_qk`)."""
+    come back raw, for the dispatch to normalise in the chosen backend (`normalize_qk`).
+    ``defer_gate``: a parameterised gate comes back as ``(a, A_log, dt_bias)`` with a
+    `gdngen.chunkwise.ParameterGate` (`transform`), for the chosen backend's chunk core."""
     options = check_layer_inputs(q, k, v, g, beta, initial_state, mask, gate=gate,
                                  qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
                                  lower_bound=lower_bound, beta_activation=beta_activation,
                                  scale=scale)
     if options.is_identity:
         return q, k, g, beta, gate
-    q, k, g, beta = transform(namespace(framework), options, q, k, g, beta, A_log, dt_bias,
-                              normalize=not defer_qk_norm)
-    return q, k, g, beta, options.call_gate
+    return transform(namespace(framework), options, q, k, g, beta, A_log, dt_bias,
+                     normalize=not defer_qk_norm, compute_gate=not defer_gate)
+
+
+def computed_gate(framework: str, g, gate):
+    """``(g, gate)`` for a backend that does not compute a `gdngen.chunkwise.ParameterGate`
+    itself: its tuple made the float32 log gate (differentiable by the framework, "log");
+    other gates as given."""
+    if not isinstance(gate, chunkwise.ParameterGate):
+        return g, gate
+    return gate.log_gates(namespace(framework), *g), "log"
 
 
 def normalize_qk(framework: str, q, k):

@@ -23,10 +23,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     backend (metal on an Apple GPU) when it implements the call, else the portable ``mlx``
     path. ``chunk_size`` overrides the default variant's chunk.
 
-    Layer inputs, as in `gdngen.jax.gated_delta` (`gdngen.layer_inputs`; computed once before
-    the call today, gradients reach the raw arrays): ``qk_norm``; ``gate="softplus"`` /
-    ``"sigmoid_bound"`` with ``A_log``, ``dt_bias`` (and ``lower_bound``), g then the raw gate
-    projection; ``beta_activation="sigmoid"``.
+    Layer inputs, as in `gdngen.jax.gated_delta` (`gdngen.layer_inputs`; the q/k norm and the
+    gate inside the chunk core, the recurrent path and packed rows get them computed first;
+    gradients reach the raw arrays): ``qk_norm``; ``gate="softplus"`` / ``"sigmoid_bound"``
+    with ``A_log``, ``dt_bias`` (and ``lower_bound``), g then the raw gate projection;
+    ``beta_activation="sigmoid"``.
 
     Packed sequences, as in `gdngen.jax.gated_delta`: ``cu_seqlens`` int32 ``[N+1]``, B = 1,
     ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.packed`).
@@ -34,6 +35,6 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     q, k, g, beta, gate = layer_inputs.prepare(
         "mlx", q, k, v, g, beta, None if cu_seqlens is not None else initial_state, mask,
         gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        beta_activation=beta_activation, scale=scale, defer_qk_norm=True)
+        beta_activation=beta_activation, scale=scale, defer_qk_norm=True, defer_gate=True)
     return call("mlx", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
                 chunk_size=chunk_size, variant=variant, qk_norm=qk_norm, cu_seqlens=cu_seqlens)

@@ -45,9 +45,11 @@ class BackendSpec:
     * ``packed_entry``: ``gated_delta(..., variant, cu_seqlens)`` running a packed row in its
       own kernels for the gate kinds in ``packed_gates`` (`gdngen.packed`); without one, packed
       rows of its variants run on the framework's portable chunk path.
-    * ``fused_inputs``: the layer inputs its entry takes raw and computes inside its kernels
+    * ``fused_inputs``: the layer inputs its entry takes raw and computes inside its chunk core
       (``"qk_norm"``: the entry takes ``qk_norm=True`` and raw q, k, and keeps no normalised
-      q, k for its backward); the others are computed before the call (`run`).
+      q, k for its backward; ``"gate"``: the entry takes a `gdngen.chunkwise.ParameterGate`
+      as ``gate`` with ``g = (a, A_log, dt_bias)`` and keeps no log gate); the others are
+      computed before the call (`run`).
     """
 
     name: str
@@ -138,15 +140,19 @@ class BackendSpec:
     def run(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
             variant, qk_norm=False):
         """Run ``variant`` of this backend on one call (shapes as `gdngen.jax.gated_delta`);
-        ``qk_norm``: q, k are raw, normalised inside the kernels when this backend fuses the
-        norm (`fused_inputs`), else just before the call. (A packed row: `gdngen.packed.run`.)"""
+        ``qk_norm``: q, k are raw, normalised inside the chunk core when this backend fuses the
+        norm (`fused_inputs`), else just before the call; ``gate`` a
+        `gdngen.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): likewise the log
+        gate. (A packed row: `gdngen.packed.run`.)"""
+        from gdngen import layer_inputs
+
+        if "gate" not in self.fused_inputs:
+            g, gate = layer_inputs.computed_gate(self.framework, g, gate)
         if qk_norm and "qk_norm" in self.fused_inputs:
             return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                               gate=gate, variant=variant, qk_norm=True)
         if qk_norm:
-            from gdngen.layer_inputs import normalize_qk
-
-            q, k = normalize_qk(self.framework, q, k)
+            q, k = layer_inputs.normalize_qk(self.framework, q, k)
         return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
                           variant=variant)
 

@@ -396,14 +396,17 @@ def _call_context(sha256: str, gate: str, scale: float, poison: bool):
 
 
 @functools.cache
-def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = False):
+def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
     (gates ``[B,T,Hv]`` or, on per-channel kernels, ``[B,T,Hv,Dk]``, in their own convention,
-    already masked), with the generated backward as its ``jax.custom_vjp``."""
+    already masked; for a `gdngen.chunkwise.ParameterGate` ``(a, A_log, dt_bias)``, the log
+    gate computed in the core, `gdngen.backends.generated.custom_vjp_core`), with the
+    generated backward as its ``jax.custom_vjp``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    parameter_gate, gate = gate, chunkwise.convention(gate)
     kernels, workers, attrs, f32, log_gates = _call_context(sha256, gate, scale, poison)
     C = kernels.params["chunk_size"]
 
@@ -434,7 +437,7 @@ def _core(sha256: str, gate: str, scale: float, poison: bool, qk_norm: bool = Fa
             dq, dk = (x.reshape(B, T, Hk, P, Dk).sum(3) for x in (dq, dk))
         return dq, dk, dv, dg, dbeta, dS0
 
-    return generated.custom_vjp_core(forward, backward, qk_norm)
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)
 
 
 @functools.cache
@@ -658,7 +661,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     # a masked step is an identity step; its output is zeroed below
-    g, beta = chunkwise.fold_mask(jax_chunkwise.XP, g.astype(f32), beta.astype(f32), mask, gate)
+    g, beta = chunkwise.fold_mask(jax_chunkwise.XP, chunkwise.cast_gates(g, f32),
+                                  beta.astype(f32), mask, gate)
     poison = settings.flag(ENV_POISON)
     args = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
 
@@ -670,7 +674,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
         call = _recurrent(kernels.sha256, float(scale), poison)
 
         def recurrent(q, k, v, g, beta, S0):
-            return call(*normalized(q, k), v, jnp.exp(g) if gate == "log" else g, beta, S0)
+            return call(*normalized(q, k), v, chunkwise.linear_decay(jax_chunkwise.XP, g, gate),
+                        beta, S0)
 
         y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args)
     else:
@@ -689,5 +694,5 @@ SPEC = BackendSpec(
     name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
     entry=gated_delta, tolerances=TOLERANCES, device_kinds=("cpu",), dtypes=INPUT_DTYPES,
     gates=("scalar", "vector"), tuned_gates=("scalar", "vector"), render_plan=render_plan,
-    available=available, lower_check=lower_check, fused_inputs=("qk_norm",),
+    available=available, lower_check=lower_check, fused_inputs=("qk_norm", "gate"),
     packed_entry=packed_gated_delta, packed_gates=("scalar",))

@@ -27,9 +27,11 @@ def refuse_injection(backend: str, injected) -> None:
 def check_scalar_call(spec, q, k, v, g, beta, initial_state, mask, *, gate, scale):
     """`check_call` for the generated backend ``spec``: ``(CallShape, input dtype name)``;
     ValueError for vector gates (unless ``spec.gates`` has them) or a dtype the backend does
-    not take."""
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
-                       scale=scale)
+    not take. ``g`` may be a `gdngen.chunkwise.ParameterGate`'s tuple (its ``a`` is checked as
+    a log gate; the parameters were checked by `gdngen.layer_inputs`)."""
+    g = chunkwise.raw_gates(g)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=chunkwise.convention(gate),
+                       chunk_size=64, scale=scale)
     if shape.vector_gate and "vector" not in spec.gates:
         raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
                          f"{shape.Hv}): the {spec.name} backend implements scalar gates only")
@@ -119,7 +121,7 @@ def l2_normalized_vjp(xp, x, dx):
     return chunkwise.l2_normalize_vjp(xp, x.astype(f32), dx.astype(f32)).astype(x.dtype)
 
 
-def custom_vjp_core(forward, backward, qk_norm=False):
+def custom_vjp_core(forward, backward, qk_norm=False, gate=None):
     """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
     ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->
     cotangents of the primals``.
@@ -128,33 +130,41 @@ def custom_vjp_core(forward, backward, qk_norm=False):
     dtype) before ``forward``; it keeps the raw ones, and its backward recomputes the normalised
     ones behind an optimisation barrier (not merged with the forward's) and maps ``backward``'s
     dq, dk through the norm's VJP (`gdngen.chunkwise.l2_normalize_vjp`). For kernels whose
-    ``saved`` holds no copy of q, k, so no normalised q, k outlive the forward.
+    ``saved`` holds no copy of q, k, so no normalised q, k outlive the forward. ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``; the core computes
+    the log gate for ``forward`` (built for log gates) the same way, keeps only ``a`` and maps
+    the log gate's cotangent to the three (`gdngen.chunkwise.gates_vjp`).
     """
     import jax
 
     from gdngen.backends.jax_chunkwise import XP
 
-    def normalized(primals):
-        if not qk_norm:
-            return primals
-        q, k, *rest = primals
-        return l2_normalized(XP, q), l2_normalized(XP, k), *rest
+    recomputes = qk_norm or isinstance(gate, chunkwise.ParameterGate)
+
+    def inputs(primals):
+        q, k, v, gates, *rest = primals
+        if qk_norm:
+            q, k = l2_normalized(XP, q), l2_normalized(XP, k)
+        return (q, k, v, chunkwise.log_gates(XP, gates, gate)[0], *rest)
 
     @jax.custom_vjp
     def core(q, k, v, gates, beta, S0):
-        return forward(normalized((q, k, v, gates, beta, S0)))[0]
+        return forward(inputs((q, k, v, gates, beta, S0)))[0]
 
     def core_fwd(*primals):
-        outputs, saved = forward(normalized(primals))
+        outputs, saved = forward(inputs(primals))
         return outputs, (primals, saved)
 
     def core_bwd(residuals, cotangents):
         primals, saved = residuals
-        if not qk_norm:
+        if not recomputes:
             return backward(primals, saved, cotangents)
-        q, k = XP.barrier(primals[:2])
-        dq, dk, *rest = backward(normalized((q, k, *primals[2:])), saved, cotangents)
-        return l2_normalized_vjp(XP, q, dq), l2_normalized_vjp(XP, k, dk), *rest
+        primals = XP.barrier(primals)
+        dq, dk, dv, dgates, *rest = backward(inputs(primals), saved, cotangents)
+        q, k, _, gates, *_ = primals
+        if qk_norm:
+            dq, dk = l2_normalized_vjp(XP, q, dq), l2_normalized_vjp(XP, k, dk)
+        return dq, dk, dv, chunkwise.gates_vjp(XP, gates, gate, dgates), *rest
 
     core.defvjp(core_fwd, core_bwd)
     return core
@@ -186,7 +196,8 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     ``backend`` provides ``SPEC``, ``interpret_mode()``,
     ``load_kernels(variant, problem, templates_dir=)`` and ``_core((sha256, interpret), gate,
     scale, qk_norm)``. ``qk_norm``: q, k are raw and the core normalises them
-    (`custom_vjp_core`).
+    (`custom_vjp_core`). ``gate`` a `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log,
+    dt_bias)`` and the core computes the log gate (`custom_vjp_core`).
     """
     import jax.numpy as jnp
 
@@ -202,7 +213,8 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     core = backend._core((kernels.sha256, kernels.interpret), gate, float(scale), qk_norm)
     y, state = chunkwise.gated_delta(
-        XP, core, q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
+        XP, core, q, k.astype(q.dtype), v.astype(q.dtype), chunkwise.cast_gates(g, f32),
+        beta.astype(f32),
         initial_state.astype(f32), mask, scale=1.0, gate=gate,
         chunk_size=kernels.params["chunk_size"])
     return y.astype(q.dtype), state
@@ -245,7 +257,8 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    q32, k32, v32, g32, beta32, s0 = (x.astype(f32) for x in (q, k, v, g, beta, initial_state))
+    q32, k32, v32, beta32, s0 = (x.astype(f32) for x in (q, k, v, beta, initial_state))
+    g32 = chunkwise.cast_gates(g, f32)
     g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
 
     problem = problem_of(shape, dtype)
@@ -255,8 +268,8 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
 
     def recurrent(q, k, v, g, beta, S0):
         q, k = chunkwise.normalized_qk(jax_chunkwise.XP, q, k, 1.0 if qk_norm else None)
-        return recurrent_forward(problem, q, k, v, jnp.exp(g) if gate == "log" else g, beta,
-                                 S0)
+        return recurrent_forward(problem, q, k, v,
+                                 chunkwise.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
 
     def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
         if shape.vector_gate:

@@ -64,6 +64,8 @@ class XP(chunkwise.ArrayNamespace):
     def rsqrt(x):
         return jax.lax.rsqrt(x)
 
+    sigmoid = staticmethod(jax.nn.sigmoid)
+
     @staticmethod
     def barrier(arrays):
         return jax.lax.optimization_barrier(arrays)
@@ -92,41 +94,45 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scal
     triangular inverses) for the backward, or recompute them there (one more sequential pass,
     less memory). ``qk_scale`` (a float): q, k are the raw ones and the core L2-normalises
     them itself (`gdngen.chunkwise.normalized_qk`, q then times ``qk_scale``), keeping the raw
-    ones for its backward, which recomputes the normalised ones behind a barrier. ``walks``
+    ones for its backward, which recomputes the normalised ones behind a barrier. ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` and the log gate is
+    computed here, likewise kept only as ``a``. ``walks``
     (per-channel gates only): ``(walk_forward, walk_backward)`` replacing
     `gdngen.chunkwise_channel`'s default chunk walks (a generated backend's kernels; hashable).
     """
-    with FLOAT32_MATMULS:
-        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        Y, S_final, _ = chunkwise_channel.stages(gates).forward(XP, qn, kn, v, gates, beta, S0,
-                                                        gate=gate, solve_block=solve_block,
-                                                        **_walk(walks, 0))
-    return Y, S_final
+    return _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, False, qk_scale, walks)[0]
+
+
+def _recomputes(qk_scale, gate) -> bool:
+    """Whether the core computes layer inputs from its primals (then recomputed in its
+    backward behind a barrier, not merged with the forward's: nothing kept for them)."""
+    return qk_scale is not None or isinstance(gate, chunkwise.ParameterGate)
 
 
 def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale, walks):
+    primals = (q, k, v, gates, beta, S0)
     with FLOAT32_MATMULS:
-        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
-            XP, qn, kn, v, gates, beta, S0, gate=gate, solve_block=solve_block,
-            **_walk(walks, 0))
-    return (Y, S_final), (q, k, v, gates, beta, S0, residuals if save_states else None)
+        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
+        Y, S_final, residuals = chunkwise_channel.stages(arrays[3]).forward(
+            XP, *arrays, gate=algebra_gate, solve_block=solve_block, **_walk(walks, 0))
+    return (Y, S_final), (primals, residuals if save_states else None)
 
 
 def _core_bwd(gate, solve_block, save_states, qk_scale, walks, saved, cotangents):
-    q, k, v, gates, beta, S0, residuals = saved
+    primals, residuals = saved
     dY, dS_final = cotangents
     with FLOAT32_MATMULS:
-        if qk_scale is not None:  # not merged with the forward's norm: nothing kept for it
-            q, k = XP.barrier((q, k))
-        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        stages = chunkwise_channel.stages(gates)
+        if _recomputes(qk_scale, gate):
+            primals = XP.barrier(primals)
+        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
+        stages = chunkwise_channel.stages(arrays[3])
         if residuals is None:
-            residuals = stages.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
-                                       solve_block=solve_block, **_walk(walks, 0))[2]
-        dq, dk, *rest = stages.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
-                                        gate=gate, **_walk(walks, 1))
-        return (*chunkwise.normalized_qk_vjp(XP, q, k, dq, dk, qk_scale), *rest)
+            residuals = stages.forward(XP, *arrays, gate=algebra_gate, solve_block=solve_block,
+                                       **_walk(walks, 0))[2]
+        q, k, v, gates, beta, _ = arrays
+        cotangents = stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final,
+                                     gate=algebra_gate, **_walk(walks, 1))
+        return chunkwise.core_inputs_vjp(XP, primals, cotangents, qk_scale, gate)
 
 
 chunk_core.defvjp(_core_fwd, _core_bwd)

@@ -844,17 +844,23 @@ def _input_grads(env: dict, primals, gate: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=128)
-def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
+def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
           templates=None, qk_norm=False):
     """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
     passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP. ``templates``:
     a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made).
     ``qk_norm``: q, k are raw; the core L2-normalises them (float32, back in their dtype)
     before the kernels, and its VJP recomputes the normalised ones from the raw q, k and maps
-    the kernels' dq, dk through the norm's VJP (`gdngen.backends.generated.l2_normalized`)."""
+    the kernels' dq, dk through the norm's VJP (`gdngen.backends.generated.l2_normalized`).
+    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``; the core
+    computes the log gate for the kernels and its VJP recomputes it and maps its cotangent to
+    the three (`gdngen.chunkwise.gates_vjp`)."""
     import mlx.core as mx
 
+    from gdngen import chunkwise
     from gdngen.backends.mlx_chunkwise import XP
+
+    parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels' gate convention
 
     def normalized(x):
         return l2_normalized(XP, x) if qk_norm else x
@@ -876,8 +882,9 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
     @mx.custom_function
     def core(q, k, v, gates, beta, s0):
         plan = plan_for(v)
-        env = {"q": normalized(q), "k": normalized(k), "v": v, "g": gates, "beta": beta,
-               "s0": s0, "prm": prm}
+        env = {"q": normalized(q), "k": normalized(k), "v": v,
+               "g": chunkwise.log_gates(XP, gates, parameter_gate)[0], "beta": beta, "s0": s0,
+               "prm": prm}
         if hasattr(launcher, "prepare"):
             launcher.prepare(plan, env)
         env = _run(plan, plan.forward, env, launcher)
@@ -887,7 +894,8 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
-        q, k, v, gates, beta, s0 = primals
+        q, k, v, parameters, beta, s0 = primals
+        gates = chunkwise.log_gates(XP, parameters, parameter_gate)[0]
         plan = plan_for(v)
         N, B, Hk, r, C, Dv = v.shape
         Dk = q.shape[-1]
@@ -901,8 +909,9 @@ def _core(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
                "dsf": dS.reshape(B, Hv, Dv, Dk)}
         env.update(zip(plan.saved, outputs[2:]))
         env = _run(plan, plan.backward, env, launcher)
-        dq, dk, *rest = _input_grads(env, primals, gate)
-        return (raw_cotangent(q, dq), raw_cotangent(k, dk), *rest,
+        dq, dk, dv, dgates, dbeta = _input_grads(env, (q, k, v, gates, beta), gate)
+        return (raw_cotangent(q, dq), raw_cotangent(k, dk), dv,
+                chunkwise.gates_vjp(XP, parameters, parameter_gate, dgates), dbeta,
                 env["ds0"].reshape(s0.shape))
 
     return core
@@ -1014,7 +1023,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     return env["y_out"], env["final_state"]
 
 
-def _chunk_call(variant: Variant, problem: Problem, gate: str, scale: float, launcher,
+def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher,
                 templates=None, qk_norm=False):
     """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
     (API layout, inputs cast as `gated_delta` casts them; y in q's dtype); ``qk_norm``: q, k
@@ -1065,7 +1074,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     from gdngen.backends import mlx_chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
+    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
+                       gate=chunkwise.convention(gate), scale=scale)
     if variant is None or variant.backend != BACKEND:
         raise ValueError(f"variant must be a metal Variant, got {variant!r}")
     dt = dtype_name(q)
@@ -1077,8 +1087,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     f32 = mx.float32
     if initial_state is None:
         initial_state = mx.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    args = (q, k.astype(q.dtype), v.astype(q.dtype), g.astype(f32), beta.astype(f32),
-            initial_state.astype(f32))
+    args = (q, k.astype(q.dtype), v.astype(q.dtype), chunkwise.cast_gates(g, f32),
+            beta.astype(f32), initial_state.astype(f32))
 
     if shape.vector_gate:
         walks = ChannelWalks(variant, problem, launcher, settings.templates_override())
@@ -1097,7 +1107,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     def recurrent(q, k, v, g, beta, s0):
         if qk_norm:
             q, k = l2_normalized(XP, q), l2_normalized(XP, k)
-        decay = mx.exp(g) if gate == "log" else g  # exp(-inf) = 0 exactly
+        decay = chunkwise.linear_decay(XP, g, gate)  # exp(-inf) = 0 exactly
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
                                      problem=problem, launcher=launcher)
         return y.astype(q.dtype), state
@@ -1216,4 +1226,4 @@ SPEC = BackendSpec(
     gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, footprint=max_threadgroup_bytes,
     device_limit="threadgroup_memory", reference_device="apple-m1",
-    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm",))
+    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm", "gate"))

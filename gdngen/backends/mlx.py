@@ -10,4 +10,4 @@ from gdngen.backends import portable
 
 Config, gated_delta, SPEC = portable.declare("mlx", "mlx", "gdngen.backends.mlx_chunkwise",
                                              device_kinds=("cpu", "apple"),
-                                             fused_inputs=("qk_norm",))
+                                             fused_inputs=("qk_norm", "gate"))

@@ -52,6 +52,8 @@ class XP(chunkwise.ArrayNamespace):
     def rsqrt(x):
         return mx.rsqrt(x)
 
+    sigmoid = staticmethod(mx.sigmoid)
+
     @staticmethod
     def dot_last(a, b):
         """``(a * b).sum(-1)``, a last axis of n = 16 m > 16 summed as m sums of 16 then their
@@ -93,31 +95,33 @@ def chunk_core(gate, solve_block, save_states, walks=None, qk_scale=None):
     as its ``walk`` to every forward and backward. ``qk_scale`` (a float): q, k are the raw
     ones and the core L2-normalises them (`gdngen.chunkwise.normalized_qk`, q then times
     ``qk_scale``); its backward recomputes the normalised ones from the raw q, k (no
-    normalised copy outlives the forward) and returns the raw ones' cotangents.
+    normalised copy outlives the forward) and returns the raw ones' cotangents. ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``, the log gate is
+    computed here and recomputed in the backward the same way.
     """
     fwd, bwd = ({}, {}) if walks is None else ({"walk": walks[0]}, {"walk": walks[1]})
 
     @mx.custom_function
-    def core(q, k, v, gates, beta, S0):
-        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
-            XP, qn, kn, v, gates, beta, S0, gate=gate, solve_block=solve_block, **fwd)
+    def core(*primals):
+        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
+        Y, S_final, residuals = chunkwise_channel.stages(arrays[3]).forward(
+            XP, *arrays, gate=algebra_gate, solve_block=solve_block, **fwd)
         return (Y, S_final, *residuals)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
-        q, k, v, gates, beta, S0 = primals
-        qn, kn = chunkwise.normalized_qk(XP, q, k, qk_scale)
-        stages = chunkwise_channel.stages(gates)
+        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
+        stages = chunkwise_channel.stages(arrays[3])
         if save_states:
             residuals = tuple(outputs[2:])
         else:
-            residuals = stages.forward(XP, qn, kn, v, gates, beta, S0, gate=gate,
-                                       solve_block=solve_block, **fwd)[2]
+            residuals = stages.forward(XP, *arrays, gate=algebra_gate, solve_block=solve_block,
+                                       **fwd)[2]
+        q, k, v, gates, beta, _ = arrays
         dY, dS_final = cotangents[0], cotangents[1]
-        dq, dk, *rest = stages.backward(XP, qn, kn, v, gates, beta, residuals, dY, dS_final,
-                                        gate=gate, **bwd, **_grouped(stages))
-        return (*chunkwise.normalized_qk_vjp(XP, q, k, dq, dk, qk_scale), *rest)
+        grads = stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final,
+                                gate=algebra_gate, **bwd, **_grouped(stages))
+        return chunkwise.core_inputs_vjp(XP, primals, grads, qk_scale, gate)
 
     return core
 
@@ -234,7 +238,18 @@ def recurrent_or_chunkwise(recurrent, chunkwise_call):
 
     @switched.vjp
     def switched_vjp(primals, cotangents, outputs):
-        return tuple(mx.vjp(chunkwise_call, list(primals), list(cotangents))[1])
+        # mx.vjp takes a flat list: a ParameterGate's gates tuple spread out and regrouped
+        q, k, v, g, beta, S0 = primals
+        n = len(g) if isinstance(g, tuple) else 1
+
+        def flat_call(q, k, v, *rest):
+            gates = tuple(rest[:n]) if isinstance(g, tuple) else rest[0]
+            return chunkwise_call(q, k, v, gates, *rest[n:])
+
+        flat = [q, k, v, *(g if isinstance(g, tuple) else (g,)), beta, S0]
+        grads = mx.vjp(flat_call, flat, list(cotangents))[1]
+        dg = tuple(grads[3:3 + n]) if isinstance(g, tuple) else grads[3]
+        return (*grads[:3], dg, *grads[3 + n:])
 
     return switched
 

@@ -68,7 +68,7 @@ import types
 import warnings
 from dataclasses import dataclass
 
-from gdngen import settings
+from gdngen import chunkwise, settings
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.config import VariantConfig, recurrent_switch
@@ -553,7 +553,7 @@ def _cotangents(primals, grads, *, gate):
 
 
 @functools.cache
-def _core(key: tuple, gate: str, scale: float, qk_norm: bool = False):
+def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
     """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
     (sha256, interpret mode), with the generated backward as its ``jax.custom_vjp``. Layout
     changes and the gate epilogue are jitted on their own; each kernel module function is its
@@ -564,6 +564,7 @@ def _core(key: tuple, gate: str, scale: float, qk_norm: bool = False):
     with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only."""
     import jax.numpy as jnp
 
+    parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels take log gates
     kernels = _LOADED[key]
     interpret, p = kernels.interpret, kernels.params
     prepare = jit_pair(functools.partial(_to_kernel_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
@@ -598,7 +599,7 @@ def _core(key: tuple, gate: str, scale: float, qk_norm: bool = False):
                       interpret=interpret)
         return call_jitted(finish, primals, grads)
 
-    return generated.custom_vjp_core(forward, backward, qk_norm)
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)
 
 
 def _packed_layout(q, k, v, gates, beta, inject, *, gate, dk, dv):
@@ -816,4 +817,4 @@ SPEC = BackendSpec(
     gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
     render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
     footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100",
-    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm",))
+    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm", "gate"))

@@ -126,12 +126,13 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
     from gdngen.problem import check_call
 
     f32 = ops.FLOAT32
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=config.chunk_size, scale=scale)
+    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
+                       gate=chunkwise.convention(gate), chunk_size=config.chunk_size,
+                       scale=scale)
     if initial_state is None:
         initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    args = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
-            initial_state.astype(f32), mask)
+    args = (q.astype(f32), k.astype(f32), v.astype(f32), chunkwise.cast_gates(g, f32),
+            beta.astype(f32), initial_state.astype(f32), mask)
     chunk_params = {n: x for n, x in config.params().items() if n != "recurrent_below"}
     chunk_params["chunk_size"] = short_chunk(shape.T, config.chunk_size)
 

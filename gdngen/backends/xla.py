@@ -11,4 +11,4 @@ from gdngen.backends import portable
 
 Config, gated_delta, SPEC = portable.declare("xla", "jax", "gdngen.backends.jax_chunkwise",
                                              device_kinds=("cpu", "tpu", "gpu"),
-                                             fused_inputs=("qk_norm",))
+                                             fused_inputs=("qk_norm", "gate"))
