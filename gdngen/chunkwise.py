@@ -171,16 +171,18 @@ class ParameterGate:
         """``(da, dA_log, ddt_bias)`` from the log gate's cotangent ``dlog_g`` (like ``a``);
         the parameters' summed over the axes they broadcast along (`sum_to`).
 
-        softplus: d/dx = -rate sigmoid(x), d/dA_log = log g. sigmoid_bound, s = sigmoid(rate x):
-        d/dx = lower_bound s (1 - s) rate, d/dA_log = that times x. d/ddt_bias = d/da.
+        softplus: d/dx = -rate sigmoid(x), d/dA_log = log g. sigmoid_bound, z = rate x:
+        d/dx = lower_bound sigmoid'(z) rate, d/dA_log = that times x, with sigmoid'(z) =
+        sigmoid(z) sigmoid(-z) (no 1 - sigmoid(z) to cancel in the saturated tail). d/ddt_bias
+        = d/da.
         """
         live, x, rate = self._terms(xp, a, A_log, dt_bias)
         if self.lower_bound is None:
             da = -rate * xp.sigmoid(x) * dlog_g
             dlog_rate = -rate * xp.softplus(x) * dlog_g
         else:
-            s = xp.sigmoid(rate * x)
-            da = self.lower_bound * s * (1.0 - s) * rate * dlog_g
+            z = rate * x
+            da = self.lower_bound * xp.sigmoid(z) * xp.sigmoid(-z) * rate * dlog_g
             dlog_rate = da * x
         da, dlog_rate = (xp.where(live, d, 0.0) for d in (da, dlog_rate))
         return da, sum_to(dlog_rate, A_log.shape), sum_to(da, dt_bias.shape)

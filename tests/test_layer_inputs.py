@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from gdngen import layer_inputs, reference
+from gdngen import chunkwise, layer_inputs, reference
 from gdngen.validate import relative_error
 
 FRAMEWORKS = ("jax", "mlx")
@@ -311,6 +311,40 @@ def test_log_gate_is_stable_at_extreme_projections(fw):
     assert np.all(np.abs(fw.numpy(grad) - want_grad) <= 4e-6 * np.abs(want_grad))
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "sigmoid_bound"])
+def test_chunk_core_gate_vjp_at_extreme_projections(fw, lower_bound):
+    """The chunk cores' own gate (`gdngen.chunkwise.ParameterGate`): log gate and its VJP to a,
+    A_log, dt_bias against float64 from a = -80 to 80, per element within a few float32 ulps of
+    each value (the saturated sigmoid tail included: sigmoid'(z) is sigmoid(z) sigmoid(-z));
+    a = -inf, a masked or padded step, gives log g = 0 and zero cotangents, never NaN."""
+    xp = layer_inputs.namespace(fw.name)
+    gate = chunkwise.ParameterGate(lower_bound)
+    a = np.array([[-80.0, -50.0, -20.0, -1.0, 0.0, 1.0, 20.0, 50.0, 80.0, -np.inf]] * 2)
+    A_log, dt_bias = np.array([[1.5], [-0.5]]), np.array([[0.25], [-0.5]])  # [H, 1] vs a [H, 10]
+    dlog_g = np.linspace(-1.0, 2.0, a.size).reshape(a.shape)
+    live = np.isfinite(a)
+    rate, x = np.exp(A_log), np.where(live, a + dt_bias, 0.0)
+    if lower_bound is None:
+        want = -rate * _softplus(x)
+        want_da = -rate * _sigmoid(x) * dlog_g
+        want_dlog_rate = want * dlog_g
+    else:
+        z = rate * x
+        want = lower_bound * _sigmoid(z)
+        want_da = lower_bound * _sigmoid(z) * _sigmoid(-z) * rate * dlog_g
+        want_dlog_rate = want_da * x
+    want, want_da, want_dlog_rate = (np.where(live, w, 0.0) for w in
+                                     (want, want_da, want_dlog_rate))
+    args = [fw.array(v) for v in (a, A_log, dt_bias)]
+    got = fw.numpy(gate.log_gates(xp, *args))
+    da, dA_log, ddt_bias = (fw.numpy(d) for d in gate.vjp(xp, *args, fw.array(dlog_g)))
+    for name, g, w in (("log_g", got, want), ("da", da, want_da)):
+        assert np.all(np.isfinite(g)), name
+        assert np.all(np.abs(g - w) <= 8e-6 * np.abs(w) + 1e-30), (name, g, w)
+    np.testing.assert_allclose(dA_log, want_dlog_rate.sum(1, keepdims=True), rtol=1e-5)
+    np.testing.assert_allclose(ddt_bias, want_da.sum(1, keepdims=True), rtol=1e-5)
+
+
 def test_qk_norm_matches_mlx_lm_normalize_qk():
     """qk_norm's formula is mlx-lm's normalize_qk with inv_scale = Dk**-0.5 (k exactly; q
     carries the Dk**-0.5 readout scale there, passed as ``scale`` here)."""
@@ -419,25 +453,37 @@ def _fusing_variant(framework, backend, recurrent_below):
     spec = registry.get(backend)
     if not spec.available():
         pytest.skip(f"{backend} cannot run on this host")
-    assert "qk_norm" in spec.fused_inputs
+    assert {"qk_norm", "gate"} <= set(spec.fused_inputs)
     params = registry.default_variant(backend, Problem(Hk, Hv, Dk, Dv)).as_dict()
     return Variant(backend, dict(params, chunk_size=32, recurrent_below=recurrent_below))
 
 
-@pytest.mark.parametrize("framework, backend",
-                         [("jax", "portable"), ("jax", "ffi_cpu"), ("mlx", "portable"),
-                          ("jax", "pallas_tpu"), ("jax", "pallas_gpu")])
+FUSING_BACKENDS = [("jax", "portable"), ("jax", "ffi_cpu"), ("mlx", "portable"),
+                   ("jax", "pallas_tpu"), ("jax", "pallas_gpu")]
+
+
+@pytest.mark.parametrize("framework, backend", FUSING_BACKENDS)
 @pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
-@pytest.mark.parametrize("name", ["qk_norm_only", "softplus_per_head"])
-def test_qk_norm_fused_into_the_chunk_core(name, path, framework, backend):
-    """xla, mlx, ffi_cpu, pallas_tpu and pallas_gpu (interpret mode here) take ``qk_norm`` raw
-    (`BackendSpec.fused_inputs`): the chunk core normalises q, k itself and its backward
-    recomputes them; a short call's forward normalises before its recurrent kernel. Values and
-    gradients against float64 (metal: `test_metal_fuses_qk_norm`)."""
+@pytest.mark.parametrize("name", ["qk_norm_only", "softplus_per_head", "sigmoid_bound_per_head",
+                                  "softplus_per_channel_kimi"])
+def test_layer_inputs_fused_into_the_chunk_core(name, path, framework, backend, monkeypatch):
+    """xla, mlx, ffi_cpu, pallas_tpu and pallas_gpu (interpret mode here) take ``qk_norm`` and
+    a parameterised gate raw (`BackendSpec.fused_inputs`): the chunk core normalises q, k and
+    computes the log gate from ``(a, A_log, dt_bias)`` itself, and its backward recomputes them;
+    a short call's forward computes them before its recurrent kernel. Nothing computes the gate
+    outside the backend (`gdngen.layer_inputs.computed_gate` only passes gates through). Values
+    and gradients against float64 (metal: `test_metal_fuses_layer_inputs`)."""
     fw = Framework(framework)
-    variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
     setup = SETUPS[name]
+    variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
     assert setup.options["qk_norm"]
+    computed = layer_inputs.computed_gate
+
+    def passes_gates_through(framework, g, gate):
+        assert not isinstance(gate, chunkwise.ParameterGate), "gate computed before the call"
+        return computed(framework, g, gate)
+
+    monkeypatch.setattr(layer_inputs, "computed_gate", passes_gates_through)
     dy, dstate = _cotangents()
     y_ref, state_ref, grads_ref, _ = reference_forward_and_grads(setup, dy, dstate)
     names = [n for n in ARRAY_NAMES if n in setup.arrays]
@@ -458,13 +504,15 @@ def test_qk_norm_fused_into_the_chunk_core(name, path, framework, backend):
     assert worst[1] <= RTOL, (name, path, worst)
 
 
+@pytest.mark.parametrize("gate", ["log", "softplus"])
 @pytest.mark.parametrize("vector", [False, True], ids=["scalar", "vector"])
 @pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
-def test_metal_fuses_qk_norm(path, vector):
-    """metal (its MSL simulator here; Dk a multiple of 32) takes ``qk_norm`` raw: its chunk
-    core (scalar gates) or the per-channel path's core normalises q, k and its VJP maps the
-    kernels' dq, dk through the norm's VJP; the recurrent kernel gets them normalised first.
-    Values and the gradients of raw q, k, v, g and beta against float64."""
+def test_metal_fuses_layer_inputs(path, vector, gate):
+    """metal (its MSL simulator here; Dk a multiple of 32) takes ``qk_norm`` and a
+    parameterised gate raw: its chunk core (scalar gates) or the per-channel path's core
+    normalises q, k and computes the log gate from ``(a, A_log, dt_bias)``, and its VJP maps
+    the kernels' dq, dk, dlog g back to the raw arrays; the recurrent kernel gets them computed
+    first. Values and the gradients of every raw array against float64."""
     import mlx.core as mx
 
     from gdngen import Variant, reference, registry
@@ -473,34 +521,54 @@ def test_metal_fuses_qk_norm(path, vector):
 
     Tm, Hkm, Hvm, D = 40, 1, 2, 32
     rng = np.random.default_rng(21)
+    gate_shape = (1, Tm, Hvm) + ((D,) if vector else ())
     x = {"q": rng.standard_normal((1, Tm, Hkm, D)), "k": rng.standard_normal((1, Tm, Hkm, D)),
-         "v": rng.standard_normal((1, Tm, Hvm, D)),
-         "g": -rng.uniform(0.0, 0.5, (1, Tm, Hvm) + ((D,) if vector else ())),
+         "v": rng.standard_normal((1, Tm, Hvm, D)), "g": -rng.uniform(0.0, 0.5, gate_shape),
          "beta": rng.uniform(0.1, 1.0, (1, Tm, Hvm))}
+    names = ["q", "k", "v", "g", "beta"]
+    if gate == "softplus":  # mlx-lm's Kimi Linear shapes for a per-channel gate
+        x["g"] = rng.standard_normal(gate_shape)
+        x["A_log"] = rng.standard_normal((Hvm, 1) if vector else (Hvm,)) * 0.5
+        x["dt_bias"] = rng.standard_normal((Hvm, D) if vector else (Hvm,)) * 0.5
+        names += ["A_log", "dt_bias"]
     dy = rng.standard_normal((1, Tm, Hvm, D))
     problem = Problem(Hkm, Hvm, D, D, gate="vector" if vector else "scalar")
     params = registry.default_variant("metal", problem).as_dict()
     variant = Variant("metal", dict(params, chunk_size=32, recurrent_below=(
         0 if path == "chunkwise" else Tm + 1)))
-    names = ("q", "k", "v", "g", "beta")
     args = [mx.array(x[n].astype(np.float32)) for n in names]
 
+    def run(q, k, v, g, beta, *parameters):
+        if parameters:
+            g, parameter_gate = (g, *parameters), chunkwise.ParameterGate()
+        return metal.gated_delta(q, k, v, g, beta, scale=D ** -0.5, variant=variant,
+                                 qk_norm=True, gate=parameter_gate if parameters else "log")
+
     def loss(*a):
-        y, state = metal.gated_delta(*a, scale=D ** -0.5, variant=variant, qk_norm=True)
+        y, state = run(*a)
         return (y * mx.array(dy.astype(np.float32))).sum() + state.sum()
 
-    grads = mx.grad(loss, argnums=list(range(5)))(*args)
+    grads = mx.grad(loss, argnums=list(range(len(names))))(*args)
     qn, kn = (x[n] / np.sqrt((x[n] ** 2).sum(-1, keepdims=True) + layer_inputs.QK_NORM_EPS)
               for n in ("q", "k"))
-    ref = reference.vjp(qn, kn, x["v"], x["g"], x["beta"], None, dy,
+    log_g = x["g"]
+    if gate == "softplus":
+        pre = x["g"] + x["dt_bias"]
+        log_g = -np.exp(x["A_log"]) * _softplus(pre)
+    ref = reference.vjp(qn, kn, x["v"], log_g, x["beta"], None, dy,
                         np.ones((1, Hvm, D, D)), scale=D ** -0.5)
     # the reference's dq, dk are w.r.t. the normalised q, k: through the norm's VJP
     for n, xn in (("q", qn), ("k", kn)):
         d = ref[f"d{n}"]
         norm = np.sqrt((x[n] ** 2).sum(-1, keepdims=True) + layer_inputs.QK_NORM_EPS)
         ref[f"d{n}"] = (d - xn * (xn * d).sum(-1, keepdims=True)) / norm
+    if gate == "softplus":  # chain rule through log g = -exp(A_log) softplus(a + dt_bias)
+        dlog_g = ref["dg"]
+        ref["dg"] = -np.exp(x["A_log"]) * _sigmoid(pre) * dlog_g
+        ref["dA_log"] = _sum_to(dlog_g * log_g, x["A_log"].shape)
+        ref["ddt_bias"] = _sum_to(ref["dg"], x["dt_bias"].shape)
     errors = {n: relative_error(np.array(gr), ref[f"d{n}"]) for n, gr in zip(names, grads)}
-    y, _ = metal.gated_delta(*args, scale=D ** -0.5, variant=variant, qk_norm=True)
+    y, _ = run(*args)
     errors["y"] = relative_error(np.array(y), ref["y"])
     assert max(errors.values()) <= RTOL, errors
 
@@ -510,7 +578,6 @@ def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward(backend):
     """Under ``jax.vjp`` (the forward's residuals kept for the backward), the chunk core with
     the fused norm keeps the raw q, k only: its residuals are smaller by the normalised q and
     k (and the norm's per-row factors) than with the norm computed before the call."""
-    import jax
     import jax.numpy as jnp
 
     from gdngen.jax import gated_delta
@@ -530,12 +597,53 @@ def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward(backend):
         return gated_delta(*layer_inputs.normalize_qk("jax", q, k), v, g, beta,
                            variant=variant)
 
-    def residual_bytes(fn):
-        _, vjp = jax.vjp(fn, q, k)
-        return sum(x.nbytes for x in jax.tree.leaves(vjp))
-
     # outside, autodiff keeps the normalised q, k (and per-row factors of the norm's VJP)
-    saved = residual_bytes(outside) - residual_bytes(fused)
+    saved = _residual_bytes(outside, q, k) - _residual_bytes(fused, q, k)
     assert q.nbytes + k.nbytes <= saved < (q.nbytes + k.nbytes) * 1.25
     np.testing.assert_allclose(np.asarray(fused(q, k)[0]), np.asarray(outside(q, k)[0]),
                                rtol=1e-5, atol=1e-6)
+
+
+def _residual_bytes(fn, *args):
+    """Bytes ``jax.vjp(fn, *args)`` keeps for the backward."""
+    import jax
+
+    _, vjp = jax.vjp(fn, *args)
+    return sum(x.nbytes for x in jax.tree.leaves(vjp))
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("backend", ["portable", "ffi_cpu", "pallas_tpu", "pallas_gpu"])
+def test_fused_gate_keeps_no_log_gate_for_the_backward(backend, vector):
+    """Under ``jax.vjp``, the chunk core given ``gate="softplus"`` keeps the raw projection
+    ``a`` (and A_log, dt_bias) only: computing the log gate before the call keeps the log gate
+    as the core's input and autodiff's residuals of softplus on top, at least one more
+    gate-sized array (a per-channel gate is the size of k)."""
+    import jax.numpy as jnp
+
+    from gdngen.jax import gated_delta
+
+    rng = np.random.default_rng(4)
+    Tl = 256
+    q, k = (jnp.asarray(rng.standard_normal((B, Tl, Hk, Dk)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, Tl, Hv, Dv)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((B, Tl, Hv) + ((Dk,) if vector else ())), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (B, Tl, Hv)), jnp.float32)
+    A_log = jnp.asarray(rng.standard_normal((Hv, 1) if vector else (Hv,)) * 0.5, jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal((Hv, Dk) if vector else (Hv,)), jnp.float32)
+    variant = _fusing_variant("jax", backend, 0)
+
+    def fused(a, A_log, dt_bias):
+        return gated_delta(q, k, v, a, beta, gate="softplus", A_log=A_log, dt_bias=dt_bias,
+                           variant=variant)
+
+    def outside(a, A_log, dt_bias):
+        log_g = layer_inputs.log_gate(layer_inputs.namespace("jax"), a, A_log, dt_bias)
+        return gated_delta(q, k, v, log_g, beta, variant=variant)
+
+    saved = (_residual_bytes(outside, a, A_log, dt_bias)
+             - _residual_bytes(fused, a, A_log, dt_bias))
+    # measured: 5.25 gate-sized arrays (log g, then softplus's exp / sigmoid factors)
+    assert saved >= 2 * a.nbytes, (saved, a.nbytes)
+    for got, want in zip(fused(a, A_log, dt_bias), outside(a, A_log, dt_bias)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
