@@ -214,8 +214,7 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     core = backend._core((kernels.sha256, kernels.interpret), gate, float(scale), qk_norm)
     y, state = chunkwise.gated_delta(
         XP, core, q, k.astype(q.dtype), v.astype(q.dtype), chunkwise.cast_gates(g, f32),
-        beta.astype(f32),
-        initial_state.astype(f32), mask, scale=1.0, gate=gate,
+        beta.astype(f32), initial_state.astype(f32), mask, scale=1.0, gate=gate,
         chunk_size=kernels.params["chunk_size"])
     return y.astype(q.dtype), state
 
