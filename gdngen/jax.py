@@ -57,7 +57,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
         "jax", q, k, v, g, beta, None if packed else initial_state, mask, gate=gate,
         qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         beta_activation=beta_activation, scale=scale, defer_qk_norm=True,
-        defer_gate=packed or sharding.runs_whole(context_axis))
+        defer_gate=sharding.runs_whole({"q": q, "k": k, "v": v, "g": g, "beta": beta,
+                                        "initial_state": initial_state, "mask": mask,
+                                        "A_log": A_log, "dt_bias": dt_bias}, context_axis))
     shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
                        gate=chunkwise.convention(gate),
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,

@@ -99,15 +99,17 @@ def run(call, arrays: dict, shape, *, context_axis):
     return call(**arrays)
 
 
-def runs_whole(context_axis) -> bool:
-    """Whether `run` hands its arrays to the call as they are whatever they hold: no context
-    axis, no manual mesh axes, and one device (or partitioning off). Only then does the gate
-    travel as its raw projection and parameters (`gdngen.layer_inputs.prepare`'s
-    ``defer_gate``); a sharded call gets the log gate, placed like g."""
+def runs_whole(arrays: dict, context_axis) -> bool:
+    """Whether `run` hands ``arrays`` to the call as they are: no context axis, no manual mesh
+    axes, and one device, partitioning off, or concrete arrays on one device (an eager call).
+    Only then does the gate travel as its raw projection and parameters
+    (`gdngen.layer_inputs.prepare`'s ``defer_gate``); a sharded or partitioned call gets the
+    log gate, placed like g."""
     import jax
 
     return (context_axis is None and not manual_axes()
-            and (jax.device_count() == 1 or settings.flag(settings.ENV_NO_PARTITIONING)))
+            and (jax.device_count() == 1 or settings.flag(settings.ENV_NO_PARTITIONING)
+                 or _on_one_device(arrays)))
 
 
 def _on_one_device(arrays: dict) -> bool:

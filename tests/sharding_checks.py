@@ -9,7 +9,7 @@ as the mode says — "shard_map" over data x heads, "jit" of inputs sharded over
 case's own inputs (a case without an initial state passes None), and each case also reports
 its largest difference to the one-device call. "jit" / "explicit" also report the collectives
 in the compiled forward + VJP and the output specs. Other modes: "errors", "communication",
-"lower_gpu", "vmap" (see their functions).
+"lower_gpu", "vmap", "layer_inputs" (see their functions).
 """
 
 from __future__ import annotations
@@ -214,6 +214,80 @@ def vmap_on_many_devices(backend: str) -> dict:
     return {"max_relative_difference": max(diffs), "n": len(diffs)}
 
 
+def layer_inputs_on_many_devices(backend: str) -> dict:
+    """The fused layer inputs (qk_norm, gate="softplus", beta logits) on this many-device
+    host, against the same loss with the inputs computed outside the op on one device
+    (relative differences): an eager forward on one device (concrete arrays: the chunk core
+    computes the norm and the gate, `gdngen.sharding.runs_whole`); the value and every
+    gradient of a differentiated call on one device, of a jit over inputs sharded over data x
+    heads (traced calls on a many-device host take the partitioned path: the gate is computed
+    before the call there, the norm inside the core) and inside a shard_map over heads
+    (A_log, dt_bias the shard's heads); and the bytes ``jax.vjp`` keeps, fused against
+    outside."""
+    from gdngen import layer_inputs
+
+    rng = np.random.default_rng(2)
+    B, T, Hk, Hv, D = 2, 40, 4, 8, 16  # one key head, two value heads per shard
+    q, k = (jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32)
+    a, b = (jnp.asarray(rng.standard_normal((B, T, Hv)), jnp.float32) for _ in range(2))
+    A_log, dt_bias = (jnp.asarray(rng.standard_normal(Hv) * 0.5, jnp.float32) for _ in range(2))
+    variant = registry.default_variant(backend, Problem(Hk, Hv, D, D, "float32", "scalar"))
+    args = (q, k, v, a, b, A_log, dt_bias)
+
+    def fused(q, k, v, a, b, A_log, dt_bias):
+        y, S = gated_delta(q, k, v, a, b, qk_norm=True, gate="softplus", A_log=A_log,
+                           dt_bias=dt_bias, beta_activation="sigmoid", variant=variant)
+        return (y * y).sum() + (S * S).sum()
+
+    def outside(q, k, v, a, b, A_log, dt_bias):
+        xp = layer_inputs.namespace("jax")
+        qn, kn = (layer_inputs.l2_normalize(xp, x) for x in (q, k))
+        log_g = layer_inputs.log_gate(xp, a, A_log, dt_bias)
+        y, S = gated_delta(qn, kn, v, log_g, jax.nn.sigmoid(b), variant=variant)
+        return (y * y).sum() + (S * S).sum()
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "heads"))
+    token, head = NamedSharding(mesh, P("data", None, "heads")), NamedSharding(mesh, P("heads"))
+    placed = [jax.device_put(x, token if x.ndim > 1 else head) for x in args]
+    specs = tuple(P("data", None, "heads") if x.ndim > 1 else P("heads") for x in args)
+
+    def per_shard(*xs):
+        value, grads = jax.value_and_grad(fused, argnums=tuple(range(7)))(*xs)
+        return jax.lax.psum(value, ("data", "heads")), grads
+
+    def forward(q, k, v, a, b, A_log, dt_bias):
+        return gated_delta(q, k, v, a, b, qk_norm=True, gate="softplus", A_log=A_log,
+                           dt_bias=dt_bias, beta_activation="sigmoid", variant=variant)
+
+    xp = layer_inputs.namespace("jax")
+    want_forward = gated_delta(*(layer_inputs.l2_normalize(xp, x) for x in (q, k)), v,
+                               layer_inputs.log_gate(xp, a, A_log, dt_bias), jax.nn.sigmoid(b),
+                               variant=variant)
+    grad_all = jax.value_and_grad
+    want = jax.jit(grad_all(outside, argnums=tuple(range(7))))(*args)
+    got = {"eager": grad_all(fused, argnums=tuple(range(7)))(*args),
+           "jit_sharded": jax.jit(grad_all(fused, argnums=tuple(range(7))))(*placed),
+           "shard_map": jax.jit(jax.shard_map(
+               per_shard, mesh=mesh, in_specs=specs, out_specs=(P(), specs)))(*placed)}
+
+    def difference(x, y):
+        return float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
+
+    def residual_bytes(fn):
+        return sum(x.nbytes for x in jax.tree.leaves(jax.vjp(fn, *args)[1]))
+
+    differences = {name: max(difference(x, y) for x, y in
+                             zip(jax.tree.leaves(out), jax.tree.leaves(want)))
+                   for name, out in got.items()}
+    differences["eager_forward"] = max(difference(x, y) for x, y in
+                                       zip(forward(*args), want_forward))
+    return {"differences": differences,
+            "residual_bytes": {"fused": residual_bytes(fused),
+                               "outside": residual_bytes(outside)},
+            "qk_bytes": int(q.nbytes + k.nbytes)}
+
+
 def _problem_arrays(B, T, Hk, Hv, D, seed=0):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32)
@@ -296,6 +370,8 @@ def main(request: dict) -> dict:
         return pallas_gpu_lowering()
     if request["mode"] == "vmap":
         return vmap_on_many_devices(request["backend"])
+    if request["mode"] == "layer_inputs":
+        return layer_inputs_on_many_devices(request["backend"])
     report = {"cases": {}}
     runner = runner_for(request["mode"], request["backend"], request.get("check_vma", True),
                         report)

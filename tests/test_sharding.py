@@ -140,6 +140,20 @@ def test_vmap_on_a_many_device_host():
     assert report["n"] == 6 and report["max_relative_difference"] < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["xla", "ffi_cpu"])
+def test_layer_inputs_on_a_many_device_host(backend):
+    """qk_norm, the softplus gate and beta logits on 8 devices: an eager one-device forward
+    (the chunk core computes them), a differentiated one-device call, a jit of inputs sharded
+    over data x heads and a shard_map over heads (A_log, dt_bias per shard) give the value and
+    every gradient of the same loss with the inputs computed outside the op; the fused norm
+    keeps no normalised q, k for the backward there either."""
+    report = run_checks({"mode": "layer_inputs", "backend": backend})
+    assert set(report["differences"]) == {"eager_forward", "eager", "jit_sharded", "shard_map"}
+    assert max(report["differences"].values()) < 1e-5, report["differences"]
+    saved = report["residual_bytes"]["outside"] - report["residual_bytes"]["fused"]
+    assert saved >= report["qk_bytes"], report["residual_bytes"]
+
+
 def test_pallas_gpu_lowers_under_checked_shard_map():
     report = run_checks({"mode": "lower_gpu"})
     assert report["triton_calls"] >= 3  # forward, residuals / state grads, chunk grads
