@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gdngen import chunkwise, layer_inputs, packed, registry, settings
+from gdngen import layer_inputs, packed, registry, settings
 from gdngen.problem import CallShape, check_call, check_framework, dtype_name
 from gdngen.variant import Problem, Variant, problem_of
 
@@ -189,8 +189,7 @@ def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     ``gate`` a `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)``, the log gate
     computed by the backend; ``cu_seqlens``: a packed row; `gdngen.spec.BackendSpec.run`)."""
     check_framework(framework)
-    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
-                       gate=chunkwise.convention(gate),
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
     chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gdngen import chunkwise, layer_inputs, sharding
+from gdngen import layer_inputs, sharding
 from gdngen.dispatch import call
 from gdngen.problem import check_call
 
@@ -60,8 +60,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
         defer_gate=sharding.runs_whole({"q": q, "k": k, "v": v, "g": g, "beta": beta,
                                         "initial_state": initial_state, "mask": mask,
                                         "A_log": A_log, "dt_bias": dt_bias}, context_axis))
-    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
-                       gate=chunkwise.convention(gate),
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
     if packed:

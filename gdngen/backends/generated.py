@@ -27,11 +27,10 @@ def refuse_injection(backend: str, injected) -> None:
 def check_scalar_call(spec, q, k, v, g, beta, initial_state, mask, *, gate, scale):
     """`check_call` for the generated backend ``spec``: ``(CallShape, input dtype name)``;
     ValueError for vector gates (unless ``spec.gates`` has them) or a dtype the backend does
-    not take. ``g`` may be a `gdngen.chunkwise.ParameterGate`'s tuple (its ``a`` is checked as
-    a log gate; the parameters were checked by `gdngen.layer_inputs`)."""
+    not take. ``g`` may be a `gdngen.chunkwise.ParameterGate`'s tuple (`check_call`)."""
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
+                       scale=scale)
     g = chunkwise.raw_gates(g)
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=chunkwise.convention(gate),
-                       chunk_size=64, scale=scale)
     if shape.vector_gate and "vector" not in spec.gates:
         raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
                          f"{shape.Hv}): the {spec.name} backend implements scalar gates only")

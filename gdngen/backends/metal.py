@@ -1074,8 +1074,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     from gdngen.backends import mlx_chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
-    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
-                       gate=chunkwise.convention(gate), scale=scale)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
     if variant is None or variant.backend != BACKEND:
         raise ValueError(f"variant must be a metal Variant, got {variant!r}")
     dt = dtype_name(q)
