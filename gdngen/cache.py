@@ -228,6 +228,13 @@ def parse(text: str, path: str | os.PathLike = "<text>") -> dict:
 _warned: set = set()
 _parsed: dict = {}  # path -> ((mtime_ns, size, ino), entries)
 _loaded: dict = {}  # (device, paths) -> (stamps, Loaded)
+_writes = [0]  # tuned files written by this process (`writes`)
+
+
+def writes() -> int:
+    """How many times this process has written a tuned file (`write_entry`, `merge_files`): a
+    memo of what the files say is stale when this changed since it was made."""
+    return _writes[0]
 
 
 def clear_memo() -> None:
@@ -310,7 +317,7 @@ class Loaded:
 def file_stamps(device: str, dirs=None) -> tuple:
     """The stat stamps of ``device``'s tuned files (a change in any means: look again)."""
     return tuple(_stamp(path) for path in _tuned_paths(
-        device, tuple(map(str, tuned_dirs() if dirs is None else dirs))))
+        device, tuple(tuned_dirs() if dirs is None else dirs)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -421,6 +428,7 @@ def _merge_into(device: str, incoming, directory, prefer) -> tuple[Path, list]:
         data = {"format": FORMAT, "device": device,
                 "entries": {k: entries[k] for k in sorted(entries)}}
         atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        _writes[0] += 1
     return path, written
 
 

@@ -25,6 +25,7 @@ gives an exact 0.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,6 +83,12 @@ class ArrayNamespace:
         """``(a * b).sum(-1)`` with numpy broadcasting: the recurrent step's state-vector
         products (`recurrent_forward`)."""
         return (a * b).sum(axis=-1)
+
+    @classmethod
+    def compiled(cls, step):
+        """``step(xp, *arrays)`` bound to this namespace, as the framework best runs an eagerly
+        called small function (`recurrent_step`); here as it is (JAX traces it anyway)."""
+        return functools.partial(step, cls)
 
     @classmethod
     def scatter_add(cls, n, index, values):
@@ -203,6 +210,13 @@ def log_gates(xp, gates, gate):
     if isinstance(gate, ParameterGate):
         return gate.log_gates(xp, *gates), "log"
     return gates, gate
+
+
+def computes_layer_inputs(qk_norm: bool, gate) -> bool:
+    """Whether a chunk core computes layer inputs from its primals (the q/k norm, a
+    `ParameterGate`'s log gate): its backward then recomputes them behind ``xp.barrier`` (not
+    merged with the forward's), and nothing is kept for them."""
+    return qk_norm or isinstance(gate, ParameterGate)
 
 
 def gates_vjp(xp, gates, gate, dgates):
@@ -664,38 +678,62 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     return y, S_final.reshape(B, Hv, Dv, Dk)
 
 
+def recurrent_step(xp, S, q_t, k_t, v_t, a_t, beta_t):
+    """One step of the recurrence on the state grouped by key head, every operand shaped to
+    broadcast against it (`recurrent_forward`): ``S [B,Hk,r,Dv,Dk]``; q_t, k_t ``[B,Hk,1,1,Dk]``
+    (q scaled); v_t ``[B,Hk,r,Dv]``; a_t the step's decay of the state's columns, ``[B,Hk,r,1,1]``
+    (scalar gate) or ``[B,Hk,r,1,Dk]``; beta_t ``[B,Hk,r,1]``. Returns ``(S', y_t [B,Hk,r,Dv])``.
+    It reads the state twice and writes it once: ``u = beta (v - S (a k))``, ``S' = S diag(a) +
+    u k^T`` and ``y = S' q = S (a q) + u (k.q)`` (expanded, so S' is not read again)."""
+    if a_t.shape[-1] == 1:  # a scalar decay scales the products, not the state's operand
+        Sk = a_t[..., 0] * xp.dot_last(S, k_t)  # [B, Hk, r, Dv]
+        Sq = a_t[..., 0] * xp.dot_last(S, q_t)
+    else:
+        Sk = xp.dot_last(S, a_t * k_t)
+        Sq = xp.dot_last(S, a_t * q_t)
+    u = beta_t * (v_t - Sk)
+    y_t = Sq + u * (k_t * q_t).sum(axis=-1)
+    return S * a_t + u[..., None] * k_t, y_t
+
+
 def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate):
     """The recurrence's forward one step at a time, the state carried whole (the portable
     backends' recurrent path; no VJP of its own, see `gdngen.config.recurrent_switch`).
 
     float32 arrays in the API layout, masked steps already folded into g and beta
     (`fold_mask`); g scalar ``[B,T,Hv]`` or per-channel ``[B,T,Hv,Dk]``. Returns ``(y [B,T,Hv,Dv],
-    S_T)``. With a the step's decay of the state's columns (q already scaled), each step reads
-    the state twice and writes it once: ``u = beta (v - S (a k))``, ``S' = S diag(a) + u k^T``,
-    and ``y = S' q = S (a q) + u (k.q)`` (expanded, so S' is not read again).
+    S_T)``. Each step is `recurrent_step` on the value heads grouped by key head (reshapes
+    only: q and k broadcast, never repeated), made one fused kernel where the framework
+    compiles eagerly called functions (``xp.compiled``); a single step (decode) is one such
+    call, its reshapes included (`single_step`).
     """
-    r = v.shape[2] // q.shape[2]
     a = linear_decay(xp, g, gate)  # exp of log g <= 0 only; -inf gives exactly 0
-    q, k = (xp.repeat(x, r, axis=2) for x in (q * scale, k))
-    per_channel = a.ndim == 4
+    if q.shape[1] == 1:
+        return xp.compiled(single_step)(q, k, v, a, beta, initial_state, scale)
+    B, T, Hv, Dv = v.shape
+    S0, xs = _grouped_by_key_head(q, k, v, a, beta, initial_state, scale)
+    step = xp.compiled(recurrent_step)
+    S, y = xp.scan(lambda S, x: step(S, *x), S0, tuple(x.swapaxes(0, 1) for x in xs), False)
+    return y.swapaxes(0, 1).reshape(B, T, Hv, Dv), S.reshape(initial_state.shape)
 
-    def step(S, xs):
-        q_t, k_t, v_t, a_t, beta_t = xs  # [B, Hv, Dk] / [B, Hv, Dv] / a [B, Hv(, Dk)], [B, Hv]
-        if per_channel:
-            Sk = xp.dot_last(S, (a_t * k_t)[..., None, :])  # [B, Hv, Dv]
-            Sq = xp.dot_last(S, (a_t * q_t)[..., None, :])
-            decay = a_t[..., None, :]
-        else:
-            Sk = a_t[..., None] * xp.dot_last(S, k_t[..., None, :])
-            Sq = a_t[..., None] * xp.dot_last(S, q_t[..., None, :])
-            decay = a_t[..., None, None]
-        u = beta_t[..., None] * (v_t - Sk)
-        y_t = Sq + u * (k_t * q_t).sum(axis=-1)[..., None]
-        return S * decay + u[..., None] * k_t[..., None, :], y_t
 
-    S, y = xp.scan(step, initial_state, tuple(x.swapaxes(0, 1) for x in (q, k, v, a, beta)),
-                   False)
-    return y.swapaxes(0, 1), S
+def single_step(xp, q, k, v, a, beta, initial_state, scale):
+    """`recurrent_forward` of a one-step call (``a`` the decay), in the API layout."""
+    S0, xs = _grouped_by_key_head(q, k, v, a, beta, initial_state, scale)
+    S, y = recurrent_step(xp, S0, *(x.reshape(x.shape[:1] + x.shape[2:]) for x in xs))
+    return y.reshape(v.shape), S.reshape(initial_state.shape)
+
+
+def _grouped_by_key_head(q, k, v, a, beta, initial_state, scale):
+    """``(S0, (q, k, v, a, beta))`` from the API layout, shaped as `recurrent_step` takes them
+    with the time axis after B: value head h = j r + i is (j, i)."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    r = Hv // Hk
+    return initial_state.reshape(B, Hk, r, Dv, Dk), (
+        (q * scale).reshape(B, T, Hk, 1, 1, Dk), k.reshape(B, T, Hk, 1, 1, Dk),
+        v.reshape(B, T, Hk, r, Dv), a.reshape(B, T, Hk, r, 1, a.shape[3] if a.ndim == 4 else 1),
+        beta.reshape(B, T, Hk, r, 1))
 
 
 def sequential_gated_delta(xp, q, k, v, g, beta, initial_state, mask, *, scale, gate):

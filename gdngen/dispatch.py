@@ -9,15 +9,19 @@ CPU host with a compiler, pallas_tpu on a TPU, pallas_gpu on an NVIDIA GPU, meta
 GPU — else the framework's portable path). Setting ``GDNGEN_NO_TUNED=1`` skips the cache.
 
 The decision is memoised per (framework, shape class, T bucket, device, precision) and dropped
-when a tuned file of the device changes (its stat stamp), so at decode length it costs a few
-``stat`` calls and a dictionary lookup. `load_tuned` returns a callable doing the same per call
-for a chosen device and precision policy; `TunedGatedDelta.explain` says what it picked and why.
+when a tuned file of the device changes: at once when this process wrote it
+(`gdngen.cache.writes`), else at the next stat of the files' stamps, at most `RESTAT_S` after
+the last; so at decode length it costs a dictionary lookup. `load_tuned` returns a callable
+doing the same per call for a chosen device and precision policy; `TunedGatedDelta.explain` says
+what it picked and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gdngen import layer_inputs, packed, registry, settings
 from gdngen.problem import CallShape, check_call, check_framework, dtype_name
@@ -106,7 +110,19 @@ def _with_chunk(variant: Variant, chunk_size: int | None) -> Variant:
     return changed
 
 
-_CHOICES: dict = {}  # memo key -> (tuned-file stamps, Choice)
+#: seconds a memoised decision is trusted before the tuned files are stat'ed again (a file
+#: written by this process is seen at once: `gdngen.cache.writes`)
+RESTAT_S = 0.25
+
+
+class _Memo(NamedTuple):
+    choice: Choice
+    stamps: tuple  # the tuned files' stat stamps it was made from
+    at: float  # time.monotonic() of the last stat
+    writes: int  # gdngen.cache.writes() then
+
+
+_CHOICES: dict = {}  # memo key -> _Memo
 
 
 def clear_memo() -> None:
@@ -133,12 +149,16 @@ def choose(framework: str, shape: CallShape, dtype: str, *, device: str | None =
     if device is None:
         device, described = _attached(framework)
     bucket = cache.seq_bucket(shape.T)
-    dirs = cache.tuned_dirs()
-    key = (framework, problem, bucket, device, precision, disabled, tuple(map(str, dirs)))
-    stamps = cache.file_stamps(device, dirs) if device is not None and not disabled else ()
+    dirs = tuple(cache.tuned_dirs())
+    key = (framework, problem, bucket, device, precision, disabled, dirs)
     memo = _CHOICES.get(key)
-    if memo is not None and memo[0] == stamps:
-        return memo[1]
+    now = time.monotonic()
+    if memo is not None and memo.writes == cache.writes() and now - memo.at < RESTAT_S:
+        return memo.choice
+    stamps = cache.file_stamps(device, dirs) if device is not None and not disabled else ()
+    if memo is not None and memo.stamps == stamps:
+        _CHOICES[key] = memo._replace(at=now, writes=cache.writes())
+        return memo.choice
     fallback, why = default_choice(framework, problem, device)
     if disabled:
         choice = Choice(fallback, "default", f"tuned lookup disabled by {ENV_NO_TUNED}; {why}",
@@ -154,7 +174,7 @@ def choose(framework: str, shape: CallShape, dtype: str, *, device: str | None =
         else:
             choice = Choice(Variant.from_json(result.entry["variant"]), "tuned", result.reason,
                             device, precision, result.entry, str(result.path))
-    _CHOICES[key] = (stamps, choice)
+    _CHOICES[key] = _Memo(choice, stamps, now, cache.writes())
     return choice
 
 

@@ -13,7 +13,10 @@ _PACKAGE = Path(__file__).resolve().parent
 
 
 @functools.cache
+@functools.cache
 def _data_dir(name: str) -> Path:
+    """The package's data folder ``name`` (found once per process: a decode-length dispatch asks
+    for the tuned folder per call)."""
     for candidate in (_PACKAGE / name, _PACKAGE.parent / name):
         if candidate.is_dir():
             return candidate

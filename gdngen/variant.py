@@ -8,6 +8,7 @@ round-trip through JSON. Each backend's space, default and typed config are decl
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -119,8 +120,13 @@ class Variant:
 def problem_of(shape, dtype: str) -> Problem:
     """The `Problem` (shape class) of a checked call (`gdngen.problem.CallShape`) with input
     dtype ``dtype``."""
-    return Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dtype,
-                   "vector" if shape.vector_gate else "scalar")
+    return _problem_of(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dtype, shape.vector_gate)
+
+
+@functools.lru_cache(maxsize=256)
+def _problem_of(Hk, Hv, Dk, Dv, dtype, vector_gate) -> Problem:
+    """`problem_of` once per shape class (a decode loop asks per token)."""
+    return Problem(Hk, Hv, Dk, Dv, dtype, "vector" if vector_gate else "scalar")
 
 
 def dumps(obj) -> str:

@@ -92,6 +92,30 @@ def test_decision_is_memoised_until_a_tuned_file_changes(monkeypatch):
     assert len(calls) == 3 and again.source == "tuned" and again.variant == tuned
 
 
+def test_a_file_written_elsewhere_is_seen_after_the_restat_interval(monkeypatch):
+    """A tuned file replaced behind gdngen's back (another process) is seen once `RESTAT_S` has
+    passed since the files were last stat'ed; before that the memoised decision stands."""
+    clock = [1000.0]
+    monkeypatch.setattr(dispatch.time, "monotonic", lambda: clock[0])
+    small = Problem(1, 2, 16, 16)
+    first = dispatch.choose("mlx", shape(small, T=1), "float32", device="cpu")
+    assert first.source == "default"
+    tuned = Variant("mlx", {"chunk_size": 16, "solve_block": 4, "save_states": False})
+    entry = cache.make_entry(
+        device="cpu", framework="mlx", problem=small, precision="ieee", seq_len=1, batch=1,
+        variant=tuned, default=first.variant, best_s=0.001, default_s=0.002,
+        worst_error=1e-7, tolerance=5e-5, trials={"run": 2}, study="s")
+    path = cache.user_tuned_dir() / "cpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cache.atomic_write_text(path, json.dumps({"format": cache.FORMAT, "device": "cpu",
+                                              "entries": {entry["key"]: entry}}))
+    clock[0] += dispatch.RESTAT_S / 2
+    assert dispatch.choose("mlx", shape(small, T=1), "float32", device="cpu") is first
+    clock[0] += dispatch.RESTAT_S
+    again = dispatch.choose("mlx", shape(small, T=1), "float32", device="cpu")
+    assert again.source == "tuned" and again.variant == tuned
+
+
 def test_old_format_user_file_is_reported_not_misread(tmp_path):
     path = cache.user_tuned_dir() / "cpu.json"
     path.parent.mkdir(parents=True)

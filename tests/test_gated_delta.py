@@ -194,6 +194,56 @@ def test_short_call_in_one_chunk_of_its_length(fw, T, vector, monkeypatch):
     assert seen and set(seen) == {5 if T == 5 else 16}, seen
 
 
+@pytest.mark.parametrize("vector", [False, True], ids=["scalar", "vector"])
+def test_decode_step_is_one_compiled_call_with_gradients(vector, monkeypatch):
+    """MLX, T = 1 on the recurrent path (GVA 2, a masked-out step and a live one): y and the
+    state against the float64 reference; the step's ops are traced once for three calls of one
+    shape (the compiled single step, `recurrent_or_chunkwise`), and the gradients (the chunk
+    path's VJP through the compiled custom function) match the reference."""
+    import mlx.core as mx
+
+    from gdngen import Variant, chunkwise
+
+    SCALE = 0.2371  # a scale no other test uses: this test's compiled step is its own
+
+    traced = []
+    real = chunkwise.single_step
+    monkeypatch.setattr(chunkwise, "single_step",
+                        lambda *a: traced.append(a[1].shape) or real(*a))
+    variant = Variant("mlx", {"chunk_size": 16, "solve_block": 8, "save_states": False,
+                              "recurrent_below": 2})
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    for seed in (1, 2, 3, 4, 5):
+        x = _inputs(B=2, T=1, seed=seed)
+        if vector:
+            x["g"] = -np.random.default_rng(seed).uniform(0.01, 3.0, (2, 1, 4, 16))
+        y, S = gdngen_mlx(*(mx.array(x[n].astype(np.float32)) for n in names), scale=SCALE,
+                          variant=variant)
+        y_ref, S_ref = reference.forward(*(x[n] for n in names), scale=SCALE)
+        assert validate.relative_error(np.asarray(y, np.float64), y_ref) < 5e-6
+        assert validate.relative_error(np.asarray(S, np.float64), S_ref) < 5e-6
+        if seed == 2:
+            warm = len(traced)
+    assert traced and len(traced) == warm, traced  # nothing traced after the warm-up
+    rng = np.random.default_rng(7)
+    dy, dS = rng.standard_normal(x["v"].shape), rng.standard_normal(x["initial_state"].shape)
+    mask = np.array([[True], [False]])
+    out, grads = mx.vjp(
+        lambda *a: gdngen_mlx(*a, scale=SCALE, variant=variant, mask=mx.array(mask)),
+        [mx.array(x[n].astype(np.float32)) for n in names],
+        [mx.array(dy.astype(np.float32)), mx.array(dS.astype(np.float32))])
+    ref = reference.vjp(*(x[n] for n in names), dy, dS, scale=SCALE, mask=mask)
+    for name, got in zip(("y", "final_state", "dq", "dk", "dv", "dg", "dbeta",
+                          "dinitial_state"), (*out, *grads)):
+        assert validate.relative_error(np.asarray(got, np.float64), ref[name]) < 5e-6, name
+
+
+def gdngen_mlx(*args, **kwargs):
+    import gdngen.mlx
+
+    return gdngen.mlx.gated_delta(*args, **kwargs)
+
+
 def test_dtypes_of_outputs(fw):
     x = _inputs()
     args = [fw.array(x[n], "bfloat16") for n in ("q", "k", "v", "g", "beta")]

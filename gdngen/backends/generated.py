@@ -138,7 +138,7 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None):
 
     from gdngen.backends.jax_chunkwise import XP
 
-    recomputes = qk_norm or isinstance(gate, chunkwise.ParameterGate)
+    recomputes = chunkwise.computes_layer_inputs(qk_norm, gate)
 
     def inputs(primals):
         q, k, v, gates, *rest = primals

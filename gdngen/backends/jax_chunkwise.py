@@ -103,12 +103,6 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scal
     return _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, False, qk_scale, walks)[0]
 
 
-def _recomputes(qk_scale, gate) -> bool:
-    """Whether the core computes layer inputs from its primals (then recomputed in its
-    backward behind a barrier, not merged with the forward's: nothing kept for them)."""
-    return qk_scale is not None or isinstance(gate, chunkwise.ParameterGate)
-
-
 def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale, walks):
     primals = (q, k, v, gates, beta, S0)
     with FLOAT32_MATMULS:
@@ -122,7 +116,7 @@ def _core_bwd(gate, solve_block, save_states, qk_scale, walks, saved, cotangents
     primals, residuals = saved
     dY, dS_final = cotangents
     with FLOAT32_MATMULS:
-        if _recomputes(qk_scale, gate):
+        if chunkwise.computes_layer_inputs(qk_scale is not None, gate):
             primals = XP.barrier(primals)
         arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
         stages = chunkwise_channel.stages(arrays[3])
@@ -281,12 +275,13 @@ def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):
                                            gate=gate)
 
 
-def recurrent_or_chunkwise(recurrent, chunkwise_call):
+def recurrent_or_chunkwise(recurrent, chunkwise_call, single_step=False):
     """``f(q, k, v, g, beta, S0) -> (y, S_final)`` whose value is ``recurrent``'s and whose VJP
     is ``chunkwise_call``'s (a ``jax.custom_vjp``): a call that is only evaluated runs the
     recurrent kernel and keeps nothing for a backward; under ``jax.vjp`` / ``jax.grad`` the
     forward runs ``chunkwise_call`` (same function, chunk kernels) and its residuals serve the
-    backward. Both take the same float32 arrays (masks already folded into g and beta)."""
+    backward. Both take the same float32 arrays (masks already folded into g and beta).
+    ``single_step`` (a call of T = 1) changes nothing here: jit compiles every call anyway."""
 
     @jax.custom_vjp
     def switched(*primals):

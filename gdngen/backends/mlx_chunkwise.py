@@ -54,6 +54,15 @@ class XP(chunkwise.ArrayNamespace):
 
     sigmoid = staticmethod(mx.sigmoid)
 
+    @classmethod
+    @functools.cache
+    def compiled(cls, step):
+        """``step`` bound to this namespace under ``mx.compile``: its elementwise ops fused into
+        one kernel per call shape (compiled once per shape; where MLX finds no compiler it runs
+        the ops unfused). Measured (MLX 0.32 CPU, Qwen3-Next heads, forward at T=1): 1.24 ms
+        against 1.34 ms for the same ops eagerly."""
+        return mx.compile(functools.partial(step, cls))
+
     @staticmethod
     def dot_last(a, b):
         """``(a * b).sum(-1)``, a last axis of n = 16 m > 16 summed as m sums of 16 then their
@@ -226,11 +235,16 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
                                  chunk_size=chunk_size)
 
 
-def recurrent_or_chunkwise(recurrent, chunkwise_call):
+def recurrent_or_chunkwise(recurrent, chunkwise_call, single_step=False):
     """``f(q, k, v, g, beta, S0) -> (y, S_final)`` evaluated by ``recurrent`` (nothing kept for a
     backward) whose VJP is ``chunkwise_call``'s (an ``mx.custom_function``): under ``mx.vjp`` /
     ``mx.grad`` the backward re-runs ``chunkwise_call`` (same function, chunk kernels) and takes
-    its VJP. Both take the same float32 arrays (masks already folded into g and beta)."""
+    its VJP. Both take the same float32 arrays (masks already folded into g and beta).
+
+    ``single_step``: for calls of T = 1 (decode), f under ``mx.compile`` (its custom VJP kept:
+    the two compose), so a token's forward is one compiled call (compiled once per shape; not
+    for longer calls, whose every new T would compile again). Measured (MLX 0.32 CPU,
+    Qwen3-Next heads): the Python cost of a decode call 73 -> 50 us."""
 
     @mx.custom_function
     def switched(q, k, v, g, beta, S0):
@@ -251,7 +265,7 @@ def recurrent_or_chunkwise(recurrent, chunkwise_call):
         dg = tuple(grads[3:3 + n]) if isinstance(g, tuple) else grads[3]
         return (*grads[:3], dg, *grads[3 + n:])
 
-    return switched
+    return mx.compile(switched) if single_step else switched
 
 
 def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):

@@ -8,9 +8,13 @@ tolerance is the generic one per precision policy (`TOLERANCES`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import itertools
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gdngen.chunkwise_channel import SUB_CHUNK
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
@@ -76,7 +80,7 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
 
     def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
               variant, qk_norm=False):
-        module = importlib.import_module(ops)
+        module = sys.modules.get(ops) or importlib.import_module(ops)
         return gated_delta(module, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                            gate=gate, config=spec.parse(variant), qk_norm=qk_norm)
 
@@ -126,36 +130,49 @@ def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, conf
     from gdngen.problem import check_call
 
     f32 = ops.FLOAT32
-    shape = check_call(q, k, v, chunkwise.raw_gates(g), beta, initial_state, mask,
-                       gate=chunkwise.convention(gate), chunk_size=config.chunk_size,
-                       scale=scale)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
+                       chunk_size=config.chunk_size, scale=scale)
     if initial_state is None:
         initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     args = (q.astype(f32), k.astype(f32), v.astype(f32), chunkwise.cast_gates(g, f32),
             beta.astype(f32), initial_state.astype(f32), mask)
-    chunk_params = {n: x for n, x in config.params().items() if n != "recurrent_below"}
-    chunk_params["chunk_size"] = short_chunk(shape.T, config.chunk_size)
-
-    def normalized(q, k):
-        return chunkwise.normalized_qk(ops.XP, q, k, 1.0 if qk_norm else None)
-
-    fused = {"qk_norm": True} if qk_norm else {}  # only where the spec declares it fused
-
-    def chunkwise_call(q, k, *arrays):
-        return ops.chunkwise_gated_delta(q, k, *arrays, None, scale=float(scale), gate=gate,
-                                         **fused, **chunk_params)
-
+    calls = _calls(ops, float(scale), gate, qk_norm, config,
+                   short_chunk(shape.T, config.chunk_size))
     if shape.T >= config.recurrent_below:
-        y, state = ops.chunkwise_gated_delta(*args, scale=float(scale), gate=gate, **fused,
-                                             **chunk_params)
+        y, state = calls.chunkwise(*args)
         return y.astype(q.dtype), state
-
-    def recurrent(q, k, *arrays):
-        return ops.recurrent_gated_delta(*normalized(q, k), *arrays, scale=float(scale),
-                                         gate=gate)
-
     g, beta = chunkwise.fold_mask(ops.XP, args[3], args[4], mask, gate)
-    y, state = ops.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args[:3], g, beta, args[5])
+    switched = calls.single_step if shape.T == 1 else calls.switched
+    y, state = switched(*args[:3], g, beta, args[5])
     if mask is not None:
         y = ops.XP.where(mask[..., None, None], y, 0.0)
     return y.astype(q.dtype), state
+
+
+class _Calls(NamedTuple):
+    chunkwise: Callable  # (q, k, v, g, beta, S0, mask) -> (y, S_T), the chunk path
+    switched: Callable  # (q, k, v, g, beta, S0), mask folded: the recurrent forward, chunk VJP
+    single_step: Callable  # switched for a call of T = 1
+
+
+@functools.lru_cache(maxsize=256)
+def _calls(ops, scale: float, gate, qk_norm: bool, config, chunk_size: int) -> _Calls:
+    """The paths of `gated_delta` for one framework module, scale, gate, q/k norm and config
+    (``chunk_size`` the chunk the call runs, `short_chunk`), built once: a decode loop calls
+    them per token, its ``mx.custom_function`` included."""
+    from gdngen import chunkwise
+
+    fused = {"qk_norm": True} if qk_norm else {}  # only where the spec declares it fused
+    params = {n: x for n, x in config.params().items() if n != "recurrent_below"}
+    params["chunk_size"] = chunk_size
+
+    def chunkwise_call(q, k, v, g, beta, S0, mask=None):
+        return ops.chunkwise_gated_delta(q, k, v, g, beta, S0, mask, scale=scale, gate=gate,
+                                         **fused, **params)
+
+    def recurrent(q, k, *arrays):
+        q, k = chunkwise.normalized_qk(ops.XP, q, k, 1.0 if qk_norm else None)
+        return ops.recurrent_gated_delta(q, k, *arrays, scale=scale, gate=gate)
+
+    return _Calls(chunkwise_call, ops.recurrent_or_chunkwise(recurrent, chunkwise_call),
+                  ops.recurrent_or_chunkwise(recurrent, chunkwise_call, single_step=True))
