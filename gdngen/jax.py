@@ -36,12 +36,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     the shard's own tokens.
 
     Layer inputs (`gdngen.layer_inputs`; the q/k norm and the gate are computed inside the
-    chunk core, which keeps only the raw arrays; the recurrent path, a packed row and a sharded
-    call get them computed first; gradients reach the raw arrays): ``qk_norm=True``
-    L2-normalises q and k per head
-    over Dk (``x * rsqrt(sum(x^2) + 1e-6)``); ``gate="softplus"`` takes g as the raw projection
-    ``a`` with ``A_log``, ``dt_bias`` ``[Hv]`` (per-channel g: ``[Hv]``, ``[Hv,1]`` or
-    ``[Hv,Dk]``), ``log g = -exp(A_log) * softplus(a + dt_bias)``; ``gate="sigmoid_bound"``
+    chunk core, which keeps only the raw arrays, also per shard under ``jax.shard_map`` and a
+    sharded ``jax.jit`` (A_log and dt_bias then operands sharded like v's heads); the recurrent
+    path, a packed row and a context-parallel call get them computed first; gradients reach the
+    raw arrays): ``qk_norm=True`` L2-normalises q and k per head over Dk
+    (``x * rsqrt(sum(x^2) + 1e-6)``); ``gate="softplus"`` takes g as the raw projection ``a``
+    with ``A_log``, ``dt_bias`` ``[Hv]`` (per-channel g: ``[Hv]``, ``[Hv,1]`` or ``[Hv,Dk]``),
+    ``log g = -exp(A_log) * softplus(a + dt_bias)``; ``gate="sigmoid_bound"``
     with ``lower_bound < 0``: ``log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``;
     ``beta_activation="sigmoid"``: beta given as logits. Inside ``jax.shard_map`` A_log and
     dt_bias are the shard's value heads, like v.
@@ -57,9 +58,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
         "jax", q, k, v, g, beta, None if packed else initial_state, mask, gate=gate,
         qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         beta_activation=beta_activation, scale=scale, defer_qk_norm=True,
-        defer_gate=sharding.runs_whole({"q": q, "k": k, "v": v, "g": g, "beta": beta,
-                                        "initial_state": initial_state, "mask": mask,
-                                        "A_log": A_log, "dt_bias": dt_bias}, context_axis))
+        defer_gate=sharding.fuses_gate(context_axis))
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
@@ -71,10 +70,12 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                     chunk_size=chunk_size, variant=variant, qk_norm=qk_norm,
                     cu_seqlens=cu_seqlens)
 
-    def one_call(q, k, v, g, beta, initial_state, mask):
-        return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
-                    chunk_size=chunk_size, variant=variant, qk_norm=qk_norm)
+    def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None):
+        gates = g if A_log is None else (g, A_log, dt_bias)
+        return call("jax", q, k, v, gates, beta, initial_state, mask=mask, scale=scale,
+                    gate=gate, chunk_size=chunk_size, variant=variant, qk_norm=qk_norm)
 
-    arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-              "mask": mask}
+    a, *parameters = g if isinstance(g, tuple) else (g, None, None)  # operands of their own
+    arrays = {"q": q, "k": k, "v": v, "g": a, "beta": beta, "initial_state": initial_state,
+              "mask": mask, **dict(zip(sharding.PARAMETERS, parameters))}
     return sharding.run(one_call, arrays, shape, context_axis=context_axis)

@@ -29,12 +29,18 @@ from gdngen import settings
 #: the roles of each argument's dims: b batch, t time, h heads (key heads for q/k, value heads
 #: for the rest), d a head dim
 ROLES = {"q": "bthd", "k": "bthd", "v": "bthd", "g": "bth", "g_vector": "bthd", "beta": "bth",
-         "initial_state": "bhdd", "mask": "bt", "y": "bthd", "final_state": "bhdd"}
+         "initial_state": "bhdd", "mask": "bt", "y": "bthd", "final_state": "bhdd",
+         "A_log": "h", "dt_bias": "h", "A_log_vector": "hd", "dt_bias_vector": "hd"}
 #: Shardy factors of each argument (k key heads, r the GVA group, d = Dk, e = Dv)
 FACTORS = {"q": "b t k d", "k": "b t k d", "v": "b t (k r) e", "g": "b t (k r)",
            "g_vector": "b t (k r) d", "beta": "b t (k r)", "initial_state": "b (k r) e d",
-           "mask": "b t", "y": "b t (k r) e", "final_state": "b (k r) e d"}
-DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state")
+           "mask": "b t", "y": "b t (k r) e", "final_state": "b (k r) e d",
+           "A_log": "(k r)", "dt_bias": "(k r)", "A_log_vector": "(k r) d",
+           "dt_bias_vector": "(k r) d"}
+DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+#: a parameterised gate's parameters (`gdngen.chunkwise.ParameterGate`): operands of their own
+#: (the value heads' entries, no batch axis), so the chunk core computes the log gate per shard
+PARAMETERS = ("A_log", "dt_bias")
 
 
 # ------------------------------------------------------------------------------ manual axes
@@ -75,7 +81,9 @@ def match_manual_axes(*arrays):
 def run(call, arrays: dict, shape, *, context_axis):
     """``(y, final_state)`` of ``call(**arrays)`` (`gdngen.dispatch.call` with the rest bound),
     placed as the module docstring says. ``arrays``: q, k, v, g, beta, initial_state (None:
-    zeros), mask (None: none); ``shape`` the checked `CallShape`."""
+    zeros), mask (None: none), and A_log, dt_bias (None unless g is a parameterised gate's raw
+    projection, `fuses_gate`; per-channel ``[Hv, 1 or Dk]``); ``shape`` the checked
+    `CallShape`."""
     import jax
 
     axes = manual_axes()
@@ -89,6 +97,7 @@ def run(call, arrays: dict, shape, *, context_axis):
         return per_shard(call, arrays)
     if jax.device_count() > 1 and not settings.flag(settings.ENV_NO_PARTITIONING) \
             and not _on_one_device(arrays):
+        arrays = _whole_parameters(arrays, shape)
         known = known_shardings(arrays, shape)
         if known:
             mesh = next(iter(known.values())).sharding.mesh
@@ -99,17 +108,23 @@ def run(call, arrays: dict, shape, *, context_axis):
     return call(**arrays)
 
 
-def runs_whole(arrays: dict, context_axis) -> bool:
-    """Whether `run` hands ``arrays`` to the call as they are: no context axis, no manual mesh
-    axes, and one device, partitioning off, or concrete arrays on one device (an eager call).
-    Only then does the gate travel as its raw projection and parameters
-    (`gdngen.layer_inputs.prepare`'s ``defer_gate``); a sharded or partitioned call gets the
-    log gate, placed like g."""
-    import jax
+def fuses_gate(context_axis) -> bool:
+    """Whether a parameterised gate travels to the backend as its raw projection and
+    parameters (`gdngen.layer_inputs.prepare`'s ``defer_gate``), its log gate computed in the
+    chunk core: on every path of `run` but `context_parallel` (which gets the log gate, split
+    over time like g)."""
+    return context_axis is None
 
-    return (context_axis is None and not manual_axes()
-            and (jax.device_count() == 1 or settings.flag(settings.ENV_NO_PARTITIONING)
-                 or _on_one_device(arrays)))
+
+def _whole_parameters(arrays: dict, shape) -> dict:
+    """``arrays`` with per-channel gate parameters ``[Hv, 1]`` broadcast to ``[Hv, Dk]`` (one
+    Shardy factor per dim: `FACTORS`); their gradient sums back over the broadcast."""
+    import jax.numpy as jnp
+
+    if not shape.vector_gate or arrays.get("A_log") is None:
+        return arrays
+    return dict(arrays, **{n: jnp.broadcast_to(arrays[n], (shape.Hv, shape.Dk))
+                           for n in PARAMETERS})
 
 
 def _on_one_device(arrays: dict) -> bool:
@@ -168,7 +183,7 @@ def _layout(shapes: dict, mesh, shape) -> tuple[tuple, tuple]:
 
     def chosen(role, order):
         for name in order:
-            if name in specs:
+            if name in specs and role in ROLES[name]:
                 axes = specs[name][ROLES[name].index(role)]
                 if axes:
                     return name, axes
@@ -249,15 +264,25 @@ def _sharding(mesh, name: str, batch: tuple, heads: tuple):
 
 def _op(fun, operand_names: tuple, result_names: tuple, shape):
     """``fun`` as a custom_partitioning op over named operands/results (`FACTORS`)."""
+    import jax
     from jax.experimental.custom_partitioning import custom_partitioning
 
     op = custom_partitioning(fun)
+    # a result without a batch axis (a gate parameter's gradient) is a sum over the batch rows
+    over_rows = tuple("b" not in ROLES[n] for n in result_names)
 
     def partition(mesh, arg_shapes, result_shape):
         batch, heads = _layout(dict(zip(operand_names, arg_shapes)), mesh, shape)
         args = tuple(_sharding(mesh, n, batch, heads) for n in operand_names)
         results = tuple(_sharding(mesh, n, batch, heads) for n in result_names)
-        return mesh, fun, results, args
+        if not (batch and any(over_rows)):
+            return mesh, fun, results, args
+
+        def summed_over_batch_shards(*operands):
+            return tuple(jax.lax.psum(x, batch) if rows else x
+                         for x, rows in zip(fun(*operands), over_rows))
+
+        return mesh, summed_over_batch_shards, results, args
 
     rule = ", ".join(FACTORS[n] for n in operand_names) + " -> " + \
         ", ".join(FACTORS[n] for n in result_names)
@@ -265,22 +290,34 @@ def _op(fun, operand_names: tuple, result_names: tuple, shape):
     return op
 
 
-def _vmap_into_batch(op):
-    """``op`` (every operand and result with the batch axis first) under ``jax.vmap``: the
-    mapped axis is folded into the batch axis, whose rows are independent (custom_partitioning
-    has no batching rule of its own)."""
+def _vmap_into_batch(op, operand_names: tuple, result_names: tuple):
+    """``op`` (every operand and result but a gate's parameters and their gradients with the
+    batch axis first) under ``jax.vmap``: the mapped axis is folded into the batch axis, whose
+    rows are independent (custom_partitioning has no batching rule of its own). What cannot
+    fold, parameters mapped too (a gate per mapped row) or their gradients (one per mapped row,
+    not their sum), runs the rows one after another (``jax.lax.map``)."""
+    import jax
     import jax.numpy as jnp
     from jax.custom_batching import custom_vmap
 
+    has_batch = tuple("b" in ROLES[n] for n in operand_names)
+    results_fold = all("b" in ROLES[n] for n in result_names)
     batched_op = custom_vmap(lambda *operands: op(*operands))
 
     @batched_op.def_vmap
     def rule(axis_size, in_batched, *operands):
-        operands = (x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                    for x, mapped in zip(operands, in_batched))
-        results = op(*(x.reshape((-1,) + x.shape[2:]) for x in operands))
-        return (tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in results),
-                tuple(True for _ in results))
+        operands = tuple(x if m or not b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                         for x, m, b in zip(operands, in_batched, has_batch))
+        mapped = tuple(m or b for m, b in zip(in_batched, has_batch))
+        if not results_fold or not all(b for m, b in zip(mapped, has_batch) if m):
+            whole = tuple(x if m else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                          for x, m in zip(operands, mapped))
+            results = jax.lax.map(lambda xs: op(*xs), whole)
+        else:
+            results = op(*(x.reshape((-1,) + x.shape[2:]) if m else x
+                           for x, m in zip(operands, mapped)))
+            results = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in results)
+        return tuple(results), tuple(True for _ in results)
 
     return batched_op
 
@@ -289,7 +326,8 @@ def _operand_names(arrays: dict, shape) -> tuple:
     names = []
     for name, x in arrays.items():
         if x is not None:
-            names.append("g_vector" if name == "g" and shape.vector_gate else name)
+            per_channel = shape.vector_gate and name in ("g",) + PARAMETERS
+            names.append(f"{name}_vector" if per_channel else name)
     return tuple(names)
 
 
@@ -317,9 +355,10 @@ def partitioned(call, arrays: dict, shape):
         _, vjp = jax.vjp(of_floats, *(bound[n] for n in float_keys))
         return vjp((dy, dS))
 
-    forward = _vmap_into_batch(_op(local, names, ("y", "final_state"), shape))
+    forward = _vmap_into_batch(_op(local, names, ("y", "final_state"), shape), names,
+                               ("y", "final_state"))
     backward = _vmap_into_batch(_op(local_backward, names + ("y", "final_state"), grad_names,
-                                    shape))
+                                    shape), names + ("y", "final_state"), grad_names)
 
     @jax.custom_vjp
     def op(*operands):

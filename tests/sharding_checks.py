@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gdngen import registry, validate
+from gdngen import chunkwise, registry, validate
 from gdngen.jax import gated_delta
 from gdngen.variant import Problem, Variant
 
@@ -217,59 +217,94 @@ def vmap_on_many_devices(backend: str) -> dict:
 def layer_inputs_on_many_devices(backend: str) -> dict:
     """The fused layer inputs (qk_norm, gate="softplus", beta logits) on this many-device
     host, against the same loss with the inputs computed outside the op on one device
-    (relative differences): an eager forward on one device (concrete arrays: the chunk core
-    computes the norm and the gate, `gdngen.sharding.runs_whole`); the value and every
-    gradient of a differentiated call on one device, of a jit over inputs sharded over data x
-    heads (traced calls on a many-device host take the partitioned path: the gate is computed
-    before the call there, the norm inside the core) and inside a shard_map over heads
-    (A_log, dt_bias the shard's heads); and the bytes ``jax.vjp`` keeps, fused against
-    outside."""
+    (relative differences): an eager forward on one device; the value and every gradient of a
+    differentiated call on one device, of a jit over inputs sharded over data x heads (the
+    partitioned path, A_log and dt_bias operands sharded over heads), inside a shard_map over
+    heads (A_log, dt_bias the shard's heads), of per-channel gates (Kimi's ``[B,T,Hv,Dk]``
+    with A_log ``[Hv]``, dt_bias ``[Hv,Dk]``) under the sharded jit, and per-row gradients
+    under ``jax.vmap`` of that jit (the shared parameters' gradients per mapped row); how many
+    times the gate was computed outside the chunk core (`gdngen.layer_inputs.computed_gate`,
+    0 when every path fuses it); and the bytes ``jax.vjp`` keeps, fused against outside."""
     from gdngen import layer_inputs
 
+    computed = []
+    real_computed_gate = layer_inputs.computed_gate
+
+    def counting_computed_gate(framework, g, gate):
+        if isinstance(gate, chunkwise.ParameterGate):
+            computed.append(gate)
+        return real_computed_gate(framework, g, gate)
+
+    layer_inputs.computed_gate = counting_computed_gate
     rng = np.random.default_rng(2)
     B, T, Hk, Hv, D = 2, 40, 4, 8, 16  # one key head, two value heads per shard
     q, k = (jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32)
     a, b = (jnp.asarray(rng.standard_normal((B, T, Hv)), jnp.float32) for _ in range(2))
+    a_vector = jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32)
     A_log, dt_bias = (jnp.asarray(rng.standard_normal(Hv) * 0.5, jnp.float32) for _ in range(2))
+    dt_bias_vector = jnp.asarray(rng.standard_normal((Hv, D)) * 0.5, jnp.float32)
     variant = registry.default_variant(backend, Problem(Hk, Hv, D, D, "float32", "scalar"))
+    variant_vector = registry.default_variant(backend, Problem(Hk, Hv, D, D, "float32",
+                                                               "vector"))
     args = (q, k, v, a, b, A_log, dt_bias)
+    args_vector = (q, k, v, a_vector, b, A_log, dt_bias_vector)
+    everything = tuple(range(7))
 
     def fused(q, k, v, a, b, A_log, dt_bias):
         y, S = gated_delta(q, k, v, a, b, qk_norm=True, gate="softplus", A_log=A_log,
-                           dt_bias=dt_bias, beta_activation="sigmoid", variant=variant)
+                           dt_bias=dt_bias, beta_activation="sigmoid",
+                           variant=variant_vector if a.ndim == 4 else variant)
         return (y * y).sum() + (S * S).sum()
 
     def outside(q, k, v, a, b, A_log, dt_bias):
         xp = layer_inputs.namespace("jax")
         qn, kn = (layer_inputs.l2_normalize(xp, x) for x in (q, k))
-        log_g = layer_inputs.log_gate(xp, a, A_log, dt_bias)
-        y, S = gated_delta(qn, kn, v, log_g, jax.nn.sigmoid(b), variant=variant)
+        log_g = layer_inputs.log_gate(xp, a, *chunkwise.parameter_layout(A_log, dt_bias,
+                                                                         a.ndim == 4))
+        y, S = gated_delta(qn, kn, v, log_g, jax.nn.sigmoid(b),
+                           variant=variant_vector if a.ndim == 4 else variant)
         return (y * y).sum() + (S * S).sum()
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "heads"))
-    token, head = NamedSharding(mesh, P("data", None, "heads")), NamedSharding(mesh, P("heads"))
-    placed = [jax.device_put(x, token if x.ndim > 1 else head) for x in args]
-    specs = tuple(P("data", None, "heads") if x.ndim > 1 else P("heads") for x in args)
+
+    def placement(x):
+        return {1: P("heads"), 2: P("heads", None)}.get(x.ndim, P("data", None, "heads"))
+
+    placed, placed_vector = ([jax.device_put(x, NamedSharding(mesh, placement(x))) for x in xs]
+                             for xs in (args, args_vector))
+    specs = tuple(placement(x) for x in args)
 
     def per_shard(*xs):
-        value, grads = jax.value_and_grad(fused, argnums=tuple(range(7)))(*xs)
+        value, grads = jax.value_and_grad(fused, argnums=everything)(*xs)
         return jax.lax.psum(value, ("data", "heads")), grads
 
     def forward(q, k, v, a, b, A_log, dt_bias):
         return gated_delta(q, k, v, a, b, qk_norm=True, gate="softplus", A_log=A_log,
                            dt_bias=dt_bias, beta_activation="sigmoid", variant=variant)
 
+    def rows(x):  # two mapped rows of the token arrays, the parameters shared
+        return jnp.stack([x, x[::-1] * 0.5]) if x.ndim > 2 else x
+
+    mapped_axes = tuple(0 if x.ndim > 2 else None for x in args)
     xp = layer_inputs.namespace("jax")
     want_forward = gated_delta(*(layer_inputs.l2_normalize(xp, x) for x in (q, k)), v,
                                layer_inputs.log_gate(xp, a, A_log, dt_bias), jax.nn.sigmoid(b),
                                variant=variant)
     grad_all = jax.value_and_grad
-    want = jax.jit(grad_all(outside, argnums=tuple(range(7))))(*args)
-    got = {"eager": grad_all(fused, argnums=tuple(range(7)))(*args),
-           "jit_sharded": jax.jit(grad_all(fused, argnums=tuple(range(7))))(*placed),
+    want = jax.jit(grad_all(outside, argnums=everything))(*args)
+    want_vector = jax.jit(grad_all(outside, argnums=everything))(*args_vector)
+    want_vmap = jax.jit(jax.vmap(jax.grad(outside, argnums=everything), mapped_axes))(
+        *map(rows, args))
+    computed.clear()
+    got = {"eager": grad_all(fused, argnums=everything)(*args),
+           "jit_sharded": jax.jit(grad_all(fused, argnums=everything))(*placed),
            "shard_map": jax.jit(jax.shard_map(
-               per_shard, mesh=mesh, in_specs=specs, out_specs=(P(), specs)))(*placed)}
+               per_shard, mesh=mesh, in_specs=specs, out_specs=(P(), specs)))(*placed),
+           "jit_sharded_vector": jax.jit(grad_all(fused, argnums=everything))(*placed_vector)}
+    got_vmap = jax.jit(jax.vmap(jax.grad(fused, argnums=everything), mapped_axes))(
+        *map(rows, placed))
+    outside_gate = len(computed)
 
     def difference(x, y):
         return float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
@@ -277,12 +312,15 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
     def residual_bytes(fn):
         return sum(x.nbytes for x in jax.tree.leaves(jax.vjp(fn, *args)[1]))
 
-    differences = {name: max(difference(x, y) for x, y in
-                             zip(jax.tree.leaves(out), jax.tree.leaves(want)))
+    def largest(out, ref):
+        return max(difference(x, y) for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+
+    differences = {name: largest(out, want_vector if name.endswith("vector") else want)
                    for name, out in got.items()}
-    differences["eager_forward"] = max(difference(x, y) for x, y in
-                                       zip(forward(*args), want_forward))
-    return {"differences": differences,
+    differences["vmap_grads"] = largest(got_vmap, want_vmap)
+    differences["eager_forward"] = largest(forward(*args), want_forward)
+    layer_inputs.computed_gate = real_computed_gate
+    return {"differences": differences, "gate_computed_outside": outside_gate,
             "residual_bytes": {"fused": residual_bytes(fused),
                                "outside": residual_bytes(outside)},
             "qk_bytes": int(q.nbytes + k.nbytes)}
