@@ -286,7 +286,10 @@ def _op(fun, operand_names: tuple, result_names: tuple, shape):
 
     rule = ", ".join(FACTORS[n] for n in operand_names) + " -> " + \
         ", ".join(FACTORS[n] for n in result_names)
-    op.def_partition(partition, sharding_rule=rule, r=shape.group)
+    if shape.group == 1:  # Hk = Hv: Shardy takes no compound factor with a factor of size 1
+        op.def_partition(partition, sharding_rule=rule.replace("(k r)", "k"))
+    else:
+        op.def_partition(partition, sharding_rule=rule, r=shape.group)
     return op
 
 

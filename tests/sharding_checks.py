@@ -220,11 +220,12 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
     (relative differences): an eager forward on one device; the value and every gradient of a
     differentiated call on one device, of a jit over inputs sharded over data x heads (the
     partitioned path, A_log and dt_bias operands sharded over heads), inside a shard_map over
-    heads (A_log, dt_bias the shard's heads), of per-channel gates (Kimi's ``[B,T,Hv,Dk]``
-    with A_log ``[Hv]``, dt_bias ``[Hv,Dk]``) under the sharded jit, and per-row gradients
-    under ``jax.vmap`` of that jit (the shared parameters' gradients per mapped row); how many
-    times the gate was computed outside the chunk core (`gdngen.layer_inputs.computed_gate`,
-    0 when every path fuses it); and the bytes ``jax.vjp`` keeps, fused against outside."""
+    heads (A_log, dt_bias the shard's heads), of per-channel gates with Kimi's layout (Hk =
+    Hv, g ``[B,T,Hv,Dk]``, A_log ``[Hv]``, dt_bias ``[Hv,Dk]``) under the sharded jit, and
+    per-row gradients under ``jax.vmap`` of that jit (the shared parameters' gradients per
+    mapped row); how many times the gate was computed outside the chunk core
+    (`gdngen.layer_inputs.computed_gate`, 0 when every path fuses it); and the bytes
+    ``jax.vjp`` keeps, fused against outside."""
     from gdngen import layer_inputs
 
     computed = []
@@ -242,13 +243,15 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
     v = jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32)
     a, b = (jnp.asarray(rng.standard_normal((B, T, Hv)), jnp.float32) for _ in range(2))
     a_vector = jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32)
+    q_kimi, k_kimi = (jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32)
+                      for _ in range(2))
     A_log, dt_bias = (jnp.asarray(rng.standard_normal(Hv) * 0.5, jnp.float32) for _ in range(2))
     dt_bias_vector = jnp.asarray(rng.standard_normal((Hv, D)) * 0.5, jnp.float32)
     variant = registry.default_variant(backend, Problem(Hk, Hv, D, D, "float32", "scalar"))
-    variant_vector = registry.default_variant(backend, Problem(Hk, Hv, D, D, "float32",
+    variant_vector = registry.default_variant(backend, Problem(Hv, Hv, D, D, "float32",
                                                                "vector"))
     args = (q, k, v, a, b, A_log, dt_bias)
-    args_vector = (q, k, v, a_vector, b, A_log, dt_bias_vector)
+    args_vector = (q_kimi, k_kimi, v, a_vector, b, A_log, dt_bias_vector)
     everything = tuple(range(7))
 
     def fused(q, k, v, a, b, A_log, dt_bias):

@@ -144,11 +144,12 @@ def test_vmap_on_a_many_device_host():
 def test_layer_inputs_on_a_many_device_host(backend):
     """qk_norm, the softplus gate and beta logits on 8 devices: an eager one-device forward, a
     differentiated one-device call, a jit of inputs sharded over data x heads (the partitioned
-    path; also with per-channel gates), a shard_map over heads (A_log, dt_bias per shard) and
-    per-row gradients under vmap of the sharded jit give the value and every gradient of the
-    same loss with the inputs computed outside the op; on every one of those paths the chunk
-    core computes the gate (never `computed_gate` before the call), and the fused norm keeps no
-    normalised q, k for the backward."""
+    path; also per-channel gates with Hk = Hv, where Shardy takes no GVA factor of size 1), a
+    shard_map over heads (A_log, dt_bias per shard) and per-row gradients under vmap of the
+    sharded jit give the value and every gradient of the same loss with the inputs computed
+    outside the op; on every one of those paths the chunk core computes the gate (never
+    `computed_gate` before the call), and the fused norm keeps no normalised q, k for the
+    backward."""
     report = run_checks({"mode": "layer_inputs", "backend": backend})
     assert set(report["differences"]) == {"eager_forward", "eager", "jit_sharded", "shard_map",
                                           "jit_sharded_vector", "vmap_grads"}
