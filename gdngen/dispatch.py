@@ -242,6 +242,13 @@ class TunedGatedDelta:
                 gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
                 beta_activation=None, cu_seqlens=None) -> Choice:
         """Which variant a call with these arguments runs, and why (`str()` it to read)."""
+        choice, shape = self._choice(q, k, v, g, beta, initial_state, mask, scale, gate,
+                                     qk_norm, A_log, dt_bias, lower_bound, beta_activation,
+                                     cu_seqlens)
+        return choice.for_length(shape.T, shape.vector_gate, shape.sequences)
+
+    def _choice(self, q, k, v, g, beta, initial_state, mask, scale, gate, qk_norm, A_log,
+                dt_bias, lower_bound, beta_activation, cu_seqlens) -> tuple[Choice, CallShape]:
         options = layer_inputs.check_layer_inputs(
             q, k, v, g, beta, None if cu_seqlens is not None else initial_state, mask,
             gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
@@ -249,8 +256,7 @@ class TunedGatedDelta:
         shape = check_call(q, k, v, g, beta, initial_state, mask, gate=options.call_gate,
                            scale=scale, cu_seqlens=cu_seqlens)
         return choose(self.framework, shape, dtype_name(q), device=self.device,
-                      precision=self.precision).for_length(shape.T, shape.vector_gate,
-                                                           shape.sequences)
+                      precision=self.precision), shape
 
     def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                  gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
@@ -258,10 +264,9 @@ class TunedGatedDelta:
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
         from gdngen.precision import precision_context
 
-        chosen = self.explain(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                              gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
-                              lower_bound=lower_bound, beta_activation=beta_activation,
-                              cu_seqlens=cu_seqlens).variant
+        chosen = self._choice(q, k, v, g, beta, initial_state, mask, scale, gate, qk_norm,
+                              A_log, dt_bias, lower_bound, beta_activation,
+                              cu_seqlens)[0].variant
         q, k, g, beta, gate = layer_inputs.prepare(
             self.framework, q, k, v, g, beta, None if cu_seqlens is not None else initial_state,
             mask, gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
