@@ -309,16 +309,15 @@ def _vmap_into_batch(op, operand_names: tuple, result_names: tuple):
 
     @batched_op.def_vmap
     def rule(axis_size, in_batched, *operands):
-        operands = tuple(x if m or not b else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                         for x, m, b in zip(operands, in_batched, has_batch))
-        mapped = tuple(m or b for m, b in zip(in_batched, has_batch))
-        if not results_fold or not all(b for m, b in zip(mapped, has_batch) if m):
-            whole = tuple(x if m else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                          for x, m in zip(operands, mapped))
-            results = jax.lax.map(lambda xs: op(*xs), whole)
-        else:
-            results = op(*(x.reshape((-1,) + x.shape[2:]) if m else x
-                           for x, m in zip(operands, mapped)))
+        def mapped(x, is_mapped):
+            return x if is_mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
+
+        mapped_parameter = any(m and not b for m, b in zip(in_batched, has_batch))
+        if mapped_parameter or not results_fold:
+            results = jax.lax.map(lambda xs: op(*xs), tuple(map(mapped, operands, in_batched)))
+        else:  # the mapped axis folded into each batched operand's batch axis
+            results = op(*(mapped(x, m).reshape((-1,) + x.shape[1 + m:]) if b else x
+                           for x, m, b in zip(operands, in_batched, has_batch)))
             results = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in results)
         return tuple(results), tuple(True for _ in results)
 

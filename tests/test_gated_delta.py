@@ -205,6 +205,7 @@ def test_decode_step_is_one_compiled_call_with_gradients(vector, monkeypatch):
     from gdngen import Variant, chunkwise
 
     SCALE = 0.2371  # a scale no other test uses: this test's compiled step is its own
+    gdngen_mlx = Framework("mlx").gated_delta
 
     traced = []
     real = chunkwise.single_step
@@ -236,12 +237,6 @@ def test_decode_step_is_one_compiled_call_with_gradients(vector, monkeypatch):
     for name, got in zip(("y", "final_state", "dq", "dk", "dv", "dg", "dbeta",
                           "dinitial_state"), (*out, *grads)):
         assert validate.relative_error(np.asarray(got, np.float64), ref[name]) < 5e-6, name
-
-
-def gdngen_mlx(*args, **kwargs):
-    import gdngen.mlx
-
-    return gdngen.mlx.gated_delta(*args, **kwargs)
 
 
 def test_dtypes_of_outputs(fw):
