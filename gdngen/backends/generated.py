@@ -120,7 +120,7 @@ def l2_normalized_vjp(xp, x, dx):
     return chunkwise.l2_normalize_vjp(xp, x.astype(f32), dx.astype(f32)).astype(x.dtype)
 
 
-def custom_vjp_core(forward, backward, qk_norm=False, gate=None):
+def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=False):
     """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
     ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->
     cotangents of the primals``.
@@ -133,6 +133,10 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None):
     `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``; the core computes
     the log gate for ``forward`` (built for log gates) the same way, keeps only ``a`` and maps
     the log gate's cotangent to the three (`gdngen.chunkwise.gates_vjp`).
+
+    ``forward_fuses``: ``forward`` computes the norm and the log gate in its kernels' loads
+    (`gdngen.backends.kernel_inputs`): it receives the raw primals (q, k raw, ``gates`` the
+    ``(a, A_log, dt_bias)`` tuple); ``backward`` still receives the recomputed inputs.
     """
     import jax
 
@@ -146,12 +150,15 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None):
             q, k = l2_normalized(XP, q), l2_normalized(XP, k)
         return (q, k, v, chunkwise.log_gates(XP, gates, gate)[0], *rest)
 
+    def forward_inputs(primals):
+        return primals if forward_fuses else inputs(primals)
+
     @jax.custom_vjp
     def core(q, k, v, gates, beta, S0):
-        return forward(inputs((q, k, v, gates, beta, S0)))[0]
+        return forward(forward_inputs((q, k, v, gates, beta, S0)))[0]
 
     def core_fwd(*primals):
-        outputs, saved = forward(inputs(primals))
+        outputs, saved = forward(forward_inputs(primals))
         return outputs, (primals, saved)
 
     def core_bwd(residuals, cotangents):
