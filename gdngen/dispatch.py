@@ -179,11 +179,12 @@ def choose(framework: str, shape: CallShape, dtype: str, *, device: str | None =
 
 
 def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | None = None,
-            chunk_size: int | None = None) -> Variant:
+            chunk_size: int | None = None, *, device: str | None = None,
+            precision: str = "ieee") -> Variant:
     """The variant for one call. An explicit ``variant`` must belong to ``framework`` and be
     valid for its backend; an explicit ``chunk_size`` overrides the default variant's chunk (and
-    must agree with an explicit variant); with neither, the tuned variant for the attached
-    device (precision "ieee") wins over the default (see `choose`)."""
+    must agree with an explicit variant); with neither, the tuned variant for ``device`` (default:
+    the attached one) and ``precision`` wins over the default (see `choose`)."""
     if variant is not None:
         if not isinstance(variant, Variant):
             raise ValueError(f"variant must be a gdngen.Variant, got {type(variant).__name__}")
@@ -197,22 +198,24 @@ def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | Non
                              f"{variant['chunk_size']}")
         return variant
     if chunk_size is None:
-        return choose(framework, shape, dtype).variant
+        return choose(framework, shape, dtype, device=device, precision=precision).variant
     return default_choice(framework, problem_of(shape, dtype), _attached(framework)[0],
                           chunk_size)[0]
 
 
 def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, chunk_size,
-         variant, qk_norm=False, cu_seqlens=None):
-    """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant, run it
-    through its backend's entry point (``qk_norm``: q, k raw, normalised by the backend;
-    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)``, the log gate
-    computed by the backend; ``cu_seqlens``: a packed row; `gdngen.spec.BackendSpec.run`)."""
+         variant, qk_norm=False, cu_seqlens=None, device=None, precision="ieee"):
+    """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant (tuned for
+    ``device``, default the attached one, and ``precision`` unless given), run it through its
+    backend's entry point (``qk_norm``: q, k raw, normalised by the backend; ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)``, the log gate computed
+    by the backend; ``cu_seqlens``: a packed row; `gdngen.spec.BackendSpec.run`)."""
     check_framework(framework)
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
-    chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size)
+    chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size, device=device,
+                     precision=precision)
     spec = registry.get(chosen.backend)
     if cu_seqlens is not None:  # no packed kernel fuses the q/k norm or the gate: before
         g, gate = layer_inputs.computed_gate(framework, g, gate)
@@ -264,9 +267,6 @@ class TunedGatedDelta:
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
         from gdngen.precision import precision_context
 
-        chosen = self._choice(q, k, v, g, beta, initial_state, mask, scale, gate, qk_norm,
-                              A_log, dt_bias, lower_bound, beta_activation,
-                              cu_seqlens)[0].variant
         q, k, g, beta, gate = layer_inputs.prepare(
             self.framework, q, k, v, g, beta, None if cu_seqlens is not None else initial_state,
             mask, gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
@@ -274,8 +274,8 @@ class TunedGatedDelta:
             defer_qk_norm=True, defer_gate=True)
         with precision_context(self.framework, self.precision):
             return call(self.framework, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                        gate=gate, chunk_size=None, variant=chosen, qk_norm=qk_norm,
-                        cu_seqlens=cu_seqlens)
+                        gate=gate, chunk_size=None, variant=None, qk_norm=qk_norm,
+                        cu_seqlens=cu_seqlens, device=self.device, precision=self.precision)
 
 
 def load_tuned(framework: str = "jax", device: str | None = None,

@@ -29,9 +29,9 @@ def isolated(tmp_path, monkeypatch):
         yield root
 
 
-def plant(backend: str, seq_len: int = 64, **changes) -> dict:
+def plant(backend: str, seq_len: int = 64, precision: str = "ieee", **changes) -> dict:
     framework = registry.framework_of(backend)
-    e = cache.make_entry(device="cpu", framework=framework, problem=PROBLEM, precision="ieee",
+    e = cache.make_entry(device="cpu", framework=framework, problem=PROBLEM, precision=precision,
                          seq_len=seq_len, batch=1, variant=Variant(backend, TUNED),
                          default=default_variant(backend, PROBLEM), best_s=0.01, default_s=0.02,
                          worst_error=1e-7, tolerance=5e-5, trials={"run": 4})
@@ -147,6 +147,25 @@ def test_load_tuned_jax_runs_the_tuned_variant_under_jit():
                                variant=Variant("xla", TUNED))
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=1e-6, atol=1e-6)
+
+
+def test_load_tuned_runs_the_entries_of_its_precision_policy(mlx_calls):
+    """An entry tuned under "bf16" runs through ``load_tuned(precision="bf16")`` only: the plain
+    call and ``load_tuned()`` (precision "ieee") find no entry and run the default variant."""
+    import mlx.core as mx
+
+    import gdngen
+    from gdngen.mlx import gated_delta
+
+    plant("mlx", seq_len=64, precision="bf16")
+    x = {n: mx.array(a) for n, a in inputs(50, np.random.default_rng()).items()}
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    mx.eval(*gdngen.load_tuned("mlx", precision="bf16")(*args))
+    assert mlx_calls == [TUNED_CHUNK]
+    mx.eval(*gated_delta(*args), *gdngen.load_tuned("mlx")(*args))
+    default = default_variant("mlx", PROBLEM)  # below its recurrent_below: no chunk call
+    runs_chunks = 50 >= default["recurrent_below"]
+    assert mlx_calls[1:] == [{n: default[n] for n in TUNED_CHUNK}] * 2 * runs_chunks
 
 
 def test_load_tuned_rejects_absent_device_and_bad_arguments():
