@@ -10,6 +10,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gdngen import bench
@@ -223,6 +224,36 @@ def test_layer_inputs_bench_smoke(capsys):
             assert saved >= least, r["memory"]
         else:
             assert min(m["peak_bytes"] for m in r["memory"].values()) > 0
+
+
+def test_decode_inputs_bench_smoke(capsys):
+    """benchmarks/bench_decode_inputs.py runs end to end at a toy size on every installed
+    framework and gate kind, and its two callables (norm and gate inside the op, and before
+    it) return the same outputs from the same raw inputs."""
+    frameworks = [f for f in ("jax", "mlx") if importlib.util.find_spec(f)]
+    if not frameworks:
+        pytest.skip("neither jax nor mlx is installed")
+    bench = _benchmark("bench_decode_inputs")
+    for framework in frameworks:
+        for vector in (False, True):
+            raw = bench.make_inputs(1, 3, 1, 2, 16, vector, seed=5)
+            if framework == "jax":
+                import jax.numpy as ops
+            else:
+                import mlx.core as ops
+            args = [ops.array(raw[n]) for n in ("q", "k", "v", "a", "beta", "A_log", "dt_bias",
+                                                "state")]
+            out = {n: [np.asarray(x) for x in f(*args)]
+                   for n, f in bench.callables(framework, 16, None).items()}
+            for fused, outside in zip(out["fused"], out["outside"]):
+                np.testing.assert_allclose(fused, outside, rtol=2e-5, atol=2e-6)
+    bench.main(["--frameworks", ",".join(frameworks), "--seq-lens", "1,3", "--heads", "1,2",
+                "--dim", "16", "--repeats", "1", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["framework"], r["gate"], r["T"]) for r in rows} == {
+        (f, gate, T) for f in frameworks for gate in ("scalar", "vector") for T in (1, 3)}
+    assert all(set(r["ms"]) == {"fused", "outside"} and min(r["ms"].values()) > 0
+               for r in rows)
 
 
 @pytest.mark.parametrize("name", [pytest.param("textbook_chunked", marks=pytest.mark.slow),
