@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 from gdngen import settings
 from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
+from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
@@ -266,6 +267,7 @@ def _context(variant: Variant, problem: Problem) -> dict:
         "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
         "DW": intra_tile(p["chunk_size"]), "policy": p["precision"], "mma": p["mma"],
         "per_channel": False, "packed": False,  # the packed build (`render_packed`) sets it
+        **KernelInputs().context(),  # nothing fused: the fused build (`render_fused`) sets it
         # 16-bit operands: bfloat under precision bf16, else (tf32 rounding) half for float16
         "op_type": "bfloat" if p["precision"] == "bf16" or problem.dtype == "bfloat16"
         else "half",
@@ -303,7 +305,8 @@ def _recurrent_context(variant: Variant, problem: Problem) -> dict:
     precision, ``recurrent_below``) reaches the recurrent source."""
     p = variant.as_dict()
     return {"DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk, "HV": problem.Hv,
-            "ROWS": p["dv_tile"], "SG": p["simdgroups"], "per_channel": problem.gate == "vector"}
+            "ROWS": p["dv_tile"], "SG": p["simdgroups"], "per_channel": problem.gate == "vector",
+            **KernelInputs().context()}
 
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
@@ -343,6 +346,53 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
              for name, (template, context) in render_plan(variant, problem).items()
              if name != "recurrent.metal"}
     return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
+                 templates_dir=None):
+    """The fused build of ``variant``'s kernels (`gdngen.backends.kernel_inputs`): a
+    `gdngen.sources.Rendered` with `render_plan`'s names, every template rendered with
+    ``inputs.context()`` (``qk_norm``, ``gate_form``), plus ``"layer_inputs.metal"``, the
+    helpers the fused kernels call (the header of the fused recurrent kernel; the chunk kernels
+    get them through ``common.metal``). Kernels with a fused block take raw q, k (normalised at
+    load) and, with a gate form, the raw projection ``a`` with ``A_log`` and ``dt_bias`` in place
+    of the gate; the others render as the plain build. ``inputs`` must fuse something (the
+    plain build is `render_plan`'s, whose sha256, and tuned entries, do not depend on this one).
+    ``templates_dir``: a template override folder (default ``GDNGEN_TEMPLATES``)."""
+    if not inputs.fused:
+        raise ValueError(f"inputs must fuse a qk norm or a gate (the plain build is "
+                         f"render_plan's), got {inputs!r}")
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    return _render_fused(adapt(variant, problem), problem, _fused_key(inputs), templates)
+
+
+@functools.lru_cache(maxsize=64)
+def _render_fused(variant: Variant, problem: Problem, fused: tuple, templates_dir):
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    env = environment(templates_dir)
+    fused = dict(fused)
+    plan = render_plan(variant, problem)
+    plan["layer_inputs.metal"] = ("metal/layer_inputs.metal.j2",
+                                  _recurrent_context(variant, problem))
+    texts = {name: env.get_template(template).render(**dict(context, **fused))
+             for name, (template, context) in plan.items()}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def _fused_key(inputs: KernelInputs | None) -> tuple:
+    """What of ``inputs`` reaches a rendering (`KernelInputs.context`), hashable; ``()`` when
+    nothing is fused. ``lower_bound`` is a runtime scalar: one build serves every bound."""
+    if inputs is None or not inputs.fused:
+        return ()
+    return tuple(sorted(inputs.context().items()))
+
+
+def _fused_tag(fused: tuple) -> str:
+    """`KernelInputs.tag` of a `_fused_key` (``""`` for the plain build)."""
+    context = dict(fused)
+    return "".join(f"_{part}" for part in (("qknorm",) if context.get("qk_norm") else ())
+                   + ((context["gate_form"],) if context.get("gate_form") else ()))
 
 
 # ---------------------------------------------------------------------------- launch plan
@@ -386,6 +436,11 @@ class Plan:
 
     A walk plan (`channel_plan`, per-channel gates) has one launch in each: the forward walk's
     and the backward walk's, each run on its own inputs by `ChannelWalks` (nothing ``saved``).
+
+    ``fused`` (`_fused_key`: ``(("gate_form", ...), ("qk_norm", ...))``, empty for the plain
+    build): the forward's kernels are `render_fused`'s, taking raw q, k and, with a gate form,
+    ``a``, ``A_log``, ``dt_bias`` in place of ``g`` (``prm`` then also holds the lower bound);
+    a backward is the plain build's, on the recomputed inputs.
     """
 
     variant: Variant
@@ -398,6 +453,7 @@ class Plan:
     saved: tuple
     threadgroup_bytes: dict
     packed: bool = False
+    fused: tuple = ()
 
 
 _KERNEL_IO = {
@@ -454,34 +510,51 @@ def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
     return _launch_plan(adapt(variant, problem), problem, N, B, templates, True)
 
 
+def _recurrent_io(fused: tuple) -> tuple:
+    """``(inputs, outputs)`` of the recurrent kernel; a fused gate adds ``A_log``, ``dt_bias``."""
+    ins, outs = _KERNEL_IO["recurrent"]
+    return (ins + ("A_log", "dt_bias") if dict(fused).get("gate_form") else ins), outs
+
+
 @functools.lru_cache(maxsize=64)
-def _recurrent_kernel(variant: Variant, problem: Problem, templates) -> KernelSpec:
-    rendered = SPEC.render(variant, problem, templates_dir=templates)
-    body = rendered.sources["recurrent.metal"]
-    tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
-    return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
+def _recurrent_kernel(variant: Variant, problem: Problem, templates, fused: tuple = ()
+                      ) -> KernelSpec:
+    if not fused:
+        rendered = SPEC.render(variant, problem, templates_dir=templates)
+        body = rendered.sources["recurrent.metal"]
+        tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
+        return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
+    rendered = _render_fused(variant, problem, fused, templates)
+    body, header = rendered.sources["recurrent.metal"], rendered.sources["layer_inputs.metal"]
+    tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
+    return KernelSpec(f"gdngen_recurrent{_fused_tag(fused)}_{tag}", *_recurrent_io(fused), body,
+                      header)
 
 
 def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
-                   templates_dir=None) -> Plan:
+                   templates_dir=None, inputs: KernelInputs | None = None) -> Plan:
     """The one launch of the recurrent kernel of ``variant`` (adapted to ``problem``) for T steps
     and batch B: grid (32 * simdgroups, Dv / dv_tile, B * Hv). In this `Plan`, ``N`` is T (the
     kernel reads T from q's shape at run time; the source does not depend on it) and there is no
     backward. ``templates_dir``: default the ``GDNGEN_TEMPLATES`` override, else the shipped
-    templates."""
+    templates. ``inputs`` (`KernelInputs`, default none): the fused build (`render_fused`),
+    which takes raw q, k and, with a gate form, ``a``, ``A_log``, ``dt_bias`` (inputs in that
+    order after the plain ones; ``prm = (scale, lower_bound)``); the kernel is keyed on what
+    reaches its source (`_fused_key`), not on the lower bound."""
     variant = adapt(variant, problem)
     templates = settings.templates_override() if templates_dir is None else templates_dir
-    spec = _recurrent_kernel(variant, problem, templates)
+    fused = _fused_key(inputs)
+    spec = _recurrent_kernel(variant, problem, templates, fused)
     p = variant.as_dict()
     nt = 32 * p["simdgroups"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
     f32 = "float32"
-    launch = Launch(kernel="recurrent", inputs=_KERNEL_IO["recurrent"][0],
-                    outputs=_KERNEL_IO["recurrent"][1],
+    ins, outs = _recurrent_io(fused)
+    launch = Launch(kernel="recurrent", inputs=ins, outputs=outs,
                     output_shapes=((B, T, Hv, Dv), (B, Hv, Dv, Dk)), output_dtypes=(f32, f32),
                     grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
     return Plan(variant, problem, T, B, {"recurrent": spec}, (launch,), (), (),
-                {"recurrent": 0})
+                {"recurrent": 0}, fused=fused)
 
 
 def recurrent_input_metas(plan: Plan) -> dict:
@@ -489,10 +562,15 @@ def recurrent_input_metas(plan: Plan) -> dict:
     pb, T, B = plan.problem, plan.N, plan.B
     f32 = "float32"
     gate = T * B * pb.Hv * (pb.Dk if pb.gate == "vector" else 1)
-    return {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
-            "v": (f32, 4, B * T * pb.Hv * pb.Dv),
-            "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
-            "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 1)}
+    metas = {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
+             "v": (f32, 4, B * T * pb.Hv * pb.Dv),
+             "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
+             "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 2 if plan.fused else 1)}
+    if dict(plan.fused).get("gate_form"):
+        vector = pb.gate == "vector"
+        metas["A_log"] = metas["dt_bias"] = (f32, 2 if vector else 1,
+                                             pb.Hv * (pb.Dk if vector else 1))
+    return metas
 
 
 @functools.lru_cache(maxsize=64)
@@ -976,7 +1054,7 @@ def _packed_core(variant: Variant, problem: Problem, gate: str, launcher, templa
 
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,
-                      templates_dir=None):
+                      templates_dir=None, qk_norm=False, gate=None):
     """The recurrent kernel (``templates/metal/recurrent.metal.j2``): the forward of the gated
     delta rule one step at a time, for short calls (decode / short prefill).
 
@@ -999,12 +1077,30 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     simulator (unwritten elements fail the launch), NaN-initialised on a GPU under
     ``GDNGEN_POISON_OUTPUTS=1``. ``launcher``: `MLXLauncher` / `SimLauncher` (default
     `default_launcher`); ``templates_dir``: a template override folder.
+
+    Fused layer inputs (`render_fused`, `gdngen.backends.kernel_inputs`), computed by the kernel
+    in its loads: ``qk_norm`` True: q, k are raw; each loaded row is L2-normalised in float32
+    (``x rsqrt(sum x^2 + 1e-6)``, the sum a ``simd_sum``), q then scaled. ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``decay`` is the tuple ``(a, A_log, dt_bias)``, ``a`` the
+    raw projection ``[B,T,Hv]`` / ``[B,T,Hv,Dk]`` (masked steps a = -inf), the parameters in any
+    form `kernel_parameters` takes (``[Hv]``; per channel also ``[Hv,1]``, ``[Hv,Dk]``); the
+    kernel forms log g per step (and channel) and the decay exp(log g), the lower bound a
+    runtime scalar (one build serves every bound).
     """
     import mlx.core as mx
 
+    from gdngen import chunkwise
+
     B, T, Hk, Dk = (int(n) for n in q.shape)
     Hv, Dv = int(v.shape[2]), int(v.shape[3])
-    gate_kind = "vector" if decay.ndim == 4 else "scalar"
+    parameter_gate = isinstance(gate, chunkwise.ParameterGate)
+    if gate is not None and not parameter_gate:
+        raise ValueError(f"gate must be None or a chunkwise.ParameterGate, got {gate!r}")
+    if parameter_gate != isinstance(decay, tuple) or (parameter_gate and len(decay) != 3):
+        raise ValueError("decay must be the tuple (a, A_log, dt_bias) exactly when gate is a "
+                         f"ParameterGate, got {type(decay).__name__} with gate={gate!r}")
+    inputs = KernelInputs.of(qk_norm, gate)
+    gate_kind = "vector" if chunkwise.raw_gates(decay).ndim == 4 else "scalar"
     if problem is None:
         problem = Problem(Hk, Hv, Dk, Dv, "float32", gate_kind)
     got = (problem.Hk, problem.Hv, problem.Dk, problem.Dv, problem.gate)
@@ -1012,11 +1108,16 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
         raise ValueError(f"arrays have shape class Hk={Hk}, Hv={Hv}, Dk={Dk}, Dv={Dv}, gate "
                          f"{gate_kind}, expected {problem.key()}")
     launcher = default_launcher() if launcher is None else launcher
-    plan = recurrent_plan(variant, problem, T, B, templates_dir)
+    plan = recurrent_plan(variant, problem, T, B, templates_dir, inputs)
     f32 = mx.float32
-    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32), "a": decay.astype(f32),
-           "beta": beta.astype(f32), "s0": S0.astype(f32),
-           "prm": mx.array([float(scale)], f32)}
+    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32),
+           "a": chunkwise.raw_gates(decay).astype(f32), "beta": beta.astype(f32),
+           "s0": S0.astype(f32), "prm": mx.array([float(scale)], f32)}
+    if inputs.fused:
+        env["prm"] = mx.array([float(scale), inputs.lower_bound], f32)
+    if parameter_gate:
+        env["A_log"], env["dt_bias"] = kernel_parameters(mx, *decay[1:], Hv, Dk,
+                                                         gate_kind == "vector")
     if hasattr(launcher, "prepare"):
         launcher.prepare(plan, env)
     env = _run(plan, plan.forward, env, launcher)
@@ -1065,8 +1166,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`). The chunk path's custom function
     normalises them and its VJP recomputes the normalised ones from the raw ones (`_core`;
-    per-channel gates: `gdngen.backends.mlx_chunkwise.chunk_core`); the recurrent kernel gets
-    them normalised first.
+    per-channel gates: `gdngen.backends.mlx_chunkwise.chunk_core`). ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)`` (`gdngen.layer_inputs`).
+    The recurrent kernel (T < recurrent_below) computes both in its loads, forward only
+    (`recurrent_forward`'s fused build): no normalised q, k and no log gate are formed as
+    arrays; its VJP is the chunk path's.
     """
     import mlx.core as mx
 
@@ -1103,12 +1207,14 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     if shape.T >= SPEC.parse(variant).recurrent_below:
         return chunkwise_call(*args, mask)
 
+    parameter_gate = gate if isinstance(gate, chunkwise.ParameterGate) else None
+
     def recurrent(q, k, v, g, beta, s0):
-        if qk_norm:
-            q, k = l2_normalized(XP, q), l2_normalized(XP, k)
-        decay = chunkwise.linear_decay(XP, g, gate)  # exp(-inf) = 0 exactly
+        # the kernel normalises q, k and forms a ParameterGate's decay in its loads
+        decay = g if parameter_gate else chunkwise.linear_decay(XP, g, gate)  # exp(-inf) = 0
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
-                                     problem=problem, launcher=launcher)
+                                     problem=problem, launcher=launcher, qk_norm=qk_norm,
+                                     gate=parameter_gate)
         return y.astype(q.dtype), state
 
     g, beta = chunkwise.fold_mask(XP, args[3], args[4], mask, gate)

@@ -1,0 +1,352 @@
+"""Layer inputs computed in the Metal kernels' own loads (`gdngen.backends.kernel_inputs`,
+`gdngen.backends.metal.render_fused`): ``qk_norm`` (raw q, k normalised per loaded row) and a
+parameterised gate (``a``, ``A_log``, ``dt_bias``: the log gate formed in the kernel), in
+`gdngen.metal_sim`.
+
+Values and gradients through the public entry (`gdngen.mlx.gated_delta` with a metal variant)
+against a float64 reference (`gdngen.reference` composed with the transform and its chain rule,
+masked steps folded as the backends fold them), on the recurrent path (T < recurrent_below:
+the fused recurrent kernel's forward, the chunk path's VJP) and the chunk path; a spy shows the
+fused forward forms neither a normalised q, k nor a log gate as arrays; the plain build renders
+byte for byte as before the fused blocks existed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from spies import spy_calls
+
+from gdngen import Problem, Variant, chunkwise, metal_sim, reference, registry, sources
+from gdngen.backends import metal
+from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
+from gdngen.validate import relative_error
+
+mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
+pytestmark = pytest.mark.skipif(not metal_sim.available(), reason="no C++ compiler (g++)")
+
+RTOL = 5e-5  # y, final state and every gradient, float32
+B, Hk, Hv, D = 2, 1, 2, 32  # GVA: two value heads read one key head; Dk = Dv = 32 (simulator)
+SCALE = D ** -0.5
+CHUNK = 16
+
+
+# --------------------------------------------------------------------------- float64 reference
+
+
+def _sigmoid(x):
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _softplus(x):
+    return np.logaddexp(x, 0.0)
+
+
+def _log_gate(a, A_log, dt_bias, lower_bound):
+    """float64 log gate of a `chunkwise.ParameterGate` (parameters broadcast against ``a``),
+    0 where ``a`` is -inf."""
+    live = np.isfinite(a) | (a > 0)
+    x = np.where(live, a + dt_bias, 0.0)
+    rate = np.exp(A_log)
+    log_g = -rate * _softplus(x) if lower_bound is None else lower_bound * _sigmoid(rate * x)
+    return np.where(live, log_g, 0.0), x, rate
+
+
+def _broadcast_parameter(p, vector):
+    return p.reshape(-1, 1) if vector and p.ndim == 1 else p
+
+
+def _sum_to(x, shape):
+    """A gate-shaped ``[B,T,Hv(,Dk)]`` gradient summed down to a parameter's ``shape``."""
+    per_head = x.sum(axis=(0, 1))
+    return per_head if per_head.shape == shape else per_head.sum(axis=-1).reshape(shape)
+
+
+def _reference(x, gate, lower_bound, dy, dS):
+    """float64 ``(y, final_state, grads)`` of ``<y, dy> + <final_state, dS>`` w.r.t. the raw
+    q, k, v, g (the raw projection for a parameterised gate), beta, A_log, dt_bias; masked steps
+    are identity steps (log g = 0, beta = 0) with y = 0, as `chunkwise.fold_mask` folds them."""
+    live_t = x["mask"]  # [B, T]
+    vector = x["g"].ndim == 4
+    live = live_t.reshape(live_t.shape + (1,) * (x["g"].ndim - 2))
+    q, k = x["q"], x["k"]
+    rq, rk = (np.sqrt((z * z).sum(-1, keepdims=True) + QK_NORM_EPS) for z in (q, k))
+    qn, kn = q / rq, k / rk
+    if gate == "log":
+        log_g = x["g"]
+    else:
+        A = _broadcast_parameter(x["A_log"], vector)
+        dt = _broadcast_parameter(x["dt_bias"], vector)
+        log_g, pre, rate = _log_gate(x["g"], A, dt, lower_bound)
+    log_g = np.where(live, log_g, 0.0)
+    beta = np.where(live_t[..., None], x["beta"], 0.0)
+    dy = np.where(live_t[..., None, None], dy, 0.0)  # y is zeroed there
+    out = reference.vjp(qn, kn, x["v"], log_g, beta, x["initial_state"], dy, dS, scale=SCALE,
+                        gate="log")
+    grads = {"v": out["dv"], "beta": np.where(live_t[..., None], out["dbeta"], 0.0),
+             "initial_state": out["dinitial_state"]}
+    for name, xn, r in (("q", qn, rq), ("k", kn, rk)):  # through the norm's VJP
+        d = out[f"d{name}"]
+        grads[name] = (d - xn * (xn * d).sum(-1, keepdims=True)) / r
+    dlog_g = np.where(live, out["dg"], 0.0)
+    if gate == "log":
+        grads["g"] = dlog_g
+    else:
+        if lower_bound is None:  # d/dx = -rate sigmoid(x), d/dA_log = log g
+            d_pre, d_A = -rate * _sigmoid(pre) * dlog_g, log_g * dlog_g
+        else:  # z = rate x: d/dz = lower_bound sigmoid(z) sigmoid(-z); d/dA_log = d/dz z
+            z = rate * pre
+            dz = lower_bound * _sigmoid(z) * _sigmoid(-z) * dlog_g
+            d_pre, d_A = dz * rate, dz * z
+        grads["g"] = d_pre
+        grads["A_log"] = _sum_to(d_A, x["A_log"].shape)
+        grads["dt_bias"] = _sum_to(d_pre, x["dt_bias"].shape)
+    y = np.where(live_t[..., None, None], out["y"], 0.0)
+    return y, out["final_state"], grads
+
+
+# --------------------------------------------------------------------------- setups
+
+
+# name -> (gate, lower_bound, vector, A_log shape, dt_bias shape)
+SETUPS = {
+    "qk_norm_only": ("log", None, False, None, None),
+    "softplus_per_head": ("softplus", None, False, (Hv,), (Hv,)),
+    "sigmoid_bound_per_head": ("sigmoid_bound", -5.0, False, (Hv,), (Hv,)),
+    # mlx-lm's Kimi Linear / Bailing V3 shapes
+    "softplus_per_channel": ("softplus", None, True, (Hv, 1), (Hv, D)),
+}
+
+
+def _inputs(name, T, seed=0):
+    gate, _, vector, A_shape, dt_shape = SETUPS[name]
+    rng = np.random.default_rng(seed)
+    gate_shape = (B, T, Hv) + ((D,) if vector else ())
+    x = {"q": rng.standard_normal((B, T, Hk, D)) * 2.0,  # not unit norm: the norm matters
+         "k": rng.standard_normal((B, T, Hk, D)) * 0.5,
+         "v": rng.standard_normal((B, T, Hv, D)),
+         "beta": rng.uniform(0.1, 1.0, (B, T, Hv)),
+         "initial_state": 0.5 * rng.standard_normal((B, Hv, D, D))}
+    if gate == "log":
+        x["g"] = -rng.uniform(0.01, 1.0, gate_shape)
+    else:
+        x["g"] = rng.standard_normal(gate_shape)
+        x["A_log"] = rng.uniform(-1.0, 1.0, A_shape)
+        x["dt_bias"] = rng.uniform(-0.5, 0.5, dt_shape)
+    mask = np.ones((B, T), bool)
+    mask[0, 3] = False  # a masked row (batch 0, step 3) and a left-padded batch row
+    mask[1, :2] = False
+    x["mask"] = mask
+    return x
+
+
+def _variant(vector, recurrent_below):
+    problem = Problem(Hk, Hv, D, D, gate="vector" if vector else "scalar")
+    params = registry.default_variant("metal", problem).as_dict()
+    return Variant("metal", dict(params, chunk_size=CHUNK, dv_tile=16, simdgroups=2,
+                                 recurrent_below=recurrent_below))
+
+
+def _call(name, arrays, variant):
+    from gdngen.mlx import gated_delta
+
+    gate, lower_bound, *_ = SETUPS[name]
+    options = {"qk_norm": True, "gate": gate}
+    if gate != "log":
+        options.update(A_log=arrays["A_log"], dt_bias=arrays["dt_bias"])
+    if lower_bound is not None:
+        options["lower_bound"] = lower_bound
+    return gated_delta(arrays["q"], arrays["k"], arrays["v"], arrays["g"], arrays["beta"],
+                       arrays["initial_state"], mask=arrays["mask"], scale=SCALE,
+                       variant=variant, **options)
+
+
+def _values_and_grads(name, x, variant, dy, dS):
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+             if n in x]
+    arrays = {n: mx.array(x[n].astype(np.float32)) for n in names}
+    arrays["mask"] = mx.array(x["mask"])
+    dy_m, dS_m = mx.array(dy.astype(np.float32)), mx.array(dS.astype(np.float32))
+
+    def loss(*args):
+        y, state = _call(name, {**arrays, **dict(zip(names, args))}, variant)
+        return (y * dy_m).sum() + (state * dS_m).sum()
+
+    y, state = _call(name, arrays, variant)
+    grads = mx.grad(loss, argnums=list(range(len(names))))(*(arrays[n] for n in names))
+    return np.array(y), np.array(state), {n: np.array(g) for n, g in zip(names, grads)}
+
+
+def _check_against_reference(name, path, T, seed=0):
+    x = _inputs(name, T, seed)
+    rng = np.random.default_rng(seed + 100)
+    dy, dS = rng.standard_normal((B, T, Hv, D)), rng.standard_normal((B, Hv, D, D))
+    gate, lower_bound, vector, *_ = SETUPS[name]
+    variant = _variant(vector, T + 1 if path == "recurrent" else 0)
+    launcher = metal.default_launcher()
+    launcher.threadgroup_bytes.clear()
+    y, state, grads = _values_and_grads(name, x, variant, dy, dS)
+    ran = set(launcher.threadgroup_bytes)
+    assert ("recurrent" in ran) == (path == "recurrent"), ran
+    y_ref, state_ref, grads_ref = _reference(x, gate, lower_bound, dy, dS)
+    assert np.all(y[~x["mask"]] == 0.0)
+    errors = {"y": relative_error(y, y_ref), "final_state": relative_error(state, state_ref)}
+    assert set(grads) == set(grads_ref)
+    errors.update({f"d{n}": relative_error(grads[n], grads_ref[n]) for n in grads})
+    worst = max(errors.items(), key=lambda item: item[1])
+    print(f"{name} {path}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    assert worst[1] <= RTOL, (name, path, worst)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("path", ["recurrent", "chunkwise"])
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_fused_inputs_match_float64(name, path):
+    """qk_norm with the log gate, softplus and sigmoid_bound per head, softplus per channel
+    (A_log [Hv, 1], dt_bias [Hv, Dk]); GVA, a masked row and a left-padded batch row; T = 9 on
+    the recurrent path, T = 20 (two chunks, a padded tail) on the chunk path."""
+    _check_against_reference(name, path, 9 if path == "recurrent" else 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [1, 2, 33])
+@pytest.mark.parametrize("path", ["recurrent", "chunkwise"])
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_fused_inputs_match_float64_sweep(name, path, T):
+    if T == 1 and path == "chunkwise":
+        T = 17  # one chunk and one step
+    _check_against_reference(name, path, T, seed=T)
+
+
+def _spied_forward(monkeypatch, vector, path):
+    """A forward-only call with qk_norm and a softplus gate; the chunkwise functions that
+    would form a normalised q, k or a log gate as arrays, spied."""
+    name = "softplus_per_channel" if vector else "softplus_per_head"
+    T = 9
+    x = _inputs(name, T)
+    arrays = {n: mx.array(v.astype(np.float32)) for n, v in x.items() if n != "mask"}
+    arrays["mask"] = mx.array(x["mask"])
+    ran = spy_calls(monkeypatch, chunkwise, ["l2_normalize", "linear_decay"])
+    ran += spy_calls(monkeypatch, chunkwise.ParameterGate, ["log_gates"])
+    variant = _variant(vector, T + 1 if path == "recurrent" else 0)
+    launcher = metal.default_launcher()
+    launcher.threadgroup_bytes.clear()
+    y, state = _call(name, arrays, variant)
+    mx.eval(y, state)
+    return ran, set(launcher.threadgroup_bytes)
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["per_head", "per_channel"])
+def test_recurrent_kernel_computes_the_norm_and_the_gate(monkeypatch, vector):
+    """The recurrent path's forward hands the kernel raw q, k and a: no normalised q, k and no
+    log gate (nor decay) exist as arrays."""
+    ran, kernels = _spied_forward(monkeypatch, vector, "recurrent")
+    assert kernels == {"recurrent"}
+    assert ran == [], ran
+
+
+def test_fused_recurrent_build_is_keyed_on_the_context_not_the_bound():
+    problem = Problem(Hk, Hv, D, D)
+    variant = _variant(False, 100)
+    plans = [metal.recurrent_plan(variant, problem, 3, 1, inputs=KernelInputs(True, form, lb))
+             for form, lb in (("sigmoid_bound", -5.0), ("sigmoid_bound", -1.0),
+                              ("softplus", 0.0))]
+    assert plans[0].kernels == plans[1].kernels != plans[2].kernels
+    spec = plans[0].kernels["recurrent"]
+    assert spec.name.startswith("gdngen_recurrent_qknorm_sigmoid_bound_")
+    assert spec.input_names[-2:] == ("A_log", "dt_bias")
+    assert "QK_NORM_EPS = 1e-6f" in spec.header and QK_NORM_EPS == 1e-6
+    plain = metal.recurrent_plan(variant, problem, 3, 1)
+    assert plain.kernels["recurrent"].header == "" and not plain.fused
+    only_norm = metal.recurrent_plan(variant, problem, 3, 1, inputs=KernelInputs(True))
+    assert only_norm.kernels["recurrent"].input_names == plain.kernels["recurrent"].input_names
+    with pytest.raises(ValueError, match="inputs must fuse"):
+        metal.render_fused(variant, problem, KernelInputs())
+
+
+def _recurrence64(q, k, v, log_g, beta, S0, scale):
+    """float64 recurrence, normalised q, k given; log_g [B,T,Hv] or [B,T,Hv,Dk]."""
+    r = v.shape[2] // q.shape[2]
+    S = S0.copy()
+    ys = []
+    for t in range(q.shape[1]):
+        qt, kt = (np.repeat(z[:, t], r, axis=1) for z in (q, k))
+        a = np.exp(log_g[:, t])
+        a = a[..., None, :] if a.ndim == 3 else a[..., None, None]
+        S = S * a
+        u = beta[:, t, :, None] * (v[:, t] - np.einsum("bhij,bhj->bhi", S, kt))
+        S = S + u[..., None] * kt[:, :, None, :]
+        ys.append(scale * np.einsum("bhij,bhj->bhi", S, qt))
+    return np.stack(ys, 1), S
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "sigmoid_bound"])
+def test_fused_recurrent_kernel_at_extreme_projections(lower_bound, vector):
+    """The fused recurrent kernel from a = -80 to 80 and a = -inf (an identity step), through
+    large rates (A_log up to 2), against float64: no inf or NaN, y and the state within 5e-5."""
+    T, Hv1 = 11, 2
+    rng = np.random.default_rng(5)
+    steps = np.array([-80.0, -50.0, -20.0, -1.0, 0.0, 1.0, 20.0, 50.0, 80.0, -np.inf, 3.0])
+    gate_shape = (1, T, Hv1) + ((D,) if vector else ())
+    a = np.broadcast_to(steps.reshape(1, T, 1, *((1,) if vector else ())), gate_shape).copy()
+    a = a + np.where(np.isfinite(a), 0.1 * rng.standard_normal(gate_shape), 0.0)
+    A_log = np.array([2.0, -1.0]).reshape((Hv1, 1) if vector else (Hv1,))
+    dt_bias = rng.uniform(-0.5, 0.5, (Hv1, D) if vector else (Hv1,))
+    q, k = rng.standard_normal((1, T, 1, D)) * 3.0, rng.standard_normal((1, T, 1, D))
+    v, beta = rng.standard_normal((1, T, Hv1, D)), rng.uniform(0.1, 1.0, (1, T, Hv1))
+    S0 = rng.standard_normal((1, Hv1, D, D))
+    gate = chunkwise.ParameterGate(lower_bound)
+    f32 = [mx.array(z.astype(np.float32)) for z in (q, k, v, a, A_log, dt_bias, beta, S0)]
+    problem = Problem(1, Hv1, D, D, gate="vector" if vector else "scalar")
+    y, S = metal.recurrent_forward(*f32[:3], tuple(f32[3:6]), f32[6], f32[7], scale=SCALE,
+                                   variant=_variant(vector, 100), problem=problem,
+                                   launcher=metal.SimLauncher(), qk_norm=True, gate=gate)
+    y, S = np.array(y), np.array(S)
+    assert np.all(np.isfinite(y)) and np.all(np.isfinite(S))
+    log_g, _, _ = _log_gate(a, _broadcast_parameter(A_log, vector),
+                            _broadcast_parameter(dt_bias, vector), lower_bound)
+    assert np.all(log_g[:, 9] == 0.0)  # the identity step
+    assert log_g.min() < (-100.0 if lower_bound is None else 0.99 * lower_bound)  # saturated
+    qn, kn = (z / np.sqrt((z * z).sum(-1, keepdims=True) + QK_NORM_EPS) for z in (q, k))
+    y_ref, S_ref = _recurrence64(qn, kn, v, log_g, beta, S0, SCALE)
+    errors = (relative_error(y, y_ref), relative_error(S, S_ref))
+    assert max(errors) <= RTOL, errors
+
+
+def test_recurrent_forward_rejects_a_gate_without_its_parameters():
+    x = [mx.zeros((1, 2, 1, D)), mx.zeros((1, 2, 1, D)), mx.zeros((1, 2, 1, D)),
+         mx.zeros((1, 2, 1)), mx.zeros((1, 2, 1)), mx.zeros((1, 1, D, D))]
+    with pytest.raises(ValueError, match="decay must be the tuple"):
+        metal.recurrent_forward(*x, scale=1.0, variant=_variant(False, 100),
+                                gate=chunkwise.ParameterGate())
+    with pytest.raises(ValueError, match="gate must be None or a chunkwise.ParameterGate"):
+        metal.recurrent_forward(*x, scale=1.0, variant=_variant(False, 100), gate="softplus")
+
+
+# sha256 of the default variant's plain render, recorded before the fused blocks were added
+PLAIN_SHA256 = {
+    Problem(16, 32, 128, 128):
+        "88622954245f90f421f110c32888324b9126e33ae636dccd04dbb48b73b88b27",
+    Problem(32, 32, 128, 128, gate="vector"):
+        "2daecb9d7b68b3c02ef1d82acc6476f30e0e2443fabd4053666c4b9c12df9dd5",
+    Problem(1, 2, 32, 32): "90cafe0930b7d24df6aa3e87f4af880cb19f6de800523c0c4330652de1288ddc",
+    Problem(1, 2, 32, 32, gate="vector"):
+        "68a435a06972333dd7a85c5abebc9d911a6cb3f0725949fab9d499570ff0d2aa",
+}
+
+
+@pytest.mark.parametrize("problem", list(PLAIN_SHA256), ids=lambda p: p.key())
+def test_plain_render_is_unchanged(problem):
+    """Nothing fused renders every template byte for byte as before (tuned entries are keyed on
+    the sha256); the fused build differs and carries its helpers."""
+    variant = registry.default_variant("metal", problem)
+    rendered = sources.render_spec(metal.SPEC, variant, problem)
+    assert rendered.sha256 == PLAIN_SHA256[problem]
+    assert not any("gdn_log_gate" in text for text in rendered.sources.values())
+    fused = metal.render_fused(variant, problem, KernelInputs(True, "softplus"))
+    assert "gdn_log_gate" in fused.sources["recurrent.metal"]
+    assert "precise::rsqrt" in fused.sources["recurrent.metal"]
