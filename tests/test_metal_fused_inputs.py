@@ -135,17 +135,17 @@ def _inputs(name, T, seed=0):
         x["A_log"] = rng.uniform(-1.0, 1.0, A_shape)
         x["dt_bias"] = rng.uniform(-0.5, 0.5, dt_shape)
     mask = np.ones((B, T), bool)
-    mask[0, 3] = False  # a masked row (batch 0, step 3) and a left-padded batch row
-    mask[1, :2] = False
+    mask[0, min(3, T - 1)] = False  # a masked row (batch 0, step 3) and a left-padded row
+    mask[1, :min(2, T - 1)] = False
     x["mask"] = mask
     return x
 
 
-def _variant(vector, recurrent_below):
+def _variant(vector, recurrent_below, **params):
     problem = Problem(Hk, Hv, D, D, gate="vector" if vector else "scalar")
-    params = registry.default_variant("metal", problem).as_dict()
-    return Variant("metal", dict(params, chunk_size=CHUNK, dv_tile=16, simdgroups=2,
-                                 recurrent_below=recurrent_below))
+    defaults = registry.default_variant("metal", problem).as_dict()
+    return Variant("metal", {**defaults, "chunk_size": CHUNK, "dv_tile": 16, "simdgroups": 2,
+                             "recurrent_below": recurrent_below, **params})
 
 
 def _call(name, arrays, variant):
@@ -178,12 +178,12 @@ def _values_and_grads(name, x, variant, dy, dS):
     return np.array(y), np.array(state), {n: np.array(g) for n, g in zip(names, grads)}
 
 
-def _check_against_reference(name, path, T, seed=0):
+def _check_against_reference(name, path, T, seed=0, **params):
     x = _inputs(name, T, seed)
     rng = np.random.default_rng(seed + 100)
     dy, dS = rng.standard_normal((B, T, Hv, D)), rng.standard_normal((B, Hv, D, D))
     gate, lower_bound, vector, *_ = SETUPS[name]
-    variant = _variant(vector, T + 1 if path == "recurrent" else 0)
+    variant = _variant(vector, T + 1 if path == "recurrent" else 0, **params)
     launcher = metal.default_launcher()
     launcher.threadgroup_bytes.clear()
     y, state, grads = _values_and_grads(name, x, variant, dy, dS)
@@ -209,6 +209,28 @@ def test_fused_inputs_match_float64(name, path):
     (A_log [Hv, 1], dt_bias [Hv, Dk]); GVA, a masked row and a left-padded batch row; T = 9 on
     the recurrent path, T = 20 (two chunks, a padded tail) on the chunk path."""
     _check_against_reference(name, path, 9 if path == "recurrent" else 20)
+
+
+@pytest.mark.parametrize("params", [{"save_states": False}, {"mma": "fma", "simdgroups": 1},
+                                    {"precision": "tf32", "chunk_size": 32}],
+                         ids=["no_saved_states", "fma", "tf32_chunk32"])
+def test_fused_chunk_forward_variants(params):
+    """The fused chunk forward of other variants: without saved states (fwd_intra and fwd_scan
+    fused; the backward recomputes with the plain fwd_intra_tinv / fwd_scan_states), scalar FMA
+    matmuls, tf32 operands (its own tolerance: the fused loads add nothing to it)."""
+    if params.get("precision") == "tf32":
+        x = _inputs("sigmoid_bound_per_head", 40, seed=3)
+        variant = _variant(False, 0, **params)
+        arrays = {n: mx.array(v.astype(np.float32)) for n, v in x.items() if n != "mask"}
+        arrays["mask"] = mx.array(x["mask"])
+        y, state = _call("sigmoid_bound_per_head", arrays, variant)
+        y_ref, state_ref, _ = _reference(x, "sigmoid_bound", -5.0, np.zeros((B, 40, Hv, D)),
+                                         np.zeros((B, Hv, D, D)))
+        assert relative_error(np.array(y), y_ref) <= metal.POLICY_TOLERANCES["tf32"]
+        assert relative_error(np.array(state), state_ref) <= metal.POLICY_TOLERANCES["tf32"]
+        return
+    _check_against_reference("sigmoid_bound_per_head", "chunkwise", 20, seed=1, **params)
+    _check_against_reference("qk_norm_only", "chunkwise", 20, seed=2, **params)
 
 
 @pytest.mark.slow
@@ -246,6 +268,48 @@ def test_recurrent_kernel_computes_the_norm_and_the_gate(monkeypatch, vector):
     ran, kernels = _spied_forward(monkeypatch, vector, "recurrent")
     assert kernels == {"recurrent"}
     assert ran == [], ran
+
+
+def test_chunk_forward_kernels_compute_the_norm_and_the_gate(monkeypatch):
+    """Scalar gates, chunk path: the forward's two kernels (the fused build) take raw q, k and
+    a; no normalised q, k and no log gate exist as arrays. (Per-channel gates' chunk path is
+    `gdngen.chunkwise_channel`'s, which computes them in its core.)"""
+    ran, kernels = _spied_forward(monkeypatch, False, "chunkwise")
+    assert kernels == set(metal.fused_kernels(_variant(False, 0)))
+    assert ran == [], ran
+
+
+def test_fused_chunk_plan_declares_what_the_kernels_use():
+    """The fused plan: fused forward kernels (raw q, k; a, A_log, dt_bias in place of g), the
+    plain backward; the threadgroup memory it declares is what the simulator measured."""
+    x = _inputs("sigmoid_bound_per_head", 20)
+    arrays = {n: mx.array(v.astype(np.float32)) for n, v in x.items() if n != "mask"}
+    arrays["mask"] = mx.array(x["mask"])
+    variant = _variant(False, 0)
+    inputs = KernelInputs(True, "sigmoid_bound", -5.0)
+    plan = metal.launch_plan(variant, Problem(Hk, Hv, D, D), 2, B, inputs)
+    plain = metal.launch_plan(variant, Problem(Hk, Hv, D, D), 2, B)
+    fwd = {launch.kernel: launch for launch in plan.forward}
+    assert set(fwd) == set(metal.fused_kernels(variant)) and plan.fused
+    for launch in plan.forward:
+        assert "g" not in launch.inputs and launch.inputs[-3:] == ("A_log", "dt_bias", "prm")
+        assert plan.kernels[launch.kernel].name.startswith(
+            f"gdngen_{launch.kernel}_qknorm_sigmoid_bound_")
+    assert plan.backward == plain.backward and plan.saved == plain.saved
+    assert all(plan.kernels[n] == plain.kernels[n] for n in ("bwd_scan", "bwd_tri", "bwd_qk"))
+    launcher = metal.default_launcher()
+    launcher.threadgroup_bytes.clear()
+
+    def loss(q, k):
+        y, state = _call("sigmoid_bound_per_head", {**arrays, "q": q, "k": k}, variant)
+        return y.sum() + state.sum()
+
+    mx.eval(mx.grad(loss, argnums=[0, 1])(arrays["q"], arrays["k"]))
+    assert launcher.threadgroup_bytes == plan.threadgroup_bytes
+    C = variant["chunk_size"]
+    for name in fwd:
+        extra = 4 * C * (1 if name.startswith("fwd_intra") else 2)  # rk (and rq)
+        assert plan.threadgroup_bytes[name] == plain.threadgroup_bytes[name] + extra
 
 
 def test_fused_recurrent_build_is_keyed_on_the_context_not_the_bound():

@@ -135,9 +135,12 @@ def intra_tile(chunk_size: int) -> int:
     return 32 if chunk_size <= 32 else 16
 
 
-def threadgroup_bytes(params: dict, problem: Problem) -> dict:
+def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> dict:
     """Threadgroup memory each kernel of ``problem``'s gate kind declares, in bytes (float32
-    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile."""
+    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile.
+    ``qk_norm``: the fused build's (`render_fused`) forward kernels, which also hold the rows'
+    norm factors (rk in fwd_intra, rq and rk in fwd_scan: C floats each; at most 26 KiB in all
+    of the space, within every Apple GPU's 32 KiB)."""
     C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
         intra_tile(params["chunk_size"])
     if problem.gate == "vector":
@@ -152,6 +155,11 @@ def threadgroup_bytes(params: dict, problem: Problem) -> dict:
         "bwd_tri": C * C + 2 * C * dw + 5 * C,
         "bwd_qk": C * C + C * dw + 7 * C + sg,
     }
+    if qk_norm:
+        for name in ("fwd_intra", "fwd_intra_tinv"):
+            floats[name] += C
+        for name in ("fwd_scan", "fwd_scan_save"):
+            floats[name] += 2 * C
     return {name: 4 * n for name, n in floats.items()}
 
 
@@ -350,15 +358,19 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
 
 def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
                  templates_dir=None):
-    """The fused build of ``variant``'s kernels (`gdngen.backends.kernel_inputs`): a
-    `gdngen.sources.Rendered` with `render_plan`'s names, every template rendered with
-    ``inputs.context()`` (``qk_norm``, ``gate_form``), plus ``"layer_inputs.metal"``, the
-    helpers the fused kernels call (the header of the fused recurrent kernel; the chunk kernels
-    get them through ``common.metal``). Kernels with a fused block take raw q, k (normalised at
-    load) and, with a gate form, the raw projection ``a`` with ``A_log`` and ``dt_bias`` in place
-    of the gate; the others render as the plain build. ``inputs`` must fuse something (the
-    plain build is `render_plan`'s, whose sha256, and tuned entries, do not depend on this one).
-    ``templates_dir``: a template override folder (default ``GDNGEN_TEMPLATES``)."""
+    """The fused build of ``variant``'s forward kernels (`gdngen.backends.kernel_inputs`): a
+    `gdngen.sources.Rendered` of the kernels that compute the layer inputs in their loads, each
+    template rendered with ``inputs.context()`` (``qk_norm``, ``gate_form``): the recurrent
+    kernel; for a scalar-gate problem also the chunk forward's two kernels (`fused_kernels`)
+    and their header ``common.metal``; and ``"layer_inputs.metal"``, the helpers they call (the
+    fused recurrent kernel's header; ``common.metal`` includes it). These take raw q, k (each
+    row normalised at load) and, with a gate form, the raw projection ``a`` with ``A_log`` and
+    ``dt_bias`` ``[Hv]`` (per channel ``[Hv, Dk]``) in place of the gate. A backward is the plain
+    build's (`render_plan`), on recomputed inputs; per-channel gates' chunk path is
+    `gdngen.chunkwise_channel`'s (its layer inputs computed in its core). ``inputs`` must fuse
+    something: the plain build is `render_plan`'s, whose sha256, and tuned entries, do not
+    depend on this one. ``templates_dir``: a template override folder (default
+    ``GDNGEN_TEMPLATES``)."""
     if not inputs.fused:
         raise ValueError(f"inputs must fuse a qk norm or a gate (the plain build is "
                          f"render_plan's), got {inputs!r}")
@@ -371,13 +383,24 @@ def _render_fused(variant: Variant, problem: Problem, fused: tuple, templates_di
     from gdngen.sources import Rendered, environment, sources_sha256
 
     env = environment(templates_dir)
-    fused = dict(fused)
     plan = render_plan(variant, problem)
     plan["layer_inputs.metal"] = ("metal/layer_inputs.metal.j2",
                                   _recurrent_context(variant, problem))
-    texts = {name: env.get_template(template).render(**dict(context, **fused))
-             for name, (template, context) in plan.items()}
+    names = {"recurrent.metal", "layer_inputs.metal"}
+    if problem.gate == "scalar":
+        names |= {"common.metal", *(f"{n}.metal" for n in fused_kernels(variant))}
+    texts = {name: env.get_template(template).render(**dict(context, **dict(fused)))
+             for name, (template, context) in plan.items() if name in names}
     return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def fused_kernels(variant: Variant) -> tuple[str, ...]:
+    """The chunk kernels of a scalar-gate forward that have a fused build (`render_fused`): the
+    forward's two launches (fwd_intra_tinv and fwd_scan_save when the variant saves states,
+    fwd_intra and fwd_scan otherwise)."""
+    if variant["save_states"]:
+        return ("fwd_intra_tinv", "fwd_scan_save")
+    return ("fwd_intra", "fwd_scan")
 
 
 def _fused_key(inputs: KernelInputs | None) -> tuple:
@@ -478,10 +501,14 @@ _KERNEL_IO = {
 _ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
 
 
-def _kernel_io(name: str, packed: bool) -> tuple:
+def _kernel_io(name: str, packed: bool, fused: tuple = ()) -> tuple:
     """``(inputs, outputs)`` of kernel ``name``; the packed build's scans take ``inject`` /
-    ``dsin`` (before ``prm``) and every packed forward scan writes ``states``."""
+    ``dsin`` (before ``prm``) and every packed forward scan writes ``states``; a fused build
+    (`_fused_key`) with a gate form takes ``a`` in place of ``g`` and ``A_log``, ``dt_bias``
+    before ``prm``."""
     ins, outs = _KERNEL_IO[name]
+    if dict(fused).get("gate_form"):
+        ins = tuple("a" if n == "g" else n for n in ins[:-1]) + ("A_log", "dt_bias", "prm")
     if packed and name.startswith("fwd_scan"):
         ins = ins[:-1] + ("inject", "prm")
         outs = outs if "states" in outs else outs + ("states",)
@@ -490,14 +517,19 @@ def _kernel_io(name: str, packed: bool) -> tuple:
     return ins, outs
 
 
-def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
+def launch_plan(variant: Variant, problem: Problem, N: int, B: int,
+                inputs: KernelInputs | None = None) -> Plan:
     """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
-    from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder."""
+    from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder. ``inputs``
+    (`KernelInputs`, default none): the forward's kernels are the fused build's
+    (`render_fused`, `fused_kernels`): raw q, k and, with a gate form, ``a``, ``A_log``,
+    ``dt_bias`` (``prm = (scale, 0, lower_bound)``); the backward's stay the plain build's, on
+    the recomputed inputs (environment names ``q``, ``k``, ``g`` as before)."""
     if problem.gate != "scalar":
         raise ValueError(f"the metal chunk kernels take scalar gates only, got {problem.key()} "
                          f"(vector gates run the walk kernels, `channel_plan`)")
     return _launch_plan(adapt(variant, problem), problem, N, B,
-                        settings.templates_override())
+                        settings.templates_override(), False, _fused_key(inputs))
 
 
 def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
@@ -680,9 +712,13 @@ class ChannelWalks:
 
 @functools.lru_cache(maxsize=64)
 def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
-                 packed: bool = False) -> Plan:
+                 packed: bool = False, fused: tuple = ()) -> Plan:
+    if packed and fused:
+        raise ValueError("a packed row takes its layer inputs computed (no fused build)")
     rendered = render_packed(variant, problem, templates_dir=templates) if packed else \
         SPEC.render(variant, problem, templates_dir=templates)
+    forward_fused = fused_kernels(variant) if fused else ()
+    fused_sources = _render_fused(variant, problem, fused, templates).sources if fused else {}
     p = variant.as_dict()
     C, sg, dvt = p["chunk_size"], p["simdgroups"], p["dv_tile"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
@@ -691,11 +727,16 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
     header = rendered.sources["common.metal"]
     kernels = {}
     for name in _kernels_used(p["save_states"]):
-        body = rendered.sources[f"{name}.metal"]
+        if name in forward_fused:  # the fused build: its own header (the helpers) and body
+            head, body, suffix = fused_sources["common.metal"], \
+                fused_sources[f"{name}.metal"], _fused_tag(fused)
+            io = _kernel_io(name, packed, fused)
+        else:
+            head, body, suffix = header, rendered.sources[f"{name}.metal"], ""
+            io = _kernel_io(name, packed)
         # Named by its own text: variants that share a kernel share its compiled pipeline.
-        tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
-        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", *_kernel_io(name, packed), body,
-                                   header)
+        tag = hashlib.sha256((head + "\0" + body).encode()).hexdigest()[:12]
+        kernels[name] = KernelSpec(f"gdngen_{name}{suffix}_{tag}", *io, body, head)
     per_chunk = (N, B, Hv)
     f32 = "float32"
     shapes = {
@@ -714,7 +755,7 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
              "bwd_tri": chunk_grid, "bwd_qk": chunk_grid}
 
     def launch(name):
-        ins, outs = _kernel_io(name, packed)
+        ins, outs = _kernel_io(name, packed, fused if name in forward_fused else ())
         return Launch(
             kernel=name, inputs=tuple(_ENV_NAME.get(n, n) for n in ins), outputs=outs,
             output_shapes=tuple(shapes[o] for o in outs),
@@ -730,9 +771,11 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
         forward = (launch("fwd_intra"), launch("fwd_scan"))
         backward = tuple(launch(n) for n in ("fwd_intra_tinv", "fwd_scan_states") + bwd)
         saved = ()
-    tg = threadgroup_bytes(p, problem)
+    tg, tg_fused = threadgroup_bytes(p, problem), \
+        threadgroup_bytes(p, problem, dict(fused).get("qk_norm", False))
     return Plan(variant, problem, N, B, kernels, forward, backward, saved,
-                {name: tg[name] for name in kernels}, packed)
+                {name: (tg_fused if name in forward_fused else tg)[name] for name in kernels},
+                packed, fused)
 
 
 # ---------------------------------------------------------------------------- execution
@@ -809,6 +852,11 @@ def plan_input_metas(plan: Plan) -> dict:
              "prm": (f32, 1, 2)}
     if plan.packed:  # [N, B, Hk, r, Dv, Dk], as `packed_gated_delta`'s walk passes it
         metas["inject"] = (f32, 6, plan.N * plan.B * pb.Hv * pb.Dv * pb.Dk)
+    if plan.fused:  # the fused forward's: raw q, k (as above), prm with the lower bound
+        metas["prm"] = (f32, 1, 3)
+        if dict(plan.fused).get("gate_form"):
+            metas["a"] = metas["g"]
+            metas["A_log"] = metas["dt_bias"] = (f32, 1, pb.Hv)
     return metas
 
 
@@ -830,6 +878,8 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
     if set(plan.kernels) == set(CHANNEL_KERNELS):
         metas = {**channel_input_metas(plan), **(metas or {})}
     metas = dict(plan_input_metas(plan) if metas is None else metas)
+    if "a" in metas and "g" not in metas:  # a fused gate's backward: the recomputed log gate
+        metas["g"] = metas["a"]
     texts = {}
     for launch in plan.forward + plan.backward:
         spec = plan.kernels[launch.kernel]
@@ -927,12 +977,17 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
     """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
     passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP. ``templates``:
     a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made).
-    ``qk_norm``: q, k are raw; the core L2-normalises them (float32, back in their dtype)
-    before the kernels, and its VJP recomputes the normalised ones from the raw q, k and maps
-    the kernels' dq, dk through the norm's VJP (`gdngen.backends.generated.l2_normalized`).
-    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``; the core
-    computes the log gate for the kernels and its VJP recomputes it and maps its cotangent to
-    the three (`gdngen.chunkwise.gates_vjp`)."""
+
+    Fused layer inputs (`gdngen.backends.kernel_inputs`): ``qk_norm``: q, k are raw;
+    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` (the
+    parameters ``[Hk, r, 1]``). The forward hands them to the fused build of its two kernels
+    (`launch_plan` with ``inputs``, `render_fused`), which normalise each loaded q, k row in
+    float32 and form the log gate from ``a`` before the in-chunk cumulative sums: no normalised
+    q, k and no log gate exist as arrays. The VJP recomputes them as mx ops (the normalised
+    q, k in float32, back in their dtype: `gdngen.backends.generated.l2_normalized`; the log
+    gate: `gdngen.chunkwise.log_gates`) for the plain backward kernels, and maps the kernels'
+    dq, dk through the norm's VJP and the log gate's cotangent to the three arrays
+    (`gdngen.chunkwise.gates_vjp`)."""
     import mlx.core as mx
 
     from gdngen import chunkwise
@@ -947,12 +1002,31 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
         return l2_normalized_vjp(XP, x, dx) if qk_norm else dx
 
     prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
+    inputs = KernelInputs.of(qk_norm, parameter_gate)
+    # the fused forward's: prm[2] the lower bound (sigmoid_bound; 0 otherwise)
+    prm_fused = mx.array([scale, 1.0 if gate == "linear" else 0.0, inputs.lower_bound],
+                         mx.float32)
 
     def plan_for(v):
         N, B = int(v.shape[0]), int(v.shape[1])
         if templates is None:
-            return launch_plan(variant, problem, N, B)
-        return _launch_plan(adapt(variant, problem), problem, N, B, templates)
+            return launch_plan(variant, problem, N, B, inputs)
+        return _launch_plan(adapt(variant, problem), problem, N, B, templates, False,
+                            _fused_key(inputs))
+
+    def forward_inputs(q, k, gates):
+        """The fused forward's q, k and gate operands: raw (the kernels compute the rest)."""
+        if not inputs.fused:
+            return {"q": q, "k": k, "g": gates}
+        env = {"q": q, "k": k, "prm": prm_fused}
+        if inputs.gate_form is None:
+            env["g"] = gates
+        else:
+            a, A_log, dt_bias = gates
+            env["a"] = a
+            env["A_log"], env["dt_bias"] = kernel_parameters(mx, A_log, dt_bias, problem.Hv,
+                                                             problem.Dk, False)
+        return env
 
     # Chunk layout (gdngen.chunkwise.to_chunks): v [N, B, Hk, r, C, Dv], gates / beta
     # [N, B, Hk, r, C]; q and k hold N, B, Hk, C, Dk in that order (with or without a unit r
@@ -960,9 +1034,7 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
     @mx.custom_function
     def core(q, k, v, gates, beta, s0):
         plan = plan_for(v)
-        env = {"q": normalized(q), "k": normalized(k), "v": v,
-               "g": chunkwise.log_gates(XP, gates, parameter_gate)[0], "beta": beta, "s0": s0,
-               "prm": prm}
+        env = {"v": v, "beta": beta, "s0": s0, "prm": prm, **forward_inputs(q, k, gates)}
         if hasattr(launcher, "prepare"):
             launcher.prepare(plan, env)
         env = _run(plan, plan.forward, env, launcher)
