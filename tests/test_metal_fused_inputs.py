@@ -233,6 +233,51 @@ def test_fused_chunk_forward_variants(params):
     _check_against_reference("qk_norm_only", "chunkwise", 20, seed=2, **params)
 
 
+@pytest.mark.parametrize("path", ["recurrent", "chunkwise"])
+def test_fused_inputs_in_bfloat16(path):
+    """bfloat16 q, k, v: the kernels read the raw 16-bit rows and normalise them in float32; y
+    (in q's dtype) and the state within the bfloat16 tolerance of float64 (the inputs' own
+    rounding dominates: measured 3.1e-3)."""
+    from gdngen.tolerance import allowed_error
+
+    name, T = "sigmoid_bound_per_head", 20
+    x = _inputs(name, T, seed=4)
+    arrays = {n: mx.array(v.astype(np.float32)) for n, v in x.items() if n != "mask"}
+    for n in ("q", "k", "v"):
+        arrays[n] = arrays[n].astype(mx.bfloat16)
+    arrays["mask"] = mx.array(x["mask"])
+    variant = _variant(False, T + 1 if path == "recurrent" else 0)
+    y, state = _call(name, arrays, variant)
+    assert y.dtype == mx.bfloat16 and state.dtype == mx.float32
+    y_ref, state_ref, _ = _reference(x, "sigmoid_bound", -5.0, np.zeros((B, T, Hv, D)),
+                                     np.zeros((B, Hv, D, D)))
+    limit = allowed_error(variant, "bfloat16")
+    assert relative_error(np.array(y.astype(mx.float32)), y_ref) <= limit
+    assert relative_error(np.array(state), state_ref) <= limit
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs an Apple GPU (MLX Metal backend)")
+@pytest.mark.parametrize("path", ["recurrent", "chunkwise"])
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_fused_gpu_matches_simulator(name, path, monkeypatch):
+    """The fused builds on an Apple GPU (MLX) against the simulator: values and gradients."""
+    T = 9 if path == "recurrent" else 20
+    x = _inputs(name, T)
+    rng = np.random.default_rng(7)
+    dy, dS = rng.standard_normal((B, T, Hv, D)), rng.standard_normal((B, Hv, D, D))
+    variant = _variant(SETUPS[name][2], T + 1 if path == "recurrent" else 0)
+    results = []
+    for launcher in (metal.MLXLauncher(), metal.SimLauncher()):
+        monkeypatch.setattr(metal, "default_launcher", lambda launcher=launcher: launcher)
+        results.append(_values_and_grads(name, x, variant, dy, dS))
+    (y, S, grads), (y_sim, S_sim, grads_sim) = results
+    np.testing.assert_allclose(y, y_sim, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(S, S_sim, rtol=1e-5, atol=1e-6)
+    for n in grads:
+        np.testing.assert_allclose(grads[n], grads_sim[n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 2, 33])
 @pytest.mark.parametrize("path", ["recurrent", "chunkwise"])

@@ -50,6 +50,20 @@ final state (from its last chunk's S_in) are one-chunk calls of the dense chunk 
 dense render does not change with the flag (tuned entries are keyed on its sha256).
 Per-channel packed rows run the portable path (``packed_gates`` is scalar only).
 
+Fused layer inputs (`gdngen.backends.kernel_inputs`; ``qk_norm``, ``gate="softplus"`` /
+``"sigmoid_bound"``): the fused build (`render_fused`, the templates' ``qk_norm`` /
+``gate_form`` blocks, helpers in ``layer_inputs.metal``) of the recurrent kernel and of the
+scalar-gate chunk forward (`fused_kernels`) takes raw q, k and the raw gate projection ``a`` with
+``A_log``, ``dt_bias``: the recurrent kernel normalises each loaded row in registers (its sum of
+squares a ``simd_sum``), the chunk kernels apply each row's norm factor ``rsqrt(|x|^2 + 1e-6)``
+to the products the row enters; both form log g from ``a`` in float32 (softplus as ``max(x, 0)
++ log1p(exp(-|x|))``, a = -inf an identity step) before their cumulative sums, the decay as
+exp(log g). The chunk backward stays the plain build's, its inputs recomputed as mx ops in
+`_core`; per-channel chunk calls compute them in `gdngen.chunkwise_channel`'s core. The plain
+build renders byte for byte as before (its sha256 and tuned entries unchanged). Measured in the
+simulator against float64, values and gradients: worst relative error 1.8e-6
+(tests/test_metal_fused_inputs.py).
+
 This module imports without mlx: the space, the renderer and the plan need no framework.
 """
 
@@ -901,14 +915,18 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
 
 def lower_check(variant: Variant, problem: Problem) -> None:
     """`gdngen.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
-    g++ against the simulator's MSL shim; no Metal device needed). Raises on failure."""
+    g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
+    gate forms with the qk norm (`render_fused`) included. Raises on failure."""
+    fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))
     if problem.gate == "scalar":
-        compile_plan(launch_plan(variant, problem, 2, 1))
+        for inputs in (None, *fused):
+            compile_plan(launch_plan(variant, problem, 2, 1, inputs))
     else:
         compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
                                   settings.templates_override()))
-    plan = recurrent_plan(variant, problem, 2, 1)
-    compile_plan(plan, recurrent_input_metas(plan))
+    for inputs in (None, *fused):
+        plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
+        compile_plan(plan, recurrent_input_metas(plan))
 
 
 def to_numpy(x):
@@ -1200,7 +1218,8 @@ def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher
                 templates=None, qk_norm=False):
     """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
     (API layout, inputs cast as `gated_delta` casts them; y in q's dtype); ``qk_norm``: q, k
-    raw, normalised by the core (`_core`)."""
+    raw, ``gate`` a `gdngen.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): both
+    computed by the fused forward kernels and recomputed for the backward (`_core`)."""
     from gdngen import chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
@@ -1236,13 +1255,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     chunk walks on the walk kernels (`ChannelWalks`), forward and backward; its intra-chunk
     stages run in mx ops (float32).
 
-    ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`). The chunk path's custom function
-    normalises them and its VJP recomputes the normalised ones from the raw ones (`_core`;
-    per-channel gates: `gdngen.backends.mlx_chunkwise.chunk_core`). ``gate`` a
+    ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`); ``gate`` a
     `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)`` (`gdngen.layer_inputs`).
-    The recurrent kernel (T < recurrent_below) computes both in its loads, forward only
-    (`recurrent_forward`'s fused build): no normalised q, k and no log gate are formed as
-    arrays; its VJP is the chunk path's.
+    The kernels compute both in their loads (`render_fused`): the recurrent kernel
+    (`recurrent_forward`'s fused build) and, scalar gates, the chunk forward's two kernels
+    (`_core`), so no normalised q, k and no log gate are formed as arrays in a forward; the
+    chunk VJP recomputes them as mx ops for the plain backward kernels (per-channel gates:
+    `gdngen.backends.mlx_chunkwise.chunk_core` computes them in its core, forward and VJP).
     """
     import mlx.core as mx
 
