@@ -392,11 +392,14 @@ def _recurrence64(q, k, v, log_g, beta, S0, scale):
     return np.stack(ys, 1), S
 
 
-@pytest.mark.parametrize("vector", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("path, vector", [("recurrent", False), ("recurrent", True),
+                                          ("chunkwise", False)],
+                         ids=["recurrent-per_head", "recurrent-per_channel", "chunk-per_head"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "sigmoid_bound"])
-def test_fused_recurrent_kernel_at_extreme_projections(lower_bound, vector):
-    """The fused recurrent kernel from a = -80 to 80 and a = -inf (an identity step), through
-    large rates (A_log up to 2), against float64: no inf or NaN, y and the state within 5e-5."""
+def test_fused_kernels_at_extreme_projections(lower_bound, path, vector):
+    """The fused recurrent kernel (and the scalar chunk forward's fused kernels) from a = -80
+    to 80 and a = -inf (an identity step), through large rates (A_log up to 2), against
+    float64: no inf or NaN, y and the state within 5e-5."""
     T, Hv1 = 11, 2
     rng = np.random.default_rng(5)
     steps = np.array([-80.0, -50.0, -20.0, -1.0, 0.0, 1.0, 20.0, 50.0, 80.0, -np.inf, 3.0])
@@ -411,9 +414,16 @@ def test_fused_recurrent_kernel_at_extreme_projections(lower_bound, vector):
     gate = chunkwise.ParameterGate(lower_bound)
     f32 = [mx.array(z.astype(np.float32)) for z in (q, k, v, a, A_log, dt_bias, beta, S0)]
     problem = Problem(1, Hv1, D, D, gate="vector" if vector else "scalar")
-    y, S = metal.recurrent_forward(*f32[:3], tuple(f32[3:6]), f32[6], f32[7], scale=SCALE,
-                                   variant=_variant(vector, 100), problem=problem,
-                                   launcher=metal.SimLauncher(), qk_norm=True, gate=gate)
+    if path == "recurrent":
+        y, S = metal.recurrent_forward(*f32[:3], tuple(f32[3:6]), f32[6], f32[7], scale=SCALE,
+                                       variant=_variant(vector, 100), problem=problem,
+                                       launcher=metal.SimLauncher(), qk_norm=True, gate=gate)
+    else:  # T = 11 in one chunk of 16, the padded tail identity steps
+        launcher = metal.SimLauncher()
+        y, S = metal.gated_delta(*f32[:3], tuple(f32[3:6]), f32[6], f32[7], scale=SCALE,
+                                 gate=gate, variant=_variant(vector, 0), launcher=launcher,
+                                 qk_norm=True)
+        assert set(launcher.threadgroup_bytes) == set(metal.fused_kernels(_variant(vector, 0)))
     y, S = np.array(y), np.array(S)
     assert np.all(np.isfinite(y)) and np.all(np.isfinite(S))
     log_g, _, _ = _log_gate(a, _broadcast_parameter(A_log, vector),
@@ -423,7 +433,46 @@ def test_fused_recurrent_kernel_at_extreme_projections(lower_bound, vector):
     qn, kn = (z / np.sqrt((z * z).sum(-1, keepdims=True) + QK_NORM_EPS) for z in (q, k))
     y_ref, S_ref = _recurrence64(qn, kn, v, log_g, beta, S0, SCALE)
     errors = (relative_error(y, y_ref), relative_error(S, S_ref))
+    print(f"extreme {path} vector={vector} lower_bound={lower_bound}: y {errors[0]:.1e}, "
+          f"state {errors[1]:.1e}")
     assert max(errors) <= RTOL, errors
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "sigmoid_bound"])
+def test_fused_recurrent_decay_per_element(lower_bound, vector):
+    """The decay the fused recurrent kernel forms, element by element, against float64: one
+    step per batch row with beta = 0 and a state of ones, so the final state is the decay;
+    a from -80 to 80 and -inf (exactly 1), within a few float32 ulps of exp(log g) (and of
+    the smallest normal float where it underflows)."""
+    steps = np.array([-80.0, -50.0, -20.0, -1.0, 0.0, 1.0, 20.0, 50.0, 80.0, -np.inf])
+    Bs, Hv1 = steps.size, 2
+    gate_shape = (Bs, 1, Hv1) + ((D,) if vector else ())
+    rng = np.random.default_rng(6)
+    a = np.broadcast_to(steps.reshape((Bs, 1, 1) + ((1,) if vector else ())), gate_shape)
+    A_log = np.array([2.0, -1.0]).reshape((Hv1, 1) if vector else (Hv1,))
+    dt_bias = rng.uniform(-0.5, 0.5, (Hv1, D) if vector else (Hv1,))
+    f32 = [mx.array(np.asarray(z, np.float32)) for z in (
+        rng.standard_normal((Bs, 1, 1, D)), rng.standard_normal((Bs, 1, 1, D)),
+        rng.standard_normal((Bs, 1, Hv1, D)), a, A_log, dt_bias, np.zeros((Bs, 1, Hv1)),
+        np.ones((Bs, Hv1, D, D)))]
+    _, S = metal.recurrent_forward(*f32[:3], tuple(f32[3:6]), f32[6], f32[7], scale=SCALE,
+                                   variant=_variant(vector, 100),
+                                   problem=Problem(1, Hv1, D, D, gate="vector" if vector
+                                                   else "scalar"),
+                                   launcher=metal.SimLauncher(), qk_norm=True,
+                                   gate=chunkwise.ParameterGate(lower_bound))
+    log_g, _, _ = _log_gate(np.asarray(a, np.float32).astype(np.float64),
+                            _broadcast_parameter(A_log, vector),
+                            _broadcast_parameter(np.float32(dt_bias).astype(np.float64),
+                                                 vector), lower_bound)
+    log_g = log_g[:, 0, :, None, :] if vector else log_g[:, 0, :, None, None]  # like S
+    want = np.exp(log_g)
+    got = np.array(S)
+    assert np.all(got[-1] == 1.0)  # a = -inf: the identity step, exactly
+    # exp turns log g's relative rounding into |log g| times it
+    tol = 4e-7 * np.maximum(1.0, np.abs(log_g)) * want + np.finfo(np.float32).tiny
+    assert np.all(np.abs(got - want) <= tol), np.abs(got - want).max()
 
 
 def test_recurrent_forward_rejects_a_gate_without_its_parameters():
