@@ -892,7 +892,7 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
     if set(plan.kernels) == set(CHANNEL_KERNELS):
         metas = {**channel_input_metas(plan), **(metas or {})}
     metas = dict(plan_input_metas(plan) if metas is None else metas)
-    if "a" in metas and "g" not in metas:  # a fused gate's backward: the recomputed log gate
+    if plan.fused and "a" in metas and "g" not in metas:  # its backward: the recomputed log g
         metas["g"] = metas["a"]
     texts = {}
     for launch in plan.forward + plan.backward:
