@@ -50,6 +50,20 @@ final state (from its last chunk's S_in) are one-chunk calls of the dense chunk 
 dense render does not change with the flag (tuned entries are keyed on its sha256).
 Per-channel packed rows run the portable path (``packed_gates`` is scalar only).
 
+Fused layer inputs (`gdngen.backends.kernel_inputs`; ``qk_norm``, ``gate="softplus"`` /
+``"sigmoid_bound"``): the fused build (`render_fused`, the templates' ``qk_norm`` /
+``gate_form`` blocks, helpers in ``layer_inputs.metal``) of the recurrent kernel and of the
+scalar-gate chunk forward (`fused_kernels`) takes raw q, k and the raw gate projection ``a`` with
+``A_log``, ``dt_bias``: the recurrent kernel normalises each loaded row in registers (its sum of
+squares a ``simd_sum``), the chunk kernels apply each row's norm factor ``rsqrt(|x|^2 + 1e-6)``
+to the products the row enters; both form log g from ``a`` in float32 (softplus as ``max(x, 0)
++ log1p(exp(-|x|))``, a = -inf an identity step) before their cumulative sums, the decay as
+exp(log g). The chunk backward stays the plain build's, its inputs recomputed as mx ops in
+`_core`; per-channel chunk calls compute them in `gdngen.chunkwise_channel`'s core. The plain
+build renders byte for byte as before (its sha256 and tuned entries unchanged). Measured in the
+simulator against float64, values and gradients: worst relative error 1.8e-6
+(tests/test_metal_fused_inputs.py).
+
 This module imports without mlx: the space, the renderer and the plan need no framework.
 """
 
@@ -63,6 +77,7 @@ from dataclasses import dataclass
 
 from gdngen import settings
 from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
+from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
@@ -134,9 +149,12 @@ def intra_tile(chunk_size: int) -> int:
     return 32 if chunk_size <= 32 else 16
 
 
-def threadgroup_bytes(params: dict, problem: Problem) -> dict:
+def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> dict:
     """Threadgroup memory each kernel of ``problem``'s gate kind declares, in bytes (float32
-    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile."""
+    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile.
+    ``qk_norm``: the fused build's (`render_fused`) forward kernels, which also hold the rows'
+    norm factors (rk in fwd_intra, rq and rk in fwd_scan: C floats each; at most 26 KiB in all
+    of the space, within every Apple GPU's 32 KiB)."""
     C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
         intra_tile(params["chunk_size"])
     if problem.gate == "vector":
@@ -151,6 +169,11 @@ def threadgroup_bytes(params: dict, problem: Problem) -> dict:
         "bwd_tri": C * C + 2 * C * dw + 5 * C,
         "bwd_qk": C * C + C * dw + 7 * C + sg,
     }
+    if qk_norm:
+        for name in ("fwd_intra", "fwd_intra_tinv"):
+            floats[name] += C
+        for name in ("fwd_scan", "fwd_scan_save"):
+            floats[name] += 2 * C
     return {name: 4 * n for name, n in floats.items()}
 
 
@@ -266,6 +289,7 @@ def _context(variant: Variant, problem: Problem) -> dict:
         "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
         "DW": intra_tile(p["chunk_size"]), "policy": p["precision"], "mma": p["mma"],
         "per_channel": False, "packed": False,  # the packed build (`render_packed`) sets it
+        **KernelInputs().context(),  # nothing fused: the fused build (`render_fused`) sets it
         # 16-bit operands: bfloat under precision bf16, else (tf32 rounding) half for float16
         "op_type": "bfloat" if p["precision"] == "bf16" or problem.dtype == "bfloat16"
         else "half",
@@ -303,7 +327,8 @@ def _recurrent_context(variant: Variant, problem: Problem) -> dict:
     precision, ``recurrent_below``) reaches the recurrent source."""
     p = variant.as_dict()
     return {"DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk, "HV": problem.Hv,
-            "ROWS": p["dv_tile"], "SG": p["simdgroups"], "per_channel": problem.gate == "vector"}
+            "ROWS": p["dv_tile"], "SG": p["simdgroups"], "per_channel": problem.gate == "vector",
+            **KernelInputs().context()}
 
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
@@ -343,6 +368,68 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
              for name, (template, context) in render_plan(variant, problem).items()
              if name != "recurrent.metal"}
     return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
+                 templates_dir=None):
+    """The fused build of ``variant``'s forward kernels (`gdngen.backends.kernel_inputs`): a
+    `gdngen.sources.Rendered` of the kernels that compute the layer inputs in their loads, each
+    template rendered with ``inputs.context()`` (``qk_norm``, ``gate_form``): the recurrent
+    kernel; for a scalar-gate problem also the chunk forward's two kernels (`fused_kernels`)
+    and their header ``common.metal``; and ``"layer_inputs.metal"``, the helpers they call (the
+    fused recurrent kernel's header; ``common.metal`` includes it). These take raw q, k (each
+    row normalised at load) and, with a gate form, the raw projection ``a`` with ``A_log`` and
+    ``dt_bias`` ``[Hv]`` (per channel ``[Hv, Dk]``) in place of the gate. A backward is the plain
+    build's (`render_plan`), on recomputed inputs; per-channel gates' chunk path is
+    `gdngen.chunkwise_channel`'s (its layer inputs computed in its core). ``inputs`` must fuse
+    something: the plain build is `render_plan`'s, whose sha256, and tuned entries, do not
+    depend on this one. ``templates_dir``: a template override folder (default
+    ``GDNGEN_TEMPLATES``)."""
+    if not inputs.fused:
+        raise ValueError(f"inputs must fuse a qk norm or a gate (the plain build is "
+                         f"render_plan's), got {inputs!r}")
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    return _render_fused(adapt(variant, problem), problem, _fused_key(inputs), templates)
+
+
+@functools.lru_cache(maxsize=64)
+def _render_fused(variant: Variant, problem: Problem, fused: tuple, templates_dir):
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    env = environment(templates_dir)
+    plan = render_plan(variant, problem)
+    plan["layer_inputs.metal"] = ("metal/layer_inputs.metal.j2",
+                                  _recurrent_context(variant, problem))
+    names = {"recurrent.metal", "layer_inputs.metal"}
+    if problem.gate == "scalar":
+        names |= {"common.metal", *(f"{n}.metal" for n in fused_kernels(variant))}
+    texts = {name: env.get_template(template).render(**dict(context, **dict(fused)))
+             for name, (template, context) in plan.items() if name in names}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def fused_kernels(variant: Variant) -> tuple[str, ...]:
+    """The chunk kernels of a scalar-gate forward that have a fused build (`render_fused`): the
+    forward's two launches (fwd_intra_tinv and fwd_scan_save when the variant saves states,
+    fwd_intra and fwd_scan otherwise)."""
+    if variant["save_states"]:
+        return ("fwd_intra_tinv", "fwd_scan_save")
+    return ("fwd_intra", "fwd_scan")
+
+
+def _fused_key(inputs: KernelInputs | None) -> tuple:
+    """What of ``inputs`` reaches a rendering (`KernelInputs.context`), hashable; ``()`` when
+    nothing is fused. ``lower_bound`` is a runtime scalar: one build serves every bound."""
+    if inputs is None or not inputs.fused:
+        return ()
+    return tuple(sorted(inputs.context().items()))
+
+
+def _fused_tag(fused: tuple) -> str:
+    """`KernelInputs.tag` of a `_fused_key` (``""`` for the plain build)."""
+    context = dict(fused)
+    return "".join(f"_{part}" for part in (("qknorm",) if context.get("qk_norm") else ())
+                   + ((context["gate_form"],) if context.get("gate_form") else ()))
 
 
 # ---------------------------------------------------------------------------- launch plan
@@ -386,6 +473,11 @@ class Plan:
 
     A walk plan (`channel_plan`, per-channel gates) has one launch in each: the forward walk's
     and the backward walk's, each run on its own inputs by `ChannelWalks` (nothing ``saved``).
+
+    ``fused`` (`_fused_key`: ``(("gate_form", ...), ("qk_norm", ...))``, empty for the plain
+    build): the forward's kernels are `render_fused`'s, taking raw q, k and, with a gate form,
+    ``a``, ``A_log``, ``dt_bias`` in place of ``g`` (``prm`` then also holds the lower bound);
+    a backward is the plain build's, on the recomputed inputs.
     """
 
     variant: Variant
@@ -398,6 +490,7 @@ class Plan:
     saved: tuple
     threadgroup_bytes: dict
     packed: bool = False
+    fused: tuple = ()
 
 
 _KERNEL_IO = {
@@ -422,10 +515,14 @@ _KERNEL_IO = {
 _ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
 
 
-def _kernel_io(name: str, packed: bool) -> tuple:
+def _kernel_io(name: str, packed: bool, fused: tuple = ()) -> tuple:
     """``(inputs, outputs)`` of kernel ``name``; the packed build's scans take ``inject`` /
-    ``dsin`` (before ``prm``) and every packed forward scan writes ``states``."""
+    ``dsin`` (before ``prm``) and every packed forward scan writes ``states``; a fused build
+    (`_fused_key`) with a gate form takes ``a`` in place of ``g`` and ``A_log``, ``dt_bias``
+    before ``prm``."""
     ins, outs = _KERNEL_IO[name]
+    if dict(fused).get("gate_form"):
+        ins = tuple("a" if n == "g" else n for n in ins[:-1]) + ("A_log", "dt_bias", "prm")
     if packed and name.startswith("fwd_scan"):
         ins = ins[:-1] + ("inject", "prm")
         outs = outs if "states" in outs else outs + ("states",)
@@ -434,14 +531,19 @@ def _kernel_io(name: str, packed: bool) -> tuple:
     return ins, outs
 
 
-def launch_plan(variant: Variant, problem: Problem, N: int, B: int) -> Plan:
+def launch_plan(variant: Variant, problem: Problem, N: int, B: int,
+                inputs: KernelInputs | None = None) -> Plan:
     """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
-    from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder."""
+    from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder. ``inputs``
+    (`KernelInputs`, default none): the forward's kernels are the fused build's
+    (`render_fused`, `fused_kernels`): raw q, k and, with a gate form, ``a``, ``A_log``,
+    ``dt_bias`` (``prm = (scale, 0, lower_bound)``); the backward's stay the plain build's, on
+    the recomputed inputs (environment names ``q``, ``k``, ``g`` as before)."""
     if problem.gate != "scalar":
         raise ValueError(f"the metal chunk kernels take scalar gates only, got {problem.key()} "
                          f"(vector gates run the walk kernels, `channel_plan`)")
     return _launch_plan(adapt(variant, problem), problem, N, B,
-                        settings.templates_override())
+                        settings.templates_override(), False, _fused_key(inputs))
 
 
 def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
@@ -454,34 +556,51 @@ def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
     return _launch_plan(adapt(variant, problem), problem, N, B, templates, True)
 
 
+def _recurrent_io(fused: tuple) -> tuple:
+    """``(inputs, outputs)`` of the recurrent kernel; a fused gate adds ``A_log``, ``dt_bias``."""
+    ins, outs = _KERNEL_IO["recurrent"]
+    return (ins + ("A_log", "dt_bias") if dict(fused).get("gate_form") else ins), outs
+
+
 @functools.lru_cache(maxsize=64)
-def _recurrent_kernel(variant: Variant, problem: Problem, templates) -> KernelSpec:
-    rendered = SPEC.render(variant, problem, templates_dir=templates)
-    body = rendered.sources["recurrent.metal"]
-    tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
-    return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
+def _recurrent_kernel(variant: Variant, problem: Problem, templates, fused: tuple = ()
+                      ) -> KernelSpec:
+    if not fused:
+        rendered = SPEC.render(variant, problem, templates_dir=templates)
+        body = rendered.sources["recurrent.metal"]
+        tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
+        return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
+    rendered = _render_fused(variant, problem, fused, templates)
+    body, header = rendered.sources["recurrent.metal"], rendered.sources["layer_inputs.metal"]
+    tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
+    return KernelSpec(f"gdngen_recurrent{_fused_tag(fused)}_{tag}", *_recurrent_io(fused), body,
+                      header)
 
 
 def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
-                   templates_dir=None) -> Plan:
+                   templates_dir=None, inputs: KernelInputs | None = None) -> Plan:
     """The one launch of the recurrent kernel of ``variant`` (adapted to ``problem``) for T steps
     and batch B: grid (32 * simdgroups, Dv / dv_tile, B * Hv). In this `Plan`, ``N`` is T (the
     kernel reads T from q's shape at run time; the source does not depend on it) and there is no
     backward. ``templates_dir``: default the ``GDNGEN_TEMPLATES`` override, else the shipped
-    templates."""
+    templates. ``inputs`` (`KernelInputs`, default none): the fused build (`render_fused`),
+    which takes raw q, k and, with a gate form, ``a``, ``A_log``, ``dt_bias`` (inputs in that
+    order after the plain ones; ``prm = (scale, lower_bound)``); the kernel is keyed on what
+    reaches its source (`_fused_key`), not on the lower bound."""
     variant = adapt(variant, problem)
     templates = settings.templates_override() if templates_dir is None else templates_dir
-    spec = _recurrent_kernel(variant, problem, templates)
+    fused = _fused_key(inputs)
+    spec = _recurrent_kernel(variant, problem, templates, fused)
     p = variant.as_dict()
     nt = 32 * p["simdgroups"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
     f32 = "float32"
-    launch = Launch(kernel="recurrent", inputs=_KERNEL_IO["recurrent"][0],
-                    outputs=_KERNEL_IO["recurrent"][1],
+    ins, outs = _recurrent_io(fused)
+    launch = Launch(kernel="recurrent", inputs=ins, outputs=outs,
                     output_shapes=((B, T, Hv, Dv), (B, Hv, Dv, Dk)), output_dtypes=(f32, f32),
                     grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
     return Plan(variant, problem, T, B, {"recurrent": spec}, (launch,), (), (),
-                {"recurrent": 0})
+                {"recurrent": 0}, fused=fused)
 
 
 def recurrent_input_metas(plan: Plan) -> dict:
@@ -489,10 +608,15 @@ def recurrent_input_metas(plan: Plan) -> dict:
     pb, T, B = plan.problem, plan.N, plan.B
     f32 = "float32"
     gate = T * B * pb.Hv * (pb.Dk if pb.gate == "vector" else 1)
-    return {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
-            "v": (f32, 4, B * T * pb.Hv * pb.Dv),
-            "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
-            "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 1)}
+    metas = {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
+             "v": (f32, 4, B * T * pb.Hv * pb.Dv),
+             "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
+             "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 2 if plan.fused else 1)}
+    if dict(plan.fused).get("gate_form"):
+        vector = pb.gate == "vector"
+        metas["A_log"] = metas["dt_bias"] = (f32, 2 if vector else 1,
+                                             pb.Hv * (pb.Dk if vector else 1))
+    return metas
 
 
 @functools.lru_cache(maxsize=64)
@@ -602,9 +726,13 @@ class ChannelWalks:
 
 @functools.lru_cache(maxsize=64)
 def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
-                 packed: bool = False) -> Plan:
+                 packed: bool = False, fused: tuple = ()) -> Plan:
+    if packed and fused:
+        raise ValueError("a packed row takes its layer inputs computed (no fused build)")
     rendered = render_packed(variant, problem, templates_dir=templates) if packed else \
         SPEC.render(variant, problem, templates_dir=templates)
+    forward_fused = fused_kernels(variant) if fused else ()
+    fused_sources = _render_fused(variant, problem, fused, templates).sources if fused else {}
     p = variant.as_dict()
     C, sg, dvt = p["chunk_size"], p["simdgroups"], p["dv_tile"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
@@ -613,11 +741,16 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
     header = rendered.sources["common.metal"]
     kernels = {}
     for name in _kernels_used(p["save_states"]):
-        body = rendered.sources[f"{name}.metal"]
+        if name in forward_fused:  # the fused build: its own header (the helpers) and body
+            head, body, suffix = fused_sources["common.metal"], \
+                fused_sources[f"{name}.metal"], _fused_tag(fused)
+            io = _kernel_io(name, packed, fused)
+        else:
+            head, body, suffix = header, rendered.sources[f"{name}.metal"], ""
+            io = _kernel_io(name, packed)
         # Named by its own text: variants that share a kernel share its compiled pipeline.
-        tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
-        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", *_kernel_io(name, packed), body,
-                                   header)
+        tag = hashlib.sha256((head + "\0" + body).encode()).hexdigest()[:12]
+        kernels[name] = KernelSpec(f"gdngen_{name}{suffix}_{tag}", *io, body, head)
     per_chunk = (N, B, Hv)
     f32 = "float32"
     shapes = {
@@ -636,7 +769,7 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
              "bwd_tri": chunk_grid, "bwd_qk": chunk_grid}
 
     def launch(name):
-        ins, outs = _kernel_io(name, packed)
+        ins, outs = _kernel_io(name, packed, fused if name in forward_fused else ())
         return Launch(
             kernel=name, inputs=tuple(_ENV_NAME.get(n, n) for n in ins), outputs=outs,
             output_shapes=tuple(shapes[o] for o in outs),
@@ -652,9 +785,11 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
         forward = (launch("fwd_intra"), launch("fwd_scan"))
         backward = tuple(launch(n) for n in ("fwd_intra_tinv", "fwd_scan_states") + bwd)
         saved = ()
-    tg = threadgroup_bytes(p, problem)
+    tg, tg_fused = threadgroup_bytes(p, problem), \
+        threadgroup_bytes(p, problem, dict(fused).get("qk_norm", False))
     return Plan(variant, problem, N, B, kernels, forward, backward, saved,
-                {name: tg[name] for name in kernels}, packed)
+                {name: (tg_fused if name in forward_fused else tg)[name] for name in kernels},
+                packed, fused)
 
 
 # ---------------------------------------------------------------------------- execution
@@ -731,6 +866,11 @@ def plan_input_metas(plan: Plan) -> dict:
              "prm": (f32, 1, 2)}
     if plan.packed:  # [N, B, Hk, r, Dv, Dk], as `packed_gated_delta`'s walk passes it
         metas["inject"] = (f32, 6, plan.N * plan.B * pb.Hv * pb.Dv * pb.Dk)
+    if plan.fused:  # the fused forward's: raw q, k (as above), prm with the lower bound
+        metas["prm"] = (f32, 1, 3)
+        if dict(plan.fused).get("gate_form"):
+            metas["a"] = metas["g"]
+            metas["A_log"] = metas["dt_bias"] = (f32, 1, pb.Hv)
     return metas
 
 
@@ -752,6 +892,8 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
     if set(plan.kernels) == set(CHANNEL_KERNELS):
         metas = {**channel_input_metas(plan), **(metas or {})}
     metas = dict(plan_input_metas(plan) if metas is None else metas)
+    if plan.fused and "a" in metas and "g" not in metas:  # its backward: the recomputed log g
+        metas["g"] = metas["a"]
     texts = {}
     for launch in plan.forward + plan.backward:
         spec = plan.kernels[launch.kernel]
@@ -773,14 +915,18 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
 
 def lower_check(variant: Variant, problem: Problem) -> None:
     """`gdngen.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
-    g++ against the simulator's MSL shim; no Metal device needed). Raises on failure."""
+    g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
+    gate forms with the qk norm (`render_fused`) included. Raises on failure."""
+    fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))
     if problem.gate == "scalar":
-        compile_plan(launch_plan(variant, problem, 2, 1))
+        for inputs in (None, *fused):
+            compile_plan(launch_plan(variant, problem, 2, 1, inputs))
     else:
         compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
                                   settings.templates_override()))
-    plan = recurrent_plan(variant, problem, 2, 1)
-    compile_plan(plan, recurrent_input_metas(plan))
+    for inputs in (None, *fused):
+        plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
+        compile_plan(plan, recurrent_input_metas(plan))
 
 
 def to_numpy(x):
@@ -849,12 +995,17 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
     """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
     passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP. ``templates``:
     a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made).
-    ``qk_norm``: q, k are raw; the core L2-normalises them (float32, back in their dtype)
-    before the kernels, and its VJP recomputes the normalised ones from the raw q, k and maps
-    the kernels' dq, dk through the norm's VJP (`gdngen.backends.generated.l2_normalized`).
-    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``; the core
-    computes the log gate for the kernels and its VJP recomputes it and maps its cotangent to
-    the three (`gdngen.chunkwise.gates_vjp`)."""
+
+    Fused layer inputs (`gdngen.backends.kernel_inputs`): ``qk_norm``: q, k are raw;
+    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` (the
+    parameters ``[Hk, r, 1]``). The forward hands them to the fused build of its two kernels
+    (`launch_plan` with ``inputs``, `render_fused`), which normalise each loaded q, k row in
+    float32 and form the log gate from ``a`` before the in-chunk cumulative sums: no normalised
+    q, k and no log gate exist as arrays. The VJP recomputes them as mx ops (the normalised
+    q, k in float32, back in their dtype: `gdngen.backends.generated.l2_normalized`; the log
+    gate: `gdngen.chunkwise.log_gates`) for the plain backward kernels, and maps the kernels'
+    dq, dk through the norm's VJP and the log gate's cotangent to the three arrays
+    (`gdngen.chunkwise.gates_vjp`)."""
     import mlx.core as mx
 
     from gdngen import chunkwise
@@ -869,12 +1020,31 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
         return l2_normalized_vjp(XP, x, dx) if qk_norm else dx
 
     prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
+    inputs = KernelInputs.of(qk_norm, parameter_gate)
+    # the fused forward's: prm[2] the lower bound (sigmoid_bound; 0 otherwise)
+    prm_fused = mx.array([scale, 1.0 if gate == "linear" else 0.0, inputs.lower_bound],
+                         mx.float32)
 
     def plan_for(v):
         N, B = int(v.shape[0]), int(v.shape[1])
         if templates is None:
-            return launch_plan(variant, problem, N, B)
-        return _launch_plan(adapt(variant, problem), problem, N, B, templates)
+            return launch_plan(variant, problem, N, B, inputs)
+        return _launch_plan(adapt(variant, problem), problem, N, B, templates, False,
+                            _fused_key(inputs))
+
+    def forward_inputs(q, k, gates):
+        """The fused forward's q, k and gate operands: raw (the kernels compute the rest)."""
+        if not inputs.fused:
+            return {"q": q, "k": k, "g": gates}
+        env = {"q": q, "k": k, "prm": prm_fused}
+        if inputs.gate_form is None:
+            env["g"] = gates
+        else:
+            a, A_log, dt_bias = gates
+            env["a"] = a
+            env["A_log"], env["dt_bias"] = kernel_parameters(mx, A_log, dt_bias, problem.Hv,
+                                                             problem.Dk, False)
+        return env
 
     # Chunk layout (gdngen.chunkwise.to_chunks): v [N, B, Hk, r, C, Dv], gates / beta
     # [N, B, Hk, r, C]; q and k hold N, B, Hk, C, Dk in that order (with or without a unit r
@@ -882,9 +1052,7 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
     @mx.custom_function
     def core(q, k, v, gates, beta, s0):
         plan = plan_for(v)
-        env = {"q": normalized(q), "k": normalized(k), "v": v,
-               "g": chunkwise.log_gates(XP, gates, parameter_gate)[0], "beta": beta, "s0": s0,
-               "prm": prm}
+        env = {"v": v, "beta": beta, "s0": s0, "prm": prm, **forward_inputs(q, k, gates)}
         if hasattr(launcher, "prepare"):
             launcher.prepare(plan, env)
         env = _run(plan, plan.forward, env, launcher)
@@ -976,7 +1144,7 @@ def _packed_core(variant: Variant, problem: Problem, gate: str, launcher, templa
 
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,
-                      templates_dir=None):
+                      templates_dir=None, qk_norm=False, gate=None):
     """The recurrent kernel (``templates/metal/recurrent.metal.j2``): the forward of the gated
     delta rule one step at a time, for short calls (decode / short prefill).
 
@@ -999,12 +1167,30 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     simulator (unwritten elements fail the launch), NaN-initialised on a GPU under
     ``GDNGEN_POISON_OUTPUTS=1``. ``launcher``: `MLXLauncher` / `SimLauncher` (default
     `default_launcher`); ``templates_dir``: a template override folder.
+
+    Fused layer inputs (`render_fused`, `gdngen.backends.kernel_inputs`), computed by the kernel
+    in its loads: ``qk_norm`` True: q, k are raw; each loaded row is L2-normalised in float32
+    (``x rsqrt(sum x^2 + 1e-6)``, the sum a ``simd_sum``), q then scaled. ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``decay`` is the tuple ``(a, A_log, dt_bias)``, ``a`` the
+    raw projection ``[B,T,Hv]`` / ``[B,T,Hv,Dk]`` (masked steps a = -inf), the parameters in any
+    form `kernel_parameters` takes (``[Hv]``; per channel also ``[Hv,1]``, ``[Hv,Dk]``); the
+    kernel forms log g per step (and channel) and the decay exp(log g), the lower bound a
+    runtime scalar (one build serves every bound).
     """
     import mlx.core as mx
 
+    from gdngen import chunkwise
+
     B, T, Hk, Dk = (int(n) for n in q.shape)
     Hv, Dv = int(v.shape[2]), int(v.shape[3])
-    gate_kind = "vector" if decay.ndim == 4 else "scalar"
+    parameter_gate = isinstance(gate, chunkwise.ParameterGate)
+    if gate is not None and not parameter_gate:
+        raise ValueError(f"gate must be None or a chunkwise.ParameterGate, got {gate!r}")
+    if parameter_gate != isinstance(decay, tuple) or (parameter_gate and len(decay) != 3):
+        raise ValueError("decay must be the tuple (a, A_log, dt_bias) exactly when gate is a "
+                         f"ParameterGate, got {type(decay).__name__} with gate={gate!r}")
+    inputs = KernelInputs.of(qk_norm, gate)
+    gate_kind = "vector" if chunkwise.raw_gates(decay).ndim == 4 else "scalar"
     if problem is None:
         problem = Problem(Hk, Hv, Dk, Dv, "float32", gate_kind)
     got = (problem.Hk, problem.Hv, problem.Dk, problem.Dv, problem.gate)
@@ -1012,11 +1198,16 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
         raise ValueError(f"arrays have shape class Hk={Hk}, Hv={Hv}, Dk={Dk}, Dv={Dv}, gate "
                          f"{gate_kind}, expected {problem.key()}")
     launcher = default_launcher() if launcher is None else launcher
-    plan = recurrent_plan(variant, problem, T, B, templates_dir)
+    plan = recurrent_plan(variant, problem, T, B, templates_dir, inputs)
     f32 = mx.float32
-    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32), "a": decay.astype(f32),
-           "beta": beta.astype(f32), "s0": S0.astype(f32),
-           "prm": mx.array([float(scale)], f32)}
+    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32),
+           "a": chunkwise.raw_gates(decay).astype(f32), "beta": beta.astype(f32),
+           "s0": S0.astype(f32), "prm": mx.array([float(scale)], f32)}
+    if inputs.fused:
+        env["prm"] = mx.array([float(scale), inputs.lower_bound], f32)
+    if parameter_gate:
+        env["A_log"], env["dt_bias"] = kernel_parameters(mx, *decay[1:], Hv, Dk,
+                                                         gate_kind == "vector")
     if hasattr(launcher, "prepare"):
         launcher.prepare(plan, env)
     env = _run(plan, plan.forward, env, launcher)
@@ -1027,7 +1218,8 @@ def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher
                 templates=None, qk_norm=False):
     """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
     (API layout, inputs cast as `gated_delta` casts them; y in q's dtype); ``qk_norm``: q, k
-    raw, normalised by the core (`_core`)."""
+    raw, ``gate`` a `gdngen.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): both
+    computed by the fused forward kernels and recomputed for the backward (`_core`)."""
     from gdngen import chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
@@ -1063,10 +1255,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     chunk walks on the walk kernels (`ChannelWalks`), forward and backward; its intra-chunk
     stages run in mx ops (float32).
 
-    ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`). The chunk path's custom function
-    normalises them and its VJP recomputes the normalised ones from the raw ones (`_core`;
-    per-channel gates: `gdngen.backends.mlx_chunkwise.chunk_core`); the recurrent kernel gets
-    them normalised first.
+    ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`); ``gate`` a
+    `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)`` (`gdngen.layer_inputs`).
+    The kernels compute both in their loads (`render_fused`): the recurrent kernel
+    (`recurrent_forward`'s fused build) and, scalar gates, the chunk forward's two kernels
+    (`_core`), so no normalised q, k and no log gate are formed as arrays in a forward; the
+    chunk VJP recomputes them as mx ops for the plain backward kernels (per-channel gates:
+    `gdngen.backends.mlx_chunkwise.chunk_core` computes them in its core, forward and VJP).
     """
     import mlx.core as mx
 
@@ -1103,12 +1298,14 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     if shape.T >= SPEC.parse(variant).recurrent_below:
         return chunkwise_call(*args, mask)
 
+    parameter_gate = gate if isinstance(gate, chunkwise.ParameterGate) else None
+
     def recurrent(q, k, v, g, beta, s0):
-        if qk_norm:
-            q, k = l2_normalized(XP, q), l2_normalized(XP, k)
-        decay = chunkwise.linear_decay(XP, g, gate)  # exp(-inf) = 0 exactly
+        # the kernel normalises q, k and forms a ParameterGate's decay in its loads
+        decay = g if parameter_gate else chunkwise.linear_decay(XP, g, gate)  # exp(-inf) = 0
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
-                                     problem=problem, launcher=launcher)
+                                     problem=problem, launcher=launcher, qk_norm=qk_norm,
+                                     gate=parameter_gate)
         return y.astype(q.dtype), state
 
     g, beta = chunkwise.fold_mask(XP, args[3], args[4], mask, gate)
