@@ -643,8 +643,12 @@ def recurrent_rows(B: int, Hv: int, Dv: int, workers: int) -> int:
     return rows
 
 
+#: nothing computed in the loads (the plain kernels)
+PLAIN_INPUTS = KernelInputs()
+
+
 @functools.cache
-def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = KernelInputs()):
+def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PLAIN_INPUTS):
     """``call(q, k, v, decay, beta, S0, *parameters) -> (y, S_T)`` running the loaded recurrent
     kernel of ``sha256`` (float32, API layout): the plain one (``inputs`` off) takes the linear
     decay; a fused one (`render_fused` for ``inputs``) the raw q, k when ``inputs.qk_norm`` and,
