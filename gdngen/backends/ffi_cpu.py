@@ -34,6 +34,18 @@ recomputes each chunk's WY form (per-channel gates: also the decay factors and d
 from it, and forms the gate cotangent in-kernel by the straddle-sum rule of `gdngen.chunkwise`
 (per channel: `gdngen.chunkwise_channel`'s anchored and chunk sums), exact at g = 0 for linear
 gates. Packed rows of per-channel gates run on the portable path (``packed_gates``).
+
+Layer inputs in the loads (``qk_norm``, a parameterised gate: `gdngen.backends.kernel_inputs`):
+a call with either runs fused builds of the recurrent kernel and of the chunk forward
+(`render_fused`: the same templates with ``qk_norm`` / ``gate_form`` set, plus
+``templates/ffi_cpu/layer_inputs.cc.j2``; each its own library and FFI targets, compiled and
+cached like the plain one). They take the raw q, k (each loaded row L2-normalised in float32,
+q then scaled) and the raw gate projection ``a`` with ``A_log``, ``dt_bias`` (``[Hv]`` or
+``[Hv, Dk]``) and the runtime ``lower_bound``, and form log g per step (exp of it for the
+recurrent kernel's decay; before the chunk's cumulative sums in the chunk forward). The chunk
+backward is the plain kernel's, fed the norm and log gate recomputed as array ops inside the
+custom VJP (`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), which maps
+its dq, dk, dlog g through their VJPs. The plain renders do not change with these parts.
 """
 
 from __future__ import annotations
