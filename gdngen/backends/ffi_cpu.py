@@ -41,8 +41,10 @@ a call with either runs fused builds of the recurrent kernel and of the chunk fo
 ``templates/ffi_cpu/layer_inputs.cc.j2``; each its own library and FFI targets, compiled and
 cached like the plain one). They take the raw q, k (each loaded row L2-normalised in float32,
 q then scaled) and the raw gate projection ``a`` with ``A_log``, ``dt_bias`` (``[Hv]`` or
-``[Hv, Dk]``) and the runtime ``lower_bound``, and form log g per step (exp of it for the
-recurrent kernel's decay; before the chunk's cumulative sums in the chunk forward). The chunk
+``[Hv, Dk]``) and the runtime ``lower_bound``, and form log g per step (the recurrent kernel:
+the rows' norm factors and the decays exp(log g) once per call, in a parallel pass over the
+steps that every row block of a head shares; the chunk forward: in its loads, before the
+chunk's cumulative sums; per-channel gates a row at a time in vectors). The chunk
 backward is the plain kernel's, fed the norm and log gate recomputed as array ops inside the
 custom VJP (`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), which maps
 its dq, dk, dlog g through their VJPs. The plain renders do not change with these parts.
