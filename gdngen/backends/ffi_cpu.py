@@ -34,6 +34,20 @@ recomputes each chunk's WY form (per-channel gates: also the decay factors and d
 from it, and forms the gate cotangent in-kernel by the straddle-sum rule of `gdngen.chunkwise`
 (per channel: `gdngen.chunkwise_channel`'s anchored and chunk sums), exact at g = 0 for linear
 gates. Packed rows of per-channel gates run on the portable path (``packed_gates``).
+
+Layer inputs in the loads (``qk_norm``, a parameterised gate: `gdngen.backends.kernel_inputs`):
+a call with either runs fused builds of the recurrent kernel and of the chunk forward
+(`render_fused`: the same templates with ``qk_norm`` / ``gate_form`` set, plus
+``templates/ffi_cpu/layer_inputs.cc.j2``; each its own library and FFI targets, compiled and
+cached like the plain one). They take the raw q, k (each loaded row L2-normalised in float32,
+q then scaled) and the raw gate projection ``a`` with ``A_log``, ``dt_bias`` (``[Hv]`` or
+``[Hv, Dk]``) and the runtime ``lower_bound``, and form log g per step (the recurrent kernel:
+the rows' norm factors and the decays exp(log g) once per call, in a parallel pass over the
+steps that every row block of a head shares; the chunk forward: in its loads, before the
+chunk's cumulative sums; per-channel gates a row at a time in vectors). The chunk
+backward is the plain kernel's, fed the norm and log gate recomputed as array ops inside the
+custom VJP (`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), which maps
+its dq, dk, dlog g through their VJPs. The plain renders do not change with these parts.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ from pathlib import Path
 
 from gdngen import chunkwise, chunkwise_channel, settings
 from gdngen.backends import generated
+from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs, kernel_parameters
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
@@ -190,12 +205,13 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     """``{"gated_delta.cc": (template, context), "recurrent.cc": (template, context)}`` for
     `gdngen.render`: the chunk kernels and the recurrent kernel (per-channel gates when
     ``problem.gate`` is "vector"; the scalar renders do not depend on the per-channel parts).
-    ``recurrent_below`` renders into neither."""
+    ``recurrent_below`` renders into neither. Both compute no layer inputs in their loads
+    (`KernelInputs` off: `render_fused` renders the fused builds)."""
     p = kernel_params(variant, problem)
     per_channel = problem.gate == "vector"
     dims = {"dk": problem.Dk, "dv": problem.Dv, "dk_pad": padded(problem.Dk),
             "dv_pad": padded(problem.Dv), "vector_floats": p["vector_floats"], "symbol": SYMBOL,
-            "per_channel": per_channel}
+            "per_channel": per_channel, **KernelInputs().context()}
     context = {"chunk": p["chunk_size"], "row_block": p["row_block"], "panel": p["panel"],
                "packed": False,
                "sub_chunk": chunkwise_channel.sub_chunk_size(p["chunk_size"]), **dims}
@@ -344,6 +360,47 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     return Rendered(variant, problem, texts, sources_sha256(texts))
 
 
+#: which kernels of a fused build (`render_fused`) each of its sources holds
+FUSED_KINDS = {RECURRENT_SOURCE_NAME: ("recurrent",), SOURCE_NAME: ("forward",)}
+
+
+def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs,
+                 source: str = RECURRENT_SOURCE_NAME, *, templates_dir=None):
+    """The build of ``variant``'s ``source`` (`RECURRENT_SOURCE_NAME`: the recurrent kernel;
+    `SOURCE_NAME`: the chunk forward alone, no backward) that computes ``inputs``
+    (`gdngen.backends.kernel_inputs.KernelInputs`, ``inputs.fused``) in its loads: its
+    template rendered with ``inputs.context()`` (and the norm's eps) into the file
+    ``<stem><inputs.tag()>.cc`` (a `gdngen.sources.Rendered` of its own sha256, so of its own
+    library and FFI targets; `load_fused_kernels`).
+
+    Its kernel takes q, k raw when ``inputs.qk_norm`` (each loaded row L2-normalised in float32,
+    q then scaled) and, with ``inputs.gate_form``, the raw gate projection ``a`` where the
+    decay (recurrent) or log gate (chunk forward) was, plus ``A_log``, ``dt_bias`` float32
+    ``[Hv]`` (``[Hv, Dk]`` per channel) after S0 and a ``lower_bound`` float attribute; it forms
+    the log gate per step (`gdngen.backends.kernel_inputs`), then decay = exp(log g). The
+    plain renders (`render_plan`) do not depend on these parts."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    SPEC.parse(variant)
+    if not inputs.fused:
+        raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
+    if source not in FUSED_KINDS:
+        raise ValueError(f"source must be one of {tuple(FUSED_KINDS)}, got {source!r}")
+    template, context = render_plan(variant, problem)[source]
+    context = dict(context, **inputs.context(), qk_norm_eps=repr(QK_NORM_EPS))
+    name = f"{source.removesuffix('.cc')}{inputs.tag()}.cc"
+    texts = {name: environment(templates_dir).get_template(template).render(**context)}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def load_fused_kernels(variant: Variant, problem: Problem, inputs: KernelInputs,
+                       source: str = RECURRENT_SOURCE_NAME, *, templates_dir=None) -> Kernels:
+    """`render_fused`, compiled unless cached, loaded and registered: ``target_recurrent``
+    (`RECURRENT_SOURCE_NAME`) or ``target_forward`` (`SOURCE_NAME`)."""
+    return _load(render_fused(variant, problem, inputs, source, templates_dir=templates_dir),
+                 FUSED_KINDS[source])
+
+
 def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=None) -> Kernels:
     """`render_packed`, compiled unless cached, loaded and registered (forward, backward)."""
     return _load(render_packed(variant, problem, templates_dir=templates_dir),
@@ -396,12 +453,19 @@ def _call_context(sha256: str, gate: str, scale: float, poison: bool):
 
 
 @functools.cache
-def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False):
+def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
+          forward_sha256: str | None = None):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
     (gates ``[B,T,Hv]`` or, on per-channel kernels, ``[B,T,Hv,Dk]``, in their own convention,
-    already masked; for a `gdngen.chunkwise.ParameterGate` ``(a, A_log, dt_bias)``, the log
-    gate computed in the core, `gdngen.backends.generated.custom_vjp_core`), with the
-    generated backward as its ``jax.custom_vjp``."""
+    already masked; for a `gdngen.chunkwise.ParameterGate` ``(a, A_log, dt_bias)``), with the
+    generated backward as its ``jax.custom_vjp`` (`gdngen.backends.generated.custom_vjp_core`).
+
+    ``forward_sha256`` None: the core normalises q, k (``qk_norm``) and computes the log gate
+    as array ops before the forward kernel. Otherwise the loaded fused chunk forward of that
+    sha256 (`render_fused` with `SOURCE_NAME`, for ``KernelInputs.of(qk_norm, gate)``) takes
+    the raw q, k and ``a`` with A_log, dt_bias (`kernel_parameters`) and computes both in its
+    loads (``forward_fuses``); the backward kernel of ``sha256`` still gets them recomputed
+    as arrays, and the core maps its dq, dk, dlog g through their VJPs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -409,15 +473,27 @@ def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False):
     parameter_gate, gate = gate, chunkwise.convention(gate)
     kernels, workers, attrs, f32, log_gates = _call_context(sha256, gate, scale, poison)
     C = kernels.params["chunk_size"]
+    inputs = KernelInputs.of(qk_norm, parameter_gate)
+    fuses = forward_sha256 is not None
+    if fuses and not inputs.fused:
+        raise ValueError("forward_sha256 needs qk_norm or a ParameterGate to fuse")
+    forward_kernels = _LOADED[forward_sha256] if fuses else kernels
 
     def forward(primals):
         q, k, v, g, beta, S0 = primals
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
-        y, s_final, states = jax.ffi.ffi_call(kernels.target_forward, (
+        if fuses and inputs.gate_form:  # the kernel forms log g from a, A_log, dt_bias
+            a, A_log, dt_bias = g
+            gate_operands = (a, beta, S0, *kernel_parameters(
+                jnp, A_log, dt_bias, Hv, Dk, kernels.problem.gate == "vector"))
+            extra = {"lower_bound": np.float32(inputs.lower_bound)}
+        else:
+            gate_operands, extra = (log_gates(g), beta, S0), {}
+        y, s_final, states = jax.ffi.ffi_call(forward_kernels.target_forward, (
             f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
             f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
-            vmap_method="sequential")(q, k, v, log_gates(g), beta, S0, **attrs,
+            vmap_method="sequential")(q, k, v, *gate_operands, **attrs, **extra,
                                       splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
         return (y, s_final), states
 
@@ -437,7 +513,8 @@ def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False):
             dq, dk = (x.reshape(B, T, Hk, P, Dk).sum(3) for x in (dq, dk))
         return dq, dk, dv, dg, dbeta, dS0
 
-    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
+                                     forward_fuses=fuses)
 
 
 @functools.cache
@@ -580,32 +657,46 @@ def recurrent_rows(B: int, Hv: int, Dv: int, workers: int) -> int:
     return rows
 
 
+#: nothing computed in the loads (the plain kernels)
+PLAIN_INPUTS = KernelInputs()
+
+
 @functools.cache
-def _recurrent(sha256: str, scale: float, poison: bool):
-    """``call(q, k, v, decay, beta, S0) -> (y, S_T)`` running the loaded recurrent kernel of
-    ``sha256`` (float32, API layout, linear decay)."""
+def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PLAIN_INPUTS):
+    """``call(q, k, v, decay, beta, S0, *parameters) -> (y, S_T)`` running the loaded recurrent
+    kernel of ``sha256`` (float32, API layout): the plain one (``inputs`` off) takes the linear
+    decay; a fused one (`render_fused` for ``inputs``) the raw q, k when ``inputs.qk_norm`` and,
+    with ``inputs.gate_form``, the raw projection ``a`` as ``decay`` and ``parameters`` =
+    ``(A_log, dt_bias)`` as `kernel_parameters` gives them (``lower_bound`` from ``inputs``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     kernels = _LOADED[sha256]
     workers = threads()
+    extra = {"lower_bound": np.float32(inputs.lower_bound)} if inputs.gate_form else {}
+    n_parameters = 2 if inputs.gate_form else 0
 
-    def call(q, k, v, decay, beta, S0):
+    def call(q, k, v, decay, beta, S0, *parameters):
+        if len(parameters) != n_parameters:
+            raise ValueError(f"the recurrent kernel of {inputs!r} takes {n_parameters} gate "
+                             f"parameters (A_log, dt_bias), got {len(parameters)}")
         B, T, _, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         return jax.ffi.ffi_call(kernels.target_recurrent, (
             generated.result_type((B, T, Hv, Dv), jnp.float32, q),
             generated.result_type((B, Hv, Dv, Dk), jnp.float32, q)),
-            vmap_method="sequential")(q, k, v, decay, beta, S0, scale=np.float32(scale),
-                                      threads=np.int64(workers), poison=poison,
+            vmap_method="sequential")(q, k, v, decay, beta, S0, *parameters,
+                                      scale=np.float32(scale), threads=np.int64(workers),
+                                      poison=poison, **extra,
                                       rows=np.int64(recurrent_rows(B, Hv, Dv, workers)))
 
     return call
 
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
-                      templates_dir=None):
+                      templates_dir=None, inputs: KernelInputs | None = None, A_log=None,
+                      dt_bias=None):
     """Forward of the gated delta rule one step at a time through the recurrent kernel of
     ``variant`` (rendered from ``templates/ffi_cpu/recurrent.cc.j2``; compiled, cached and
     loaded with the chunk kernels of the same rendering, see `load_kernels`).
@@ -623,13 +714,37 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     its own (`gated_delta` pairs it with the chunk path's). With ``GDNGEN_POISON_OUTPUTS=1``
     both outputs are NaN-filled before the kernel writes them. ``problem`` defaults to the one
     of the arrays' shapes (gate kind from ``decay``'s rank). jit-able; ``jax.vmap`` runs it
-    once per mapped element."""
+    once per mapped element.
+
+    ``inputs`` (`gdngen.backends.kernel_inputs.KernelInputs`, fusing something): the kernel
+    computes them in its loads (`render_fused`): with ``inputs.qk_norm`` q, k are raw (each row
+    L2-normalised in float32, q then scaled); with ``inputs.gate_form`` ``decay`` is the raw
+    gate projection ``a`` (same shape; a = -inf an identity step) and ``A_log``, ``dt_bias``
+    (``[Hv]``; per-channel also ``[Hv, 1]`` / ``[Hv, Dk]``) are required: the step's decay is
+    exp(log g) of that gate (``inputs.lower_bound`` for "sigmoid_bound")."""
+    import jax.numpy as jnp
+
     if problem is None:
         problem = Problem(q.shape[2], v.shape[2], q.shape[3], v.shape[3], "float32",
                           "vector" if decay.ndim == 4 else "scalar")
-    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
-    return _recurrent(kernels.sha256, float(scale), settings.flag(ENV_POISON))(
-        q, k, v, decay, beta, S0)
+    poison = settings.flag(ENV_POISON)
+    if inputs is None or not inputs.fused:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log and dt_bias are taken only with inputs fusing a gate")
+        kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+        return _recurrent(kernels.sha256, float(scale), poison)(q, k, v, decay, beta, S0)
+    parameters = ()
+    if inputs.gate_form:
+        if A_log is None or dt_bias is None:
+            raise ValueError(f"A_log and dt_bias are required with gate_form="
+                             f"{inputs.gate_form!r}")
+        parameters = kernel_parameters(jnp, jnp.asarray(A_log), jnp.asarray(dt_bias),
+                                       problem.Hv, problem.Dk, problem.gate == "vector")
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log and dt_bias are taken only with inputs fusing a gate")
+    kernels = load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
+    return _recurrent(kernels.sha256, float(scale), poison, inputs)(
+        q, k, v, decay, beta, S0, *parameters)
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
@@ -644,9 +759,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`); longer calls run the chunk
     kernels (per-channel gates: the kernels rendered from ``templates/ffi_cpu/channel.cc.j2``).
 
-    ``qk_norm``: q, k are raw. The chunk path's custom VJP normalises them itself and keeps
-    only the raw ones (`gdngen.backends.generated.custom_vjp_core`: the kernels save only the
-    chunk states); the recurrent path normalises them first."""
+    ``qk_norm`` and a `gdngen.chunkwise.ParameterGate` ``gate`` (``g`` then ``(a, A_log,
+    dt_bias)``): the kernels compute them in their own loads (`render_fused` builds per
+    `gdngen.backends.kernel_inputs.KernelInputs`). A short call's recurrent kernel takes the
+    raw q, k and ``a`` with A_log, dt_bias (no normalised q, k, log gate or decay array); the
+    chunk forward kernel likewise, forming the log gate before its in-chunk cumulative sums.
+    The chunk backward kernel gets them recomputed as array ops inside the custom VJP, which
+    keeps only the raw arrays (`gdngen.backends.generated.custom_vjp_core`, ``forward_fuses``:
+    the kernels save only the chunk states) and maps dq, dk, dlog g through the norm's and the
+    gate's VJPs."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
@@ -666,16 +787,23 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     poison = settings.flag(ENV_POISON)
     args = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
 
-    def normalized(q, k):
-        return chunkwise.normalized_qk(jax_chunkwise.XP, q, k, 1.0 if qk_norm else None)
-
-    chunkwise_call = _core(kernels.sha256, gate, float(scale), poison, qk_norm)
+    inputs = KernelInputs.of(qk_norm, gate)
+    forward_sha256 = (load_fused_kernels(variant, problem, inputs, SOURCE_NAME,
+                                         templates_dir=templates_dir).sha256
+                      if inputs.fused else None)
+    chunkwise_call = _core(kernels.sha256, gate, float(scale), poison, qk_norm, forward_sha256)
     if shape.T < recurrent_below:
-        call = _recurrent(kernels.sha256, float(scale), poison)
+        fused = (load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
+                 if inputs.fused else kernels)
+        call = _recurrent(fused.sha256, float(scale), poison, inputs)
 
         def recurrent(q, k, v, g, beta, S0):
-            return call(*normalized(q, k), v, chunkwise.linear_decay(jax_chunkwise.XP, g, gate),
-                        beta, S0)
+            if inputs.gate_form:  # the kernel forms the decay from a, A_log, dt_bias
+                a, A_log, dt_bias = g
+                return call(q, k, v, a, beta, S0, *kernel_parameters(
+                    jnp, A_log, dt_bias, shape.Hv, shape.Dk, shape.vector_gate))
+            # raw q, k when the kernel normalises them (inputs.qk_norm)
+            return call(q, k, v, chunkwise.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
 
         y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args)
     else:
