@@ -23,10 +23,13 @@ backend listing them in `BackendSpec.fused_inputs`: every backend today): its cu
 takes the raw q, k and the raw projection ``a`` with A_log and dt_bias
 (`gdngen.chunkwise.ParameterGate`), computes the norm and the log gate inside the core (for
 the kernels' loads and in-chunk cumulative sums), keeps only the raw arrays, and recomputes
-both in its backward, mapping their cotangents to the raw arrays. A packed row, a sharded call
-and a backend that does not list them get them computed before the call. (The C++, Pallas
-and Metal kernels receive the normalised q, k and the log gate from the core as arrays; they
-do not compute them in their own loads yet.)
+both in its backward, mapping their cotangents to the raw arrays. A packed row, a context-parallel
+call and a backend that does not list them get them computed before the call. (The C++, Pallas
+and Metal kernels compute them in their own loads: their recurrent kernels, for decode and
+short prefill, and their scalar-gate chunk forward kernels, ffi_cpu's per-channel one too, are
+rendered in fused builds (`gdngen.backends.kernel_inputs`) that take the raw q, k and ``(a,
+A_log, dt_bias)``, so no normalised q, k and no log gate exist as arrays in a forward; the
+backward kernels take the inputs the core recomputes as array ops.)
 
 Numerics: everything is computed in float32. The gate is produced directly in log space (never
 ``log(exp(...))``), so strong decay (log g around -37 and below) neither underflows nor loses the

@@ -469,10 +469,12 @@ FUSING_BACKENDS = [("jax", "portable"), ("jax", "ffi_cpu"), ("mlx", "portable"),
 def test_layer_inputs_fused_into_the_chunk_core(name, path, framework, backend, monkeypatch):
     """xla, mlx, ffi_cpu, pallas_tpu and pallas_gpu (interpret mode here) take ``qk_norm`` and
     a parameterised gate raw (`BackendSpec.fused_inputs`): the chunk core normalises q, k and
-    computes the log gate from ``(a, A_log, dt_bias)`` itself, and its backward recomputes them;
-    a short call's forward computes them before its recurrent kernel. Nothing computes the gate
-    outside the backend (`gdngen.layer_inputs.computed_gate` only passes gates through). Values
-    and gradients against float64 (metal: `test_metal_fuses_layer_inputs`)."""
+    computes the log gate from ``(a, A_log, dt_bias)`` itself (the generated backends in their
+    kernels' loads: tests/test_ffi_cpu_fused_inputs.py, tests/test_pallas_fused_inputs.py), and
+    its backward recomputes them; a short call's recurrent path does the same (the portable
+    step loop as array ops, the generated recurrent kernels in their loads). Nothing computes
+    the gate outside the backend (`gdngen.layer_inputs.computed_gate` only passes gates
+    through). Values and gradients against float64 (metal: `test_metal_fuses_layer_inputs`)."""
     fw = Framework(framework)
     setup = SETUPS[name]
     variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
@@ -511,8 +513,9 @@ def test_metal_fuses_layer_inputs(path, vector, gate):
     """metal (its MSL simulator here; Dk a multiple of 32) takes ``qk_norm`` and a
     parameterised gate raw: its chunk core (scalar gates) or the per-channel path's core
     normalises q, k and computes the log gate from ``(a, A_log, dt_bias)``, and its VJP maps
-    the kernels' dq, dk, dlog g back to the raw arrays; the recurrent kernel gets them computed
-    first. Values and the gradients of every raw array against float64."""
+    the kernels' dq, dk, dlog g back to the raw arrays; the recurrent kernel and the scalar
+    chunk forward compute them in their loads (tests/test_metal_fused_inputs.py). Values and
+    the gradients of every raw array against float64."""
     import mlx.core as mx
 
     from gdngen import Variant, reference, registry
