@@ -37,8 +37,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     Layer inputs (`gdngen.layer_inputs`; the q/k norm and the gate are computed inside the
     chunk core, which keeps only the raw arrays, also per shard under ``jax.shard_map`` and a
-    sharded ``jax.jit`` (A_log and dt_bias then operands sharded like v's heads); the recurrent
-    path, a packed row and a context-parallel call get them computed first; gradients reach the
+    sharded ``jax.jit`` (A_log and dt_bias then operands sharded like v's heads); the generated
+    backends' kernels compute them in their loads; a packed row and a context-parallel call
+    get them computed first; gradients reach the
     raw arrays): ``qk_norm=True`` L2-normalises q and k per head over Dk
     (``x * rsqrt(sum(x^2) + 1e-6)``); ``gate="softplus"`` takes g as the raw projection ``a``
     with ``A_log``, ``dt_bias`` ``[Hv]`` (per-channel g: ``[Hv]``, ``[Hv,1]`` or ``[Hv,Dk]``),

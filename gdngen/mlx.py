@@ -24,7 +24,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     path. ``chunk_size`` overrides the default variant's chunk.
 
     Layer inputs, as in `gdngen.jax.gated_delta` (`gdngen.layer_inputs`; the q/k norm and the
-    gate inside the chunk core, the recurrent path and packed rows get them computed first;
+    gate inside the chunk core and the recurrent path, metal's kernels in their loads; packed
+    rows get them computed first;
     gradients reach the raw arrays): ``qk_norm``; ``gate="softplus"`` / ``"sigmoid_bound"``
     with ``A_log``, ``dt_bias`` (and ``lower_bound``), g then the raw gate projection;
     ``beta_activation="sigmoid"``.
