@@ -953,10 +953,11 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     interpret_mode()  # decided (and warned about) before the kernels load
     if inputs.fused:
         kernels = load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
-        gate_parameters = generated.fused_gate_operands(inputs, *gate_parameters, problem.Hv,
-                                                        problem.Dk, per_channel)
     else:
         kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    if gate_parameters:
+        gate_parameters = generated.fused_gate_operands(inputs, *gate_parameters, problem.Hv,
+                                                        problem.Dk, per_channel)
     y, state = _run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, *gate_parameters,
                            scale=float(scale), what="recurrent", interpret=kernels.interpret)
     return y, state
