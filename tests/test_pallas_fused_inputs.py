@@ -56,8 +56,8 @@ PROBLEM = Problem(Hk, Hv, Dk, Dv)
 
 def _variant(backend, recurrent_below, problem=PROBLEM, **changes):
     params = default_variant(backend, problem).as_dict()
-    return Variant(backend, dict(params, chunk_size=CHUNK[backend],
-                                 recurrent_below=recurrent_below, **changes))
+    return Variant(backend, params | {"chunk_size": CHUNK[backend],
+                                      "recurrent_below": recurrent_below} | changes)
 
 
 # --------------------------------------------------------------------------- float64 reference
@@ -153,17 +153,17 @@ def _call(x, options, mask, variant):
                             scale=SCALE, variant=variant, **options, **parameters)
 
 
-def _errors_of_both_paths(x, options, mask, variant, seed=11):
+def _errors_of_both_paths(x, options, mask, variant, seed=11, dtype=jnp.float32):
     """Relative errors against float64 of a call of ``variant`` (its ``recurrent_below``
     above T): the value of a short call (the fused recurrent kernel), then under ``jax.vjp``
     the chunk path's value and every raw input's gradient (the fused chunk forward, the plain
-    backward on recomputed inputs)."""
+    backward on recomputed inputs). q, k, v in ``dtype``."""
     rng = np.random.default_rng(seed)
     dy, ds = rng.standard_normal(x["v"].shape), rng.standard_normal(
         (x["v"].shape[0],) + x["v"].shape[2:] + (x["q"].shape[-1],))
     y_ref, s_ref, grads_ref = _reference(x, options, mask, dy, ds)
     names = [n for n in GRAD_NAMES if n in x]
-    arrays = {n: jnp.asarray(x[n], jnp.float32) for n in names}
+    arrays = {n: jnp.asarray(x[n], dtype if n in ("q", "k", "v") else jnp.float32) for n in names}
 
     y, state = _call(arrays, options, mask, variant)
     errors = {"recurrent y": relative_error(y, y_ref),
@@ -174,7 +174,7 @@ def _errors_of_both_paths(x, options, mask, variant, seed=11):
         return _call(dict(zip(names, xs)), options, mask, variant)
 
     (y, state), vjp = jax.vjp(f, *(arrays[n] for n in names))
-    grads = vjp((jnp.asarray(dy, jnp.float32), jnp.asarray(ds, jnp.float32)))
+    grads = vjp((jnp.asarray(dy, dtype), jnp.asarray(ds, jnp.float32)))
     errors |= {"chunk y": relative_error(y, y_ref),
                "chunk final_state": relative_error(state, s_ref)}
     errors |= {f"d{n}": relative_error(g, grads_ref[n]) for n, g in zip(names, grads)}
@@ -379,3 +379,18 @@ def test_fused_sweep_over_variants(backend, changes):
         errors = _errors_of_both_paths(xs, options, mask, variant)
         worst = max(errors.items(), key=lambda item: item[1])
         assert worst[1] <= rtol, (backend, changes, options, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("name", ["softplus_per_head", "sigmoid_bound_per_head"])
+def test_fused_low_precision_inputs(backend, name):
+    """bfloat16 q, k, v: the fused chunk forward normalises in float32 and rounds to bfloat16
+    as the backward's recomputation does; both paths within the bfloat16 tolerance."""
+    from gdngen.tolerance import dtype_tolerance
+
+    x, options, mask = _setup(name, seed=9)
+    errors = _errors_of_both_paths(x, options, mask, _variant(backend, T + 1),
+                                   dtype=jnp.bfloat16)
+    worst = max(errors.items(), key=lambda item: item[1])
+    assert worst[1] <= dtype_tolerance("bfloat16"), (backend, name, worst)

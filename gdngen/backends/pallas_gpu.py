@@ -54,6 +54,20 @@ last chunk's entering state) on the dense chunk kernels, float32. With ``packed`
 templates render the dense kernels byte for byte (tuned entries keep their sha256). Per-channel
 packed rows run on the portable chunk path.
 
+Layer inputs (``qk_norm=True``, a parameterised gate ``gate="softplus"`` / ``"sigmoid_bound"``;
+`gdngen.backends.kernel_inputs`): the kernels compute them in their own loads. `render_fused`
+renders the recurrent kernel and (scalar gates) the chunk forward kernels (chunk-parallel and
+state walk) once per `KernelInputs.context` (the runtime ``lower_bound`` is an operand: one
+build serves every bound): they take the raw q, k and L2-normalise each loaded row in float32
+over its DK tiles (q then scaled), and take the raw projection ``a`` where the decay / log gate
+was, with ``a_log``, ``dt_bias`` (``[Hv]`` per head, ``[Hv, DK]`` per channel) as operands,
+forming log g (a = -inf: exactly 0) and its exp or segment sums there. The chunk backward (and
+a recomputing variant's residuals) runs the plain kernels on inputs the custom VJP recomputes
+(`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), so only the raw arrays
+are kept. Per-channel chunk calls compute them in `gdngen.backends.jax_chunkwise`'s custom VJP
+(its intra-chunk stages are jnp). The plain renders are byte for byte those of before (tuned
+entries keep their sha256).
+
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
 rendered or run.
 """
