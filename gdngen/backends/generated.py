@@ -1,8 +1,10 @@
 """What the generated-kernel backends written in Python (`pallas_tpu`, `pallas_gpu`) share:
 variant and problem checks, exec of a rendered source as a module, jitting its entry points for
-top-level and nested calls, the custom-VJP core, the gate epilogue, the whole-sequence entry and
-the packed-row entry (`render_packed`, `packed_gated_delta`: `gdngen.packed` on their packed
-kernel builds)."""
+top-level and nested calls, the custom-VJP core, the gate epilogue, the whole-sequence entry,
+the fused-input builds (`render_fused`: the recurrent kernel and the scalar chunk forward
+kernels rendered to normalise q, k and compute a parameterised gate in their loads,
+`gdngen.backends.kernel_inputs`) and the packed-row entry (`render_packed`,
+`packed_gated_delta`: `gdngen.packed` on their packed kernel builds)."""
 
 from __future__ import annotations
 
@@ -200,24 +202,35 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     custom-VJP core. Returns ``(y [B,T,Hv,Dv] in q's dtype, final_state float32)``.
 
     ``backend`` provides ``SPEC``, ``interpret_mode()``,
-    ``load_kernels(variant, problem, templates_dir=)`` and ``_core((sha256, interpret), gate,
-    scale, qk_norm)``. ``qk_norm``: q, k are raw and the core normalises them
-    (`custom_vjp_core`). ``gate`` a `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log,
-    dt_bias)`` and the core computes the log gate (`custom_vjp_core`).
+    ``load_kernels(variant, problem, templates_dir=)``, ``load_fused_kernels(variant, problem,
+    inputs, templates_dir=)`` and ``_core((sha256, interpret), gate, scale, qk_norm,
+    fused_key)``. ``qk_norm``: q, k are raw; ``gate`` a `gdngen.chunkwise.ParameterGate`: ``g``
+    is ``(a, A_log, dt_bias)``. Either way the forward kernels of the fused build
+    (`gdngen.backends.kernel_inputs.KernelInputs.of` the two; its ``fused_key``) normalise q, k
+    and compute the log gate in their loads, and the backward recomputes both for the plain
+    kernels (`custom_vjp_core` with ``forward_fuses``).
     """
     import jax.numpy as jnp
 
     from gdngen.backends.jax_chunkwise import XP
+    from gdngen.backends.kernel_inputs import KernelInputs
     from gdngen.variant import problem_of
 
     shape, dtype = check_scalar_call(backend.SPEC, q, k, v, g, beta, initial_state, mask,
                                      gate=gate, scale=scale)
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
-    kernels = backend.load_kernels(variant, problem_of(shape, dtype), templates_dir=templates_dir)
+    problem = problem_of(shape, dtype)
+    kernels = backend.load_kernels(variant, problem, templates_dir=templates_dir)
+    inputs = KernelInputs.of(qk_norm, gate)
+    fused_key = None
+    if inputs.fused:
+        fused = backend.load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
+        fused_key = (fused.sha256, fused.interpret)
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    core = backend._core((kernels.sha256, kernels.interpret), gate, float(scale), qk_norm)
+    core = backend._core((kernels.sha256, kernels.interpret), gate, float(scale), qk_norm,
+                         fused_key)
     y, state = chunkwise.gated_delta(
         XP, core, q, k.astype(q.dtype), v.astype(q.dtype), chunkwise.cast_gates(g, f32),
         beta.astype(f32), initial_state.astype(f32), mask, scale=1.0, gate=gate,
@@ -230,10 +243,13 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     """Whole-sequence call of a Pallas ``backend`` module with its recurrent switch
     (`gdngen.config.recurrent_switch`): a scalar-gate call of T >= the variant's
     ``recurrent_below`` runs `gated_delta` (the chunk kernels). A shorter one evaluates through
-    ``recurrent_forward(problem, q, k, v, decay, beta, S0)`` (``problem`` the call's `Problem`)
-    (float32, masks folded, the gate made a linear decay: exp(-inf) = 0, an exact reset)
-    inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`, whose VJP is the chunk
-    path's on the same call.
+    ``recurrent_forward(problem, q, k, v, decay, beta, S0, inputs)`` (``problem`` the call's
+    `Problem`, ``inputs`` its `gdngen.backends.kernel_inputs.KernelInputs`; float32, masks
+    folded) inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`, whose VJP is the
+    chunk path's on the same call. ``decay`` is the gate made a linear decay (exp(-inf) = 0, an
+    exact reset), or with ``inputs.gate_form`` the `gdngen.chunkwise.ParameterGate`'s ``(a,
+    A_log, dt_bias)`` (a = -inf on masked steps), which the fused recurrent kernel turns into
+    the decay in its loads; with ``inputs.qk_norm`` q, k are raw, normalised there.
 
     Per-channel gates: the chunk path is `gdngen.chunkwise_channel` (through
     `gdngen.backends.jax_chunkwise.chunkwise_gated_delta`, float32, the variant's chunk size
@@ -243,12 +259,15 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     it too, a shorter one through the recurrent kernel, and every differentiated call takes its
     VJP (`gdngen.chunkwise_channel.backward` with the kernel walks).
 
-    ``qk_norm``: q, k are raw. The chunk path normalises them inside its custom VJP and keeps
-    only the raw ones (`custom_vjp_core`; per-channel gates: `gdngen.backends.jax_chunkwise.
-    chunk_core`); the recurrent kernel gets them normalised first."""
+    ``qk_norm``: q, k are raw. The chunk path keeps only the raw ones: the scalar chunk
+    kernels normalise them in their loads (`gated_delta`), the per-channel path inside its
+    custom VJP (`gdngen.backends.jax_chunkwise.chunk_core`); the recurrent kernel in its loads.
+    A `gdngen.chunkwise.ParameterGate` likewise: computed in the recurrent kernel's and the
+    scalar chunk forward kernels' loads."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
+    from gdngen.backends.kernel_inputs import KernelInputs
     from gdngen.variant import problem_of
 
     shape, dtype = check_scalar_call(backend.SPEC, q, k, v, g, beta, initial_state, mask,
@@ -271,10 +290,12 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
         kernels = backend.load_kernels(variant, problem, templates_dir=templates_dir)
         walks = backend.chunk_walks((kernels.sha256, kernels.interpret))
 
-    def recurrent(q, k, v, g, beta, S0):
-        q, k = chunkwise.normalized_qk(jax_chunkwise.XP, q, k, 1.0 if qk_norm else None)
-        return recurrent_forward(problem, q, k, v,
-                                 chunkwise.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
+    inputs = KernelInputs.of(qk_norm, gate)
+
+    def recurrent(q, k, v, g, beta, S0):  # the fused kernel: raw q, k and (a, A_log, dt_bias)
+        if inputs.gate_form is None:
+            g = chunkwise.linear_decay(jax_chunkwise.XP, g, gate)
+        return recurrent_forward(problem, q, k, v, g, beta, S0, inputs)
 
     def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
         if shape.vector_gate:
@@ -293,6 +314,46 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     if mask is not None:
         y = jnp.where(mask[..., None, None], y, 0.0)
     return y.astype(q.dtype), state
+
+
+# ------------------------------------------------------------------------------ fused inputs
+
+
+def render_fused(spec, variant, problem, names, inputs, *, templates_dir=None, context=None):
+    """The fused build of a generated backend's kernels ``names`` (of ``spec``'s
+    `render_plan`): each rendered with ``inputs.context()`` (a `gdngen.backends.kernel_inputs.
+    KernelInputs` that fuses something) and ``context``'s additions (the constants its fused
+    loads use), named ``<name><inputs.tag()>.py``. The runtime ``lower_bound`` reaches no
+    source, so one build serves every bound; the plain render plan (nothing fused) is not
+    touched, so a variant's sha256 and its tuned entries do not depend on the fused builds."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    if not inputs.fused:
+        raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
+    spec.parse(variant)
+    plan = spec.render_plan(variant, problem)
+    env = environment(templates_dir)
+    extra = dict(context or {}, **inputs.context())
+    texts = {f"{name.removesuffix('.py')}{inputs.tag()}.py": env.get_template(plan[name][0]).render(
+        **dict(plan[name][1], **extra)) for name in names}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def fused_gate_operands(inputs, A_log, dt_bias, Hv: int, Dk: int, vector_gate: bool) -> tuple:
+    """The gate operands a fused kernel takes after ``a`` (`gdngen.backends.kernel_inputs`):
+    ``(A_log, dt_bias)`` float32 ``[Hv]`` (per head) or ``[Hv, Dk]`` (per channel), then for
+    "sigmoid_bound" the runtime ``lower_bound`` as a float32 scalar array (an operand, so one
+    compiled kernel serves every bound). Empty without a gate form."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.kernel_inputs import kernel_parameters
+
+    if inputs.gate_form is None:
+        return ()
+    parameters = kernel_parameters(jnp, A_log, dt_bias, Hv, Dk, vector_gate)
+    if inputs.gate_form == "sigmoid_bound":
+        return (*parameters, jnp.asarray(inputs.lower_bound, jnp.float32))
+    return parameters
 
 
 # ------------------------------------------------------------------------------ packed rows

@@ -54,6 +54,20 @@ last chunk's entering state) on the dense chunk kernels, float32. With ``packed`
 templates render the dense kernels byte for byte (tuned entries keep their sha256). Per-channel
 packed rows run on the portable chunk path.
 
+Layer inputs (``qk_norm=True``, a parameterised gate ``gate="softplus"`` / ``"sigmoid_bound"``;
+`gdngen.backends.kernel_inputs`): the kernels compute them in their own loads. `render_fused`
+renders the recurrent kernel and (scalar gates) the chunk forward kernels (chunk-parallel and
+state walk) once per `KernelInputs.context` (the runtime ``lower_bound`` is an operand: one
+build serves every bound): they take the raw q, k and L2-normalise each loaded row in float32
+over its DK tiles (q then scaled), and take the raw projection ``a`` where the decay / log gate
+was, with ``a_log``, ``dt_bias`` (``[Hv]`` per head, ``[Hv, DK]`` per channel) as operands,
+forming log g (a = -inf: exactly 0) and its exp or segment sums there. The chunk backward (and
+a recomputing variant's residuals) runs the plain kernels on inputs the custom VJP recomputes
+(`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), so only the raw arrays
+are kept. Per-channel chunk calls compute them in `gdngen.backends.jax_chunkwise`'s custom VJP
+(its intra-chunk stages are jnp). The plain renders are byte for byte those of before (tuned
+entries keep their sha256).
+
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
 rendered or run.
 """
@@ -71,6 +85,7 @@ from dataclasses import dataclass
 from gdngen import chunkwise, settings
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
+from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
 from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
@@ -271,14 +286,38 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "save_states": p["save_states"],
         "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
         "per_channel": problem.gate == "vector",  # the chunk walks of chunkwise_channel
+        **PLAIN_INPUTS,
     }
     recurrent = {key: context[key] for key in ("problem_key", "dk", "dv", "bk", "bv", "n_dk",
                                                "n_dv", "hk", "hv", "group", "num_warps",
-                                               "num_stages")}
+                                               "num_stages", *PLAIN_INPUTS)}
     recurrent["per_channel"] = problem.gate == "vector"
     return {"forward.py": ("pallas_gpu/forward.py.j2", context),
             "backward.py": ("pallas_gpu/backward.py.j2", context),
             "recurrent.py": ("pallas_gpu/recurrent.py.j2", recurrent)}
+
+
+#: the template context of a plain build: nothing computed in the loads (`render_fused` sets
+#: these, `gdngen.backends.kernel_inputs.KernelInputs.context`)
+PLAIN_INPUTS = {"qk_norm": False, "gate_form": None}
+
+
+def render_fused(variant: Variant, problem: Problem, inputs, *, templates_dir=None):
+    """The fused build of ``variant`` for ``inputs`` (a `gdngen.backends.kernel_inputs.
+    KernelInputs` that fuses something): the recurrent kernel and, for scalar gates, the chunk
+    forward kernels (chunk-parallel and walk) rendered with ``inputs.context()``, so they take
+    raw q, k (normalised per loaded row, float32, q then scaled) and, with a gate form, the raw
+    projection ``a`` where the decay / log gate was plus ``a_log``, ``dt_bias`` (and the
+    runtime ``lower_bound``) operands, computing the log gate in their loads. Named
+    ``recurrent<tag>.py``, ``forward<tag>.py``. The backward kernels and the residual
+    recomputation are not in it (they take the recomputed inputs: the plain build's);
+    per-channel chunk walks are not either (their intra-chunk stages are jnp,
+    `gdngen.backends.jax_chunkwise`)."""
+    names = ("recurrent.py",) if problem.gate == "vector" else ("recurrent.py", "forward.py")
+    return generated.render_fused(SPEC, variant, problem, names, inputs,
+                                  templates_dir=templates_dir,
+                                  context={"qk_norm_eps": repr(QK_NORM_EPS),
+                                           "log_gate_floor": repr(LOG_GATE_FLOOR)})
 
 
 # ----------------------------------------------------------------------------- loading
@@ -363,6 +402,31 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     return _LOADED[key]
 
 
+def load_fused_kernels(variant: Variant, problem: Problem, inputs, *, templates_dir=None):
+    """`render_fused`, loaded (cached as `load_kernels`, by the fused sources' sha256: one
+    entry per rendering context, whatever the runtime ``lower_bound``): a namespace with
+    ``recurrent``, ``run_recurrent`` and, for scalar gates, ``forward``, ``run_forward``
+    (jitted with ``scale``/``interpret`` static), ``sha256``, ``variant``, ``problem``,
+    ``params``, ``interpret``, ``context`` (``inputs.context()``)."""
+    rendered = render_fused(variant, problem, inputs, templates_dir=templates_dir)
+    interpret = interpret_mode()
+    key = (rendered.sha256, interpret)
+    if key not in _LOADED:
+        modules = {name.removesuffix(inputs.tag() + ".py"): exec_module(
+            BACKEND, name, source, rendered.sha256) for name, source in rendered.sources.items()}
+        static = ("scale", "interpret")
+        kernels = types.SimpleNamespace(
+            recurrent=modules["recurrent"], sha256=rendered.sha256, variant=variant,
+            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
+            context=inputs.context(),
+            run_recurrent=jit_pair(modules["recurrent"].recurrent, static, interpret))
+        if "forward" in modules:
+            kernels.forward = modules["forward"]
+            kernels.run_forward = jit_pair(modules["forward"].forward, static, interpret)
+        _LOADED[key] = kernels
+    return _LOADED[key]
+
+
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     """The packed-row chunk kernels of ``variant`` (`gdngen.packed`, scalar gates): the forward
     and backward templates with ``packed`` set. The forward state walk (also the recomputing
@@ -391,17 +455,21 @@ def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=Non
 
 
 def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2,
-                steps: int = 5) -> dict:
+                steps: int = 5, inputs=None) -> dict:
     """Lower the variant's kernels (forward, residual recomputation, backward, and the
     recurrent forward over ``steps`` steps) through the Pallas Triton lowering for the CUDA
     platform, which needs no GPU; returns ``{function name: StableHLO text}``. For a
     vector-gate problem: ``channel_walk`` and ``channel_walk_backward`` (the per-channel chunk
-    walks) instead of forward, residuals and backward.
+    walks) instead of forward, residuals and backward. ``inputs`` (a
+    `gdngen.backends.kernel_inputs.KernelInputs` that fuses something): the kernels of its
+    fused build instead (`render_fused`: ``recurrent`` and, for scalar gates, ``forward``).
     Raises what the lowering raises (non-power-of-two shapes, unsupported ops, scratch memory,
     ...). Triton's own compilation to PTX runs only on a GPU."""
     import jax
     import jax.numpy as jnp
 
+    if inputs is not None:
+        return _lower_fused(variant, problem, inputs, batch=batch, chunks=chunks, steps=steps)
     kernels = load_kernels(variant, problem)
     p = kernels.params
     C, Dk, Dv, Hk, Hv = p["chunk_size"], p["dk"], p["dv"], problem.Hk, problem.Hv
@@ -440,6 +508,44 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
     for name, text in lowered.items():
         if "triton" not in text:
             raise RuntimeError(f"the {name} kernels did not lower to a Triton custom call")
+    return lowered
+
+
+def _lower_fused(variant: Variant, problem: Problem, inputs, *, batch: int, chunks: int,
+                 steps: int) -> dict:
+    """`lower_check` of the fused build of ``inputs``."""
+    import jax
+    import jax.numpy as jnp
+
+    kernels = load_fused_kernels(variant, problem, inputs)
+    p = kernels.params
+    C, Dk, Dv, Hk, Hv = p["chunk_size"], p["dk"], p["dv"], problem.Hk, problem.Hv
+    spec, f32, dtype = jax.ShapeDtypeStruct, jnp.float32, jnp.dtype(problem.dtype)
+    vector = problem.gate == "vector"
+    parameter = spec((Hv, Dk) if vector else (Hv,), f32)
+    gate = ((parameter, parameter) + ((spec((), f32),) if inputs.gate_form == "sigmoid_bound"
+                                      else ())) if inputs.gate_form else ()
+
+    def lower(fn, *args):
+        static = {"interpret": False, "scale": Dk ** -0.5}
+        return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
+                .lower(lowering_platforms=("cuda",)).as_text())
+
+    B, state = batch, spec((batch, Hv, Dv, Dk), f32)
+    per_step = spec((B, steps, Hv), f32)
+    q_rec = spec((B, steps, Hk, Dk), f32)
+    lowered = {"recurrent": lower(kernels.recurrent.recurrent, q_rec, q_rec,
+                                  spec((B, steps, Hv, Dv), f32),
+                                  spec((B, steps, Hv, Dk), f32) if vector else per_step,
+                                  per_step, state, *gate)}
+    if not vector:
+        T = chunks * C
+        q, gates = spec((B, T, Hk, Dk), dtype), spec((B, Hv, T), f32)
+        lowered["forward"] = lower(kernels.forward.forward, q, q, spec((B, T, Hv, Dv), dtype),
+                                   gates, gates, state, *gate)
+    for name, text in lowered.items():
+        if "triton" not in text:
+            raise RuntimeError(f"the fused {name} kernels did not lower to a Triton custom call")
     return lowered
 
 
@@ -518,6 +624,24 @@ def _to_kernel_layout(q, k, v, gates, beta, S0, *, gate, dk, dv):
             "beta": _per_step_to_kernel(beta), "s0": _states_to_kernel(S0, dk, dv)}
 
 
+def _to_fused_layout(q, k, v, gates, beta, S0, *, gate, dk, dv, inputs):
+    """`_to_kernel_layout` for the fused forward kernels of ``inputs`` (raw primals of
+    `gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``): q, k as given (raw
+    with ``qk_norm``); with a gate form ``gates`` is ``(a, A_log, dt_bias)`` (A_log, dt_bias
+    ``[Hk, r, 1]``), ``"g"`` holds ``a`` (-inf kept: an identity step) and ``"gate"`` the
+    operands after it (`gdngen.backends.generated.fused_gate_operands`); otherwise ``gates``
+    in ``gate``'s convention, laid out as `_to_kernel_layout` does."""
+    if inputs.gate_form is None:
+        return dict(_to_kernel_layout(q, k, v, gates, beta, S0, gate=gate, dk=dk, dv=dv),
+                    gate=())
+    a, A_log, dt_bias = gates
+    lay = _to_kernel_layout(q, k, v, a, beta, S0, gate="log", dk=dk, dv=dv)
+    lay["g"] = _per_step_to_kernel(a)  # unclamped: the kernels clamp the log gate they compute
+    lay["gate"] = generated.fused_gate_operands(inputs, A_log, dt_bias, v.shape[2] * v.shape[3],
+                                                k.shape[-1], False)
+    return lay
+
+
 def _gate_cotangent(gates, gate, dd11, dd0):
     """d(gates) [B, Hv, N, C] from the kernels' decay-factor cotangents (dd11 [B, Hv, T, C],
     dd0 [B, Hv, T]; the chunk-end terms already folded into their last rows) by the
@@ -553,7 +677,7 @@ def _cotangents(primals, grads, *, gate):
 
 
 @functools.cache
-def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
+def _core(key: tuple, gate, scale: float, qk_norm: bool = False, fused_key: tuple | None = None):
     """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
     (sha256, interpret mode), with the generated backward as its ``jax.custom_vjp``. Layout
     changes and the gate epilogue are jitted on their own; each kernel module function is its
@@ -561,12 +685,25 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
 
     The backward lays the primals out again rather than keeping the forward's copies (the
     custom VJP keeps the primals), so nothing of q, k outlives the forward but the primals:
-    with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only."""
+    with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only.
+
+    ``fused_key``: the loaded fused build (`load_fused_kernels`) of ``qk_norm`` and ``gate``
+    (a `gdngen.chunkwise.ParameterGate` or a convention): its forward kernels take the raw
+    primals (``forward_fuses``), normalising q, k and computing the log gate in their loads;
+    the backward (and a recomputing variant's residuals) runs the plain kernels ``key`` on the
+    recomputed inputs. None: the core computes them with array ops before the forward."""
     import jax.numpy as jnp
 
     parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels take log gates
     kernels = _LOADED[key]
     interpret, p = kernels.interpret, kernels.params
+    if fused_key is None:
+        run_forward, prepare_forward = kernels.run_forward, None
+    else:
+        run_forward = _LOADED[fused_key].run_forward
+        prepare_forward = jit_pair(functools.partial(
+            _to_fused_layout, gate=gate, dk=p["dk"], dv=p["dv"],
+            inputs=KernelInputs.of(qk_norm, parameter_gate)), (), interpret)
     prepare = jit_pair(functools.partial(_to_kernel_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
                         (), interpret)
     finish = jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
@@ -583,9 +720,10 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
     backward_inputs = jit_pair(backward_inputs, (), interpret)
 
     def forward(primals):
-        lay = call_jitted(prepare, *primals)
-        y, s_final, saved = call_jitted(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g"],
-                                  lay["beta"], lay["s0"], scale=scale, interpret=interpret)
+        lay = call_jitted(prepare if prepare_forward is None else prepare_forward, *primals)
+        y, s_final, saved = call_jitted(run_forward, lay["q"], lay["k"], lay["v"], lay["g"],
+                                        lay["beta"], lay["s0"], *lay.get("gate", ()),
+                                        scale=scale, interpret=interpret)
         return call_jitted(forward_outputs, y, s_final, primals[2], primals[5]), saved
 
     def backward(primals, saved, cotangents):
@@ -599,7 +737,8 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
                       interpret=interpret)
         return call_jitted(finish, primals, grads)
 
-    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
+                                     forward_fuses=fused_key is not None)
 
 
 def _packed_layout(q, k, v, gates, beta, inject, *, gate, dk, dv):
@@ -735,7 +874,8 @@ def chunk_walks(key: tuple):
 # ----------------------------------------------------------------------------- entry point
 
 
-def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem, templates_dir=None):
+def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem, templates_dir=None,
+                      inputs=None):
     """The recurrent forward kernel of ``variant`` for ``problem`` (templates/pallas_gpu/
     recurrent.py.j2): the gated delta rule walked one step at a time, each program holding its
     ``bv`` rows of the state on-chip (registers, as ``bk``-wide tiles over the padded Dk) from
@@ -759,26 +899,49 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem, temp
       starts every output as NaN, so anything the kernel leaves unwritten shows up (with
       ``GDNGEN_POISON_OUTPUTS=1`` or without); on a GPU outputs are as Triton leaves them.
 
+    * ``inputs`` (a `gdngen.backends.kernel_inputs.KernelInputs`; None: nothing fused)
+      selects the fused build (`render_fused`): with ``inputs.qk_norm`` q, k are raw and the
+      kernel L2-normalises each loaded row (float32, eps `QK_NORM_EPS`) before scaling q; with
+      ``inputs.gate_form`` ``decay`` is the tuple ``(a, A_log, dt_bias)``: ``a`` the raw gate
+      projection shaped as the decay (a = -inf on masked steps: decay 1), ``A_log``,
+      ``dt_bias`` any shape `gdngen.backends.kernel_inputs.kernel_parameters` takes, and the
+      kernel computes the decay exp(log g) per step (``lower_bound`` a runtime operand: one
+      build for every bound).
+
     Loaded and cached with the variant's other kernels (`load_kernels`); differentiable only
     through `gated_delta`'s switch, whose VJP is the chunk path's.
     """
     interpret_mode()
-    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
-    return _run_recurrent(kernels, q, k, v, decay, beta, S0, scale=scale)
+    inputs = KernelInputs() if inputs is None else inputs
+    if inputs.fused:
+        kernels = load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
+    else:
+        kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    return _run_recurrent(kernels, q, k, v, decay, beta, S0, scale=scale, inputs=inputs)
 
 
-def _run_recurrent(kernels, q, k, v, decay, beta, S0, *, scale):
+def _run_recurrent(kernels, q, k, v, decay, beta, S0, *, scale, inputs):
     import jax.numpy as jnp
 
     p, f32 = kernels.params, jnp.float32
     Dk, Dv = q.shape[-1], v.shape[-1]
+    gate = ()
+    if inputs.gate_form is not None:
+        if not (isinstance(decay, tuple) and len(decay) == 3):
+            raise ValueError(f"decay must be the tuple (a, A_log, dt_bias) for gate_form="
+                             f"{inputs.gate_form!r}, got {type(decay).__name__}")
+        decay, A_log, dt_bias = decay
+        vector = decay.ndim == 4
+        gate = generated.fused_gate_operands(inputs, A_log, dt_bias, v.shape[2], Dk, vector)
+        if vector:  # zero-padded key channels: their state columns stay zero whatever the gate
+            gate = (*(_pad_last(x, p["dk"]) for x in gate[:2]), *gate[2:])
     q, k = (_pad_last(x.astype(f32), p["dk"]) for x in (q, k))
     if decay.ndim == 4:
         decay = _pad_last(decay.astype(f32), p["dk"])
     y, s_final = call_jitted(kernels.run_recurrent, q, k, _pad_last(v.astype(f32), p["dv"]),
                              decay.astype(f32), beta.astype(f32),
                              _states_to_kernel(S0.astype(f32)[:, :, None], p["dk"], p["dv"]),
-                             scale=float(scale), interpret=kernels.interpret)
+                             *gate, scale=float(scale), interpret=kernels.interpret)
     return y[..., :Dv], s_final[:, :, :Dv, :Dk]
 
 
@@ -792,15 +955,20 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     gates, g ``[B,T,Hv,Dk]``: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`);
     a shorter one evaluates through the recurrent kernel (`recurrent_forward`, on the inputs
     upcast to float32, masks folded) and differentiates through the chunk path
-    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`). ``qk_norm``: q, k are raw,
-    normalised inside the chunk path's custom VJP, which keeps only the raw ones
-    (`BackendSpec.fused_inputs`).
+    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`).
+
+    ``qk_norm`` (q, k raw) and a `gdngen.chunkwise.ParameterGate` ``gate`` (``g`` the tuple
+    ``(a, A_log, dt_bias)``; `BackendSpec.fused_inputs`) are computed in the kernels' loads:
+    the recurrent kernel's and the scalar chunk forward kernels' (`render_fused`); the chunk
+    backward gets them recomputed and keeps only the raw arrays
+    (`gdngen.backends.generated.custom_vjp_core`). Per-channel gates' chunk path computes them
+    inside its custom VJP (`gdngen.backends.jax_chunkwise.chunk_core`).
     """
     module = sys.modules[__name__]
 
-    def recurrent(problem, q, k, v, decay, beta, S0):
-        kernels = load_kernels(variant, problem, templates_dir=templates_dir)
-        return _run_recurrent(kernels, q, k, v, decay, beta, S0, scale=scale)
+    def recurrent(problem, q, k, v, decay, beta, S0, inputs):
+        return recurrent_forward(q, k, v, decay, beta, S0, scale=scale, variant=variant,
+                                 problem=problem, templates_dir=templates_dir, inputs=inputs)
 
     return generated.switched_gated_delta(module, recurrent, q, k, v, g, beta, initial_state,
                                           mask=mask, scale=scale, gate=gate, variant=variant,

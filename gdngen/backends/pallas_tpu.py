@@ -44,6 +44,19 @@ its last chunk's entering state) on the dense chunk kernels, float32. With ``pac
 templates render the dense kernels byte for byte (tuned entries keep their sha256). Per-channel
 packed rows run on the portable chunk path.
 
+Layer inputs (``qk_norm=True``, a parameterised gate ``gate="softplus"`` / ``"sigmoid_bound"``;
+`gdngen.backends.kernel_inputs`): the kernels compute them in their own loads. `render_fused`
+renders the recurrent kernel and (scalar gates) the chunk forward kernel once per
+`KernelInputs.context` (the runtime ``lower_bound`` is an operand: one build serves every
+bound): they take the raw q, k and L2-normalise each loaded row in float32 (q then scaled), and
+take the raw projection ``a`` where the decay / log gate was, with ``a_log``, ``dt_bias``
+(``[Hv]`` per head, ``[Hv, Dk]`` per channel) as operands, forming log g (a = -inf: exactly 0)
+and its exp or segment sums there. The chunk backward runs the plain kernels on inputs the
+custom VJP recomputes (`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), so
+only the raw arrays are kept. Per-channel chunk calls compute them in
+`gdngen.backends.jax_chunkwise`'s custom VJP (its intra-chunk stages are jnp). The plain
+renders are byte for byte those of before (tuned entries keep their sha256).
+
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
 rendered or run.
 """
@@ -62,6 +75,7 @@ from dataclasses import dataclass
 from gdngen import chunkwise
 from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
+from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
 from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.devices import MiB
 from gdngen.spec import BackendSpec
@@ -305,6 +319,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "per_channel": problem.gate == "vector",
         "time_block": RECURRENT_TIME_BLOCK,
         "vmem_limit_bytes": _vmem_limit(recurrent_vmem_bytes(variant, problem)),
+        **PLAIN_INPUTS,
     })
     context = {
         "problem_key": problem.key(),
@@ -325,10 +340,33 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "vmem_limit_bytes": _vmem_limit(vmem_bytes(variant, problem)),
         "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
         "per_channel": problem.gate == "vector",  # the chunk walks of chunkwise_channel
+        **PLAIN_INPUTS,
     }
     return {"forward.py": ("pallas_tpu/forward.py.j2", context),
             "backward.py": ("pallas_tpu/backward.py.j2", context),
             "recurrent.py": recurrent}
+
+
+#: the template context of a plain build: nothing computed in the loads (`render_fused` sets
+#: these, `gdngen.backends.kernel_inputs.KernelInputs.context`)
+PLAIN_INPUTS = {"qk_norm": False, "gate_form": None}
+
+
+def render_fused(variant: Variant, problem: Problem, inputs, *, templates_dir=None):
+    """The fused build of ``variant`` for ``inputs`` (a `gdngen.backends.kernel_inputs.
+    KernelInputs` that fuses something): the recurrent kernel and, for scalar gates, the chunk
+    forward kernel rendered with ``inputs.context()``, so they take raw q, k (normalised per
+    loaded row, float32, q then scaled) and, with a gate form, the raw projection ``a`` where
+    the decay / log gate was plus ``a_log``, ``dt_bias`` (and the runtime ``lower_bound``)
+    operands, computing the log gate in their loads. Named ``recurrent<tag>.py``,
+    ``forward<tag>.py``. The backward kernels are not in it (they take the recomputed inputs:
+    the plain build's); per-channel chunk walks are not either (their intra-chunk stages are
+    jnp, `gdngen.backends.jax_chunkwise`)."""
+    names = ("recurrent.py",) if problem.gate == "vector" else ("recurrent.py", "forward.py")
+    return generated.render_fused(SPEC, variant, problem, names, inputs,
+                                  templates_dir=templates_dir,
+                                  context={"qk_norm_eps": repr(QK_NORM_EPS),
+                                           "log_gate_floor": repr(LOG_GATE_FLOOR)})
 
 
 # ----------------------------------------------------------------------------- loading
@@ -415,6 +453,31 @@ def load_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
     return _LOADED[key]
 
 
+def load_fused_kernels(variant: Variant, problem: Problem, inputs, *, templates_dir=None):
+    """`render_fused`, loaded (cached as `load_kernels`, by the fused sources' sha256: one
+    entry per rendering context, whatever the runtime ``lower_bound``): a namespace with
+    ``recurrent``, ``run_recurrent`` and, for scalar gates, ``forward``, ``run_forward``
+    (jitted with ``scale``/``interpret`` static), ``sha256``, ``variant``, ``problem``,
+    ``params``, ``interpret``, ``context`` (``inputs.context()``)."""
+    rendered = render_fused(variant, problem, inputs, templates_dir=templates_dir)
+    interpret = interpret_mode()
+    key = (rendered.sha256, interpret)
+    if key not in _LOADED:
+        modules = {name.removesuffix(inputs.tag() + ".py"): exec_module(
+            BACKEND, name, source, rendered.sha256) for name, source in rendered.sources.items()}
+        static = ("scale", "interpret")
+        kernels = types.SimpleNamespace(
+            recurrent=modules["recurrent"], sha256=rendered.sha256, variant=variant,
+            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
+            context=inputs.context(),
+            run_recurrent=jit_pair(modules["recurrent"].recurrent, static, interpret))
+        if "forward" in modules:
+            kernels.forward = modules["forward"]
+            kernels.run_forward = jit_pair(modules["forward"].forward, static, interpret)
+        _LOADED[key] = kernels
+    return _LOADED[key]
+
+
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     """The packed-row chunk kernels of ``variant`` (`gdngen.packed`, scalar gates): the forward
     and backward templates with ``packed`` set. The forward (and the recomputing variants'
@@ -481,17 +544,23 @@ def _run_kernel(fns, *args, what: str, interpret, **kwargs):
     return outputs
 
 
-def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2) -> dict:
+def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: int = 2,
+                inputs=None) -> dict:
     """Lower the variant's kernels (forward, backward and, if it recomputes, the chunk-state
     walk; the recurrent kernel, over one short block and over two whole time blocks and a tail)
     through Mosaic for the TPU platform, which needs no TPU; returns
     ``{kernel name: StableHLO text}`` (a vector-gate problem: ``channel_walk`` and
     ``channel_walk_backward``, the per-channel chunk walks, instead of forward and backward).
+    ``inputs`` (a `gdngen.backends.kernel_inputs.KernelInputs` that fuses something): the
+    kernels of its fused build instead (`render_fused`: ``recurrent``, ``recurrent_blocks``
+    and, for scalar gates, ``forward``).
     Raises what the Mosaic lowering raises (unsupported ops, illegal block shapes, ...). The
     TPU compiler's own passes run only on a TPU."""
     import jax
     import jax.numpy as jnp
 
+    if inputs is not None:
+        return _lower_fused(variant, problem, inputs, batch=batch, chunks=chunks)
     kernels = load_kernels(variant, problem)
     C, Dk, Dv, Hk, Hv = kernels.params["chunk_size"], problem.Dk, problem.Dv, problem.Hk, problem.Hv
     spec = jax.ShapeDtypeStruct
@@ -536,6 +605,40 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
     return _check_lowered(lowered)
 
 
+def _lower_fused(variant: Variant, problem: Problem, inputs, *, batch: int, chunks: int) -> dict:
+    """`lower_check` of the fused build of ``inputs``."""
+    import jax
+    import jax.numpy as jnp
+
+    kernels = load_fused_kernels(variant, problem, inputs)
+    C, Dk, Dv, Hk, Hv = kernels.params["chunk_size"], problem.Dk, problem.Dv, problem.Hk, problem.Hv
+    spec, f32, dtype = jax.ShapeDtypeStruct, jnp.float32, jnp.dtype(problem.dtype)
+    B, N = batch, chunks
+    vector = problem.gate == "vector"
+    parameter = spec((Hv, Dk) if vector else (Hv,), f32)
+    gate = ((parameter, parameter) + ((spec((), f32),) if inputs.gate_form == "sigmoid_bound"
+                                      else ())) if inputs.gate_form else ()
+
+    def lower(fn, *args):
+        static = {"scale": Dk ** -0.5, "interpret": False}
+        return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
+                .lower(lowering_platforms=("tpu",)).as_text())
+
+    state = spec((B, Hv, Dv, Dk), f32)
+    lowered = {}
+    for name, T in (("recurrent", 5), ("recurrent_blocks", 2 * RECURRENT_TIME_BLOCK + 3)):
+        keys = spec((B, T, Hk, Dk), f32)
+        lowered[name] = lower(kernels.recurrent.recurrent, keys, keys, spec((B, T, Hv, Dv), f32),
+                              spec((B, T, Hv) + ((Dk,) if vector else ()), f32),
+                              spec((B, T, Hv), f32), state, *gate)
+    if not vector:
+        key, g_col = spec((B, Hk, N, C, Dk), dtype), spec((B, Hv, N, C, 1), f32)
+        lowered["forward"] = lower(kernels.forward.forward, key, key,
+                                   spec((B, Hv, N, C, Dv), dtype), g_col,
+                                   spec((B, Hv, N, 1, C), f32), g_col, state, *gate)
+    return _check_lowered(lowered)
+
+
 def _check_lowered(lowered: dict) -> dict:
     for name, text in lowered.items():
         if "tpu_custom_call" not in text:
@@ -552,16 +655,39 @@ def _to_kernel_layout(q, k, v, gates, beta, S0, gate):
     forward template), as a dict."""
     import jax.numpy as jnp
 
+    log_gates = gates if gate == "log" else jnp.log(gates)
+    return _kernel_layout(q, k, v, jnp.maximum(log_gates, LOG_GATE_FLOOR), beta, S0)
+
+
+def _kernel_layout(q, k, v, per_step, beta, S0):
+    """`_to_kernel_layout` with ``per_step`` [N, B, Hk, r, C] (the finite log gates, or a fused
+    build's raw projection ``a``) laid out as ``g_col`` / ``g_row`` unchanged."""
+    import jax.numpy as jnp
+
     B, Hk, r = v.shape[1:4]
 
     def keys(x):  # [N, B, Hk, C, Dk] (or with a unit value-head axis) -> [B, Hk, N, C, Dk]
         return jnp.moveaxis(x.reshape(x.shape[:3] + x.shape[-2:]), 0, 2)
 
-    log_gates = gates if gate == "log" else jnp.log(gates)
-    b = _to_heads(jnp.maximum(log_gates, LOG_GATE_FLOOR))
+    b = _to_heads(per_step)
     return {"q": keys(q), "k": keys(k), "v": _to_heads(v), "g_col": b[..., None],
             "g_row": b[..., None, :], "beta": _to_heads(beta)[..., None],
             "s0": S0.reshape((B, Hk * r) + S0.shape[-2:])}
+
+
+def _to_fused_layout(q, k, v, gates, beta, S0, gate, inputs):
+    """`_to_kernel_layout` for the fused forward kernel of ``inputs`` (raw primals of
+    `gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``): q, k as given (raw
+    with ``qk_norm``); with a gate form ``gates`` is ``(a, A_log, dt_bias)`` (A_log, dt_bias
+    ``[Hk, r, 1]``), ``g_col`` / ``g_row`` hold ``a`` (-inf kept: an identity step) and
+    ``"gate"`` the operands after it (`gdngen.backends.generated.fused_gate_operands`);
+    otherwise ``gates`` in ``gate``'s convention, laid out as `_to_kernel_layout` does."""
+    if inputs.gate_form is None:
+        return dict(_to_kernel_layout(q, k, v, gates, beta, S0, gate), gate=())
+    a, A_log, dt_bias = gates
+    Hv, Dk = v.shape[2] * v.shape[3], k.shape[-1]
+    return dict(_kernel_layout(q, k, v, a, beta, S0),
+                gate=generated.fused_gate_operands(inputs, A_log, dt_bias, Hv, Dk, False))
 
 
 def _to_heads(x):
@@ -611,7 +737,7 @@ def _cotangents(primals, grads, gate):
 
 
 @functools.cache
-def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
+def _core(key: tuple, gate, scale: float, qk_norm: bool = False, fused_key: tuple | None = None):
     """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key`` (sha256,
     interpret parameters), with the
     generated backward as its ``jax.custom_vjp``. Layout changes and the gate epilogue are
@@ -619,7 +745,13 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
 
     The backward lays the primals out again rather than keeping the forward's copies (the
     custom VJP keeps the primals), so nothing of q, k outlives the forward but the primals:
-    with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only."""
+    with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only.
+
+    ``fused_key``: the loaded fused build (`load_fused_kernels`) of ``qk_norm`` and ``gate``
+    (a `gdngen.chunkwise.ParameterGate` or a convention): its forward kernel takes the raw
+    primals (``forward_fuses``), normalising q, k and computing the log gate in its loads; the
+    backward (and a recomputing variant's state walk) runs the plain kernels ``key`` on the
+    recomputed inputs. None: the core computes them with array ops before the forward."""
     import jax.numpy as jnp
 
     parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels take log gates
@@ -637,11 +769,19 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
     forward_outputs = jit_pair(forward_outputs, (), interpret)
     backward_inputs = jit_pair(backward_inputs, (), interpret)
 
+    if fused_key is None:
+        run_forward, what = kernels.run_forward, "forward"
+    else:
+        run_forward, what = _LOADED[fused_key].run_forward, "fused forward"
+        prepare_forward = jit_pair(functools.partial(
+            _to_fused_layout, gate=gate, inputs=KernelInputs.of(qk_norm, parameter_gate)), (),
+            interpret)
+
     def forward(primals):
-        lay = call_jitted(prepare, *primals)
-        outs = _run_kernel(kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"],
-                           lay["g_row"], lay["beta"], lay["s0"], scale=scale, what="forward",
-                           interpret=interpret)
+        lay = call_jitted(prepare if fused_key is None else prepare_forward, *primals)
+        outs = _run_kernel(run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"],
+                           lay["g_row"], lay["beta"], lay["s0"], *lay.get("gate", ()),
+                           scale=scale, what=what, interpret=interpret)
         return (call_jitted(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
                 tuple(outs[2:]))
 
@@ -661,7 +801,8 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False):
                             what="backward", interpret=interpret)
         return call_jitted(finish, primals, grads)
 
-    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
+                                     forward_fuses=fused_key is not None)
 
 
 def _packed_layout(q, k, v, gates, beta, inject, gate):
@@ -775,7 +916,7 @@ def chunk_walks(key: tuple):
 
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
-                      templates_dir=None):
+                      templates_dir=None, inputs=None):
     """Forward of the gated delta rule through ``variant``'s generated recurrent kernel
     (``recurrent.py``); no VJP of its own, nothing saved (see `gated_delta` for the switch).
 
@@ -798,7 +939,23 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     rendered sources, so a call's kernels load once with its chunk kernels. Outputs are poisoned
     as the chunk kernels' are: off a TPU the kernel runs in TPU interpret mode, whose buffers
     (outputs included) start NaN-filled, so anything left unwritten shows up.
+
+    ``inputs`` (a `gdngen.backends.kernel_inputs.KernelInputs`; None: nothing fused) selects
+    the fused build (`render_fused`): with ``inputs.qk_norm`` q, k are raw and the kernel
+    L2-normalises each loaded row (float32, eps `QK_NORM_EPS`) before scaling q; with
+    ``inputs.gate_form`` ``decay`` is the tuple ``(a, A_log, dt_bias)``: ``a`` the raw gate
+    projection shaped as the decay (a = -inf on masked steps: decay 1), ``A_log``, ``dt_bias``
+    any shape `gdngen.backends.kernel_inputs.kernel_parameters` takes, and the kernel computes
+    the decay exp(log g) per step (``lower_bound`` a runtime operand: one build for every
+    bound).
     """
+    inputs = KernelInputs() if inputs is None else inputs
+    gate_parameters = ()
+    if inputs.gate_form is not None:
+        if not (isinstance(decay, tuple) and len(decay) == 3):
+            raise ValueError(f"decay must be the tuple (a, A_log, dt_bias) for gate_form="
+                             f"{inputs.gate_form!r}, got {type(decay).__name__}")
+        decay, *gate_parameters = decay
     per_channel = decay.ndim == 4
     if problem is None:
         problem = Problem(q.shape[2], v.shape[2], q.shape[3], v.shape[3], "float32",
@@ -807,9 +964,15 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
         raise ValueError(f"decay has shape {tuple(decay.shape)}, which does not match the "
                          f"{problem.gate} gates of {problem.key()}")
     interpret_mode()  # decided (and warned about) before the kernels load
-    kernels = load_kernels(variant, problem, templates_dir=templates_dir)
-    y, state = _run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, scale=float(scale),
-                           what="recurrent", interpret=kernels.interpret)
+    if inputs.fused:
+        kernels = load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
+    else:
+        kernels = load_kernels(variant, problem, templates_dir=templates_dir)
+    if gate_parameters:
+        gate_parameters = generated.fused_gate_operands(inputs, *gate_parameters, problem.Hv,
+                                                        problem.Dk, per_channel)
+    y, state = _run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, *gate_parameters,
+                           scale=float(scale), what="recurrent", interpret=kernels.interpret)
     return y, state
 
 
@@ -823,14 +986,20 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     gates: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`). A shorter one
     evaluates through the recurrent kernel (`recurrent_forward`, masks folded, the gate made a
     linear decay) inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`: its VJP is
-    that of the chunk path on the same call. ``qk_norm``: q, k are raw, normalised inside
-    the chunk path's custom VJP, which keeps only the raw ones (`BackendSpec.fused_inputs`).
+    that of the chunk path on the same call.
+
+    ``qk_norm`` (q, k raw) and a `gdngen.chunkwise.ParameterGate` ``gate`` (``g`` the tuple
+    ``(a, A_log, dt_bias)``; `BackendSpec.fused_inputs`) are computed in the kernels' loads:
+    the recurrent kernel's and the scalar chunk forward kernel's (`render_fused`); the chunk
+    backward gets them recomputed and keeps only the raw arrays
+    (`gdngen.backends.generated.custom_vjp_core`). Per-channel gates' chunk path computes them
+    inside its custom VJP (`gdngen.backends.jax_chunkwise.chunk_core`).
     """
     module = sys.modules[__name__]
 
-    def recurrent(problem, q, k, v, decay, beta, S0):
+    def recurrent(problem, q, k, v, decay, beta, S0, inputs):
         return recurrent_forward(q, k, v, decay, beta, S0, scale=scale, variant=variant,
-                                 problem=problem, templates_dir=templates_dir)
+                                 problem=problem, templates_dir=templates_dir, inputs=inputs)
 
     return generated.switched_gated_delta(module, recurrent, q, k, v, g, beta, initial_state,
                                           mask=mask, scale=scale, gate=gate, variant=variant,
