@@ -60,6 +60,29 @@ def exec_module(backend: str, name: str, source: str, sha: str) -> types.ModuleT
     return module
 
 
+def load_fused(backend: str, rendered, inputs, params: dict, interpret, loaded: dict):
+    """The fused build ``rendered`` (a Pallas backend's ``render_fused`` for ``inputs``, a
+    `gdngen.backends.kernel_inputs.KernelInputs`) as modules, cached in ``loaded`` by (sha256,
+    interpret): a namespace with ``recurrent``, ``run_recurrent`` and, where rendered,
+    ``forward``, ``run_forward`` (a `jit_pair` with ``scale``/``interpret`` static), ``sha256``,
+    ``variant``, ``problem``, ``params``, ``interpret``, ``context``."""
+    key = (rendered.sha256, interpret)
+    if key not in loaded:
+        modules = {name.removesuffix(inputs.tag() + ".py"): exec_module(
+            backend, name, source, rendered.sha256) for name, source in rendered.sources.items()}
+        static = ("scale", "interpret")
+        kernels = types.SimpleNamespace(
+            recurrent=modules["recurrent"], sha256=rendered.sha256, variant=rendered.variant,
+            problem=rendered.problem, params=params, interpret=interpret,
+            context=inputs.context(),
+            run_recurrent=jit_pair(modules["recurrent"].recurrent, static, interpret))
+        if "forward" in modules:
+            kernels.forward = modules["forward"]
+            kernels.run_forward = jit_pair(modules["forward"].forward, static, interpret)
+        loaded[key] = kernels
+    return loaded[key]
+
+
 def jit_pair(fn, static, interpret):
     """``(top-level jit, nested jit)`` of ``fn``: the first with `INTERPRET_COMPILER_OPTIONS`
     in interpret mode (jax accepts compiler options on top-level jits only)."""

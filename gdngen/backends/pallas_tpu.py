@@ -459,23 +459,9 @@ def load_fused_kernels(variant: Variant, problem: Problem, inputs, *, templates_
     ``recurrent``, ``run_recurrent`` and, for scalar gates, ``forward``, ``run_forward``
     (jitted with ``scale``/``interpret`` static), ``sha256``, ``variant``, ``problem``,
     ``params``, ``interpret``, ``context`` (``inputs.context()``)."""
-    rendered = render_fused(variant, problem, inputs, templates_dir=templates_dir)
-    interpret = interpret_mode()
-    key = (rendered.sha256, interpret)
-    if key not in _LOADED:
-        modules = {name.removesuffix(inputs.tag() + ".py"): exec_module(
-            BACKEND, name, source, rendered.sha256) for name, source in rendered.sources.items()}
-        static = ("scale", "interpret")
-        kernels = types.SimpleNamespace(
-            recurrent=modules["recurrent"], sha256=rendered.sha256, variant=variant,
-            problem=problem, params=kernel_params(variant, problem), interpret=interpret,
-            context=inputs.context(),
-            run_recurrent=jit_pair(modules["recurrent"].recurrent, static, interpret))
-        if "forward" in modules:
-            kernels.forward = modules["forward"]
-            kernels.run_forward = jit_pair(modules["forward"].forward, static, interpret)
-        _LOADED[key] = kernels
-    return _LOADED[key]
+    return generated.load_fused(
+        BACKEND, render_fused(variant, problem, inputs, templates_dir=templates_dir), inputs,
+        kernel_params(variant, problem), interpret_mode(), _LOADED)
 
 
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
