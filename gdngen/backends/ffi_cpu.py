@@ -728,20 +728,18 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
         problem = Problem(q.shape[2], v.shape[2], q.shape[3], v.shape[3], "float32",
                           "vector" if decay.ndim == 4 else "scalar")
     poison = settings.flag(ENV_POISON)
+    gate_form = None if inputs is None else inputs.gate_form
+    if gate_form is None and (A_log is not None or dt_bias is not None):
+        raise ValueError("A_log and dt_bias are taken only with inputs fusing a gate")
     if inputs is None or not inputs.fused:
-        if A_log is not None or dt_bias is not None:
-            raise ValueError("A_log and dt_bias are taken only with inputs fusing a gate")
         kernels = load_kernels(variant, problem, templates_dir=templates_dir)
         return _recurrent(kernels.sha256, float(scale), poison)(q, k, v, decay, beta, S0)
     parameters = ()
-    if inputs.gate_form:
+    if gate_form:
         if A_log is None or dt_bias is None:
-            raise ValueError(f"A_log and dt_bias are required with gate_form="
-                             f"{inputs.gate_form!r}")
+            raise ValueError(f"A_log and dt_bias are required with gate_form={gate_form!r}")
         parameters = kernel_parameters(jnp, jnp.asarray(A_log), jnp.asarray(dt_bias),
                                        problem.Hv, problem.Dk, problem.gate == "vector")
-    elif A_log is not None or dt_bias is not None:
-        raise ValueError("A_log and dt_bias are taken only with inputs fusing a gate")
     kernels = load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
     return _recurrent(kernels.sha256, float(scale), poison, inputs)(
         q, k, v, decay, beta, S0, *parameters)

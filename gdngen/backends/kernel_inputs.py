@@ -77,9 +77,15 @@ class KernelInputs:
 
     def tag(self) -> str:
         """A short name of the fused build ("" when nothing is fused): for file and target
-        names, e.g. ``"_qknorm_softplus"``."""
-        return "".join(f"_{part}" for part in (("qknorm",) if self.qk_norm else ())
-                       + ((self.gate_form,) if self.gate_form else ()))
+        names, e.g. ``"_qknorm_softplus"`` (`context_tag` of `context`)."""
+        return context_tag(self.context())
+
+
+def context_tag(context: dict) -> str:
+    """`KernelInputs.tag` of a rendering context (`KernelInputs.context`, or the mapping of a
+    backend's hashable key of it): ``"_qknorm"`` with ``qk_norm``, then ``"_<gate_form>"``."""
+    return "".join(f"_{part}" for part in (("qknorm",) if context.get("qk_norm") else ())
+                   + ((context["gate_form"],) if context.get("gate_form") else ()))
 
 
 def kernel_parameters(module, A_log, dt_bias, Hv: int, Dk: int, vector_gate: bool):

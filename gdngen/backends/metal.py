@@ -77,7 +77,7 @@ from dataclasses import dataclass
 
 from gdngen import settings
 from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
-from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
+from gdngen.backends.kernel_inputs import KernelInputs, context_tag, kernel_parameters
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.problem import check_call, dtype_name
@@ -425,13 +425,6 @@ def _fused_key(inputs: KernelInputs | None) -> tuple:
     return tuple(sorted(inputs.context().items()))
 
 
-def _fused_tag(fused: tuple) -> str:
-    """`KernelInputs.tag` of a `_fused_key` (``""`` for the plain build)."""
-    context = dict(fused)
-    return "".join(f"_{part}" for part in (("qknorm",) if context.get("qk_norm") else ())
-                   + ((context["gate_form"],) if context.get("gate_form") else ()))
-
-
 # ---------------------------------------------------------------------------- launch plan
 
 @dataclass(frozen=True)
@@ -573,8 +566,8 @@ def _recurrent_kernel(variant: Variant, problem: Problem, templates, fused: tupl
     rendered = _render_fused(variant, problem, fused, templates)
     body, header = rendered.sources["recurrent.metal"], rendered.sources["layer_inputs.metal"]
     tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
-    return KernelSpec(f"gdngen_recurrent{_fused_tag(fused)}_{tag}", *_recurrent_io(fused), body,
-                      header)
+    return KernelSpec(f"gdngen_recurrent{context_tag(dict(fused))}_{tag}",
+                      *_recurrent_io(fused), body, header)
 
 
 def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
@@ -743,7 +736,7 @@ def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
     for name in _kernels_used(p["save_states"]):
         if name in forward_fused:  # the fused build: its own header (the helpers) and body
             head, body, suffix = fused_sources["common.metal"], \
-                fused_sources[f"{name}.metal"], _fused_tag(fused)
+                fused_sources[f"{name}.metal"], context_tag(dict(fused))
             io = _kernel_io(name, packed, fused)
         else:
             head, body, suffix = header, rendered.sources[f"{name}.metal"], ""
