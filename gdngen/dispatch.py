@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gdngen import layer_inputs, packed, registry, settings
-from gdngen.problem import CallShape, check_call, check_framework, dtype_name
+from gdngen.problem import CallShape
 from gdngen.variant import Problem, Variant, problem_of
 
 ENV_NO_TUNED = settings.ENV_NO_TUNED
@@ -203,28 +203,15 @@ def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | Non
                           chunk_size)[0]
 
 
-def call(framework: str, q, k, v, g, beta, initial_state, *, mask, scale, gate, chunk_size,
-         variant, qk_norm=False, cu_seqlens=None, device=None, precision="ieee"):
-    """The body of ``gdngen.<framework>.gated_delta``: check, choose the variant (tuned for
-    ``device``, default the attached one, and ``precision`` unless given), run it through its
-    backend's entry point (``qk_norm``: q, k raw, normalised by the backend; ``gate`` a
-    `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)``, the log gate computed
-    by the backend; ``cu_seqlens``: a packed row; `gdngen.spec.BackendSpec.run`)."""
-    check_framework(framework)
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
-                       cu_seqlens=cu_seqlens)
-    chosen = resolve(framework, shape, dtype_name(q), variant, chunk_size, device=device,
-                     precision=precision)
-    spec = registry.get(chosen.backend)
-    if cu_seqlens is not None:  # no packed kernel fuses the q/k norm or the gate: before
-        g, gate = layer_inputs.computed_gate(framework, g, gate)
-        if qk_norm:
-            q, k = layer_inputs.normalize_qk(framework, q, k)
-        return packed.run(spec, q, k, v, g, beta, initial_state, mask=mask, scale=float(scale),
-                          gate=gate, variant=chosen, cu_seqlens=cu_seqlens)
-    return spec.run(q, k, v, g, beta, initial_state, mask=mask, scale=float(scale), gate=gate,
-                    variant=chosen, qk_norm=qk_norm)
+def run(call, operands, *, variant=None, device=None, precision="ieee"):
+    """The body of ``gdngen.<framework>.gated_delta`` after its checks: choose the variant of
+    the checked `gdngen.call.Call` (explicit ``variant``; else ``call.chunk_size`` over the
+    default; else tuned for ``device``, default the attached one, and ``precision``) and run
+    it on ``operands`` (`gdngen.layer_inputs.prepared`) through its backend
+    (`gdngen.backend.Backend.run`)."""
+    chosen = resolve(call.framework, call.shape, call.dtype, variant, call.chunk_size,
+                     device=device, precision=precision)
+    return registry.get(chosen.backend).run(call, operands, chosen)
 
 
 # ------------------------------------------------------------------------------ load_tuned
@@ -252,30 +239,29 @@ class TunedGatedDelta:
 
     def _choice(self, q, k, v, g, beta, initial_state, mask, scale, gate, qk_norm, A_log,
                 dt_bias, lower_bound, beta_activation, cu_seqlens) -> tuple[Choice, CallShape]:
-        options = layer_inputs.check_layer_inputs(
-            q, k, v, g, beta, None if cu_seqlens is not None else initial_state, mask,
-            gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            beta_activation=beta_activation, scale=scale)
-        shape = check_call(q, k, v, g, beta, initial_state, mask, gate=options.call_gate,
-                           scale=scale, cu_seqlens=cu_seqlens)
-        return choose(self.framework, shape, dtype_name(q), device=self.device,
-                      precision=self.precision), shape
+        from gdngen import call as calls
+
+        checked, _ = calls.check(self.framework, q, k, v, g, beta, initial_state, mask,
+                                 scale=scale, gate=gate, qk_norm=qk_norm, A_log=A_log,
+                                 dt_bias=dt_bias, lower_bound=lower_bound,
+                                 beta_activation=beta_activation, cu_seqlens=cu_seqlens)
+        return choose(self.framework, checked.shape, checked.dtype, device=self.device,
+                      precision=self.precision), checked.shape
 
     def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                  gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
                  beta_activation=None, cu_seqlens=None):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
+        from gdngen import call as calls
         from gdngen.precision import precision_context
 
-        q, k, g, beta, gate = layer_inputs.prepare(
-            self.framework, q, k, v, g, beta, None if cu_seqlens is not None else initial_state,
-            mask, gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=lower_bound, beta_activation=beta_activation, scale=scale,
-            defer_qk_norm=True, defer_gate=True)
+        checked, operands = calls.check(
+            self.framework, q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
+            qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            beta_activation=beta_activation, cu_seqlens=cu_seqlens)
+        checked, operands = layer_inputs.prepared(checked, operands)
         with precision_context(self.framework, self.precision):
-            return call(self.framework, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                        gate=gate, chunk_size=None, variant=None, qk_norm=qk_norm,
-                        cu_seqlens=cu_seqlens, device=self.device, precision=self.precision)
+            return run(checked, operands, device=self.device, precision=self.precision)
 
 
 def load_tuned(framework: str = "jax", device: str | None = None,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from gdngen import call as calls
 from gdngen import layer_inputs, sharding
-from gdngen.dispatch import call
-from gdngen.problem import check_call
+from gdngen.call import Operands
+from gdngen.dispatch import run
 
 __all__ = ["gated_delta"]
 
@@ -54,29 +55,23 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     each boundary; ``initial_state`` and the returned final state are then ``[N,Hv,Dv,Dk]``.
     Masks still apply; ``jax.vmap`` over a leading axis of rows (and of their offsets) works.
     """
-    packed = cu_seqlens is not None
-    q, k, g, beta, gate = layer_inputs.prepare(
-        "jax", q, k, v, g, beta, None if packed else initial_state, mask, gate=gate,
-        qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        beta_activation=beta_activation, scale=scale, defer_qk_norm=True,
-        defer_gate=sharding.fuses_gate(context_axis))
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
-                       cu_seqlens=cu_seqlens)
-    if packed:
+    checked, operands = calls.check(
+        "jax", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
+        chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
+        context_axis=context_axis)
+    if checked.packed:
         if context_axis is not None:
             raise ValueError("context_axis splits one sequence over chips; with cu_seqlens "
                              "pass context_axis=None (each row of sequences runs whole)")
-        return call("jax", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
-                    chunk_size=chunk_size, variant=variant, qk_norm=qk_norm,
-                    cu_seqlens=cu_seqlens)
+        return run(*layer_inputs.prepared(checked, operands), variant=variant)
+    checked, operands = layer_inputs.prepared(checked, operands,
+                                              compute_gate=not sharding.fuses_gate(context_axis))
 
     def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None):
-        gates = g if A_log is None else (g, A_log, dt_bias)
-        return call("jax", q, k, v, gates, beta, initial_state, mask=mask, scale=scale,
-                    gate=gate, chunk_size=chunk_size, variant=variant, qk_norm=qk_norm)
+        shard = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias)
+        return run(checked.of_shard(q, v), shard, variant=variant)
 
-    a, *parameters = g if isinstance(g, tuple) else (g, None, None)  # operands of their own
-    arrays = {"q": q, "k": k, "v": v, "g": a, "beta": beta, "initial_state": initial_state,
-              "mask": mask, **dict(zip(sharding.PARAMETERS, parameters))}
-    return sharding.run(one_call, arrays, shape, context_axis=context_axis)
+    arrays = {name: getattr(operands, name) for name in
+              ("q", "k", "v", "g", "beta", "initial_state", "mask", *sharding.PARAMETERS)}
+    return sharding.run(one_call, arrays, checked.shape, context_axis=context_axis)

@@ -103,12 +103,26 @@ def _listed(shapes) -> str:
 def check_layer_inputs(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
                        qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
                        beta_activation=None, scale=1.0) -> LayerInputs:
-    """Check the layer-input options of a ``gated_delta`` call; return them as `LayerInputs`.
+    """Check the layer-input options of a ``gated_delta`` call; return them as `LayerInputs`
+    (`check_options`, then, when an option is active, the ordinary arguments by
+    `gdngen.problem.check_call` and the gate's parameters by `check_parameters`).
 
     Only shapes and Python values are read (no array data), so it runs under ``jax.jit`` /
-    ``mx.compile``. The ordinary arguments are checked by `gdngen.problem.check_call` first when
-    an option is active, so Hv and Dk are known. Errors are ValueErrors naming the argument.
+    ``mx.compile``. Errors are ValueErrors naming the argument.
     """
+    options = check_options(gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
+                            lower_bound=lower_bound, beta_activation=beta_activation)
+    if options.is_identity:
+        return options
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate="log", scale=scale)
+    return check_parameters(options, shape, g, A_log, dt_bias)
+
+
+def check_options(*, gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
+                  beta_activation=None) -> LayerInputs:
+    """The Python-value checks of the layer-input options (gate name, qk_norm, beta
+    activation, which of A_log / dt_bias / lower_bound the gate takes, lower_bound's value);
+    ``vector_gate`` is not known yet (`check_parameters` sets it)."""
     if gate not in LAYER_GATES:
         raise ValueError(f"gate must be one of {LAYER_GATES}, got {gate!r}")
     if not isinstance(qk_norm, bool):
@@ -122,9 +136,6 @@ def check_layer_inputs(q, k, v, g, beta, initial_state=None, mask=None, *, gate=
                                  f"(g is then the raw gate projection); got gate={gate!r}")
     if gate != "sigmoid_bound" and lower_bound is not None:
         raise ValueError(f"lower_bound is only for gate='sigmoid_bound', got gate={gate!r}")
-    options = LayerInputs(qk_norm, gate, lower_bound, beta_activation, vector_gate=False)
-    if options.is_identity:
-        return options
     if gate in PARAMETER_GATES and (A_log is None or dt_bias is None):
         missing = " and ".join(n for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is None)
         raise ValueError(f"gate={gate!r} needs A_log and dt_bias ({missing} not given)")
@@ -137,8 +148,14 @@ def check_layer_inputs(q, k, v, g, beta, initial_state=None, mask=None, *, gate=
         if not -float("inf") < lower_bound < 0:
             raise ValueError(f"lower_bound must be < 0 (and finite), got {lower_bound!r}")
         lower_bound = float(lower_bound)
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate="log", scale=scale)
-    if gate in PARAMETER_GATES:
+    return LayerInputs(qk_norm, gate, lower_bound, beta_activation, vector_gate=False)
+
+
+def check_parameters(options: LayerInputs, shape, g, A_log, dt_bias) -> LayerInputs:
+    """``options`` of a call whose arrays passed `gdngen.problem.check_call` (its
+    `gdngen.problem.CallShape` ``shape``), with the gate's parameters checked: A_log and
+    dt_bias ``[Hv]`` (per channel also ``[Hv, 1]``, ``[Hv, Dk]``), float dtypes."""
+    if options.gate in PARAMETER_GATES:
         accepted = _parameter_shapes(shape.Hv, shape.Dk, shape.vector_gate)
         kind = "per-channel g" if shape.vector_gate else "per-head g"
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
@@ -148,7 +165,8 @@ def check_layer_inputs(q, k, v, g, beta, initial_state=None, mask=None, *, gate=
             if dtype_name(x) not in FLOAT_DTYPES:
                 raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of "
                                  f"{FLOAT_DTYPES}")
-    return LayerInputs(qk_norm, gate, lower_bound, beta_activation, shape.vector_gate)
+    return LayerInputs(options.qk_norm, options.gate, options.lower_bound,
+                       options.beta_activation, shape.vector_gate)
 
 
 # --------------------------------------------------------------------------- the math, once
@@ -256,3 +274,45 @@ def normalize_qk(framework: str, q, k):
     L2-normalised q, k in q's dtype, differentiable by the framework."""
     xp = namespace(framework)
     return tuple(xp.astype(l2_normalize(xp, x), q.dtype) for x in (q, k))
+
+
+def prepared(call, operands, *, compute_gate: bool = False):
+    """``(call, operands)`` of a checked `gdngen.call.Call` for the stages after the entry
+    point: beta activated (float32) where ``call.beta_activation`` says so (``call`` then
+    without it); a parameterised gate's ``a``, A_log and dt_bias float32, the parameters laid
+    out against ``a`` (`gdngen.chunkwise.parameter_layout`), for the backend to compute; with
+    ``compute_gate`` the log gate computed here instead (``call.gate_form`` then None). q, k
+    stay raw with ``call.qk_norm`` (the backend normalises them, `Backend.run`)."""
+    if call.beta_activation is None and call.gate_form is None:
+        return call, operands
+    xp = namespace(call.framework)
+    changes, call_changes = {}, {}
+    if call.beta_activation == "sigmoid":
+        changes["beta"] = xp.sigmoid(xp.float32(operands.beta))
+        call_changes["beta_activation"] = None
+    if call.gate_form is not None:
+        A_log, dt_bias = chunkwise.parameter_layout(operands.A_log, operands.dt_bias,
+                                                    call.vector_gate)
+        a, A_log, dt_bias = (xp.float32(x) for x in (operands.g, A_log, dt_bias))
+        if compute_gate:
+            changes.update(g=log_gate(xp, a, A_log, dt_bias, call.lower_bound), A_log=None,
+                           dt_bias=None)
+            call_changes.update(gate_form=None, lower_bound=None)
+        else:
+            changes.update(g=a, A_log=A_log, dt_bias=dt_bias)
+    return call.replace(**call_changes), operands._replace(**changes)
+
+
+def computed(call, operands, fused=()):
+    """``(call, operands)`` with the layer inputs a backend does not compute itself (``fused``:
+    its `gdngen.backend.Backend.fused_inputs`) computed here as differentiable array ops:
+    a parameterised gate made its log gate (`computed_gate`), q, k normalised
+    (`normalize_qk`)."""
+    if call.gate_form is not None and "gate" not in fused:
+        g, gate = computed_gate(call.framework, operands.kernel_gates(), call.kernel_gate)
+        call = call.replace(gate=gate, gate_form=None, lower_bound=None)
+        operands = operands._replace(g=g, A_log=None, dt_bias=None)
+    if call.qk_norm and "qk_norm" not in fused:
+        q, k = normalize_qk(call.framework, operands.q, operands.k)
+        call, operands = call.replace(qk_norm=False), operands._replace(q=q, k=k)
+    return call, operands

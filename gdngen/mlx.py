@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from gdngen import call as calls
 from gdngen import layer_inputs
-from gdngen.dispatch import call
+from gdngen.dispatch import run
 
 __all__ = ["gated_delta"]
 
@@ -33,9 +34,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     Packed sequences, as in `gdngen.jax.gated_delta`: ``cu_seqlens`` int32 ``[N+1]``, B = 1,
     ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.packed`).
     """
-    q, k, g, beta, gate = layer_inputs.prepare(
-        "mlx", q, k, v, g, beta, None if cu_seqlens is not None else initial_state, mask,
-        gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        beta_activation=beta_activation, scale=scale, defer_qk_norm=True, defer_gate=True)
-    return call("mlx", q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
-                chunk_size=chunk_size, variant=variant, qk_norm=qk_norm, cu_seqlens=cu_seqlens)
+    checked, operands = calls.check(
+        "mlx", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
+        chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens)
+    return run(*layer_inputs.prepared(checked, operands), variant=variant)

@@ -215,9 +215,8 @@ PORTABLE_OPS = {"jax": "gdngen.backends.jax_chunkwise", "mlx": "gdngen.backends.
 
 def native(spec, vector_gate: bool) -> bool:
     """Whether backend ``spec`` runs packed rows of this gate kind in its own kernels
-    (`gdngen.spec.BackendSpec.packed_entry`), else on the portable chunk path."""
-    return spec.packed_entry is not None and \
-        ("vector" if vector_gate else "scalar") in spec.packed_gates
+    (`gdngen.backend.Backend.native_packed`), else on the portable chunk path."""
+    return spec.native_packed(vector_gate)
 
 
 def chunk_params(spec, variant, vector_gate: bool) -> dict:
@@ -247,29 +246,18 @@ def describe(spec, variant, vector_gate: bool, sequences: int) -> str:
             "chunk (recurrent_below does not apply; the dense shape class's entry)")
 
 
-def run(spec, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant, cu_seqlens):
-    """A packed call (checked by `gdngen.problem.check_call`; layer inputs already applied) of
-    ``variant``: the backend's own packed entry when `native`, else the framework's portable
-    chunk path at `chunk_params`. Returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk]
+def run_portable(call, operands, params):
+    """A packed `gdngen.call.Call` (layer inputs computed) on the portable chunk path of its
+    framework with chunk ``params`` (``chunk_size``, optionally ``solve_block``,
+    ``save_states``), float32 inside. Returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk]
     float32)``."""
-    arrays = (q, k, v, g, beta, initial_state)
-    options = {"mask": mask, "scale": float(scale), "gate": gate, "cu_seqlens": cu_seqlens}
-    if native(spec, g.ndim == 4):
-        return spec.packed_entry(*arrays, variant=variant, **options)
-    return run_portable(spec.framework, *arrays, params=chunk_params(spec, variant, g.ndim == 4),
-                        **options)
-
-
-def run_portable(framework, q, k, v, g, beta, initial_state, *, mask, scale, gate, cu_seqlens,
-                 params):
-    """A packed call on the portable chunk path of ``framework`` with chunk ``params``
-    (``chunk_size``, optionally ``solve_block``, ``save_states``), float32 inside."""
     import importlib
 
-    ops = importlib.import_module(PORTABLE_OPS[framework])
+    ops = importlib.import_module(PORTABLE_OPS[call.framework])
     f32 = ops.FLOAT32
+    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
     y, state = ops.packed_gated_delta(
         *(x.astype(f32) for x in (q, k, v, g, beta)),
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
-        scale=float(scale), gate=gate, **params)
+        scale=call.scale, gate=call.gate, **params)
     return y.astype(q.dtype), state

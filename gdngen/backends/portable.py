@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gdngen.backend import Backend
 from gdngen.chunkwise_channel import SUB_CHUNK
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
-from gdngen.spec import BackendSpec
 
 CHUNK_SIZES = (16, 32, 64, 128)
 SOLVE_BLOCKS = (4, 8, 16, 32)
@@ -58,49 +58,64 @@ class PortableConfig(VariantConfig):
             self._fail("solve_block", f"<= chunk_size={self.chunk_size}")
 
 
+class PortableBackend(Backend):
+    """A framework's portable backend: `gdngen.chunkwise` / `gdngen.chunkwise_channel` in the
+    framework module ``ops`` (imported when a call runs, so the declaration imports no
+    framework), every gate kind, packed rows on its own chunk path."""
+
+    portable = True
+    gates = tuned_gates = packed_gates = ("scalar", "vector")
+    tolerances = TOLERANCES
+
+    def __init__(self, name: str, framework: str, ops: str, config: type, device_kinds: tuple,
+                 fused_inputs: tuple = ()):
+        self.name, self.framework, self.ops, self.config = name, framework, ops, config
+        self.device_kinds, self.fused_inputs = device_kinds, fused_inputs
+        self.source_modules = ("gdngen.chunkwise", "gdngen.chunkwise_channel", __name__, ops)
+        self.validate()
+
+    def space(self, problem, device=None):
+        crossover = RECURRENT_BELOW[self.name][problem.gate]  # the tuner measures its own
+        return [self.config(c, b, s, recurrent_below=crossover) for c, b, s in
+                itertools.product(CHUNK_SIZES, SOLVE_BLOCKS, (True, False)) if b <= c]
+
+    def default(self, problem, device=None):
+        crossover = RECURRENT_BELOW[self.name][problem.gate]
+        if problem.gate == "vector":
+            return self.config(VECTOR_CHUNK, recurrent_below=crossover)
+        return self.config(recurrent_below=crossover)
+
+    def forward(self, call, operands, variant):
+        module = sys.modules.get(self.ops) or importlib.import_module(self.ops)
+        return gated_delta(module, call, operands, self.parse(variant))
+
+    def packed(self, call, operands, variant):
+        from gdngen import packed
+
+        return packed.run_portable(call, operands,
+                                   packed.chunk_params(self, variant, call.vector_gate))
+
+
 def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inputs=()):
     """``(Config, gated_delta, SPEC)`` of the portable backend ``name`` whose framework code is
-    the module ``ops`` (imported when a call runs, so the declaration imports no framework)."""
+    the module ``ops``."""
     config_cls = dataclasses.make_dataclass(
         "Config", [("recurrent_below", int,
                     recurrent_switch(RECURRENT_BELOW[name]["scalar"]))],
         bases=(PortableConfig,), frozen=True, namespace={"backend": name})
     config_cls.__module__ = f"gdngen.backends.{name}"
-
-    def space(problem, device=None):
-        crossover = RECURRENT_BELOW[name][problem.gate]  # the tuner measures its own
-        return [config_cls(c, b, s, recurrent_below=crossover) for c, b, s in
-                itertools.product(CHUNK_SIZES, SOLVE_BLOCKS, (True, False)) if b <= c]
-
-    def default(problem, device=None):
-        crossover = RECURRENT_BELOW[name][problem.gate]
-        if problem.gate == "vector":
-            return config_cls(VECTOR_CHUNK, recurrent_below=crossover)
-        return config_cls(recurrent_below=crossover)
+    spec = PortableBackend(name, framework, ops, config_cls, device_kinds, fused_inputs)
 
     def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
               variant, qk_norm=False):
-        module = sys.modules.get(ops) or importlib.import_module(ops)
-        return gated_delta(module, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                           gate=gate, config=spec.parse(variant), qk_norm=qk_norm)
+        from gdngen import call as calls
 
-    entry.__doc__ = f"Run a {name} ``variant`` (shapes as `gdngen.{framework}.gated_delta`)."
+        checked, operands = calls.of_kernel_args(framework, q, k, v, g, beta, initial_state,
+                                                 mask, scale=scale, gate=gate, qk_norm=qk_norm)
+        return spec.forward(checked, operands, variant)
 
-    def packed_entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
-                     gate="log", variant, cu_seqlens):
-        from gdngen import packed
-
-        return packed.run_portable(framework, q, k, v, g, beta, initial_state, mask=mask,
-                                   scale=scale, gate=gate, cu_seqlens=cu_seqlens,
-                                   params=packed.chunk_params(spec, variant, g.ndim == 4))
-
-    packed_entry.__doc__ = f"A packed row on a {name} ``variant`` (`gdngen.packed`)."
-    spec = BackendSpec(
-        name=name, framework=framework, config=config_cls, space=space, default=default,
-        entry=entry, tolerances=TOLERANCES, device_kinds=device_kinds, portable=True,
-        gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
-        source_modules=("gdngen.chunkwise", "gdngen.chunkwise_channel", __name__, ops),
-        fused_inputs=fused_inputs, packed_entry=packed_entry, packed_gates=("scalar", "vector"))
+    entry.__doc__ = (f"Run a {name} ``variant`` (shapes as `gdngen.{framework}.gated_delta`; a "
+                     "parameterised gate as `gdngen.call.of_kernel_args` takes it).")
     return config_cls, entry, spec
 
 
@@ -115,28 +130,27 @@ def short_chunk(T: int, chunk_size: int) -> int:
     return T if T <= SUB_CHUNK else min(chunk_size, -(-T // SUB_CHUNK) * SUB_CHUNK)
 
 
-def gated_delta(ops, q, k, v, g, beta, initial_state, *, mask, scale, gate, config,
-                qk_norm=False):
+def gated_delta(ops, call, operands, config):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
     ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``recurrent_gated_delta`` and
-    ``recurrent_or_chunkwise``): float32 inputs, zero initial state when None; scalar or
-    per-channel gates (`gdngen.chunkwise_channel`). A call shorter than the config's
-    ``recurrent_below`` evaluates through the recurrent step loop, differentiated through the
-    chunkwise path. ``qk_norm`` (only for a backend declaring it in ``fused_inputs``: xla,
-    mlx): q, k are raw; the chunk core normalises them and keeps only the raw ones
-    (`gdngen.chunkwise.normalized_qk`); the recurrent path normalises them first. Returns
-    ``(y in q's dtype, final_state)``."""
+    ``recurrent_or_chunkwise``) for a checked `gdngen.call.Call`: float32 inputs, zero initial
+    state when None; scalar or per-channel gates (`gdngen.chunkwise_channel`). A call shorter
+    than the config's ``recurrent_below`` evaluates through the recurrent step loop,
+    differentiated through the chunkwise path. ``call.qk_norm`` / a parameterised gate (the
+    backend's ``fused_inputs``): q, k and ``a`` are raw; the chunk core computes the norm and
+    the log gate and keeps only the raw arrays (`gdngen.chunkwise.normalized_qk`); the
+    recurrent path computes them first. Returns ``(y in q's dtype, final_state)``."""
     from gdngen import chunkwise
-    from gdngen.problem import check_call
 
     f32 = ops.FLOAT32
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate,
-                       chunk_size=config.chunk_size, scale=scale)
+    shape, gate = call.shape, call.kernel_gate
+    q, k, v, g, beta, initial_state, mask = operands[:7]
     if initial_state is None:
         initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    args = (q.astype(f32), k.astype(f32), v.astype(f32), chunkwise.cast_gates(g, f32),
-            beta.astype(f32), initial_state.astype(f32), mask)
-    calls = _calls(ops, float(scale), gate, qk_norm, config,
+    args = (q.astype(f32), k.astype(f32), v.astype(f32),
+            chunkwise.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
+            initial_state.astype(f32), mask)
+    calls = _calls(ops, call.scale, gate, call.qk_norm, config,
                    short_chunk(shape.T, config.chunk_size))
     if shape.T >= config.recurrent_below:
         y, state = calls.chunkwise(*args)

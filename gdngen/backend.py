@@ -1,0 +1,189 @@
+"""The backend base class: what every backend declares and the orchestration written once.
+
+A backend (one per execution target; `gdngen.registry.BACKENDS` lists them) is a subclass of
+`Backend` whose instance its module exports as ``SPEC``. It declares:
+
+* ``name``, ``framework`` ("jax" | "mlx", whose ``gated_delta`` runs it), ``config`` (its
+  typed parameters, a `gdngen.config.VariantConfig` subclass), ``tolerances`` (relative L2
+  error allowed per precision policy, `gdngen.tolerance`), ``device_kinds`` (the
+  `gdngen.devices.Device.kind` values it targets), ``portable`` (the framework's fallback);
+* ``gates`` / ``dtypes``: gate kinds and input dtypes it implements; ``tuned_gates`` the gate
+  kinds whose execution depends on the variant; ``fused_inputs``: the layer inputs it takes
+  raw (``"qk_norm"``, ``"gate"``; the others `run` computes before it); ``packed_gates``: the
+  gate kinds whose packed rows (`gdngen.packed`) run in its own kernels (`packed`);
+* ``space(problem, device) -> [config]``, ``default(problem, device) -> config``;
+  ``device_limit`` with ``footprint(variant, problem)`` (bytes of that `Device.limits`
+  resource a variant uses; the space keeps what fits), ``reference_device``;
+* ``supports(problem) -> reason | None`` (shape rules beyond gates and dtypes),
+  ``available()``, ``render_plan(variant, problem)`` (templated) or ``source_modules``
+  (portable), ``lower_check(variant, problem)``, ``clear_cache()``;
+* the hooks a call runs through: ``forward(call, operands, variant)`` (a dense call) and,
+  for ``packed_gates``, ``packed(call, operands, variant)``.
+
+`run` is the one path from a checked `gdngen.call.Call` to those hooks: the layer inputs the
+backend does not fuse are computed first (`gdngen.layer_inputs.computed`), a packed row goes
+to `packed` or the framework's portable packed path. Nothing re-checks the call.
+`BackendSpec` is the same declaration made from plain functions (plugins, tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from gdngen.devices import Device, get_device
+from gdngen.problem import FLOAT_DTYPES
+from gdngen.variant import Problem, Variant
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    """Base of every backend (see the module docstring for what a subclass declares)."""
+
+    name: str
+    framework: str
+    config: type
+    tolerances: dict
+    device_kinds: tuple
+    portable: bool = False
+    gates: tuple = ("scalar",)
+    dtypes: tuple = FLOAT_DTYPES
+    tuned_gates: tuple = ("scalar",)
+    source_modules: tuple = ()
+    device_limit: str | None = None
+    reference_device: str | None = None
+    fused_inputs: tuple = ()
+    packed_gates: tuple = ()
+    #: optional hooks (None: the backend has none): ``render_plan(variant, problem)``,
+    #: ``lower_check(variant, problem)``, ``clear_cache()``, ``footprint(variant, problem)``
+    render_plan = None
+    lower_check = None
+    clear_cache = None
+    footprint = None
+
+    def validate(self) -> None:
+        """ValueError for a declaration that contradicts itself."""
+        if self.framework not in ("jax", "mlx"):
+            raise ValueError(f"BackendSpec.framework must be 'jax' or 'mlx', got "
+                             f"{self.framework!r}")
+        if (self.render_plan is None) == (not self.source_modules):
+            raise ValueError(f"backend {self.name!r} must declare exactly one of render_plan "
+                             "and source_modules")
+        if (self.device_limit is None) != (self.footprint is None):
+            raise ValueError(f"backend {self.name!r} must declare device_limit and footprint "
+                             "together")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} backend {self.name!r} ({self.framework})>"
+
+    # ------------------------------------------------------------------ declaration
+
+    def space(self, problem: Problem, device: Device | None = None) -> list:
+        raise NotImplementedError
+
+    def default(self, problem: Problem, device: Device | None = None):
+        raise NotImplementedError
+
+    def supports(self, problem: Problem) -> str | None:
+        """Why this backend cannot run ``problem`` beyond its gates and dtypes, or None."""
+        return None
+
+    def available(self) -> bool:
+        """Whether this host can run it."""
+        return True
+
+    # ------------------------------------------------------------------ capability
+
+    def unsupported(self, problem) -> str | None:
+        """Why this backend does not implement ``problem`` (a `Problem` or a
+        `gdngen.call.Call`: gate kind, dtype, its shape rules), or None."""
+        problem = getattr(problem, "problem", problem)
+        if problem.gate not in self.gates:
+            return (f"Problem.gate must be one of {self.gates} for the {self.name} backend "
+                    f"(vector gates run on the portable backend), got {problem.gate!r}")
+        if problem.dtype not in self.dtypes:
+            return (f"Problem.dtype must be one of {self.dtypes} for the {self.name} backend, "
+                    f"got {problem.dtype!r}")
+        why = self.supports(problem)
+        return f"the {self.name} backend cannot run {problem.key()}: {why}" if why else None
+
+    def check(self, problem) -> None:
+        """ValueError saying why, unless this backend implements ``problem``."""
+        why = self.unsupported(problem)
+        if why:
+            raise ValueError(why)
+
+    def capability(self, problem) -> tuple[bool, str]:
+        """``(ok, reason)``: whether this backend implements ``problem`` and runs here."""
+        why = self.unsupported(problem)
+        if why:
+            return False, why
+        if not self.available():
+            return False, f"{self.name} cannot run on this host"
+        return True, "ok"
+
+    def native_packed(self, vector_gate: bool) -> bool:
+        """Whether packed rows of this gate kind run in this backend's own kernels."""
+        return ("vector" if vector_gate else "scalar") in self.packed_gates
+
+    # ------------------------------------------------------------------ configs
+
+    def parse(self, variant: Variant):
+        """The typed config of ``variant``; ValueError for another backend or bad params."""
+        if variant.backend != self.name:
+            raise ValueError(f"variant backend must be {self.name!r}, got {variant.backend!r}")
+        return _parsed(self.config, variant.params, tuple(type(v) for _, v in variant.params))
+
+    def device(self, device: str | Device | None) -> Device | None:
+        """The device a space is planned for: ``device``, else `reference_device`."""
+        if device is None:
+            device = self.reference_device
+        if device is None:
+            return None
+        dev = device if isinstance(device, Device) else get_device(device)
+        if self.device_limit is not None and self.device_limit not in dev.limits:
+            raise ValueError(f"device {dev.name!r} has no {self.device_limit} limit: {self.name} "
+                             f"targets {'/'.join(self.device_kinds)} devices")
+        return dev
+
+    def render(self, variant: Variant, problem: Problem, *, templates_dir=None):
+        """This backend's sources for ``variant`` specialised to ``problem`` (`gdngen.sources`)."""
+        from gdngen.sources import render_spec
+
+        return render_spec(self, variant, problem, templates_dir=templates_dir)
+
+    # ------------------------------------------------------------------ running a call
+
+    def run(self, call, operands, variant: Variant):
+        """Run ``variant`` on a checked `gdngen.call.Call` and its `gdngen.call.Operands`
+        (beta activated, a parameterised gate's parameters laid out:
+        `gdngen.layer_inputs.prepared`); returns ``(y, final_state)``. The layer inputs this
+        backend does not take raw (`fused_inputs`; a packed row: none) are computed first."""
+        from gdngen import layer_inputs, packed
+
+        if call.packed:
+            call, operands = layer_inputs.computed(call, operands)
+            if self.native_packed(call.vector_gate):
+                return self.packed(call, operands, variant)
+            return packed.run_portable(call, operands, packed.chunk_params(self, variant,
+                                                                           call.vector_gate))
+        call, operands = layer_inputs.computed(call, operands, self.fused_inputs)
+        return self.forward(call, operands, variant)
+
+    def forward(self, call, operands, variant: Variant):
+        """A dense call of ``variant``: ``(y in q's dtype, final_state float32)``. The
+        layer inputs in ``call`` are the ones listed in `fused_inputs`."""
+        raise NotImplementedError
+
+    def packed(self, call, operands, variant: Variant):
+        """A packed row (`gdngen.packed`, gate kinds of `packed_gates`) of ``variant``:
+        ``(y [1,T,Hv,Dv] in q's dtype, final_state [N,Hv,Dv,Dk] float32)``."""
+        raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(config, params: tuple, types: tuple):
+    """``config.from_params`` memoised per (config class, variant params and their types: 1 and
+    True are equal keys, not equal params): a decode-length call parses its variant once, not
+    per token (a ValueError is raised again each time)."""
+    return config.from_params(dict(params))

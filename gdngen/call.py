@@ -1,0 +1,181 @@
+"""The call stage: one gated-delta call, checked once, as a `Call` (what it is) and its
+`Operands` (the arrays).
+
+`check` is the only place a call's arguments are validated (`gdngen.problem` for the arrays'
+shapes and dtypes, `gdngen.layer_inputs` for the layer-input options); every later stage
+(`gdngen.sharding`, `gdngen.dispatch`, a `gdngen.backend.Backend`) takes the `Call` and
+re-checks nothing. A `Call` holds no arrays, so it is hashable and a stage may key its caches
+on it; it is remembered per shapes, dtypes and options (a decode loop pays for the checks once).
+
+The gate's parameterisation is a field (``gate_form`` "softplus" / "sigmoid_bound" with
+``lower_bound``), and its parameters ``A_log`` and ``dt_bias`` are operands of their own. The
+chunk cores of the backends take a parameterised gate as the tuple ``(a, A_log, dt_bias)``
+with a `gdngen.chunkwise.ParameterGate` as their ``gate`` (`Operands.kernel_gates`,
+`Call.kernel_gate`): that is an operand layout of the cores, not of the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from gdngen import chunkwise
+from gdngen.problem import CallShape, check_call, check_framework, dtype_name
+
+__all__ = ["Call", "Operands", "check", "of_kernel_args"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one ``gated_delta`` call computes (shapes as `gdngen.jax.gated_delta`).
+
+    * ``framework``: "jax" | "mlx"; ``shape``: the `gdngen.problem.CallShape` (B, T, heads,
+      head dims, gate kind, packed sequences); ``dtype``: q's dtype name.
+    * ``gate``: the convention of ``g`` as the recurrence reads it, "log" or "linear" ("log"
+      for a parameterised gate); ``gate_form``: None, or "softplus" / "sigmoid_bound" when
+      ``g`` is the raw projection ``a`` and the operands carry ``A_log``, ``dt_bias``
+      (``lower_bound`` for "sigmoid_bound").
+    * ``qk_norm``: q, k are raw and L2-normalised per head; ``beta_activation``: None or
+      "sigmoid" (beta given as logits).
+    * ``scale``; ``chunk_size``: the caller's override of the default variant's chunk, or
+      None; ``context_axis``: the mesh axis the time axis is split over, or None.
+    """
+
+    framework: str
+    shape: CallShape
+    dtype: str
+    gate: str = "log"
+    gate_form: str | None = None
+    lower_bound: float | None = None
+    qk_norm: bool = False
+    beta_activation: str | None = None
+    scale: float = 1.0
+    chunk_size: int | None = None
+    context_axis: str | None = None
+
+    @property
+    def problem(self):
+        """The shape class (`gdngen.variant.Problem`) the kernels are specialised for."""
+        from gdngen.variant import problem_of
+
+        return problem_of(self.shape, self.dtype)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the single row holds packed sequences (``cu_seqlens``, `gdngen.packed`)."""
+        return self.shape.sequences is not None
+
+    @property
+    def vector_gate(self) -> bool:
+        return self.shape.vector_gate
+
+    @property
+    def kernel_gate(self):
+        """The ``gate`` of the chunk cores: a `gdngen.chunkwise.ParameterGate` for a
+        parameterised gate (its gates then `Operands.kernel_gates`' tuple), else `gate`."""
+        if self.gate_form is None:
+            return self.gate
+        return chunkwise.ParameterGate(self.lower_bound)
+
+    def replace(self, **changes) -> Call:
+        return dataclasses.replace(self, **changes)
+
+    def of_shard(self, q, v) -> Call:
+        """This call for one shard's arrays (inside ``jax.shard_map`` / a partitioned op: B,
+        T and the heads of ``q`` ``[B,T,Hk,Dk]`` and ``v`` ``[B,T,Hv,Dv]``), nothing checked
+        again (a shard of a checked call is one)."""
+        B, T, Hk, _ = (int(s) for s in q.shape)
+        Hv = int(v.shape[2])
+        if (B, T, Hk, Hv) == (self.shape.B, self.shape.T, self.shape.Hk, self.shape.Hv):
+            return self
+        return self.replace(shape=dataclasses.replace(self.shape, B=B, T=T, Hk=Hk, Hv=Hv))
+
+
+class Operands(NamedTuple):
+    """The arrays of a `Call`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g ``[B,T,Hv(,Dk)]``
+    (the raw projection ``a`` with a ``gate_form``); beta ``[B,T,Hv]``; initial_state
+    ``[B|N,Hv,Dv,Dk]`` or None; mask ``[B,T]`` bool or None; A_log, dt_bias (a ``gate_form``'s
+    parameters, else None); cu_seqlens int32 ``[N+1]`` or None."""
+
+    q: object
+    k: object
+    v: object
+    g: object
+    beta: object
+    initial_state: object = None
+    mask: object = None
+    A_log: object = None
+    dt_bias: object = None
+    cu_seqlens: object = None
+
+    def kernel_gates(self):
+        """``g`` as the chunk cores take it: ``(a, A_log, dt_bias)`` when the gate has
+        parameters (`Call.kernel_gate`), else ``g``."""
+        if self.A_log is None:
+            return self.g
+        return (self.g, self.A_log, self.dt_bias)
+
+
+_CHECKED: dict = {}  # check's static key -> Call of a call that passed every check
+
+
+def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, scale=1.0,
+          gate="log", chunk_size=None, qk_norm=False, A_log=None, dt_bias=None,
+          lower_bound=None, beta_activation=None, cu_seqlens=None, context_axis=None
+          ) -> tuple[Call, Operands]:
+    """Check one ``gated_delta`` call (arguments as `gdngen.jax.gated_delta`); return its
+    `Call` and `Operands`. ValueErrors name the argument and what was expected (the checks of
+    `gdngen.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the gate's
+    parameters). Only shapes and Python values are read, so it runs under ``jax.jit`` and
+    ``mx.compile``; without ``cu_seqlens`` (whose values are checked when concrete) the `Call`
+    is remembered per shapes, dtypes and options."""
+    from gdngen import layer_inputs
+
+    operands = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, cu_seqlens)
+    key = None
+    if cu_seqlens is None:
+        key = (framework, gate, chunk_size, type(chunk_size), scale, type(scale), qk_norm,
+               lower_bound, beta_activation, context_axis,
+               tuple(None if x is None else (tuple(x.shape), dtype_name(x))
+                     for x in operands[:9]))
+        try:
+            found = _CHECKED.get(key)
+        except TypeError:  # an unhashable option: the checks name it
+            key, found = None, None
+        if found is not None:
+            return found, operands
+    check_framework(framework)
+    options = layer_inputs.check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
+                                         dt_bias=dt_bias, lower_bound=lower_bound,
+                                         beta_activation=beta_activation)
+    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=options.call_gate,
+                       chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
+                       cu_seqlens=cu_seqlens)
+    options = layer_inputs.check_parameters(options, shape, g, A_log, dt_bias)
+    found = Call(framework, shape, dtype_name(q), options.call_gate,
+                 options.gate if options.gate in layer_inputs.PARAMETER_GATES else None,
+                 options.lower_bound, qk_norm, beta_activation, float(scale), chunk_size,
+                 context_axis)
+    if key is not None and len(_CHECKED) < 4096:
+        _CHECKED[key] = found
+    return found, operands
+
+
+def of_kernel_args(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *,
+                   scale=1.0, gate="log", qk_norm=False, cu_seqlens=None
+                   ) -> tuple[Call, Operands]:
+    """`check` of a backend entry point's arguments (``gdngen.backends.<name>.gated_delta``),
+    whose parameterised gate comes in the cores' layout: ``gate`` a
+    `gdngen.chunkwise.ParameterGate` with ``g = (a, A_log, dt_bias)``, the parameters already
+    broadcast against ``a`` (`gdngen.chunkwise.parameter_layout`); ``qk_norm``: q, k raw."""
+    if not isinstance(gate, chunkwise.ParameterGate):
+        return check(framework, q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
+                     qk_norm=qk_norm, cu_seqlens=cu_seqlens)
+    a, A_log, dt_bias = g
+    shape = check_call(q, k, v, a, beta, initial_state, mask, scale=scale,
+                       cu_seqlens=cu_seqlens)
+    form = "softplus" if gate.lower_bound is None else "sigmoid_bound"
+    call = Call(framework, shape, dtype_name(q), "log", form, gate.lower_bound, qk_norm, None,
+                float(scale))
+    return call, Operands(q, k, v, a, beta, initial_state, mask, A_log, dt_bias, cu_seqlens)
