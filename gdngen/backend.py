@@ -61,6 +61,9 @@ class Backend:
     clear_cache = None
     footprint = None
 
+    def __init__(self):
+        self.validate()
+
     def validate(self) -> None:
         """ValueError for a declaration that contradicts itself."""
         if self.framework not in ("jax", "mlx"):
@@ -122,6 +125,19 @@ class Backend:
             return False, f"{self.name} cannot run on this host"
         return True, "ok"
 
+    def refusal(self, call) -> str | None:
+        """Why this backend cannot run the checked `gdngen.call.Call` (naming the argument:
+        q's dtype, g's shape for a gate kind it lacks, its shape rules), or None."""
+        if call.dtype not in self.dtypes:
+            return (f"q has dtype {call.dtype}, expected one of {self.dtypes} for the "
+                    f"{self.name} backend")
+        shape = call.shape
+        if shape.vector_gate and "vector" not in self.gates:
+            return (f"g has shape {(shape.B, shape.T, shape.Hv, shape.Dk)}, expected "
+                    f"({shape.B}, {shape.T}, {shape.Hv}): the {self.name} backend implements "
+                    "scalar gates only")
+        return self.unsupported(call.problem)
+
     def native_packed(self, vector_gate: bool) -> bool:
         """Whether packed rows of this gate kind run in this backend's own kernels."""
         return ("vector" if vector_gate else "scalar") in self.packed_gates
@@ -154,28 +170,43 @@ class Backend:
 
     # ------------------------------------------------------------------ running a call
 
-    def run(self, call, operands, variant: Variant):
+    def run(self, call, operands, variant: Variant, **options):
         """Run ``variant`` on a checked `gdngen.call.Call` and its `gdngen.call.Operands`
         (beta activated, a parameterised gate's parameters laid out:
         `gdngen.layer_inputs.prepared`); returns ``(y, final_state)``. The layer inputs this
-        backend does not take raw (`fused_inputs`; a packed row: none) are computed first."""
+        backend does not take raw (`fused_inputs`; a packed row: none) are computed first.
+        ``options``: keywords of this backend's hooks (e.g. ``templates_dir``)."""
         from gdngen import layer_inputs, packed
 
+        why = self.refusal(call)
+        if why:
+            raise ValueError(why)
         if call.packed:
             call, operands = layer_inputs.computed(call, operands)
             if self.native_packed(call.vector_gate):
-                return self.packed(call, operands, variant)
+                return self.packed(call, operands, variant, **options)
             return packed.run_portable(call, operands, packed.chunk_params(self, variant,
                                                                            call.vector_gate))
         call, operands = layer_inputs.computed(call, operands, self.fused_inputs)
-        return self.forward(call, operands, variant)
+        return self.forward(call, operands, variant, **options)
 
-    def forward(self, call, operands, variant: Variant):
+    def run_packed_kernels(self, call, operands, variant: Variant, **options):
+        """`run` for a backend's own packed entry point (``packed_gated_delta``): ValueError
+        for gates its packed kernels do not take (`packed_gates`) instead of the portable
+        path `run` would take."""
+        if not self.native_packed(call.vector_gate):
+            shape = call.shape
+            raise ValueError(f"g has shape {(shape.B, shape.T, shape.Hv, shape.Dk)}: the "
+                             f"{self.name} packed kernels take scalar gates (per-channel packed "
+                             "rows run on the portable path)")
+        return self.run(call, operands, variant, **options)
+
+    def forward(self, call, operands, variant: Variant, **options):
         """A dense call of ``variant``: ``(y in q's dtype, final_state float32)``. The
         layer inputs in ``call`` are the ones listed in `fused_inputs`."""
         raise NotImplementedError
 
-    def packed(self, call, operands, variant: Variant):
+    def packed(self, call, operands, variant: Variant, **options):
         """A packed row (`gdngen.packed`, gate kinds of `packed_gates`) of ``variant``:
         ``(y [1,T,Hv,Dv] in q's dtype, final_state [N,Hv,Dv,Dk] float32)``."""
         raise NotImplementedError

@@ -81,15 +81,21 @@ class Call:
     def replace(self, **changes) -> Call:
         return dataclasses.replace(self, **changes)
 
-    def of_shard(self, q, v) -> Call:
-        """This call for one shard's arrays (inside ``jax.shard_map`` / a partitioned op: B,
-        T and the heads of ``q`` ``[B,T,Hk,Dk]`` and ``v`` ``[B,T,Hv,Dv]``), nothing checked
-        again (a shard of a checked call is one)."""
+    def for_arrays(self, q, v, *, packed: bool | None = None) -> Call:
+        """This call on other arrays of it: B, T, heads and dtype read from ``q``
+        ``[B,T,Hk,Dk]`` and ``v`` ``[B,T,Hv,Dv]`` (one shard's, inside ``jax.shard_map`` or a
+        partitioned op; the one-chunk rows or the float32 copies a stage makes), nothing
+        checked again; ``packed=False`` drops the packed sequences (a dense call of them)."""
+        from gdngen.problem import dtype_name
+
         B, T, Hk, _ = (int(s) for s in q.shape)
-        Hv = int(v.shape[2])
-        if (B, T, Hk, Hv) == (self.shape.B, self.shape.T, self.shape.Hk, self.shape.Hv):
+        Hv, dtype = int(v.shape[2]), dtype_name(q)
+        sequences = self.shape.sequences if packed is None or packed else None
+        if (B, T, Hk, Hv, dtype, sequences) == (self.shape.B, self.shape.T, self.shape.Hk,
+                                                self.shape.Hv, self.dtype, self.shape.sequences):
             return self
-        return self.replace(shape=dataclasses.replace(self.shape, B=B, T=T, Hk=Hk, Hv=Hv))
+        shape = dataclasses.replace(self.shape, B=B, T=T, Hk=Hk, Hv=Hv, sequences=sequences)
+        return self.replace(shape=shape, dtype=dtype)
 
 
 class Operands(NamedTuple):

@@ -70,7 +70,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None):
         shard = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias)
-        return run(checked.of_shard(q, v), shard, variant=variant)
+        return run(checked.for_arrays(q, v), shard, variant=variant)
 
     arrays = {name: getattr(operands, name) for name in
               ("q", "k", "v", "g", "beta", "initial_state", "mask", *sharding.PARAMETERS)}

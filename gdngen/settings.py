@@ -96,3 +96,17 @@ def compiler(purpose: str) -> list[str]:
         raise RuntimeError(f"{purpose} needs a C++ compiler: set ${ENV_COMPILER} or install g++ "
                            f"(got {' '.join(command) or 'none'})")
     return command
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of a ``warnings.warn`` made here that points at the first frame
+    outside gdngen and JAX (the user's call, however deep the stages between)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    inside = (package, os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and any(p in frame.f_code.co_filename for p in inside):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -67,7 +67,7 @@ class BackendSpec(Backend):
     def native_packed(self, vector_gate: bool) -> bool:
         return self.packed_entry is not None and super().native_packed(vector_gate)
 
-    def forward(self, call, operands, variant):
+    def forward(self, call, operands, variant, **options):
         """``entry`` on the call's arrays (a parameterised gate as ``(a, A_log, dt_bias)`` with
         a `gdngen.chunkwise.ParameterGate`; ``qk_norm=True`` only when it is fused)."""
         extra = {"qk_norm": True} if call.qk_norm else {}
@@ -75,7 +75,7 @@ class BackendSpec(Backend):
                           operands.beta, operands.initial_state, mask=operands.mask,
                           scale=call.scale, gate=call.kernel_gate, variant=variant, **extra)
 
-    def packed(self, call, operands, variant):
+    def packed(self, call, operands, variant, **options):
         return self.packed_entry(operands.q, operands.k, operands.v, operands.g, operands.beta,
                                  operands.initial_state, mask=operands.mask, scale=call.scale,
                                  gate=call.gate, variant=variant, cu_seqlens=operands.cu_seqlens)

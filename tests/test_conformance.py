@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from generated_kernels import check_entry_point_under_jit, small_call_inputs
 
+from gdngen import call as calls
 from gdngen import registry, tolerance, validate
 from gdngen.cases import BATTERY, get_case
 from gdngen.devices import DEVICES
@@ -277,7 +278,7 @@ def test_unimplemented_gate_kind_is_said(name):
                                                 beta, s0))
     variant = registry.default_variant(name, Problem(1, 2, 32, 32))
     with pytest.raises(ValueError, match=r"g has shape \(1, 20, 2, 32\)"):
-        spec.run(*arrays, variant=variant)
+        spec.run(*calls.of_kernel_args(spec.framework, *arrays), variant)
 
 
 def _framework_arrays(framework, xs):

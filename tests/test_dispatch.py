@@ -138,9 +138,9 @@ def test_plain_call_runs_the_default_backend(monkeypatch):
     expected = dispatch.choose("jax", vector, "float32").variant
     ran = []
     spec = registry.get(expected.backend)
-    monkeypatch.setitem(registry._SPECS, expected.backend, dataclasses_replace(
-        spec, entry=lambda *a, variant, **k: ran.append(variant) or spec.entry(
-            *a, variant=variant, **k)))
+    forward = spec.forward
+    monkeypatch.setattr(spec, "forward", lambda call, operands, variant, **k: ran.append(
+        variant) or forward(call, operands, variant, **k))
     gated_delta(jnp.asarray(x), jnp.asarray(x), jnp.asarray(x), jnp.asarray(g[..., None]
                                                                             * np.ones(16)),
                 jnp.asarray(np.abs(g)))

@@ -64,10 +64,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gdngen import chunkwise, chunkwise_channel, settings
+from gdngen.backend import Backend
 from gdngen.backends import generated
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs, kernel_parameters
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
-from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "ffi_cpu"
@@ -614,22 +614,28 @@ def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale
                        gate="log", variant, cu_seqlens, templates_dir=None):
     """A packed row (`gdngen.packed`) on ``variant``'s kernels, scalar gates: the row's chunk
     walk on its packed kernels (`render_packed`), each sequence's one-chunk calls on its dense
-    chunk kernels. Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens`` (checked by the
-    caller); float32 throughout; returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk])``."""
+    chunk kernels. Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens``; float32
+    throughout; returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk])``."""
+    from gdngen import call as calls
+
+    checked, operands = calls.of_kernel_args("jax", q, k, v, g, beta, initial_state, mask,
+                                             scale=scale, gate=gate, cu_seqlens=cu_seqlens)
+    return SPEC.run_packed_kernels(checked, operands, variant, templates_dir=templates_dir)
+
+
+def _packed(call, operands, variant, templates_dir=None):
+    """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`."""
     import jax.numpy as jnp
 
     from gdngen import packed
     from gdngen.backends import jax_chunkwise
-    from gdngen.problem import check_call
-    from gdngen.variant import problem_of
 
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale,
-                       cu_seqlens=cu_seqlens)
-    problem = problem_of(shape, generated.dtype_name(q))
+    gate, scale = call.gate, call.scale
+    problem = call.problem
     kernels = load_kernels(variant, problem, templates_dir=templates_dir)
     walk_kernels = load_packed_kernels(variant, problem, templates_dir=templates_dir)
     poison = settings.flag(ENV_POISON)
-    core = _core(kernels.sha256, gate, float(scale), poison)
+    core = _core(kernels.sha256, gate, scale, poison)
     XP = jax_chunkwise.XP
 
     def dense(q, k, v, g, beta, S0, mask):
@@ -638,8 +644,9 @@ def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale
         return jnp.where(mask[..., None, None], y, 0.0), S
 
     f32 = jnp.float32
+    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
     y, state = packed.gated_delta(
-        XP, dense, _packed_walk(walk_kernels.sha256, gate, float(scale), poison),
+        XP, dense, _packed_walk(walk_kernels.sha256, gate, scale, poison),
         *(x.astype(f32) for x in (q, k, v, g, beta)),
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
         gate=gate, chunk_size=kernels.params["chunk_size"])
@@ -766,42 +773,50 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     keeps only the raw arrays (`gdngen.backends.generated.custom_vjp_core`, ``forward_fuses``:
     the kernels save only the chunk states) and maps dq, dk, dlog g through the norm's and the
     gate's VJPs."""
+    from gdngen import call as calls
+
+    checked, operands = calls.of_kernel_args("jax", q, k, v, g, beta, initial_state, mask,
+                                             scale=scale, gate=gate, qk_norm=qk_norm)
+    return SPEC.run(checked, operands, variant, templates_dir=templates_dir)
+
+
+def _forward(call, operands, variant, templates_dir=None):
+    """`gated_delta`'s body on a checked dense `gdngen.call.Call`."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
-    from gdngen.variant import problem_of
 
-    shape, dtype = generated.check_scalar_call(SPEC, q, k, v, g, beta, initial_state, mask,
-                                               gate=gate, scale=scale)
-    problem = problem_of(shape, dtype)
+    shape, problem, gate, scale = call.shape, call.problem, call.kernel_gate, call.scale
+    q, k, v, g, beta, initial_state, mask = operands[:7]
     kernels = load_kernels(variant, problem, templates_dir=templates_dir)
     recurrent_below = SPEC.parse(variant).recurrent_below
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     # a masked step is an identity step; its output is zeroed below
-    g, beta = chunkwise.fold_mask(jax_chunkwise.XP, chunkwise.cast_gates(g, f32),
+    g, beta = chunkwise.fold_mask(jax_chunkwise.XP,
+                                  chunkwise.cast_gates(operands.kernel_gates(), f32),
                                   beta.astype(f32), mask, gate)
     poison = settings.flag(ENV_POISON)
     args = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
 
-    inputs = KernelInputs.of(qk_norm, gate)
+    inputs = KernelInputs.of(call.qk_norm, gate)
     forward_sha256 = (load_fused_kernels(variant, problem, inputs, SOURCE_NAME,
                                          templates_dir=templates_dir).sha256
                       if inputs.fused else None)
-    chunkwise_call = _core(kernels.sha256, gate, float(scale), poison, qk_norm, forward_sha256)
+    chunkwise_call = _core(kernels.sha256, gate, scale, poison, call.qk_norm, forward_sha256)
     if shape.T < recurrent_below:
         fused = (load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
                  if inputs.fused else kernels)
-        call = _recurrent(fused.sha256, float(scale), poison, inputs)
+        run = _recurrent(fused.sha256, scale, poison, inputs)
 
         def recurrent(q, k, v, g, beta, S0):
             if inputs.gate_form:  # the kernel forms the decay from a, A_log, dt_bias
                 a, A_log, dt_bias = g
-                return call(q, k, v, a, beta, S0, *kernel_parameters(
+                return run(q, k, v, a, beta, S0, *kernel_parameters(
                     jnp, A_log, dt_bias, shape.Hv, shape.Dk, shape.vector_gate))
             # raw q, k when the kernel normalises them (inputs.qk_norm)
-            return call(q, k, v, chunkwise.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
+            return run(q, k, v, chunkwise.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
 
         y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args)
     else:
@@ -816,9 +831,29 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 #: vector_identical_keys at chunk 128, tests/test_ffi_cpu_channel.py).
 TOLERANCES = {"ieee": 5e-5, "tf32": 5e-5, "bf16": 5e-5}
 
-SPEC = BackendSpec(
-    name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
-    entry=gated_delta, tolerances=TOLERANCES, device_kinds=("cpu",), dtypes=INPUT_DTYPES,
-    gates=("scalar", "vector"), tuned_gates=("scalar", "vector"), render_plan=render_plan,
-    available=available, lower_check=lower_check, fused_inputs=("qk_norm", "gate"),
-    packed_entry=packed_gated_delta, packed_gates=("scalar",))
+class FfiCpu(Backend):
+    """The generated C++ kernels of `gdngen.backends.ffi_cpu` (JAX FFI, CPU hosts)."""
+
+    name, framework, config = BACKEND, "jax", Config
+    tolerances, device_kinds, dtypes = TOLERANCES, ("cpu",), INPUT_DTYPES
+    gates = tuned_gates = ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    render_plan, lower_check = staticmethod(render_plan), staticmethod(lower_check)
+
+    def space(self, problem, device=None):
+        return variant_space(problem, device)
+
+    def default(self, problem, device=None):
+        return default_config(problem, device)
+
+    def available(self) -> bool:
+        return available()
+
+    def forward(self, call, operands, variant, templates_dir=None):
+        return _forward(call, operands, variant, templates_dir)
+
+    def packed(self, call, operands, variant, templates_dir=None):
+        return _packed(call, operands, variant, templates_dir)
+
+
+SPEC = FfiCpu()

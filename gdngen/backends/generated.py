@@ -12,7 +12,7 @@ import linecache
 import types
 
 from gdngen import chunkwise
-from gdngen.problem import check_call, dtype_name
+from gdngen.backend import Backend
 
 # ------------------------------------------------------------------------------ checks
 
@@ -24,23 +24,6 @@ def refuse_injection(backend: str, injected) -> None:
     if injected is not None:
         raise ValueError(f"the {backend} per-channel chunk walks take no injected states "
                          "(per-channel packed rows run on the portable path)")
-
-
-def check_scalar_call(spec, q, k, v, g, beta, initial_state, mask, *, gate, scale):
-    """`check_call` for the generated backend ``spec``: ``(CallShape, input dtype name)``;
-    ValueError for vector gates (unless ``spec.gates`` has them) or a dtype the backend does
-    not take. ``g`` may be a `gdngen.chunkwise.ParameterGate`'s tuple (`check_call`)."""
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, chunk_size=64,
-                       scale=scale)
-    g = chunkwise.raw_gates(g)
-    if shape.vector_gate and "vector" not in spec.gates:
-        raise ValueError(f"g has shape {tuple(g.shape)}, expected ({shape.B}, {shape.T}, "
-                         f"{shape.Hv}): the {spec.name} backend implements scalar gates only")
-    dtype = dtype_name(q)
-    if dtype not in spec.dtypes:
-        raise ValueError(f"q has dtype {dtype}, expected one of {spec.dtypes} for the "
-                         f"{spec.name} backend")
-    return shape, dtype
 
 
 # ------------------------------------------------------------------------------ loading
@@ -217,34 +200,29 @@ def gate_cotangent(gates, gate, dD):
         return chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
 
 
-def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant,
-                templates_dir, qk_norm=False):
-    """Whole-sequence call of a generated-kernel ``backend`` module (`pallas_tpu`,
-    `pallas_gpu`): checks the call, loads ``variant``'s kernels and runs them through
+def gated_delta(backend, call, operands, variant, templates_dir=None):
+    """A dense `gdngen.call.Call` on the chunk kernels of a Pallas ``backend`` (a
+    `PallasBackend`): loads ``variant``'s kernels and runs them through
     `gdngen.chunkwise.gated_delta` (masks, padding to the chunk, layouts) with the backend's
-    custom-VJP core. Returns ``(y [B,T,Hv,Dv] in q's dtype, final_state float32)``.
+    custom-VJP core (`PallasBackend.chunk_core`). Returns ``(y [B,T,Hv,Dv] in q's dtype,
+    final_state float32)``.
 
-    ``backend`` provides ``SPEC``, ``interpret_mode()``,
-    ``load_kernels(variant, problem, templates_dir=)``, ``load_fused_kernels(variant, problem,
-    inputs, templates_dir=)`` and ``_core((sha256, interpret), gate, scale, qk_norm,
-    fused_key)``. ``qk_norm``: q, k are raw; ``gate`` a `gdngen.chunkwise.ParameterGate`: ``g``
-    is ``(a, A_log, dt_bias)``. Either way the forward kernels of the fused build
-    (`gdngen.backends.kernel_inputs.KernelInputs.of` the two; its ``fused_key``) normalise q, k
-    and compute the log gate in their loads, and the backward recomputes both for the plain
-    kernels (`custom_vjp_core` with ``forward_fuses``).
+    ``call.qk_norm``: q, k are raw; a parameterised gate: ``g`` is ``a`` with A_log and
+    dt_bias (`gdngen.call.Operands.kernel_gates`). Either way the forward kernels of the fused
+    build (`gdngen.backends.kernel_inputs.KernelInputs.of` the two; its ``fused_key``)
+    normalise q, k and compute the log gate in their loads, and the backward recomputes both
+    for the plain kernels (`custom_vjp_core` with ``forward_fuses``).
     """
     import jax.numpy as jnp
 
     from gdngen.backends.jax_chunkwise import XP
     from gdngen.backends.kernel_inputs import KernelInputs
-    from gdngen.variant import problem_of
 
-    shape, dtype = check_scalar_call(backend.SPEC, q, k, v, g, beta, initial_state, mask,
-                                     gate=gate, scale=scale)
+    shape, problem, gate = call.shape, call.problem, call.kernel_gate
+    q, k, v, _, beta, initial_state, mask = operands[:7]
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
-    problem = problem_of(shape, dtype)
     kernels = backend.load_kernels(variant, problem, templates_dir=templates_dir)
-    inputs = KernelInputs.of(qk_norm, gate)
+    inputs = KernelInputs.of(call.qk_norm, gate)
     fused_key = None
     if inputs.fused:
         fused = backend.load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
@@ -252,27 +230,28 @@ def gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, 
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    core = backend._core((kernels.sha256, kernels.interpret), gate, float(scale), qk_norm,
-                         fused_key)
+    core = backend.chunk_core((kernels.sha256, kernels.interpret), gate, call.scale,
+                              call.qk_norm, fused_key)
     y, state = chunkwise.gated_delta(
-        XP, core, q, k.astype(q.dtype), v.astype(q.dtype), chunkwise.cast_gates(g, f32),
-        beta.astype(f32), initial_state.astype(f32), mask, scale=1.0, gate=gate,
+        XP, core, q, k.astype(q.dtype), v.astype(q.dtype),
+        chunkwise.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
+        initial_state.astype(f32), mask, scale=1.0, gate=gate,
         chunk_size=kernels.params["chunk_size"])
     return y.astype(q.dtype), state
 
 
-def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_state, *, mask,
-                         scale, gate, variant, templates_dir, qk_norm=False):
-    """Whole-sequence call of a Pallas ``backend`` module with its recurrent switch
-    (`gdngen.config.recurrent_switch`): a scalar-gate call of T >= the variant's
-    ``recurrent_below`` runs `gated_delta` (the chunk kernels). A shorter one evaluates through
-    ``recurrent_forward(problem, q, k, v, decay, beta, S0, inputs)`` (``problem`` the call's
-    `Problem`, ``inputs`` its `gdngen.backends.kernel_inputs.KernelInputs`; float32, masks
-    folded) inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`, whose VJP is the
-    chunk path's on the same call. ``decay`` is the gate made a linear decay (exp(-inf) = 0, an
-    exact reset), or with ``inputs.gate_form`` the `gdngen.chunkwise.ParameterGate`'s ``(a,
-    A_log, dt_bias)`` (a = -inf on masked steps), which the fused recurrent kernel turns into
-    the decay in its loads; with ``inputs.qk_norm`` q, k are raw, normalised there.
+def switched_gated_delta(backend, call, operands, variant, templates_dir=None):
+    """A dense `gdngen.call.Call` on a Pallas ``backend`` (a `PallasBackend`) with its
+    recurrent switch (`gdngen.config.recurrent_switch`): a scalar-gate call of T >= the
+    variant's ``recurrent_below`` runs `gated_delta` (the chunk kernels). A shorter one
+    evaluates through ``backend.recurrent(problem, q, k, v, decay, beta, S0, inputs, ...)``
+    (``problem`` the call's `Problem`, ``inputs`` its
+    `gdngen.backends.kernel_inputs.KernelInputs`; float32, masks folded) inside
+    `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`, whose VJP is the chunk path's on
+    the same call. ``decay`` is the gate made a linear decay (exp(-inf) = 0, an exact reset),
+    or with ``inputs.gate_form`` the `gdngen.chunkwise.ParameterGate`'s ``(a, A_log,
+    dt_bias)`` (a = -inf on masked steps), which the fused recurrent kernel turns into the
+    decay in its loads; with ``inputs.qk_norm`` q, k are raw, normalised there.
 
     Per-channel gates: the chunk path is `gdngen.chunkwise_channel` (through
     `gdngen.backends.jax_chunkwise.chunkwise_gated_delta`, float32, the variant's chunk size
@@ -282,33 +261,29 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     it too, a shorter one through the recurrent kernel, and every differentiated call takes its
     VJP (`gdngen.chunkwise_channel.backward` with the kernel walks).
 
-    ``qk_norm``: q, k are raw. The chunk path keeps only the raw ones: the scalar chunk
+    ``call.qk_norm``: q, k are raw. The chunk path keeps only the raw ones: the scalar chunk
     kernels normalise them in their loads (`gated_delta`), the per-channel path inside its
     custom VJP (`gdngen.backends.jax_chunkwise.chunk_core`); the recurrent kernel in its loads.
-    A `gdngen.chunkwise.ParameterGate` likewise: computed in the recurrent kernel's and the
-    scalar chunk forward kernels' loads."""
+    A parameterised gate likewise: computed in the recurrent kernel's and the scalar chunk
+    forward kernels' loads."""
     import jax.numpy as jnp
 
     from gdngen.backends import jax_chunkwise
     from gdngen.backends.kernel_inputs import KernelInputs
-    from gdngen.variant import problem_of
 
-    shape, dtype = check_scalar_call(backend.SPEC, q, k, v, g, beta, initial_state, mask,
-                                     gate=gate, scale=scale)
-    chunked = shape.T >= backend.SPEC.parse(variant).recurrent_below
+    shape, problem, gate, qk_norm = call.shape, call.problem, call.kernel_gate, call.qk_norm
+    chunked = shape.T >= backend.parse(variant).recurrent_below
     if not shape.vector_gate and chunked:
-        return gated_delta(backend, q, k, v, g, beta, initial_state, mask=mask, scale=scale,
-                           gate=gate, variant=variant, templates_dir=templates_dir,
-                           qk_norm=qk_norm)
+        return gated_delta(backend, call, operands, variant, templates_dir)
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
+    q, k, v, _, beta, initial_state, mask = operands[:7]
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     q32, k32, v32, beta32, s0 = (x.astype(f32) for x in (q, k, v, beta, initial_state))
-    g32 = chunkwise.cast_gates(g, f32)
+    g32 = chunkwise.cast_gates(operands.kernel_gates(), f32)
     g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
 
-    problem = problem_of(shape, dtype)
     if shape.vector_gate:
         kernels = backend.load_kernels(variant, problem, templates_dir=templates_dir)
         walks = backend.chunk_walks((kernels.sha256, kernels.interpret))
@@ -318,22 +293,28 @@ def switched_gated_delta(backend, recurrent_forward, q, k, v, g, beta, initial_s
     def recurrent(q, k, v, g, beta, S0):  # the fused kernel: raw q, k and (a, A_log, dt_bias)
         if inputs.gate_form is None:
             g = chunkwise.linear_decay(jax_chunkwise.XP, g, gate)
-        return recurrent_forward(problem, q, k, v, g, beta, S0, inputs)
+        return backend.recurrent(problem, q, k, v, g, beta, S0, inputs, scale=call.scale,
+                                 variant=variant, templates_dir=templates_dir)
 
     def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
         if shape.vector_gate:
             return jax_chunkwise.chunkwise_gated_delta(
-                q, k, v, g, beta, S0, None, scale=float(scale), gate=gate,
+                q, k, v, g, beta, S0, None, scale=call.scale, gate=gate,
                 chunk_size=kernels.params["chunk_size"],
                 save_states=kernels.params["save_states"], walks=walks, qk_norm=qk_norm)
-        y, state = gated_delta(backend, q.astype(dtype), k.astype(dtype), v.astype(dtype), g,
-                               beta, S0, mask=None, scale=scale, gate=gate, variant=variant,
-                               templates_dir=templates_dir, qk_norm=qk_norm)
+        a, *parameters = g if isinstance(g, tuple) else (g,)
+        chunk_operands = operands._replace(q=q.astype(call.dtype), k=k.astype(call.dtype),
+                                           v=v.astype(call.dtype), g=a, beta=beta,
+                                           initial_state=S0, mask=None)
+        if parameters:
+            chunk_operands = chunk_operands._replace(A_log=parameters[0],
+                                                     dt_bias=parameters[1])
+        y, state = gated_delta(backend, call, chunk_operands, variant, templates_dir)
         return y.astype(f32), state
 
-    call = (chunkwise_call if chunked  # per-channel gates: evaluated on the chunk path too
-            else jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call))
-    y, state = call(q32, k32, v32, g32, beta32, s0)
+    run = (chunkwise_call if chunked  # per-channel gates: evaluated on the chunk path too
+           else jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call))
+    y, state = run(q32, k32, v32, g32, beta32, s0)
     if mask is not None:
         y = jnp.where(mask[..., None, None], y, 0.0)
     return y.astype(q.dtype), state
@@ -416,49 +397,40 @@ def load_packed(backend: str, rendered, params: dict, interpret):
         run_backward=jit_pair(bwd.backward, static, interpret))
 
 
-def packed_gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale, gate, variant,
-                       cu_seqlens, templates_dir):
-    """A packed row (`gdngen.packed`, scalar gates) of a Pallas ``backend`` module: the row's
-    chunk walk on its packed kernels, each sequence's one-chunk calls on its dense chunk path
-    (`gated_delta`), float32 inside. Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens``
-    int32 ``[N+1]`` (B = 1, ``initial_state [N, Hv, Dv, Dk]`` or None). Returns ``(y
-    [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk] float32)``.
+def packed_gated_delta(backend, call, operands, variant, templates_dir=None):
+    """A packed `gdngen.call.Call` (`gdngen.packed`, scalar gates) of a Pallas ``backend`` (a
+    `PallasBackend`): the row's chunk walk on its packed kernels, each sequence's one-chunk
+    calls on its dense chunk path (`gated_delta`), float32 inside. Returns ``(y [1, T, Hv, Dv]
+    in q's dtype, final_state [N, Hv, Dv, Dk] float32)``.
 
-    ``backend`` provides, besides what `gated_delta` needs, ``load_packed_kernels(variant,
-    problem, templates_dir=)`` and ``_packed_core((sha256, interpret), gate)``: a
-    ``jax.custom_vjp`` ``(q, k, v, gates, beta, inject) -> (Y, S_in)`` in `gdngen.chunkwise`'s
-    chunk layout (q already scaled, from a zero state, ``inject [M, 1, Hk, r, Dv, Dk]`` added
-    to the state leaving each chunk, ``S_in`` the states entering the chunks), the `walk` core
-    of `gdngen.packed.chunk_walk`."""
+    ``backend.packed_core((sha256, interpret), gate)`` is a ``jax.custom_vjp`` ``(q, k, v,
+    gates, beta, inject) -> (Y, S_in)`` in `gdngen.chunkwise`'s chunk layout (q already
+    scaled, from a zero state, ``inject [M, 1, Hk, r, Dv, Dk]`` added to the state leaving each
+    chunk, ``S_in`` the states entering the chunks), the `walk` core of
+    `gdngen.packed.chunk_walk`."""
     import jax.numpy as jnp
 
     from gdngen import packed
     from gdngen.backends.jax_chunkwise import XP
-    from gdngen.variant import problem_of
 
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale,
-                       cu_seqlens=cu_seqlens)
-    if shape.vector_gate:
-        raise ValueError(f"g has shape {tuple(g.shape)}: the {backend.SPEC.name} packed kernels "
-                         "take scalar gates (per-channel packed rows run on the portable path)")
-    dtype = dtype_name(q)
-    if dtype not in backend.SPEC.dtypes:
-        raise ValueError(f"q has dtype {dtype}, expected one of {backend.SPEC.dtypes} for the "
-                         f"{backend.SPEC.name} backend")
+    gate = call.gate
     backend.interpret_mode()  # decided (and warned about) at the caller's frame
     # float32 throughout (as `packed.run_portable`): the packed and one-chunk kernels of the
     # float32 problem
-    kernels = backend.load_packed_kernels(variant, problem_of(shape, "float32"),
+    kernels = backend.load_packed_kernels(variant, call.replace(dtype="float32").problem,
                                           templates_dir=templates_dir)
     chunk = kernels.params["chunk_size"]
 
     def dense(q, k, v, g, beta, S0, mask):
-        return gated_delta(backend, q, k, v, g, beta, S0, mask=mask, scale=scale, gate=gate,
-                           variant=variant, templates_dir=templates_dir)
+        return gated_delta(backend, call.for_arrays(q, v, packed=False),
+                           operands._replace(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0,
+                                             mask=mask, cu_seqlens=None),
+                           variant, templates_dir)
 
-    walk = packed.chunk_walk(XP, backend._packed_core((kernels.sha256, kernels.interpret), gate),
-                             scale=float(scale), gate=gate, chunk_size=chunk)
+    walk = packed.chunk_walk(XP, backend.packed_core((kernels.sha256, kernels.interpret), gate),
+                             scale=call.scale, gate=gate, chunk_size=chunk)
     f32 = jnp.float32
+    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
     y, state = packed.gated_delta(
         XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
@@ -466,21 +438,40 @@ def packed_gated_delta(backend, q, k, v, g, beta, initial_state, *, mask, scale,
     return y.astype(q.dtype), state
 
 
-def packed_entry(module_name: str):
-    """The ``packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
-    gate="log", variant, cu_seqlens, templates_dir=None)`` entry point (`BackendSpec`'s
-    ``packed_entry``) of the Pallas backend module ``module_name``: `packed_gated_delta` on
-    that module (looked up at call time)."""
-    import sys
+class PallasBackend(Backend):
+    """What the two Pallas backends (`gdngen.backends.pallas_tpu`, `gdngen.backends.pallas_gpu`)
+    share: the dense call with its recurrent switch (`switched_gated_delta`) and the packed row
+    (`packed_gated_delta`) written once over the hooks each declares: ``interpret_mode()``,
+    ``load_kernels`` / ``load_fused_kernels`` / ``load_packed_kernels``, ``chunk_core(key,
+    gate, scale, qk_norm, fused_key)`` and ``packed_core(key, gate)`` (the chunk layouts and
+    cotangent conventions of its kernels), ``chunk_walks(key)`` (per-channel walks) and
+    ``recurrent(problem, q, k, v, decay, beta, S0, inputs, *, scale, variant,
+    templates_dir)``."""
 
-    def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-              variant, cu_seqlens, templates_dir=None):
-        return packed_gated_delta(sys.modules[module_name], q, k, v, g, beta, initial_state,
-                                  mask=mask, scale=scale, gate=gate, variant=variant,
-                                  cu_seqlens=cu_seqlens, templates_dir=templates_dir)
+    framework = "jax"
+    gates = tuned_gates = ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
 
-    entry.__name__ = entry.__qualname__ = "packed_gated_delta"
-    entry.__module__ = module_name
-    entry.__doc__ = (f"A packed row (`gdngen.packed`, scalar gates) on a variant's {module_name} "
-                     "kernels (`gdngen.backends.generated.packed_gated_delta`).")
-    return entry
+    def forward(self, call, operands, variant, templates_dir=None):
+        return switched_gated_delta(self, call, operands, variant, templates_dir)
+
+    def packed(self, call, operands, variant, templates_dir=None):
+        return packed_gated_delta(self, call, operands, variant, templates_dir)
+
+    def entry(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+              variant, templates_dir=None, qk_norm=False, cu_seqlens=None):
+        """The module's ``gated_delta`` / ``packed_gated_delta``: arguments as
+        `gdngen.call.of_kernel_args` takes them, run through `run`."""
+        from gdngen import call as calls
+
+        checked, operands = calls.of_kernel_args(
+            "jax", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
+            qk_norm=qk_norm, cu_seqlens=cu_seqlens)
+        run = self.run if cu_seqlens is None else self.run_packed_kernels
+        return run(checked, operands, variant, templates_dir=templates_dir)
+
+    def packed_entry(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                     gate="log", variant, cu_seqlens, templates_dir=None):
+        """The module's ``packed_gated_delta``: `entry` of a packed row."""
+        return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
+                          variant=variant, templates_dir=templates_dir, cu_seqlens=cu_seqlens)

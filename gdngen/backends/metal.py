@@ -76,12 +76,12 @@ import math
 from dataclasses import dataclass
 
 from gdngen import settings
+from gdngen.backend import Backend
 from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
 from gdngen.backends.kernel_inputs import KernelInputs, context_tag, kernel_parameters
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
-from gdngen.problem import check_call, dtype_name
-from gdngen.spec import BackendSpec
+from gdngen.problem import dtype_name
 from gdngen.variant import Problem, Variant
 
 BACKEND = "metal"
@@ -1256,21 +1256,29 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     chunk VJP recomputes them as mx ops for the plain backward kernels (per-channel gates:
     `gdngen.backends.mlx_chunkwise.chunk_core` computes them in its core, forward and VJP).
     """
+    from gdngen import call as calls
+
+    if variant is None or variant.backend != BACKEND:
+        raise ValueError(f"variant must be a metal Variant, got {variant!r}")
+    checked, operands = calls.of_kernel_args("mlx", q, k, v, g, beta, initial_state, mask,
+                                             scale=scale, gate=gate, qk_norm=qk_norm)
+    return SPEC.run(checked, operands, variant, launcher=launcher)
+
+
+def _forward(call, operands, variant, launcher=None):
+    """`gated_delta`'s body on a checked dense `gdngen.call.Call`."""
     import mlx.core as mx
 
     from gdngen import chunkwise
     from gdngen.backends import mlx_chunkwise
     from gdngen.backends.mlx_chunkwise import XP
 
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale)
-    if variant is None or variant.backend != BACKEND:
-        raise ValueError(f"variant must be a metal Variant, got {variant!r}")
-    dt = dtype_name(q)
-    problem = Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, dt,
-                      "vector" if shape.vector_gate else "scalar")
+    shape, problem, gate, scale, qk_norm = (call.shape, call.problem, call.kernel_gate,
+                                            call.scale, call.qk_norm)
+    q, k, v, _, beta, initial_state, mask = operands[:7]
+    g = operands.kernel_gates()
     variant = adapt(variant, problem)
     launcher = default_launcher() if launcher is None else launcher
-    scale = float(scale)
     f32 = mx.float32
     if initial_state is None:
         initial_state = mx.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
@@ -1324,23 +1332,29 @@ def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale
     float32)``. ``recurrent_below`` does not apply (a packed row always walks chunks).
     ``templates_dir``: a template override folder for both builds (default
     ``GDNGEN_TEMPLATES``)."""
+    from gdngen import call as calls
+
+    if variant is None or variant.backend != BACKEND:
+        raise ValueError(f"variant must be a metal Variant, got {variant!r}")
+    checked, operands = calls.of_kernel_args("mlx", q, k, v, g, beta, initial_state, mask,
+                                             scale=scale, gate=gate, cu_seqlens=cu_seqlens)
+    return SPEC.run_packed_kernels(checked, operands, variant, launcher=launcher,
+                                   templates_dir=templates_dir)
+
+
+def _packed(call, operands, variant, launcher=None, templates_dir=None):
+    """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`."""
     import mlx.core as mx
 
     from gdngen import packed
     from gdngen.backends.mlx_chunkwise import XP
 
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate=gate, scale=scale,
-                       cu_seqlens=cu_seqlens)
-    if shape.vector_gate:
-        raise ValueError("the metal packed kernels take scalar gates only (per-channel packed "
-                         "rows run the portable path, `gdngen.packed.run`)")
-    if variant is None or variant.backend != BACKEND:
-        raise ValueError(f"variant must be a metal Variant, got {variant!r}")
-    problem = Problem(shape.Hk, shape.Hv, shape.Dk, shape.Dv, "float32", "scalar")
+    gate, scale = call.gate, call.scale
+    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+    problem = call.replace(dtype="float32").problem
     variant = adapt(variant, problem)
     launcher = default_launcher() if launcher is None else launcher
     templates = settings.templates_override() if templates_dir is None else templates_dir
-    scale = float(scale)
     chunk_call = _chunk_call(variant, problem, gate, scale, launcher, templates)
     walk_core = _packed_core(variant, problem, gate, launcher, templates)
 
@@ -1409,10 +1423,38 @@ def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, sc
     return ({n: as_np[n] for n in out}, {n: as_np[n] for n in named})
 
 
-SPEC = BackendSpec(
-    name=BACKEND, framework="mlx", config=Config, space=variant_space, default=default_config,
-    entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("apple",), supports=supports,
-    gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
-    render_plan=render_plan, lower_check=lower_check, footprint=max_threadgroup_bytes,
-    device_limit="threadgroup_memory", reference_device="apple-m1",
-    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm", "gate"))
+class Metal(Backend):
+    """The generated Metal kernels of this module (Apple GPUs; `gdngen.metal_sim` off-device);
+    its hooks are the module's functions (looked up when called)."""
+
+    name, framework, config, tolerances = BACKEND, "mlx", Config, POLICY_TOLERANCES
+    device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"
+    gates = tuned_gates = ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+
+    def space(self, problem, device=None):
+        return variant_space(problem, device)
+
+    def default(self, problem, device=None):
+        return default_config(problem, device)
+
+    def supports(self, problem):
+        return supports(problem)
+
+    def footprint(self, variant, problem):
+        return max_threadgroup_bytes(variant, problem)
+
+    def render_plan(self, variant, problem):
+        return render_plan(variant, problem)
+
+    def lower_check(self, variant, problem):
+        return lower_check(variant, problem)
+
+    def forward(self, call, operands, variant, launcher=None):
+        return _forward(call, operands, variant, launcher)
+
+    def packed(self, call, operands, variant, launcher=None, templates_dir=None):
+        return _packed(call, operands, variant, launcher, templates_dir)
+
+
+SPEC = Metal()

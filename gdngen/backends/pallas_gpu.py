@@ -77,7 +77,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import sys
 import types
 import warnings
 from dataclasses import dataclass
@@ -87,7 +86,6 @@ from gdngen.backends import generated
 from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
 from gdngen.config import VariantConfig, recurrent_switch
-from gdngen.spec import BackendSpec
 from gdngen.variant import Problem, Variant
 
 BACKEND = "pallas_gpu"
@@ -334,7 +332,8 @@ def _default_interpret_mode() -> bool:
     if jax.default_backend() == "gpu":
         return False
     warnings.warn(f"gdngen {BACKEND}: no GPU attached; the generated kernels run in Pallas "
-                  "interpret mode (slow; for validation)", RuntimeWarning, stacklevel=6)
+                  "interpret mode (slow; for validation)", RuntimeWarning,
+                  stacklevel=settings.caller_stacklevel())
     return True
 
 
@@ -950,25 +949,70 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     (`gdngen.backends.generated.custom_vjp_core`). Per-channel gates' chunk path computes them
     inside its custom VJP (`gdngen.backends.jax_chunkwise.chunk_core`).
     """
-    module = sys.modules[__name__]
+    return SPEC.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
+                      variant=variant, templates_dir=templates_dir, qk_norm=qk_norm)
 
-    def recurrent(problem, q, k, v, decay, beta, S0, inputs):
+
+def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                       gate="log", variant, cu_seqlens, templates_dir=None):
+    """A packed row (`gdngen.packed`, scalar gates) on a variant's kernels
+    (`gdngen.backends.generated.packed_gated_delta`); arguments as `gated_delta` with
+    ``cu_seqlens`` int32 ``[N+1]``."""
+    return SPEC.packed_entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
+                             gate=gate, variant=variant, cu_seqlens=cu_seqlens,
+                             templates_dir=templates_dir)
+
+
+class PallasGPU(generated.PallasBackend):
+    """The generated Pallas kernels of this module; its hooks are the module's functions
+    (looked up when called)."""
+
+    name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
+    device_kinds, device_limit, reference_device = ("gpu",), "shared_memory", "h100"
+
+    def space(self, problem, device=None):
+        return variant_space(problem, device)
+
+    def default(self, problem, device=None):
+        return default_config(problem, device)
+
+    def footprint(self, variant, problem):
+        return shared_memory_bytes(variant, problem)
+
+    def render_plan(self, variant, problem):
+        return render_plan(variant, problem)
+
+    def lower_check(self, variant, problem, **options):
+        return lower_check(variant, problem, **options)
+
+    def clear_cache(self):
+        clear_cache()
+
+    def interpret_mode(self):
+        return interpret_mode()
+
+    def load_kernels(self, variant, problem, *, templates_dir=None):
+        return load_kernels(variant, problem, templates_dir=templates_dir)
+
+    def load_fused_kernels(self, variant, problem, inputs, *, templates_dir=None):
+        return load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
+
+    def load_packed_kernels(self, variant, problem, *, templates_dir=None):
+        return load_packed_kernels(variant, problem, templates_dir=templates_dir)
+
+    def chunk_core(self, key, gate, scale, qk_norm=False, fused_key=None):
+        return _core(key, gate, scale, qk_norm, fused_key)
+
+    def packed_core(self, key, gate):
+        return _packed_core(key, gate)
+
+    def chunk_walks(self, key):
+        return chunk_walks(key)
+
+    def recurrent(self, problem, q, k, v, decay, beta, S0, inputs, *, scale, variant,
+                  templates_dir=None):
         return recurrent_forward(q, k, v, decay, beta, S0, scale=scale, variant=variant,
                                  problem=problem, templates_dir=templates_dir, inputs=inputs)
 
-    return generated.switched_gated_delta(module, recurrent, q, k, v, g, beta, initial_state,
-                                          mask=mask, scale=scale, gate=gate, variant=variant,
-                                          templates_dir=templates_dir, qk_norm=qk_norm)
 
-
-#: the packed-row entry (`gdngen.backends.generated.packed_gated_delta` on this module)
-packed_gated_delta = generated.packed_entry(__name__)
-
-
-SPEC = BackendSpec(
-    name=BACKEND, framework="jax", config=Config, space=variant_space, default=default_config,
-    entry=gated_delta, tolerances=POLICY_TOLERANCES, device_kinds=("gpu",), dtypes=INPUT_DTYPES,
-    gates=("scalar", "vector"), tuned_gates=("scalar", "vector"),
-    render_plan=render_plan, lower_check=lower_check, clear_cache=clear_cache,
-    footprint=shared_memory_bytes, device_limit="shared_memory", reference_device="h100",
-    packed_entry=packed_gated_delta, packed_gates=("scalar",), fused_inputs=("qk_norm", "gate"))
+SPEC = PallasGPU()

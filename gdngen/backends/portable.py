@@ -72,7 +72,7 @@ class PortableBackend(Backend):
         self.name, self.framework, self.ops, self.config = name, framework, ops, config
         self.device_kinds, self.fused_inputs = device_kinds, fused_inputs
         self.source_modules = ("gdngen.chunkwise", "gdngen.chunkwise_channel", __name__, ops)
-        self.validate()
+        super().__init__()
 
     def space(self, problem, device=None):
         crossover = RECURRENT_BELOW[self.name][problem.gate]  # the tuner measures its own
@@ -85,11 +85,11 @@ class PortableBackend(Backend):
             return self.config(VECTOR_CHUNK, recurrent_below=crossover)
         return self.config(recurrent_below=crossover)
 
-    def forward(self, call, operands, variant):
+    def forward(self, call, operands, variant, **options):
         module = sys.modules.get(self.ops) or importlib.import_module(self.ops)
         return gated_delta(module, call, operands, self.parse(variant))
 
-    def packed(self, call, operands, variant):
+    def packed(self, call, operands, variant, **options):
         from gdngen import packed
 
         return packed.run_portable(call, operands,
