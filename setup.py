@@ -1,9 +1,8 @@
-"""Build hook: ship the repo-root ``templates/`` and ``tuned/`` folders inside the package.
+"""Build hook: ship the repo-root ``tuned/`` folder inside the package.
 
-Everything else is declared in pyproject.toml. A regular (non-editable) build copies
-``templates/**`` and ``tuned/**`` into ``<build_lib>/gdngen/templates`` and
-``<build_lib>/gdngen/tuned``, so wheels carry them; editable installs read the repo-root folders
-directly (see ``gdngen/resources.py``).
+Everything else is declared in pyproject.toml (the backends' templates are package data). A
+regular (non-editable) build copies ``tuned/**`` into ``<build_lib>/gdngen/tuned``, so wheels
+carry it; editable installs read the repo-root folder directly (see ``gdngen/resources.py``).
 """
 
 import shutil
@@ -13,7 +12,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py as _build_py
 
 ROOT = Path(__file__).resolve().parent
-DATA_DIRS = ("templates", "tuned")
+DATA_DIRS = ("tuned",)
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".*")
 
 

@@ -10,7 +10,8 @@ Both callables get the same raw arrays: q, k un-normalised, ``a`` the gate proje
   dt_bias=)``: where the chosen backend's kernels compute the norm and the gate in their loads
   (`gdngen.backends.kernel_inputs`), no normalised q, k and no log gate exist as arrays;
 * ``outside``: q, k normalised and the log gate computed by the caller
-  (`gdngen.layer_inputs.normalize_qk`, `gdngen.layer_inputs.log_gate`), then the plain call.
+  (`gdngen.algebra.layer_inputs.normalize_qk`, `gdngen.algebra.layer_inputs.log_gate`), then the
+  plain call.
 
 JAX: each jitted whole; MLX: eager, as a model calls it. The plain ``gdngen.<framework>.
 gated_delta`` dispatch runs (tuned entry, else the default variant; ``--backend`` forces that
@@ -50,7 +51,7 @@ def make_inputs(B, T, Hk, Hv, D, vector, seed=0):
 
 def callables(framework, D, variant):
     """``{"fused", "outside"}``: ``(q, k, v, a, beta, A_log, dt_bias, state) -> (y, state)``."""
-    from gdngen import layer_inputs
+    from gdngen.algebra import layer_inputs
 
     if framework == "jax":
         from gdngen.jax import gated_delta

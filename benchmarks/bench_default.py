@@ -77,7 +77,7 @@ def check_textbook(problem) -> float:
     import jax
     import jax.numpy as jnp
 
-    from gdngen import reference
+    from gdngen.algebra import reference
     from gdngen.timing import make_inputs
     from gdngen.validate import relative_error
 

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         os.environ[settings.ENV_INTERPRET] = "1"
     from gdngen import devices
-    from gdngen.backends import pallas_gpu
+    from gdngen.backends.pallas import gpu as pallas_gpu
     from gdngen.fileio import atomic_write_text
     from gdngen.registry import default_variant
     from gdngen.variant import Problem

@@ -3,10 +3,10 @@ chunk core (`BackendSpec.fused_inputs`) against the same call with that input co
 it (autodiff through it), both at once on the same inputs: peak memory and time. ``--inputs``:
 
 * ``qk_norm``: ``gated_delta(..., qk_norm=True)`` (raw q, k) against q, k normalised before
-  the call (`gdngen.layer_inputs.normalize_qk`);
+  the call (`gdngen.algebra.layer_inputs.normalize_qk`);
 * ``gate``: ``gated_delta(..., gate="softplus", A_log=, dt_bias=)`` (g the raw projection a)
-  against the log gate computed before the call (`gdngen.layer_inputs.log_gate`); per-channel
-  gates with Kimi Linear's parameter shapes (A_log ``[Hv, 1]``, dt_bias ``[Hv, Dk]``).
+  against the log gate computed before the call (`gdngen.algebra.layer_inputs.log_gate`);
+  per-channel gates with Kimi Linear's parameter shapes (A_log ``[Hv, 1]``, dt_bias ``[Hv, Dk]``).
 
 What is differentiated is ``sum(y * dy) + sum(final_state)`` with respect to every array (q,
 k, v, g, beta and, for ``gate``, A_log and dt_bias), B=1, float32, ``scale = Dk ** -0.5``, the
@@ -62,7 +62,7 @@ def arguments(arrays, kind):
 def losses(framework, dy, D, kind="qk_norm"):
     """``{"fused", "outside"}``: ``loss(*ARGUMENTS[kind]) = sum(y * dy) + sum(final_state)`` of
     the plain call with the layer input ``kind`` computed inside the op, and before it."""
-    from gdngen import layer_inputs
+    from gdngen.algebra import layer_inputs
 
     if framework == "jax":
         import jax.numpy as ops

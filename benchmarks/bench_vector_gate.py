@@ -22,8 +22,8 @@ same callable (``--no-settle`` drops it), median of ``--repeats``:
   gate per channel, the intra-chunk decays ``exp(Gamma_i - Gamma_j)`` as a masked
   ``[C, C, Dk]`` tensor, the triangular solve by ``jax.scipy.linalg.solve_triangular``, the
   inter-chunk state carried by ``lax.scan``, jax autodiff for the backward, jitted. Both JAX
-  baselines are checked against the float64 `gdngen.reference` (`check_baseline`, also a test
-  in tests/test_bench.py) before anything is timed;
+  baselines are checked against the float64 `gdngen.algebra.reference` (`check_baseline`, also a
+  test in tests/test_bench.py) before anything is timed;
 * MLX ``mlx-lm``: mlx-lm's own ``gated_delta_ops`` (its per-step ops loop; given ``exp(g)``
   ``[B,T,Hv,Dk]`` and ``q * scale``; it repeats q, k to the value heads itself), ``mx.grad``
   backward; only at T <= ``--baseline-max-T``.
@@ -151,13 +151,13 @@ def textbook_chunked(q, k, v, g, beta, initial_state, *, scale, gate="log", chun
 def check_baseline(baseline=textbook_chunked, B=1, T=100, Hk=2, Hv=4, D=32,
                    seed=0) -> dict[str, float]:
     """``{name: relative error}`` of a JAX baseline's (default `textbook_chunked`) y, final
-    state and six gradients against the float64 `gdngen.reference` on a small per-channel
+    state and six gradients against the float64 `gdngen.algebra.reference` on a small per-channel
     problem (mild gates: a in [0.9, 0.999]); relative error = max |ours - ref| / max |ref|."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from gdngen import reference
+    from gdngen.algebra import reference
     from gdngen.precision import precision_context
     from gdngen.timing import make_inputs
     from gdngen.variant import Problem
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-settle", dest="settle", action="store_false",
                         help="no untimed run of a callable right before each of its timed runs")
     parser.add_argument("--skip-check", action="store_true",
-                        help="do not check the JAX baselines against gdngen.reference")
+                        help="do not check the JAX baselines against gdngen.algebra.reference")
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args(argv)
     from gdngen.variant import Problem
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
         check = {"chunked": check_baseline(textbook_chunked), "scan": check_baseline(textbook_scan)}
         for name, errors in check.items():
             if max(errors.values()) > 1e-4:
-                print(f"{name} baseline disagrees with gdngen.reference: {errors}",
+                print(f"{name} baseline disagrees with gdngen.algebra.reference: {errors}",
                       file=sys.stderr)
                 return 1
     rows = []
@@ -304,8 +304,9 @@ def main(argv=None) -> int:
         return 0
     for name, errors in (check or {}).items():
         worst = max(errors, key=errors.get)
-        print(f"{name} baseline vs float64 gdngen.reference (B=1 T=100 Hk=2 Hv=4 D=32): worst "
-              f"relative error {errors[worst]:.1e} ({worst}) over y, final state, 6 gradients")
+        print(f"{name} baseline vs float64 gdngen.algebra.reference (B=1 T=100 Hk=2 Hv=4 "
+              f"D=32): worst relative error {errors[worst]:.1e} ({worst}) over y, final state, "
+              "6 gradients")
     print(f"fwd+bwd, per-channel gate, B=1 Hk={hk} Hv={hv} D={ns.dim} float32, median of "
           f"{ns.repeats}{' (settled)' if ns.settle else ''}; [max/min spread]; "
           "ratio = baseline / gdngen")

@@ -10,7 +10,7 @@ A backend (one per execution target; `gdngen.registry.BACKENDS` lists them) is a
 * ``gates`` / ``dtypes``: gate kinds and input dtypes it implements; ``tuned_gates`` the gate
   kinds whose execution depends on the variant; ``fused_inputs``: the layer inputs it takes
   raw (``"qk_norm"``, ``"gate"``; the others `run` computes before it); ``packed_gates``: the
-  gate kinds whose packed rows (`gdngen.packed`) run in its own kernels (`packed`);
+  gate kinds whose packed rows (`gdngen.algebra.packed`) run in its own kernels (`packed`);
 * ``space(problem, device) -> [config]``, ``default(problem, device) -> config``;
   ``device_limit`` with ``footprint(variant, problem)`` (bytes of that `Device.limits`
   resource a variant uses; the space keeps what fits), ``reference_device``;
@@ -21,7 +21,7 @@ A backend (one per execution target; `gdngen.registry.BACKENDS` lists them) is a
   for ``packed_gates``, ``packed(call, operands, variant)``.
 
 `run` is the one path from a checked `gdngen.call.Call` to those hooks: the layer inputs the
-backend does not fuse are computed first (`gdngen.layer_inputs.computed`), a packed row goes
+backend does not fuse are computed first (`gdngen.algebra.layer_inputs.computed`), a packed row goes
 to `packed` or the framework's portable packed path. Nothing re-checks the call.
 `BackendSpec` is the same declaration made from plain functions (plugins, tests).
 """
@@ -173,10 +173,10 @@ class Backend:
     def run(self, call, operands, variant: Variant, **options):
         """Run ``variant`` on a checked `gdngen.call.Call` and its `gdngen.call.Operands`
         (beta activated, a parameterised gate's parameters laid out:
-        `gdngen.layer_inputs.prepared`); returns ``(y, final_state)``. The layer inputs this
+        `gdngen.algebra.layer_inputs.prepared`); returns ``(y, final_state)``. The layer inputs this
         backend does not take raw (`fused_inputs`; a packed row: none) are computed first.
         ``options``: keywords of this backend's hooks (e.g. ``templates_dir``)."""
-        from gdngen import layer_inputs, packed
+        from gdngen.algebra import layer_inputs, packed
 
         why = self.refusal(call)
         if why:
@@ -207,7 +207,7 @@ class Backend:
         raise NotImplementedError
 
     def packed(self, call, operands, variant: Variant, **options):
-        """A packed row (`gdngen.packed`, gate kinds of `packed_gates`) of ``variant``:
+        """A packed row (`gdngen.algebra.packed`, gate kinds of `packed_gates`) of ``variant``:
         ``(y [1,T,Hv,Dv] in q's dtype, final_state [N,Hv,Dv,Dk] float32)``."""
         raise NotImplementedError
 

@@ -11,7 +11,8 @@ per-channel g as it is):
   variant of ``backend`` with chunk size C. ``backend="auto"`` takes, for JAX, the generated
   C++ kernels (``ffi_cpu``) on a CPU host that can build them and the portable ``xla`` path
   elsewhere, and for MLX its portable ``mlx`` path; each row names the backend it ran;
-* baseline (sequential): ``gdngen.backends.jax_chunkwise.sequential_gated_delta`` (a float32
+* baseline (sequential): ``gdngen.backends.portable.jax_chunkwise.sequential_gated_delta`` (a
+float32
   ``lax.scan``) for JAX, ``mlx_lm.models.gated_delta.gated_delta_ops`` (a per-step loop; it takes
   a linear gate and no scale, so it gets ``exp(g)`` and ``q * scale``) for MLX. Lengths above
   ``baseline_max_T`` skip it.
@@ -193,7 +194,7 @@ def chunk_variant(framework: str, cfg: BenchConfig):
 
 def _jax_kernels():
     """(chunkwise, sequential baseline) JAX callables; both ``(q,k,v,g,beta,s0,*,scale,gate)``."""
-    from gdngen.backends.jax_chunkwise import sequential_gated_delta
+    from gdngen.backends.portable.jax_chunkwise import sequential_gated_delta
     from gdngen.jax import gated_delta
 
     return gated_delta, sequential_gated_delta

@@ -2,7 +2,7 @@
 `Operands` (the arrays).
 
 `check` is the only place a call's arguments are validated (`gdngen.problem` for the arrays'
-shapes and dtypes, `gdngen.layer_inputs` for the layer-input options); every later stage
+shapes and dtypes, `gdngen.algebra.layer_inputs` for the layer-input options); every later stage
 (`gdngen.sharding`, `gdngen.dispatch`, a `gdngen.backend.Backend`) takes the `Call` and
 re-checks nothing. A `Call` holds no arrays, so it is hashable and a stage may key its caches
 on it; it is remembered per shapes, dtypes and options (a decode loop pays for the checks once).
@@ -10,7 +10,7 @@ on it; it is remembered per shapes, dtypes and options (a decode loop pays for t
 The gate's parameterisation is a field (``gate_form`` "softplus" / "sigmoid_bound" with
 ``lower_bound``), and its parameters ``A_log`` and ``dt_bias`` are operands of their own. The
 chunk cores of the backends take a parameterised gate as the tuple ``(a, A_log, dt_bias)``
-with a `gdngen.chunkwise.ParameterGate` as their ``gate`` (`Operands.kernel_gates`,
+with a `gdngen.algebra.chunkwise.ParameterGate` as their ``gate`` (`Operands.kernel_gates`,
 `Call.kernel_gate`): that is an operand layout of the cores, not of the call.
 """
 
@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gdngen import chunkwise
+from gdngen.algebra import chunkwise
 from gdngen.problem import CallShape, check_call, check_framework, dtype_name
 
 __all__ = ["Call", "Operands", "check", "of_kernel_args"]
@@ -63,7 +63,8 @@ class Call:
 
     @property
     def packed(self) -> bool:
-        """Whether the single row holds packed sequences (``cu_seqlens``, `gdngen.packed`)."""
+        """Whether the single row holds packed sequences (``cu_seqlens``,
+        `gdngen.algebra.packed`)."""
         return self.shape.sequences is not None
 
     @property
@@ -72,7 +73,7 @@ class Call:
 
     @property
     def kernel_gate(self):
-        """The ``gate`` of the chunk cores: a `gdngen.chunkwise.ParameterGate` for a
+        """The ``gate`` of the chunk cores: a `gdngen.algebra.chunkwise.ParameterGate` for a
         parameterised gate (its gates then `Operands.kernel_gates`' tuple), else `gate`."""
         if self.gate_form is None:
             return self.gate
@@ -132,11 +133,11 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
           ) -> tuple[Call, Operands]:
     """Check one ``gated_delta`` call (arguments as `gdngen.jax.gated_delta`); return its
     `Call` and `Operands`. ValueErrors name the argument and what was expected (the checks of
-    `gdngen.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the gate's
+    `gdngen.algebra.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the gate's
     parameters). Only shapes and Python values are read, so it runs under ``jax.jit`` and
     ``mx.compile``; without ``cu_seqlens`` (whose values are checked when concrete) the `Call`
     is remembered per shapes, dtypes and options."""
-    from gdngen import layer_inputs
+    from gdngen.algebra import layer_inputs
 
     operands = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, cu_seqlens)
     key = None
@@ -173,8 +174,9 @@ def of_kernel_args(framework: str, q, k, v, g, beta, initial_state=None, mask=No
                    ) -> tuple[Call, Operands]:
     """`check` of a backend entry point's arguments (``gdngen.backends.<name>.gated_delta``),
     whose parameterised gate comes in the cores' layout: ``gate`` a
-    `gdngen.chunkwise.ParameterGate` with ``g = (a, A_log, dt_bias)``, the parameters already
-    broadcast against ``a`` (`gdngen.chunkwise.parameter_layout`); ``qk_norm``: q, k raw."""
+    `gdngen.algebra.chunkwise.ParameterGate` with ``g = (a, A_log, dt_bias)``, the parameters
+    already broadcast against ``a`` (`gdngen.algebra.chunkwise.parameter_layout`); ``qk_norm``: q, k
+    raw."""
     if not isinstance(gate, chunkwise.ParameterGate):
         return check(framework, q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
                      qk_norm=qk_norm, cu_seqlens=cu_seqlens)

@@ -11,7 +11,7 @@ Each `Case` fixes shapes, the chunk size it is designed around, and how its inpu
     mask          [B,T] bool or None
     dy            [B,T,Hv,Dv]   ~ N(0,1) cotangent of y (never zero)
     dfinal_state  [B,Hv,Dv,Dk]  ~ N(0,1) cotangent of the final state (never zero)
-    cu_seqlens    [N+1] int32 or None: a packed case (B = 1, `gdngen.packed`); initial_state
+    cu_seqlens    [N+1] int32 or None: a packed case (B = 1, `gdngen.algebra.packed`); initial_state
                   and dfinal_state are then [N,Hv,Dv,Dk], one per sequence
 
 Query scaling convention: q is NOT pre-scaled; every case runs with ``scale = Dk ** -0.5``

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gdngen import layer_inputs, packed, registry, settings
+from gdngen import registry, settings
+from gdngen.algebra import layer_inputs, packed
 from gdngen.problem import CallShape
 from gdngen.variant import Problem, Variant, problem_of
 
@@ -54,7 +55,7 @@ class Choice:
         """This choice with ``kernel_path`` saying which kernels a call of ``T`` steps runs:
         the recurrent kernel below the variant's ``recurrent_below`` (the tuned crossover when
         the entry measured one, `gdngen.tune.crossover`), else the chunk kernels; a packed row
-        of ``sequences`` sequences: `gdngen.packed.describe`."""
+        of ``sequences`` sequences: `gdngen.algebra.packed.describe`."""
         below = self.variant.get("recurrent_below")
         if sequences is not None:
             text = packed.describe(registry.get(self.variant.backend), self.variant,
@@ -207,7 +208,7 @@ def run(call, operands, *, variant=None, device=None, precision="ieee"):
     """The body of ``gdngen.<framework>.gated_delta`` after its checks: choose the variant of
     the checked `gdngen.call.Call` (explicit ``variant``; else ``call.chunk_size`` over the
     default; else tuned for ``device``, default the attached one, and ``precision``) and run
-    it on ``operands`` (`gdngen.layer_inputs.prepared`) through its backend
+    it on ``operands`` (`gdngen.algebra.layer_inputs.prepared`) through its backend
     (`gdngen.backend.Backend.run`)."""
     chosen = resolve(call.framework, call.shape, call.dtype, variant, call.chunk_size,
                      device=device, precision=precision)

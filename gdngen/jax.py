@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gdngen import call as calls
-from gdngen import layer_inputs, sharding
+from gdngen import sharding
+from gdngen.algebra import layer_inputs
 from gdngen.call import Operands
 from gdngen.dispatch import run
 
@@ -36,7 +37,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     returned ``final_state`` (both replicated over that axis) leaves the last shard; ``y`` is
     the shard's own tokens.
 
-    Layer inputs (`gdngen.layer_inputs`; the q/k norm and the gate are computed inside the
+    Layer inputs (`gdngen.algebra.layer_inputs`; the q/k norm and the gate are computed inside the
     chunk core, which keeps only the raw arrays, also per shard under ``jax.shard_map`` and a
     sharded ``jax.jit`` (A_log and dt_bias then operands sharded like v's heads); the generated
     backends' kernels compute them in their loads; a packed row and a context-parallel call
@@ -49,7 +50,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``beta_activation="sigmoid"``: beta given as logits. Inside ``jax.shard_map`` A_log and
     dt_bias are the shard's value heads, like v.
 
-    Packed sequences (`gdngen.packed`): ``cu_seqlens`` int32 ``[N+1]`` (fla's offsets:
+    Packed sequences (`gdngen.algebra.packed`): ``cu_seqlens`` int32 ``[N+1]`` (fla's offsets:
     ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``; may be traced under
     ``jax.jit``, N static) splits the single row (B = 1) into N sequences, the state reset at
     each boundary; ``initial_state`` and the returned final state are then ``[N,Hv,Dv,Dk]``.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gdngen import call as calls
-from gdngen import layer_inputs
+from gdngen.algebra import layer_inputs
 from gdngen.dispatch import run
 
 __all__ = ["gated_delta"]
@@ -24,15 +24,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     backend (metal on an Apple GPU) when it implements the call, else the portable ``mlx``
     path. ``chunk_size`` overrides the default variant's chunk.
 
-    Layer inputs, as in `gdngen.jax.gated_delta` (`gdngen.layer_inputs`; the q/k norm and the
-    gate inside the chunk core and the recurrent path, metal's kernels in their loads; packed
+    Layer inputs, as in `gdngen.jax.gated_delta` (`gdngen.algebra.layer_inputs`; the q/k norm and
+    the gate inside the chunk core and the recurrent path, metal's kernels in their loads; packed
     rows get them computed first;
     gradients reach the raw arrays): ``qk_norm``; ``gate="softplus"`` / ``"sigmoid_bound"``
     with ``A_log``, ``dt_bias`` (and ``lower_bound``), g then the raw gate projection;
     ``beta_activation="sigmoid"``.
 
     Packed sequences, as in `gdngen.jax.gated_delta`: ``cu_seqlens`` int32 ``[N+1]``, B = 1,
-    ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.packed`).
+    ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.algebra.packed`).
     """
     checked, operands = calls.check(
         "mlx", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,

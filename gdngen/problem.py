@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gdngen import chunkwise
+from gdngen.algebra import chunkwise
 
 #: the frameworks with a ``gated_delta`` entry point (`gdngen.jax`, `gdngen.mlx`).
 FRAMEWORKS = ("jax", "mlx")
@@ -31,7 +31,8 @@ class CallShape:
     Dk: int
     Dv: int
     vector_gate: bool
-    #: N, the number of packed sequences of a ``cu_seqlens`` call (`gdngen.packed`), else None
+    #: N, the number of packed sequences of a ``cu_seqlens`` call (`gdngen.algebra.packed`), else
+    # None
     sequences: int | None = None
 
     @property
@@ -74,7 +75,7 @@ def _concrete(x):
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
-    """Check the offsets of a packed call (`gdngen.packed`: fla's ``cu_seqlens``); return N,
+    """Check the offsets of a packed call (`gdngen.algebra.packed`: fla's ``cu_seqlens``); return N,
     the number of sequences.
 
     ValueError naming ``cu_seqlens`` and what was expected: not a 1-D int32 array of at least
@@ -110,8 +111,9 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
                scale=1.0, cu_seqlens=None) -> CallShape:
     """`check_call_once`, remembered per shapes, dtypes and options when ``cu_seqlens`` is None
     (then nothing it checks depends on values): a decode loop pays for the checks once.
-    ``gate`` may be a `gdngen.chunkwise.ParameterGate` with ``g`` its ``(a, A_log, dt_bias)``:
-    ``a`` is checked as a log gate (the parameters are `gdngen.layer_inputs`' to check)."""
+    ``gate`` may be a `gdngen.algebra.chunkwise.ParameterGate` with ``g`` its ``(a, A_log,
+    dt_bias)``:
+    ``a`` is checked as a log gate (the parameters are `gdngen.algebra.layer_inputs`' to check)."""
     g, gate = chunkwise.raw_gates(g), chunkwise.convention(gate)
     if cu_seqlens is not None:
         return check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
@@ -141,7 +143,7 @@ def check_call_once(q, k, v, g, beta, initial_state=None, mask=None, *, gate="lo
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` with Hv a multiple of Hk; g ``[B,T,Hv]`` or
     ``[B,T,Hv,Dk]``; beta ``[B,T,Hv]``; initial_state ``[B,Hv,Dv,Dk]``; mask ``[B,T]`` bool.
-    With ``cu_seqlens`` (`gdngen.packed.check_cu_seqlens`: int32 ``[N+1]``, B = 1)
+    With ``cu_seqlens`` (`gdngen.algebra.packed.check_cu_seqlens`: int32 ``[N+1]``, B = 1)
     initial_state is ``[N,Hv,Dv,Dk]``, one per sequence.
     """
     if gate not in GATES:

@@ -33,11 +33,11 @@ __all__ = ["BACKENDS", "BackendSpec", "backends_for", "check_variant", "default_
 #: same framework (a device's preference order, see `backends_for`).
 BACKENDS: dict[str, str] = {
     "ffi_cpu": "gdngen.backends.ffi_cpu",
-    "pallas_tpu": "gdngen.backends.pallas_tpu",
-    "pallas_gpu": "gdngen.backends.pallas_gpu",
-    "xla": "gdngen.backends.xla",
+    "pallas_tpu": "gdngen.backends.pallas.tpu",
+    "pallas_gpu": "gdngen.backends.pallas.gpu",
+    "xla": "gdngen.backends.portable.xla",
     "metal": "gdngen.backends.metal",
-    "mlx": "gdngen.backends.mlx",
+    "mlx": "gdngen.backends.portable.mlx",
 }
 
 

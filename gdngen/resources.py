@@ -1,7 +1,9 @@
-"""Where the shipped data folders are: Jinja templates and tuned configurations.
+"""Where the shipped data is: each templated backend's Jinja sources (in its own folder, beside
+its code) and the tuned configurations.
 
-A wheel carries them as ``gdngen/templates/`` and ``gdngen/tuned/`` (copied there by setup.py);
-an editable or source-tree checkout has them at the repository root (``templates/``, ``tuned/``).
+A wheel carries the tuned configurations as ``gdngen/tuned/`` (copied there by setup.py); an
+editable or source-tree checkout has them at the repository root (``tuned/``). The templates
+are package data of their backend's package in both.
 """
 
 from __future__ import annotations
@@ -25,12 +27,24 @@ def _data_dir(name: str) -> Path:
     )
 
 
-def templates_dir() -> Path:
-    """Folder of the Jinja sources, one subfolder per backend (``templates/<backend>/``).
+@functools.cache
+def template_folders() -> dict[str, Path]:
+    """Backend name -> the folder of its Jinja sources, which sits beside its code:
+    ``gdngen/backends/<path>/templates/`` for the backend ``<path>`` with "/" read as "_"
+    (``backends/pallas/tpu/templates`` holds pallas_tpu's). Template names are
+    ``<backend>/<file>`` (`gdngen.sources.environment`)."""
+    backends = _PACKAGE / "backends"
+    return {"_".join(folder.parent.relative_to(backends).parts): folder
+            for folder in sorted(backends.rglob("templates")) if folder.is_dir()}
 
-    The installed copy inside the package if present, else the repo-root ``templates/``.
-    """
-    return _data_dir("templates")
+
+def templates_dir(backend: str) -> Path:
+    """The folder of ``backend``'s shipped Jinja sources (`template_folders`)."""
+    folders = template_folders()
+    if backend not in folders:
+        raise ValueError(f"backend must be one of {sorted(folders)} (the templated backends), "
+                         f"got {backend!r}")
+    return folders[backend]
 
 
 def tuned_dir() -> Path:

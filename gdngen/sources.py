@@ -1,12 +1,13 @@
 """Sources of a variant: its backend's templates rendered for a `Problem`, or (portable
 backends) the Python that implements it; and their sha256.
 
-Templated backends keep Jinja sources under ``templates/<backend>/``; their
+Templated backends keep Jinja sources in their own folder (``gdngen/backends/<path>/templates/``,
+named ``<backend>/<file>``, `gdngen.resources.template_folders`); their
 `gdngen.spec.BackendSpec.render_plan` maps ``(variant, problem)`` to ``{output_name:
 (template_path, context)}``. Templates load first from a user directory (``templates_dir`` argument
-or the ``GDNGEN_TEMPLATES`` environment variable), which overrides shipped files by relative path
-and cannot reach outside itself, then from the shipped ``templates/``. Rendering is strict: an
-undefined name is an error, never an empty string.
+or the ``GDNGEN_TEMPLATES`` environment variable), which overrides shipped files by that name
+(``<backend>/<file>``) and cannot reach outside itself, then from the shipped folders. Rendering is
+strict: an undefined name is an error, never an empty string.
 
 Portable backends (xla, mlx) are not templated; their "source" is the Python that implements
 them (their spec's ``source_modules``, read, not imported), so the hash still changes whenever
@@ -24,7 +25,7 @@ from pathlib import Path
 import jinja2
 
 from gdngen import settings
-from gdngen.resources import templates_dir as shipped_templates_dir
+from gdngen.resources import template_folders
 from gdngen.variant import Problem, Variant
 
 
@@ -41,11 +42,12 @@ class Rendered:
 def environment(templates_dir: str | os.PathLike | None = None) -> jinja2.Environment:
     """Jinja environment: user directory first (if any), then the shipped templates."""
     user = templates_dir if templates_dir is not None else settings.templates_override()
-    search = [str(Path(user).resolve())] if user else []
-    search.append(str(shipped_templates_dir()))
+    loaders = [jinja2.FileSystemLoader(str(Path(user).resolve()))] if user else []
+    loaders.append(jinja2.PrefixLoader({name: jinja2.FileSystemLoader(str(folder)) for name, folder
+                                        in template_folders().items()}))
     # FileSystemLoader refuses paths that escape its search roots ("../x"), so an override
     # directory cannot read or shadow anything outside itself.
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(search),
+    return jinja2.Environment(loader=jinja2.ChoiceLoader(loaders),
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                               trim_blocks=True, lstrip_blocks=True)
 

@@ -67,7 +67,7 @@ def sequential_fn(framework: str):
     """The sequential baseline of ``gdngen bench``: a float32 ``lax.scan`` for JAX, mlx_lm's
     per-step ``gated_delta_ops`` for MLX (given ``exp(g)`` and ``q * scale``)."""
     if framework == "jax":
-        from gdngen.backends.jax_chunkwise import sequential_gated_delta
+        from gdngen.backends.portable.jax_chunkwise import sequential_gated_delta
 
         def baseline(q, k, v, g, beta, initial_state, *, scale, gate):
             f32 = [x.astype("float32") for x in (q, k, v, g, beta)]

@@ -2,7 +2,7 @@
 
 `check_case` draws a case's inputs, rounds them to the tested dtype, runs the backend runner
 (protocol in docs/CONTRACT.md) once with gate="log" and once with gate="linear", runs
-`gdngen.reference.vjp` on the SAME rounded inputs, and records one relative L2 error per
+`gdngen.algebra.reference.vjp` on the SAME rounded inputs, and records one relative L2 error per
 quantity in `QUANTITIES`:
 
 * y, final_state, dq, dk, dv, dbeta, dinitial_state: max over the log and linear runs;
@@ -246,7 +246,7 @@ def runner_for(backend: str):
 
     def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
         chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
-        # a packed row always walks chunks (`gdngen.packed`): no recurrent path to check
+        # a packed row always walks chunks (`gdngen.algebra.packed`): no recurrent path to check
         packed = inputs.get("cu_seqlens") is not None
         T = np.shape(inputs["q"])[1]
         return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
@@ -276,7 +276,7 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
     the case's tolerance is then `gdngen.tolerance.allowed_error` of the variant at ``dtype``
     under policy ``precision`` (else the dtype's battery tolerance).
     """
-    from gdngen import reference
+    from gdngen.algebra import reference
 
     runner = _resolve_runner(runner)
     case = _resolve_case(case)

@@ -1,5 +1,5 @@
 """Checks of the generated backends' per-channel chunk walks (``chunk_walks``: kernels with the
-contracts of `gdngen.chunkwise_channel.walk_forward` / ``walk_backward``), shared by the
+contracts of `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward``), shared by the
 pallas_tpu and pallas_gpu tests."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from gdngen import chunkwise_channel, settings, validate
-from gdngen.backends.jax_chunkwise import XP
+from gdngen import settings, validate
+from gdngen.algebra import chunkwise_channel
+from gdngen.backends.portable.jax_chunkwise import XP
 
 
 def _walk_inputs(seed, N, B, Hk, r, C, Dk, Dv):
-    """Chunk-layout inputs of `gdngen.chunkwise_channel`'s walks (decays in [0, 1], an exact 0
-    and an exact 1 column), with the cotangents of the reverse walk."""
+    """Chunk-layout inputs of `gdngen.algebra.chunkwise_channel`'s walks (decays in [0, 1], an exact
+    0 and an exact 1 column), with the cotangents of the reverse walk."""
     rng = np.random.default_rng(seed)
 
     def normal(*shape, size=1.0):
@@ -31,7 +32,7 @@ def _walk_inputs(seed, N, B, Hk, r, C, Dk, Dv):
 
 
 def check_walks_match_the_portable_walks(walk_forward, walk_backward, shape, tol=1e-6):
-    """The kernel walks against `gdngen.chunkwise_channel.walk_forward` / ``walk_backward``
+    """The kernel walks against `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward``
     (the same float32 algebra) on the chunk-layout ``shape`` (N, B, Hk, r, C, Dk, Dv)."""
     (S0, U, Wk, Kc, Qd, Pm, dCC), (dSf, G, dY) = _walk_inputs(len(shape), *shape)
     got = walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)

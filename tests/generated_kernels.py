@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gdngen import reference, validate
+from gdngen import validate
+from gdngen.algebra import reference
 from gdngen.cases import Case
 
 

@@ -29,7 +29,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gdngen import chunkwise, registry, validate
+from gdngen import registry, validate
+from gdngen.algebra import chunkwise
 from gdngen.jax import gated_delta
 from gdngen.variant import Problem, Variant
 
@@ -75,7 +76,7 @@ def _interpreter(mode, backend):
     calls back into Python (ordered effects), which a custom_partitioning lowering cannot
     carry. A real TPU compiles with Mosaic and needs neither."""
     if mode in ("jit", "explicit") and backend == "pallas_tpu":
-        from gdngen.backends import pallas_tpu
+        from gdngen.backends.pallas import tpu as pallas_tpu
 
         return pallas_tpu.interpreting(True)
     return contextlib.nullcontext()
@@ -224,9 +225,9 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
     Hv, g ``[B,T,Hv,Dk]``, A_log ``[Hv]``, dt_bias ``[Hv,Dk]``) under the sharded jit, and
     per-row gradients under ``jax.vmap`` of that jit (the shared parameters' gradients per
     mapped row); how many times the gate was computed outside the chunk core
-    (`gdngen.layer_inputs.computed_gate`, 0 when every path fuses it); and the bytes
+    (`gdngen.algebra.layer_inputs.computed_gate`, 0 when every path fuses it); and the bytes
     ``jax.vjp`` keeps, fused against outside."""
-    from gdngen import layer_inputs
+    from gdngen.algebra import layer_inputs
 
     computed = []
     real_computed_gate = layer_inputs.computed_gate
@@ -380,7 +381,7 @@ def pallas_gpu_lowering() -> dict:
     pallas_gpu's forward + backward, lowered without a GPU over an abstract mesh."""
     from jax.sharding import AbstractMesh
 
-    from gdngen.backends import pallas_gpu
+    from gdngen.backends.pallas import gpu as pallas_gpu
 
     B, T, Hk, Hv, D = 2, 128, 4, 8, 16
     structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in

@@ -23,7 +23,7 @@ PROBLEM = Problem(2, 4, 128, 128)
 
 def _plant(tmp_path, name, old, new):
     """An override folder whose ``pallas_tpu/<name>`` is the shipped one with ``old`` -> ``new``."""
-    text = (templates_dir() / "pallas_tpu" / name).read_text()
+    text = (templates_dir("pallas_tpu") / name).read_text()
     assert text.count(old) == 1, old
     folder = tmp_path / "override"
     (folder / "pallas_tpu").mkdir(parents=True)

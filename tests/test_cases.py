@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from gdngen import reference
+from gdngen.algebra import reference
 from gdngen.cases import BATTERY, INF_GATE_KINDS, VECTOR_GATE_KINDS, Case, get_case
 
 CASE_NAMES = [case.name for case in BATTERY]

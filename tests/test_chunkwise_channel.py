@@ -1,5 +1,5 @@
-"""The per-channel chunk algebra (`gdngen.chunkwise_channel`) piece by piece, against float64
-NumPy written from the definitions: the anchored factors are the gates' products over their
+"""The per-channel chunk algebra (`gdngen.algebra.chunkwise_channel`) piece by piece, against
+float64 NumPy written from the definitions: the anchored factors are the gates' products over their
 segments (bounded, exact zeros), the decayed products are sum_d x y d(t, j), the adjoint is the
 transpose of the segment sums, and the whole chunk path matches the reference at strong decay
 on both frameworks, with chunks smaller and larger than a sub-chunk. The battery cases run in
@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gdngen import chunkwise_channel as cc
-from gdngen import reference, validate
+from gdngen import validate
+from gdngen.algebra import chunkwise_channel as cc
+from gdngen.algebra import reference
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
-from gdngen.backends.jax_chunkwise import XP
+from gdngen.backends.portable.jax_chunkwise import XP
 
 
 def _decays(a):
@@ -146,14 +147,14 @@ def test_chunk_path_matches_reference_at_strong_decay_with_zeros(framework, chun
     ref = reference.vjp(q, k, v, gates, beta, s0, dy, dS, scale=0.25, gate=gate)
     params = {"scale": 0.25, "gate": gate, "chunk_size": chunk_size}
     if framework == "jax":
-        from gdngen.backends.jax_chunkwise import chunkwise_gated_delta
+        from gdngen.backends.portable.jax_chunkwise import chunkwise_gated_delta
 
         args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, gates, beta, s0)]
         out, vjp = jax.vjp(lambda *a: chunkwise_gated_delta(*a, None, **params), *args)
         grads = vjp((jnp.asarray(dy, jnp.float32), jnp.asarray(dS, jnp.float32)))
     else:
         mx = pytest.importorskip("mlx.core")
-        from gdngen.backends.mlx_chunkwise import chunkwise_gated_delta
+        from gdngen.backends.portable.mlx_chunkwise import chunkwise_gated_delta
 
         args = [mx.array(x.astype(np.float32)) for x in (q, k, v, gates, beta, s0)]
         out, grads = mx.vjp(lambda *a: chunkwise_gated_delta(*a, None, **params), args,

@@ -177,7 +177,7 @@ def test_under_jit_with_mask_and_gradient(name):
         return
     import mlx.core as mx
 
-    from gdngen import reference
+    from gdngen.algebra import reference
     from gdngen.mlx import gated_delta
 
     q, k, v, g, beta, s0 = small_call_inputs(D=32)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from spies import spy_calls
 
 import gdngen.jax
-from gdngen import chunkwise, reference, sources
+from gdngen import sources
+from gdngen.algebra import chunkwise, reference
 from gdngen.backends import ffi_cpu
 from gdngen.backends.kernel_inputs import KernelInputs
 from gdngen.validate import relative_error

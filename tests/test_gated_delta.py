@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from gdngen import reference, validate
+from gdngen import validate
+from gdngen.algebra import reference
 from gdngen.cases import BATTERY, get_case
 
 FRAMEWORKS = ("jax", "mlx")
@@ -117,7 +118,7 @@ def test_chunk_sizes(fw, chunk_size):
 def test_head_dims(fw, dims, path):
     """Any Dk, Dv in 16..256, not only powers of two, agree with the reference, on both paths
     of the recurrent switch (MLX's step loop sums its state-vector products in blocks of 16
-    past Dk = 16, `gdngen.backends.mlx_chunkwise.XP.dot_last`: Dk 16 one sum, 48 and 256
+    past Dk = 16, `gdngen.backends.portable.mlx_chunkwise.XP.dot_last`: Dk 16 one sum, 48 and 256
     split)."""
     from gdngen import registry
     from gdngen.config import RECURRENT_ALWAYS
@@ -202,7 +203,8 @@ def test_decode_step_is_one_compiled_call_with_gradients(vector, monkeypatch):
     path's VJP through the compiled custom function) match the reference."""
     import mlx.core as mx
 
-    from gdngen import Variant, chunkwise
+    from gdngen import Variant
+    from gdngen.algebra import chunkwise
 
     SCALE = 0.2371  # a scale no other test uses: this test's compiled step is its own
     gdngen_mlx = Framework("mlx").gated_delta

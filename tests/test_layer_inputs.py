@@ -1,9 +1,10 @@
 """Fused layer inputs (qk_norm, gate="softplus" / "sigmoid_bound", beta_activation) on both
-frameworks, against a float64 NumPy reference of the transform composed with `gdngen.reference`.
+frameworks, against a float64 NumPy reference of the transform composed with
+`gdngen.algebra.reference`.
 
 The reference gradients of the transform are the chain rule, written out below in float64, on
-top of `gdngen.reference.vjp`'s dq, dk, dg, dbeta (a finite-difference cross-check of that chain
-rule is a test of its own). Errors are relative L2 norms (`gdngen.validate.relative_error`).
+top of `gdngen.algebra.reference.vjp`'s dq, dk, dg, dbeta (a finite-difference cross-check of that
+chain rule is a test of its own). Errors are relative L2 norms (`gdngen.validate.relative_error`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from gdngen import chunkwise, layer_inputs, reference
+from gdngen.algebra import chunkwise, layer_inputs, reference
 from gdngen.validate import relative_error
 
 FRAMEWORKS = ("jax", "mlx")
@@ -313,8 +314,8 @@ def test_log_gate_is_stable_at_extreme_projections(fw):
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "sigmoid_bound"])
 def test_chunk_core_gate_vjp_at_extreme_projections(fw, lower_bound):
-    """The chunk cores' own gate (`gdngen.chunkwise.ParameterGate`): log gate and its VJP to a,
-    A_log, dt_bias against float64 from a = -80 to 80, per element within a few float32 ulps of
+    """The chunk cores' own gate (`gdngen.algebra.chunkwise.ParameterGate`): log gate and its VJP to
+    a, A_log, dt_bias against float64 from a = -80 to 80, per element within a few float32 ulps of
     each value (the saturated sigmoid tail included: sigmoid'(z) is sigmoid(z) sigmoid(-z));
     a = -inf, a masked or padded step, gives log g = 0 and zero cotangents, never NaN."""
     xp = layer_inputs.namespace(fw.name)
@@ -473,7 +474,7 @@ def test_layer_inputs_fused_into_the_chunk_core(name, path, framework, backend, 
     kernels' loads: tests/test_ffi_cpu_fused_inputs.py, tests/test_pallas_fused_inputs.py), and
     its backward recomputes them; a short call's recurrent path does the same (the portable
     step loop as array ops, the generated recurrent kernels in their loads). Nothing computes
-    the gate outside the backend (`gdngen.layer_inputs.computed_gate` only passes gates
+    the gate outside the backend (`gdngen.algebra.layer_inputs.computed_gate` only passes gates
     through). Values and gradients against float64 (metal: `test_metal_fuses_layer_inputs`)."""
     fw = Framework(framework)
     setup = SETUPS[name]
@@ -518,7 +519,8 @@ def test_metal_fuses_layer_inputs(path, vector, gate):
     the gradients of every raw array against float64."""
     import mlx.core as mx
 
-    from gdngen import Variant, reference, registry
+    from gdngen import Variant, registry
+    from gdngen.algebra import reference
     from gdngen.backends import metal
     from gdngen.variant import Problem
 

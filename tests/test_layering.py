@@ -96,4 +96,4 @@ def test_entry_points_sit_above_dispatch_and_the_backends_below_it():
     for name in ("gdngen.dispatch", "gdngen.registry"):
         assert not {"gdngen.jax", "gdngen.mlx", "gdngen.validate", "gdngen.timing",
                     "gdngen.tune", "gdngen.build", "gdngen.cli"} & graph[name], name
-    assert "gdngen.backends.metal" not in graph["gdngen.metal_sim"]
+    assert "gdngen.backends.metal" not in graph["gdngen.backends.metal.sim"]

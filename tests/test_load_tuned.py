@@ -53,7 +53,7 @@ def inputs(T, rng):
 @pytest.fixture
 def mlx_calls(monkeypatch):
     """Records the params each MLX chunkwise call runs with."""
-    from gdngen.backends import mlx_chunkwise as mlx_backend
+    from gdngen.backends.portable import mlx_chunkwise as mlx_backend
 
     calls = []
     original = mlx_backend.chunkwise_gated_delta

@@ -1,11 +1,11 @@
 """Layer inputs computed in the Metal kernels' own loads (`gdngen.backends.kernel_inputs`,
 `gdngen.backends.metal.render_fused`): ``qk_norm`` (raw q, k normalised per loaded row) and a
 parameterised gate (``a``, ``A_log``, ``dt_bias``: the log gate formed in the kernel), in
-`gdngen.metal_sim`.
+`gdngen.backends.metal.sim`.
 
 Values and gradients through the public entry (`gdngen.mlx.gated_delta` with a metal variant)
-against a float64 reference (`gdngen.reference` composed with the transform and its chain rule,
-masked steps folded as the backends fold them), on the recurrent path (T < recurrent_below:
+against a float64 reference (`gdngen.algebra.reference` composed with the transform and its chain
+rule, masked steps folded as the backends fold them), on the recurrent path (T < recurrent_below:
 the fused recurrent kernel's forward, the chunk path's VJP) and the chunk path; a spy shows the
 fused forward forms neither a normalised q, k nor a log gate as arrays; the plain build renders
 byte for byte as before the fused blocks existed.
@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 from spies import spy_calls
 
-from gdngen import Problem, Variant, chunkwise, metal_sim, reference, registry, sources
+from gdngen import Problem, Variant, registry, sources
+from gdngen.algebra import chunkwise, reference
 from gdngen.backends import metal
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
+from gdngen.backends.metal import sim as metal_sim
 from gdngen.validate import relative_error
 
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
@@ -318,7 +320,7 @@ def test_recurrent_kernel_computes_the_norm_and_the_gate(monkeypatch, vector):
 def test_chunk_forward_kernels_compute_the_norm_and_the_gate(monkeypatch):
     """Scalar gates, chunk path: the forward's two kernels (the fused build) take raw q, k and
     a; no normalised q, k and no log gate exist as arrays. (Per-channel gates' chunk path is
-    `gdngen.chunkwise_channel`'s, which computes them in its core.)"""
+    `gdngen.algebra.chunkwise_channel`'s, which computes them in its core.)"""
     ran, kernels = _spied_forward(monkeypatch, False, "chunkwise")
     assert kernels == set(metal.fused_kernels(_variant(False, 0)))
     assert ran == [], ran

@@ -1,9 +1,10 @@
 """Generated Metal kernels: the variant space, the launch plan, and the battery in the simulator.
 
 Everything here runs the shipped MLX path (`gdngen.mlx.gated_delta` with a metal variant) with
-`gdngen.metal_sim` standing in for the GPU; the `metal`-marked tests run the same plan on an
-Apple GPU and compare it with the simulator. Per-channel gates: the walk kernels (the scan
-templates' per-channel build) under `gdngen.chunkwise_channel`, on the battery's vector cases.
+`gdngen.backends.metal.sim` standing in for the GPU; the `metal`-marked tests run the same plan on
+an Apple GPU and compare it with the simulator. Per-channel gates: the walk kernels (the scan
+templates' per-channel build) under `gdngen.algebra.chunkwise_channel`, on the battery's vector
+cases.
 """
 
 from __future__ import annotations
@@ -16,19 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gdngen import (
-    Problem,
-    Variant,
-    chunkwise_channel,
-    default_variant,
-    metal_sim,
-    registry,
-    render,
-    validate,
-    variants,
-)
+from gdngen import Problem, Variant, default_variant, registry, render, validate, variants
+from gdngen.algebra import chunkwise_channel
 from gdngen.backends import metal
+from gdngen.backends.metal import sim as metal_sim
 from gdngen.cases import BATTERY, get_case
+from gdngen.resources import templates_dir
 from gdngen.tolerance import allowed_error
 
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
@@ -152,7 +146,7 @@ def test_low_precision_inputs(dtype, params):
 ])
 def test_large_head_dims_against_the_reference(Hk, Hv, Dk, Dv, T, params):
     """Head dims beyond the battery's (up to 256): every Dk / Dv tile loop, float64 reference."""
-    from gdngen import reference
+    from gdngen.algebra import reference
 
     problem = Problem(Hk, Hv, Dk, Dv)
     v = default_variant("metal", problem) if params is None else Variant("metal", params)
@@ -211,7 +205,7 @@ def test_a_barrier_removed_from_a_generated_kernel_is_caught(tmp_path, monkeypat
     """The race check above can fail: bwd_tri without the barrier between writing a tile and
     reading its rows (the simdgroup running ahead reads rows the other has not written; the
     default round-robin order, with simdgroups in near lockstep, happens to hide it)."""
-    shipped = ROOT / "templates" / "metal" / "bwd_tri.metal.j2"
+    shipped = templates_dir("metal") / "bwd_tri.metal.j2"
     text = shipped.read_text()
     barrier = ("acc_mma(dT, ln, rows(dwp + c0, DV), cols(vp + c0, DV), DW);  // dW V^T\n"
                "  threadgroup_barrier(mem_flags::mem_threadgroup);\n")

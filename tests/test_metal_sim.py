@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gdngen import metal_sim
-from gdngen.metal_sim import source
+from gdngen.backends.metal import sim as metal_sim
+from gdngen.backends.metal.sim import source
 
 pytestmark = pytest.mark.skipif(not metal_sim.available(), reason="no C++ compiler (g++)")
 
@@ -306,7 +306,7 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 
 
 def test_compiled_kernels_are_cached_by_source_hash(tmp_path, monkeypatch):
-    from gdngen.metal_sim import compiler
+    from gdngen.backends.metal.sim import compiler
 
     monkeypatch.setenv("GDNGEN_METAL_SIM_CACHE", str(tmp_path))
     text = "// cache probe\n" + source.simulator_source(source.kernel_source(
@@ -324,11 +324,11 @@ def test_wheel_ships_the_simulator_sources():
     tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
     from pathlib import Path
 
-    from gdngen.metal_sim import compiler
+    from gdngen.backends.metal.sim import compiler
 
     root = Path(__file__).resolve().parent.parent
     config = tomllib.loads((root / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["gdngen.metal_sim"]
+    patterns = config["tool"]["setuptools"]["package-data"]["gdngen.backends.metal.sim"]
     for path in (compiler.SHIM_HEADER, compiler.RUNTIME_HEADER, compiler.RUNTIME_SOURCE):
         assert path.parent == root / "gdngen" / "metal_sim"
         assert any(path.match(p) for p in patterns), path.name

@@ -284,7 +284,7 @@ def test_training_path_runs_chunkwise_and_inference_path_switches(monkeypatch, v
     inference calls (``use_kernel=True`` under ``patch(inference=True)``) take the recurrent
     switch (T = 24 is under the default crossover of every MLX backend here). Both match
     mlx-lm's ops loop, values and (training) every gradient."""
-    from gdngen.backends import mlx_chunkwise
+    from gdngen.backends.portable import mlx_chunkwise
 
     ran = spy_calls(monkeypatch, mlx_chunkwise,
                     ("recurrent_gated_delta", "chunkwise_gated_delta"))

@@ -1,4 +1,5 @@
-"""The wheel carries templates/ and tuned/ inside the package, and the console script."""
+"""The wheel carries the backends' templates and tuned/ inside the package, and the console
+script."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "gdngen", "templates",
-           "tuned")
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "gdngen", "tuned")
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,13 @@ def _repo_files(folder: str) -> set[str]:
 
 def test_wheel_carries_templates_and_tuned(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for folder in ("templates", "tuned"):
-        expected = _repo_files(folder)
-        assert f"gdngen/{folder}/README.md" in expected
-        assert expected <= names, sorted(expected - names)
+    expected = _repo_files("tuned")
+    assert "gdngen/tuned/README.md" in expected
+    for folder in ROOT.joinpath("gdngen", "backends").rglob("templates"):
+        files = {p.relative_to(ROOT).as_posix() for p in folder.iterdir() if p.is_file()}
+        assert any(f.endswith(".j2") for f in files), folder
+        expected |= files
+    assert expected <= names, sorted(expected - names)
     assert not any(n.startswith(("templates/", "tuned/")) for n in names)
 
 
@@ -71,11 +74,11 @@ def test_installed_resources_point_inside_package(wheel, tmp_path):
     """Unpacked wheel: resources resolve to the package copies, not a repo checkout."""
     zipfile.ZipFile(wheel).extractall(tmp_path)
     code = ("import gdngen.resources as r; "
-            "print(r.templates_dir()); print(r.tuned_dir())")
+            "print(r.templates_dir('pallas_tpu')); print(r.tuned_dir())")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, check=True, env={"PYTHONPATH": str(tmp_path)})
     templates, tuned = proc.stdout.split()
-    assert Path(templates) == tmp_path / "gdngen" / "templates"
+    assert Path(templates) == tmp_path / "gdngen" / "backends" / "pallas" / "tpu" / "templates"
     assert Path(tuned) == tmp_path / "gdngen" / "tuned"
 
 
@@ -85,5 +88,5 @@ def test_dev_resources_fall_back_to_repo_root():
 
     if Path(gdngen.__file__).resolve().parent != ROOT / "gdngen":
         pytest.skip("gdngen is imported from an installed (non-editable) copy")
-    assert resources.templates_dir() == ROOT / "templates"
+    assert resources.templates_dir("metal") == ROOT / "gdngen" / "backends" / "metal" / "templates"
     assert resources.tuned_dir() == ROOT / "tuned"

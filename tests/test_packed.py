@@ -1,5 +1,5 @@
 """Packed sequences (``cu_seqlens``): the offsets' checks, traced offsets under jit, vmap over
-rows, the generated backends' packed calls, and MaxText segment ids (`gdngen.packed`). The
+rows, the generated backends' packed calls, and MaxText segment ids (`gdngen.algebra.packed`). The
 packed battery cases themselves (against the float64 reference, a sequence at a time) run in
 test_conformance (mlx's whole battery) and here on xla."""
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gdngen import packed, reference, validate
+from gdngen import validate
+from gdngen.algebra import packed, reference
 from gdngen.cases import get_case
 
 T, HK, HV, DK, DV = 70, 1, 2, 16, 16

@@ -1,14 +1,16 @@
-"""Packed rows (``cu_seqlens``, `gdngen.packed`) on the metal backend's own packed kernels
-(`gdngen.backends.metal.render_packed`), validated in `gdngen.metal_sim` as the dense kernels
-are: the packed battery cases against the float64 reference (a sequence at a time), and the
+"""Packed rows (``cu_seqlens``, `gdngen.algebra.packed`) on the metal backend's own packed kernels
+(`gdngen.backends.metal.render_packed`), validated in `gdngen.backends.metal.sim` as the dense
+kernels are: the packed battery cases against the float64 reference (a sequence at a time), and the
 dense render unchanged by the packed build."""
 
 from __future__ import annotations
 
 import pytest
 
-from gdngen import Problem, metal_sim, packed, registry, settings, validate
+from gdngen import Problem, registry, settings, validate
+from gdngen.algebra import packed
 from gdngen.backends import metal
+from gdngen.backends.metal import sim as metal_sim
 from gdngen.cases import get_case
 
 pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")

@@ -1,8 +1,8 @@
 """Native packed kernels of the Pallas backends (pallas_tpu, pallas_gpu): packed battery cases
 through each backend's packed build (`render_packed`: the walk takes the injected states and
-returns the entering ones; `gdngen.packed`), run as the dense kernels are validated off-device
-(TPU / Pallas interpret mode, buffers NaN-filled, TPU race detection on), their lowering for
-the real compilers, and the dense renders left byte for byte as they were."""
+returns the entering ones; `gdngen.algebra.packed`), run as the dense kernels are validated
+off-device (TPU / Pallas interpret mode, buffers NaN-filled, TPU race detection on), their lowering
+for the real compilers, and the dense renders left byte for byte as they were."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from gdngen import Problem, Variant, default_variant, packed, registry, settings, validate
+from gdngen import Problem, Variant, default_variant, registry, settings, validate
+from gdngen.algebra import packed
 from gdngen.cases import Case, get_case
 
 BACKENDS = ("pallas_tpu", "pallas_gpu")
@@ -59,10 +60,10 @@ def test_packed_core_matches_the_portable_walk(backend):
     """The packed core (`_packed_core`: the chunk walk from a zero state, a non-zero state
     injected at every chunk end, the entering states out) and its VJP (the cotangents of the
     entering states in at every chunk, the injections' out) against the portable one
-    (`gdngen.backends.jax_chunkwise.packed_core`), on random inputs."""
+    (`gdngen.backends.portable.jax_chunkwise.packed_core`), on random inputs."""
     import numpy as np
 
-    from gdngen.backends import jax_chunkwise
+    from gdngen.backends.portable import jax_chunkwise
 
     module = _module(backend)
     M, Hk, r, C, Dk, Dv = 2, 1, 2, 32, 32, 32
@@ -223,7 +224,7 @@ def test_packed_kernels_lower_for_the_device(backend):
 
 def test_packed_entry_checks_its_call():
     """The packed entries take scalar gates only (per-channel packed rows dispatch to the
-    portable path: `gdngen.packed.native`) and check the offsets."""
+    portable path: `gdngen.algebra.packed.native`) and check the offsets."""
     shape_args = {"q": jnp.zeros((1, 8, 1, 16)), "k": jnp.zeros((1, 8, 1, 16)),
                   "v": jnp.zeros((1, 8, 2, 16)), "beta": jnp.ones((1, 8, 2))}
     cu = jnp.asarray([0, 3, 8], jnp.int32)

@@ -3,7 +3,7 @@ recurrent kernel and the scalar chunk forward kernels rendered to take raw q, k 
 loaded row) and the raw gate projection ``a`` with ``A_log``, ``dt_bias`` (and a runtime
 ``lower_bound``), computing the log gate in their loads (`render_fused`).
 
-Against a float64 chain rule on `gdngen.reference.vjp`: the value of a short call (the fused
+Against a float64 chain rule on `gdngen.algebra.reference.vjp`: the value of a short call (the fused
 recurrent kernel), and the value and every raw input's gradient of a differentiated call (the
 chunk path: the fused chunk forward, then the plain backward on recomputed inputs), for qk_norm
 alone, softplus and sigmoid_bound per head and softplus per channel (mlx-lm's Kimi shapes),
@@ -29,9 +29,11 @@ jnp = pytest.importorskip("jax.numpy")
 from spies import spy_calls
 
 import gdngen.jax as gjax
-from gdngen import Problem, Variant, chunkwise, default_variant, reference, settings, sources
-from gdngen.backends import pallas_gpu, pallas_tpu
+from gdngen import Problem, Variant, default_variant, settings, sources
+from gdngen.algebra import chunkwise, reference
 from gdngen.backends.kernel_inputs import KernelInputs
+from gdngen.backends.pallas import gpu as pallas_gpu
+from gdngen.backends.pallas import tpu as pallas_tpu
 from gdngen.validate import relative_error
 
 BACKENDS = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}
@@ -39,7 +41,7 @@ BACKENDS = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}
 CHUNK = {"pallas_tpu": 32, "pallas_gpu": 16}
 B, T, Hk, Hv, Dk, Dv = 2, 40, 1, 2, 16, 32  # GVA: two value heads read the key head
 SCALE = Dk ** -0.5
-EPS = 1e-6  # the qk norm's (gdngen.chunkwise.QK_NORM_EPS)
+EPS = 1e-6  # the qk norm's (gdngen.algebra.chunkwise.QK_NORM_EPS)
 RTOL = 5e-5  # y, final state and every gradient, float32
 GRAD_NAMES = ("q", "k", "v", "a", "beta", "A_log", "dt_bias")
 SETUPS = ("qk_norm_only", "softplus_per_head", "sigmoid_bound_per_head",

@@ -8,8 +8,8 @@ pass through its numerics class: ``num_warps`` and ``num_stages`` only reach
 ``plgpu.CompilerParams``, so variants that differ only there render to the same kernels up to
 those two constants (checked), and one representative per class is lowered and validated by
 ``gdngen.build`` on the hardest battery case. The test marked ``gpu`` runs on a CUDA device.
-Per-channel gates: the chunk walks' contract against gdngen.chunkwise_channel's, their Triton
-lowering, and a battery case through them.
+Per-channel gates: the chunk walks' contract against gdngen.algebra.chunkwise_channel's, their
+Triton lowering, and a battery case through them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ jnp = pytest.importorskip("jax.numpy")
 from channel_walks import check_battery_case_through_the_walks, check_walks_match_the_portable_walks
 
 from gdngen import Problem, Variant, default_variant, render, validate
-from gdngen.backends import pallas_gpu
+from gdngen.backends.pallas import gpu as pallas_gpu
 from gdngen.cases import BATTERY, Case
 from gdngen.registry import variants
 from gdngen.tolerance import allowed_error

@@ -1,7 +1,7 @@
 """Generated Pallas TPU kernels: the battery in TPU interpret mode (race detection on, buffers
 poisoned with NaN), Mosaic lowering for the TPU platform, the variant space and the entry point;
-the per-channel chunk walks (their contract against gdngen.chunkwise_channel's, a battery case
-through them).
+the per-channel chunk walks (their contract against gdngen.algebra.chunkwise_channel's, a battery
+case through them).
 
 Interpret mode compiles one host executable per kernel and shape (seconds each), so the whole
 battery runs for the default variants only; other variants run a few adversarial cases each.
@@ -24,8 +24,9 @@ jnp = pytest.importorskip("jax.numpy")
 from channel_walks import check_battery_case_through_the_walks, check_walks_match_the_portable_walks
 from generated_kernels import small_call_inputs
 
-from gdngen import Problem, Variant, default_variant, reference, validate
-from gdngen.backends import pallas_tpu
+from gdngen import Problem, Variant, default_variant, validate
+from gdngen.algebra import reference
+from gdngen.backends.pallas import tpu as pallas_tpu
 from gdngen.cases import BATTERY, Case
 from gdngen.registry import variants
 from gdngen.tolerance import allowed_error

@@ -13,7 +13,8 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 
-from gdngen import reference, validate
+from gdngen import validate
+from gdngen.algebra import reference
 from gdngen.backends import ffi_cpu
 from gdngen.render import render
 from gdngen.variant import Problem, Variant

@@ -1,6 +1,6 @@
 """The Metal recurrent kernel (``templates/metal/recurrent.metal.j2``): the forward of short calls
-(T < recurrent_below, scalar and per-channel gates), checked in `gdngen.metal_sim` against the
-float64 reference.
+(T < recurrent_below, scalar and per-channel gates), checked in `gdngen.backends.metal.sim` against
+the float64 reference.
 
 The simulator poisons every output before a launch and fails on anything left unwritten (the
 project's poisoned-outputs mode, ``GDNGEN_POISON_OUTPUTS=1``, is set as well: on an Apple GPU it
@@ -14,8 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gdngen import Problem, Variant, metal_sim, reference, render, variants
+from gdngen import Problem, Variant, render, variants
+from gdngen.algebra import reference
 from gdngen.backends import metal
+from gdngen.backends.metal import sim as metal_sim
+from gdngen.resources import templates_dir
 from gdngen.validate import relative_error
 
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
@@ -91,7 +94,7 @@ def test_kernel_matches_reference(case):
 
 def test_unwritten_outputs_are_caught(tmp_path):
     """A kernel that skips a row of y fails the launch (the poisoned outputs show it)."""
-    text = (ROOT / "templates/metal/recurrent.metal.j2").read_text()
+    text = (templates_dir("metal") / "recurrent.metal.j2").read_text()
     broken = text.replace("if (lane == r % 32) {", "if (lane == r % 32 && r != 1) {")
     assert broken != text
     (tmp_path / "metal").mkdir()
@@ -184,8 +187,8 @@ def test_entry_short_call_takes_the_recurrent_kernel_with_the_chunk_vjp():
 
 def test_entry_vector_gate_switches_like_scalar_gates():
     """Per-channel gates, T < recurrent_below: the recurrent kernel's forward, the VJP of the
-    chunk path (`gdngen.chunkwise_channel` on the walk kernels); T >= recurrent_below: the chunk
-    path forward and backward. Same gradients, both equal to the reference."""
+    chunk path (`gdngen.algebra.chunkwise_channel` on the walk kernels); T >= recurrent_below: the
+    chunk path forward and backward. Same gradients, both equal to the reference."""
     B, T, Hk, Hv, Dk, Dv = 1, 9, 2, 6, 32, 32
     x = _entry_inputs(np.random.default_rng(8), B, T, Hk, Hv, Dk, Dv, True)
     scale = Dk ** -0.5

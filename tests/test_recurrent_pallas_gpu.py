@@ -19,8 +19,9 @@ jnp = pytest.importorskip("jax.numpy")
 from channel_walks import spy_chunk_walks
 
 import gdngen.jax as gjax
-from gdngen import Problem, Variant, reference, render, settings, validate
-from gdngen.backends import pallas_gpu
+from gdngen import Problem, Variant, render, settings, validate
+from gdngen.algebra import reference
+from gdngen.backends.pallas import gpu as pallas_gpu
 
 #: bk 32 / bv 32 resolve to 16-wide tiles for Dk = 40 (padded 48: three tiles) and Dv = 24
 #: (padded 32: two programs per head).
@@ -185,7 +186,7 @@ def _cotangents(B, T, Hv, Dv, Dk):
 
 def test_entry_vector_gates(monkeypatch):
     """Per-channel gates, a short call (T < recurrent_below): the recurrent kernel's values,
-    gdngen.chunkwise_channel's VJP with the kernel walks; values and gradients against the
+    gdngen.algebra.chunkwise_channel's VJP with the kernel walks; values and gradients against the
     reference."""
     B, T, Hk, Hv, Dk, Dv = 1, 19, 2, 6, 16, 32  # two chunks of 16
     q, k, v, g, beta, s0 = _inputs(5, B, T, Hk, Hv, Dk, Dv, vector=True, log=True)

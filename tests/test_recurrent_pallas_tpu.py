@@ -1,8 +1,9 @@
 """The pallas_tpu recurrent kernel (``templates/pallas_tpu/recurrent.py.j2``): the kernel function
 against the float64 reference (scalar and per-channel gates, T = 1 and an odd T, GVA, Dk != Dv,
 exact resets, an initial state), its wiring into the entry point (short calls evaluate through it;
-their VJP is the chunk path's: the chunk kernels, or for per-channel gates gdngen.chunkwise_channel
-with the kernel chunk walks), and its place in the rendered sources.
+their VJP is the chunk path's: the chunk kernels, or for per-channel gates
+gdngen.algebra.chunkwise_channel with the kernel chunk walks), and its place in the rendered
+sources.
 
 Off a TPU everything runs in TPU interpret mode, whose buffers (the outputs included) start
 NaN-filled, so an output element the kernel leaves unwritten fails the comparisons; the tests also
@@ -19,8 +20,9 @@ jnp = pytest.importorskip("jax.numpy")
 
 from channel_walks import spy_chunk_walks
 
-from gdngen import Problem, Variant, default_variant, reference, render, settings
-from gdngen.backends import pallas_tpu
+from gdngen import Problem, Variant, default_variant, render, settings
+from gdngen.algebra import reference
+from gdngen.backends.pallas import tpu as pallas_tpu
 from gdngen.validate import relative_error
 
 TOL = 5e-5
@@ -182,8 +184,8 @@ def _per_channel_entry_call():
 
 def test_entry_per_channel_gates_take_the_recurrent_kernel(monkeypatch):
     """A short per-channel gate call (T < recurrent_below) evaluates through the recurrent
-    kernel; its VJP is gdngen.chunkwise_channel's with the kernel walks over two chunks (checked
-    against the reference)."""
+    kernel; its VJP is gdngen.algebra.chunkwise_channel's with the kernel walks over two chunks
+    (checked against the reference)."""
     from gdngen.jax import gated_delta
 
     variant, args, mask, dy, ds, ref = _per_channel_entry_call()
@@ -201,7 +203,7 @@ def test_entry_per_channel_gates_take_the_recurrent_kernel(monkeypatch):
 
 
 def test_entry_long_per_channel_call_evaluates_on_the_chunk_path(monkeypatch):
-    """recurrent_below = 0: the same call evaluates through gdngen.chunkwise_channel.forward
+    """recurrent_below = 0: the same call evaluates through gdngen.algebra.chunkwise_channel.forward
     with the kernel walk, not the recurrent kernel."""
     from gdngen.jax import gated_delta
 

@@ -1,11 +1,12 @@
-"""Tests for gdngen.reference: finite differences vs the hand-derived VJP, and forward checks."""
+"""Tests for gdngen.algebra.reference: finite differences vs the hand-derived VJP, and forward
+checks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gdngen import reference
+from gdngen.algebra import reference
 
 D = 16  # check_call requires head dims in 16..256
 N_FD = 20  # entries per input checked by finite differences

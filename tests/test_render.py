@@ -15,7 +15,7 @@ pytest.importorskip("jax")  # the tf32 policy probes the installed jax's Mosaic 
 
 PROBLEM = Problem(2, 4, 128, 128)
 GVA3 = Problem(1, 3, 128, 128)
-SHIPPED = templates_dir() / "pallas_tpu"
+SHIPPED = templates_dir("pallas_tpu")
 
 
 def _override(tmp_path, name="forward.py.j2", edit=None):
@@ -70,7 +70,7 @@ def test_values_are_baked_in_and_dead_branches_removed():
     assert "def chunk_states" in sources["forward.py"]
     assert "tinv_ref" not in sources["backward.py"]  # recomputed, not read
     # tf32: Precision.HIGH where this jax lowers it for Mosaic (0.10 does not), else 3 passes
-    from gdngen.backends.pallas_tpu import mosaic_lowers_precision_high
+    from gdngen.backends.pallas.tpu import mosaic_lowers_precision_high
 
     native = mosaic_lowers_precision_high()
     assert ("_split_bf16" in sources["forward.py"]) is not native

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from spies import spy_calls
 
-from gdngen import reference, validate
+from gdngen import validate
+from gdngen.algebra import reference
 from gdngen.cases import BATTERY, get_case
 
 
@@ -173,7 +174,7 @@ def test_runner_checks_the_path_the_call_did_not_take(monkeypatch, recurrent_bel
     recurrent loop and the other-path call forces the chunk path; with 0 the reverse. Both
     forwards meet the reference, and each path runs forward-only once per gate convention."""
     from gdngen import registry
-    from gdngen.backends import mlx_chunkwise
+    from gdngen.backends.portable import mlx_chunkwise
     from gdngen.variant import Problem
 
     calls = spy_calls(monkeypatch, mlx_chunkwise,

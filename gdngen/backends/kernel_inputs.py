@@ -1,7 +1,7 @@
 """Layer inputs a generated kernel computes in its own loads (C++, Pallas, Metal).
 
-A call with ``qk_norm=True`` or a parameterised gate (`gdngen.chunkwise.ParameterGate`) hands
-a generated backend the raw q, k and the raw gate projection ``a`` with ``A_log`` and
+A call with ``qk_norm=True`` or a parameterised gate (`gdngen.algebra.chunkwise.ParameterGate`)
+hands a generated backend the raw q, k and the raw gate projection ``a`` with ``A_log`` and
 ``dt_bias``. A kernel rendered with `KernelInputs.context` computes them where it loads its
 operands, so no normalised q, k and no log gate exist as arrays between kernels::
 
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gdngen import chunkwise
+from gdngen.algebra import chunkwise
 
-#: the parameterised gate forms a kernel computes (`gdngen.layer_inputs.PARAMETER_GATES`)
+#: the parameterised gate forms a kernel computes (`gdngen.algebra.layer_inputs.PARAMETER_GATES`)
 GATE_FORMS = ("softplus", "sigmoid_bound")
-#: added to sum(x^2) over Dk by a kernel's qk norm (`gdngen.chunkwise.QK_NORM_EPS`)
+#: added to sum(x^2) over Dk by a kernel's qk norm (`gdngen.algebra.chunkwise.QK_NORM_EPS`)
 QK_NORM_EPS = chunkwise.QK_NORM_EPS
 
 
@@ -57,7 +57,7 @@ class KernelInputs:
 
     @classmethod
     def of(cls, qk_norm: bool, gate) -> KernelInputs:
-        """The inputs of a call with ``qk_norm`` and ``gate`` (a `gdngen.chunkwise.
+        """The inputs of a call with ``qk_norm`` and ``gate`` (a `gdngen.algebra.chunkwise.
         ParameterGate` or a plain convention, "log" / "linear", which fuses no gate)."""
         if isinstance(gate, chunkwise.ParameterGate):
             if gate.lower_bound is None:
@@ -91,8 +91,8 @@ def context_tag(context: dict) -> str:
 def kernel_parameters(module, A_log, dt_bias, Hv: int, Dk: int, vector_gate: bool):
     """``(A_log, dt_bias)`` as a kernel takes them: float32, ``[Hv]`` per head or ``[Hv, Dk]``
     per channel, from any accepted form (``[Hv]``, ``[Hv, 1]``, ``[Hv, Dk]``, or a chunk
-    layout's ``[Hk, r, 1(, 1 or Dk)]``: `gdngen.chunkwise` keeps the heads first). ``module``
-    is the framework's array module (``jax.numpy``, ``mlx.core``)."""
+    layout's ``[Hk, r, 1(, 1 or Dk)]``: `gdngen.algebra.chunkwise` keeps the heads first).
+    ``module`` is the framework's array module (``jax.numpy``, ``mlx.core``)."""
     shape = (Hv, Dk) if vector_gate else (Hv,)
     out = []
     for x in (A_log, dt_bias):

@@ -6,7 +6,8 @@ so every training step runs ``gated_delta_ops``, a per-token loop. `patch` repla
 in every mlx-lm module that imported it; calls made with ``use_kernel=False`` (the training path)
 then run `gdngen.mlx.gated_delta` on the raw gate projection and beta logits with the layer's
 parameters (``gate="softplus"`` or ``"sigmoid_bound"``, ``A_log``, ``dt_bias``,
-``beta_activation="sigmoid"``: the gate is taken in log space, `gdngen.layer_inputs`, never as
+``beta_activation="sigmoid"``: the gate is taken in log space, `gdngen.algebra.layer_inputs`, never
+as
 ``log(exp(...))``). Both gate forms are routed:
 
 - per head, ``a [B,T,Hv]`` with ``A_log``, ``dt_bias [Hv]`` (Qwen3.5, Qwen3-Next, OLMo hybrid):
@@ -54,8 +55,8 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 
-from gdngen import layer_inputs
 from gdngen import mlx as gdngen_mlx
+from gdngen.algebra import layer_inputs
 from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 __all__ = [
@@ -85,7 +86,7 @@ def log_decay(A_log, a, dt_bias, lower_bound=None):
 
     ``-exp(A_log) * softplus(a + dt_bias)`` (= log of mlx-lm's ``compute_g``), or with
     ``lower_bound``: ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))`` (= log of
-    ``compute_lower_bound_g``): `gdngen.layer_inputs.log_gate`, the formula
+    ``compute_lower_bound_g``): `gdngen.algebra.layer_inputs.log_gate`, the formula
     ``gdngen.mlx.gated_delta(..., gate="softplus" | "sigmoid_bound")`` applies. No exp/log round
     trip: it cannot underflow, and its gradients to A_log, a and dt_bias are exact.
     """

@@ -2,8 +2,8 @@
 
 The gate ``a_t = exp(b_t)`` is a vector over Dk and decays the state column-wise,
 ``S_t = S_{t-1} diag(a_t) + beta_t (v_t - S_{t-1} diag(a_t) k_t) k_t^T``. The chunk algebra is
-`gdngen.chunkwise`'s (same layout, same ``xp`` namespace, same exact triangular inverse) with
-every decay factor a vector: tokens 0..C-1 of a chunk entering with S0, ``d(t, j)`` the decay
+`gdngen.algebra.chunkwise`'s (same layout, same ``xp`` namespace, same exact triangular inverse)
+with every decay factor a vector: tokens 0..C-1 of a chunk entering with S0, ``d(t, j)`` the decay
 over (j, t] (``exp(sum_{j<m<=t} b_m)``, per channel), ``D0[t] = d(t, start)`` (tokens 0..t),
 ``DC[j]`` the decay over (j, C-1] and ``dCC`` over the whole chunk. Then
 
@@ -42,8 +42,14 @@ in each gate), via `zero_gate_factors`.
 
 from __future__ import annotations
 
-from gdngen import chunkwise
-from gdngen.chunkwise import _T, _optional, _sum_heads, solve_unit_lower, solve_unit_lower_vjp
+from gdngen.algebra import chunkwise
+from gdngen.algebra.chunkwise import (
+    _T,
+    _optional,
+    _sum_heads,
+    solve_unit_lower,
+    solve_unit_lower_vjp,
+)
 
 #: tokens per sub-chunk of the decayed products (a divisor of the chunk; smaller chunks use
 #: themselves): pairwise work and memory grow with it, the anchored matmuls shrink
@@ -51,7 +57,7 @@ SUB_CHUNK = 8
 
 
 def stages(gates):
-    """The chunk algebra for ``gates`` in chunk layout: `gdngen.chunkwise` for scalar gates
+    """The chunk algebra for ``gates`` in chunk layout: `gdngen.algebra.chunkwise` for scalar gates
     ``[N,B,H,r,C]``, this module for per-channel ones ``[N,B,H,r,C,Dk]``; both have
     ``forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block)`` and ``backward``."""
     import sys
@@ -351,8 +357,8 @@ def decayed_products_vjp(xp, x, y, blocks, dM, *, inputs=True):
 
 
 # --------------------------------------------------------------------------- chunk stages
-# Layout as `gdngen.chunkwise`: q, k [N, B, H, C, Dk] (q times scale); v [N, B, H, r, C, Dv];
-# gates [N, B, H, r, C, Dk]; beta [N, B, H, r, C]; states [B, H, r, Dv, Dk].
+# Layout as `gdngen.algebra.chunkwise`: q, k [N, B, H, C, Dk] (q times scale); v [N, B, H, r, C,
+# Dv]; gates [N, B, H, r, C, Dk]; beta [N, B, H, r, C]; states [B, H, r, Dv, Dk].
 
 
 def _linear(xp, gates, gate):
@@ -379,7 +385,7 @@ def _wy(xp, k, v, beta, blocks, D0, solve_block):
 
 def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None, walk=None):
     """Chunkwise forward for per-channel gates; returns ``(Y, S_final, residuals)`` as
-    `gdngen.chunkwise.forward` does (``inject`` as there), the residuals ``(S_in, W, Tinv,
+    `gdngen.algebra.chunkwise.forward` does (``inject`` as there), the residuals ``(S_in, W, Tinv,
     Wk, Pm, Mkk)`` adding the decayed products ``M_qk``, ``M_kk`` [N,B,H,r,C,C] (C/Dk of the
     keys' size; the backward would otherwise rebuild them from the factors).
 
@@ -422,7 +428,8 @@ def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
 def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=None,
              walk=None, chunk_group=None):
     """Hand-derived VJP of `forward`: ``(dq, dk, dv, dgates, dbeta, dS0)``, plus the
-    cotangent of ``inject`` when ``dS_in`` is given (both as in `gdngen.chunkwise.backward`).
+    cotangent of ``inject`` when ``dS_in`` is given (both as in
+    `gdngen.algebra.chunkwise.backward`).
 
     The chunk walk in reverse is the scalar one's with per-channel decays (dW = Pm^T dY +
     Kc dS_out^T, dS_in = dS_out diag(dCC) + dY^T (Q*D0) - dW^T Wk); the cotangents of the decay

@@ -1,6 +1,6 @@
 """mlx: the portable chunkwise gated delta rule in mlx.core, on any MLX device.
 
-The implementation is `gdngen.backends.mlx_chunkwise` (imported when a call runs), so this
+The implementation is `gdngen.backends.portable.mlx_chunkwise` (imported when a call runs), so this
 declaration imports no framework.
 """
 
@@ -8,6 +8,6 @@ from __future__ import annotations
 
 from gdngen.backends import portable
 
-Config, gated_delta, SPEC = portable.declare("mlx", "mlx", "gdngen.backends.mlx_chunkwise",
+Config, gated_delta, SPEC = portable.declare("mlx", "mlx", "gdngen.backends.portable.mlx_chunkwise",
                                              device_kinds=("cpu", "apple"),
                                              fused_inputs=("qk_norm", "gate"))

@@ -1,14 +1,14 @@
 """Metal backend: generated chunkwise kernels for ``mx.fast.metal_kernel``, forward and backward.
 
-The kernels port `gdngen.chunkwise` (exact unit-lower-triangular inverse by forward substitution,
-decay factors only as exp of segment sums, the straddle-sum gate gradient) to Metal, as Jinja
-bodies under ``templates/metal/`` rendered per `Problem` and `Variant`. A `Plan` lists the
+The kernels port `gdngen.algebra.chunkwise` (exact unit-lower-triangular inverse by forward
+substitution, decay factors only as exp of segment sums, the straddle-sum gate gradient) to Metal,
+as Jinja bodies under ``templates/metal/`` rendered per `Problem` and `Variant`. A `Plan` lists the
 launches (kernel, grid, threadgroup, template args, buffers, output shapes) of the forward and of
 the backward; the same plan runs on an Apple GPU through MLX (`MLXLauncher`) or, anywhere, in
-`gdngen.metal_sim` (`SimLauncher`), so the simulated path is the shipped path.
+`gdngen.backends.metal.sim` (`SimLauncher`), so the simulated path is the shipped path.
 
-Around the kernels everything is `gdngen.chunkwise`: ``chunkwise.gated_delta`` folds the mask,
-pads T and lays the sequence out in chunks, and the O(C^2) gate epilogue is
+Around the kernels everything is `gdngen.algebra.chunkwise`: ``chunkwise.gated_delta`` folds the
+mask, pads T and lays the sequence out in chunks, and the O(C^2) gate epilogue is
 ``chunkwise.decay_factors_{log,linear}_vjp`` in mx ops on the dD the kernels produce.
 
 Kernels, per chunk n, batch b, value head h (C = chunk, r = Hv / Hk):
@@ -31,17 +31,17 @@ bwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.wa
                                         dQd, dKc, ddCC (summed in mx)
 ================  ====================  ==========================================================
 
-Per-channel (vector) gates run `gdngen.chunkwise_channel` (the mlx backend's
-``mx.custom_function``, `gdngen.backends.mlx_chunkwise.chunk_core`) with its two chunk walks on
-the ``*_channel`` kernels (`ChannelWalks`, `channel_plan`): the scan templates' per-channel build
-(``per_channel`` set), whose decays d0 / dc / dcc come in as per-channel inputs (Qd = scale Q *
-D0, Kc = K * DC, dCC) instead of being formed from scalar per-token gates. The intra-chunk stages
+Per-channel (vector) gates run `gdngen.algebra.chunkwise_channel` (the mlx backend's
+``mx.custom_function``, `gdngen.backends.portable.mlx_chunkwise.chunk_core`) with its two chunk
+walks on the ``*_channel`` kernels (`ChannelWalks`, `channel_plan`): the scan templates' per-channel
+build (``per_channel`` set), whose decays d0 / dc / dcc come in as per-channel inputs (Qd = scale Q
+* D0, Kc = K * DC, dCC) instead of being formed from scalar per-token gates. The intra-chunk stages
 (factors, decayed products, WY, the backward's adjoints and straddle sums) stay
-`gdngen.chunkwise_channel`'s shared code in mx ops; fusing them into kernels is a later step.
-Validated as the scalar kernels: the battery's vector cases in the simulator with poisoned
+`gdngen.algebra.chunkwise_channel`'s shared code in mx ops; fusing them into kernels is a later
+step. Validated as the scalar kernels: the battery's vector cases in the simulator with poisoned
 outputs, worst relative error 1.1e-6 (vector_identical_keys, dbeta; tests/test_metal_kernels.py).
 
-Packed rows (`gdngen.packed`, ``cu_seqlens``), scalar gates: `packed_gated_delta` runs the
+Packed rows (`gdngen.algebra.packed`, ``cu_seqlens``), scalar gates: `packed_gated_delta` runs the
 row's chunk walk on the templates' ``packed`` build (`render_packed`, `packed_launch_plan`):
 the forward scans add ``inject[n]`` to the state leaving chunk n and always write the entering
 states S_in (an output); ``bwd_scan`` adds their cotangent ``dsin[n]`` at chunk n's entry, so
@@ -59,9 +59,9 @@ squares a ``simd_sum``), the chunk kernels apply each row's norm factor ``rsqrt(
 to the products the row enters; both form log g from ``a`` in float32 (softplus as ``max(x, 0)
 + log1p(exp(-|x|))``, a = -inf an identity step) before their cumulative sums, the decay as
 exp(log g). The chunk backward stays the plain build's, its inputs recomputed as mx ops in
-`_core`; per-channel chunk calls compute them in `gdngen.chunkwise_channel`'s core. The plain
-build renders byte for byte as before (its sha256 and tuned entries unchanged). Measured in the
-simulator against float64, values and gradients: worst relative error 1.8e-6
+`_core`; per-channel chunk calls compute them in `gdngen.algebra.chunkwise_channel`'s core. The
+plain build renders byte for byte as before (its sha256 and tuned entries unchanged). Measured in
+the simulator against float64, values and gradients: worst relative error 1.8e-6
 (tests/test_metal_fused_inputs.py).
 
 This module imports without mlx: the space, the renderer and the plan need no framework.
@@ -233,8 +233,8 @@ def variant_space(problem: Problem, device) -> list[Config]:
     `MAX_ACC_FLOATS` are left out.
 
     Per-channel gates: ``chunk_size`` x ``simdgroups`` x ``dv_tile``, the params their path
-    depends on (the chunk of `gdngen.chunkwise_channel`'s stages, the walk kernels' tiling, which
-    the recurrent kernel shares); precision ieee, simdgroup matrices, saved states (the
+    depends on (the chunk of `gdngen.algebra.chunkwise_channel`'s stages, the walk kernels' tiling,
+    which the recurrent kernel shares); precision ieee, simdgroup matrices, saved states (the
     intra-chunk stages run in float32 mx ops whatever the walks' operand precision).
     """
     SPEC.check(problem)
@@ -336,7 +336,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     this variant launches; each value is ``(template path, context)``. A scalar-gate problem
     runs the chunk kernels and the recurrent kernel (short calls); a vector-gate problem the
     per-channel build of the scan templates (`CHANNEL_KERNELS`, the walks of
-    `gdngen.chunkwise_channel`) and the recurrent kernel."""
+    `gdngen.algebra.chunkwise_channel`) and the recurrent kernel."""
     variant = adapt(variant, problem)
     plan = {}
     ctx = _context(variant, problem)
@@ -351,7 +351,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
 
 
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
-    """The packed-row build of ``variant``'s chunk kernels (`gdngen.packed`), a
+    """The packed-row build of ``variant``'s chunk kernels (`gdngen.algebra.packed`), a
     `gdngen.sources.Rendered` with `render_plan`'s chunk-kernel names (no recurrent kernel):
     the same templates with ``packed`` set. Its forward scans take ``inject [N, B, Hv, Dv,
     Dk]`` (added to the state leaving each chunk) and always write the entering states
@@ -381,8 +381,8 @@ def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
     row normalised at load) and, with a gate form, the raw projection ``a`` with ``A_log`` and
     ``dt_bias`` ``[Hv]`` (per channel ``[Hv, Dk]``) in place of the gate. A backward is the plain
     build's (`render_plan`), on recomputed inputs; per-channel gates' chunk path is
-    `gdngen.chunkwise_channel`'s (its layer inputs computed in its core). ``inputs`` must fuse
-    something: the plain build is `render_plan`'s, whose sha256, and tuned entries, do not
+    `gdngen.algebra.chunkwise_channel`'s (its layer inputs computed in its core). ``inputs`` must
+    fuse something: the plain build is `render_plan`'s, whose sha256, and tuned entries, do not
     depend on this one. ``templates_dir``: a template override folder (default
     ``GDNGEN_TEMPLATES``)."""
     if not inputs.fused:
@@ -650,8 +650,8 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
 
 def channel_input_metas(plan: Plan) -> dict:
     """``(dtype, ndim, size)`` of the walk kernels' inputs for ``plan`` (`channel_plan`), in
-    the chunk layout `gdngen.chunkwise_channel` passes ([N, B, Hk, r, ...], states [B, Hk, r,
-    Dv, Dk])."""
+    the chunk layout `gdngen.algebra.chunkwise_channel` passes ([N, B, Hk, r, ...], states [B, Hk,
+    r, Dv, Dk])."""
     pb, N, B, C = plan.problem, plan.N, plan.B, plan.variant["chunk_size"]
     f32, heads = "float32", N * B * pb.Hv
     state, rows_v, rows_k = (f32, 5, B * pb.Hv * pb.Dv * pb.Dk), (f32, 6, heads * C * pb.Dv), \
@@ -663,13 +663,14 @@ def channel_input_metas(plan: Plan) -> dict:
 
 @dataclass(frozen=True)
 class ChannelWalks:
-    """The chunk walks of `gdngen.chunkwise_channel` on the Metal walk kernels of ``variant``
-    (`channel_plan`), run by ``launcher``: ``forward`` has `chunkwise_channel.walk_forward`'s
-    contract, ``backward`` `walk_backward`'s (mx arrays in chunk layout; float32 inside). The
-    intra-chunk stages (factors, decayed products, WY, the backward's adjoints and straddle
-    sums) stay `gdngen.chunkwise_channel`'s shared mx code; fusing them into kernels is a later
-    step. Injected states (packed rows) are not taken: per-channel packed rows run the portable
-    walk. Hashable, so `gdngen.backends.mlx_chunkwise.chunk_core` caches one core per walks."""
+    """The chunk walks of `gdngen.algebra.chunkwise_channel` on the Metal walk kernels of
+    ``variant`` (`channel_plan`), run by ``launcher``: ``forward`` has
+    `chunkwise_channel.walk_forward`'s contract, ``backward`` `walk_backward`'s (mx arrays in chunk
+    layout; float32 inside). The intra-chunk stages (factors, decayed products, WY, the backward's
+    adjoints and straddle sums) stay `gdngen.algebra.chunkwise_channel`'s shared mx code; fusing
+    them into kernels is a later step. Injected states (packed rows) are not taken: per-channel
+    packed rows run the portable walk. Hashable, so
+    `gdngen.backends.portable.mlx_chunkwise.chunk_core` caches one core per walks."""
 
     variant: Variant
     problem: Problem
@@ -689,7 +690,7 @@ class ChannelWalks:
 
     def forward(self, xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         """``(Y, S_final, S_in, W)``: one launch of fwd_scan_channel (shapes as
-        `gdngen.chunkwise_channel.walk_forward`)."""
+        `gdngen.algebra.chunkwise_channel.walk_forward`)."""
         refuse_injection(BACKEND, inject)
         N, B = int(U.shape[0]), int(U.shape[1])
         plan = self._plan(N, B)
@@ -700,8 +701,8 @@ class ChannelWalks:
 
     def backward(self, xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
         """``(dS0, dW, dWk, dQd, dKc, ddCC, None)``: one launch of bwd_scan_channel (shapes as
-        `gdngen.chunkwise_channel.walk_backward`); the Dk-wide products come back one part per
-        Dv tile and are summed here."""
+        `gdngen.algebra.chunkwise_channel.walk_backward`); the Dk-wide products come back one part
+        per Dv tile and are summed here."""
         refuse_injection(BACKEND, dS_in)
         N, B = int(W.shape[0]), int(W.shape[1])
         plan = self._plan(N, B)
@@ -816,7 +817,7 @@ class MLXLauncher:
 
 
 class SimLauncher:
-    """Runs launches in `gdngen.metal_sim` (NumPy in and out of the simulated GPU)."""
+    """Runs launches in `gdngen.backends.metal.sim` (NumPy in and out of the simulated GPU)."""
 
     name = "simulator"
 
@@ -827,7 +828,7 @@ class SimLauncher:
     @staticmethod
     @functools.cache
     def _kernel(spec: KernelSpec):
-        from gdngen import metal_sim
+        from gdngen.backends.metal import sim as metal_sim
 
         return metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
                                       spec.source, spec.header)
@@ -878,9 +879,9 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from gdngen import metal_sim
-    from gdngen.metal_sim import compiler, source
-    from gdngen.metal_sim.launch import default_workers
+    from gdngen.backends.metal import sim as metal_sim
+    from gdngen.backends.metal.sim import compiler, source
+    from gdngen.backends.metal.sim.launch import default_workers
 
     if set(plan.kernels) == set(CHANNEL_KERNELS):
         metas = {**channel_input_metas(plan), **(metas or {})}
@@ -961,9 +962,9 @@ def _run(plan: Plan, launches, env: dict, launcher) -> dict:
 def _input_grads(env: dict, primals, gate: str) -> tuple:
     """``(dq, dk, dv, dgates, dbeta)`` in the primals' chunk layout from a backward's
     environment: dq / dk summed over the r value heads of each key head, the gate cotangent
-    the O(C^2) epilogue (`gdngen.chunkwise.decay_factors_{log,linear}_vjp`) on ``dd``."""
-    from gdngen import chunkwise
-    from gdngen.backends.mlx_chunkwise import XP
+    the O(C^2) epilogue (`gdngen.algebra.chunkwise.decay_factors_{log,linear}_vjp`) on ``dd``."""
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
 
     q, k, v, gates, beta = primals[:5]
     N, B, Hk, r, C = v.shape[:5]
@@ -985,24 +986,24 @@ def _input_grads(env: dict, primals, gate: str) -> tuple:
 @functools.lru_cache(maxsize=128)
 def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
           templates=None, qk_norm=False):
-    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.chunkwise.gated_delta`
+    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.algebra.chunkwise.gated_delta`
     passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP. ``templates``:
     a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made).
 
     Fused layer inputs (`gdngen.backends.kernel_inputs`): ``qk_norm``: q, k are raw;
-    ``gate`` a `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` (the
+    ``gate`` a `gdngen.algebra.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` (the
     parameters ``[Hk, r, 1]``). The forward hands them to the fused build of its two kernels
     (`launch_plan` with ``inputs``, `render_fused`), which normalise each loaded q, k row in
     float32 and form the log gate from ``a`` before the in-chunk cumulative sums: no normalised
     q, k and no log gate exist as arrays. The VJP recomputes them as mx ops (the normalised
     q, k in float32, back in their dtype: `gdngen.backends.generated.l2_normalized`; the log
-    gate: `gdngen.chunkwise.log_gates`) for the plain backward kernels, and maps the kernels'
-    dq, dk through the norm's VJP and the log gate's cotangent to the three arrays
-    (`gdngen.chunkwise.gates_vjp`)."""
+    gate: `gdngen.algebra.chunkwise.log_gates`) for the plain backward kernels, and maps the
+    kernels' dq, dk through the norm's VJP and the log gate's cotangent to the three arrays
+    (`gdngen.algebra.chunkwise.gates_vjp`)."""
     import mlx.core as mx
 
-    from gdngen import chunkwise
-    from gdngen.backends.mlx_chunkwise import XP
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
 
     parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels' gate convention
 
@@ -1039,7 +1040,7 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
                                                              problem.Dk, False)
         return env
 
-    # Chunk layout (gdngen.chunkwise.to_chunks): v [N, B, Hk, r, C, Dv], gates / beta
+    # Chunk layout (gdngen.algebra.chunkwise.to_chunks): v [N, B, Hk, r, C, Dv], gates / beta
     # [N, B, Hk, r, C]; q and k hold N, B, Hk, C, Dk in that order (with or without a unit r
     # axis): the kernels only need their memory order.
     @mx.custom_function
@@ -1081,10 +1082,10 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
 @functools.lru_cache(maxsize=128)
 def _packed_core(variant: Variant, problem: Problem, gate: str, launcher, templates):
     """The packed kernels' chunk walk (`packed_launch_plan`) as an ``mx.custom_function``
-    ``(q, k, v, gates, beta, inject) -> (Y, S_in, *saved)``: the `gdngen.packed.chunk_walk`
-    contract (`gdngen.chunkwise.forward` with ``inject``, from a zero state).
+    ``(q, k, v, gates, beta, inject) -> (Y, S_in, *saved)``: the `gdngen.algebra.packed.chunk_walk`
+    contract (`gdngen.algebra.chunkwise.forward` with ``inject``, from a zero state).
 
-    Chunk layout (`gdngen.chunkwise.to_chunks`): q, k ``[N, 1, Hk, C, Dk]`` with q already
+    Chunk layout (`gdngen.algebra.chunkwise.to_chunks`): q, k ``[N, 1, Hk, C, Dk]`` with q already
     scaled (the kernels run with scale 1), v ``[N, 1, Hk, r, C, Dv]``, gates / beta ``[N, 1,
     Hk, r, C]``, ``inject [N, 1, Hk, r, Dv, Dk]`` float32 added to the state leaving chunk n;
     Y like v, ``S_in`` like inject, the states entering the chunks. The VJP (the packed
@@ -1144,9 +1145,9 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     Contract: float32 mx arrays q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; ``decay`` the LINEAR
     decay in [0, 1], ``[B,T,Hv]`` (scalar gate) or ``[B,T,Hv,Dk]`` (per-channel gate; the caller
     takes exp of log gates, exact 0 at log g = -inf); beta ``[B,T,Hv]``; S0 ``[B,Hv,Dv,Dk]``.
-    Masked steps must already be folded in (decay 1, beta 0: `gdngen.chunkwise.fold_mask`).
+    Masked steps must already be folded in (decay 1, beta 0: `gdngen.algebra.chunkwise.fold_mask`).
     Returns ``(y [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])``, float32; value head h reads key head
-    h // (Hv / Hk); y = scale * S_t q_t. Per step (`gdngen.chunkwise.recurrent_forward`):
+    h // (Hv / Hk); y = scale * S_t q_t. Per step (`gdngen.algebra.chunkwise.recurrent_forward`):
     ``u = beta (v - S (a k))``, ``y = S (a q) + u (k.q)``, ``S <- S diag(a) + u k^T``.
 
     One launch (`recurrent_plan`): a threadgroup per (batch, value head, block of ``dv_tile``
@@ -1164,15 +1165,15 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     Fused layer inputs (`render_fused`, `gdngen.backends.kernel_inputs`), computed by the kernel
     in its loads: ``qk_norm`` True: q, k are raw; each loaded row is L2-normalised in float32
     (``x rsqrt(sum x^2 + 1e-6)``, the sum a ``simd_sum``), q then scaled. ``gate`` a
-    `gdngen.chunkwise.ParameterGate`: ``decay`` is the tuple ``(a, A_log, dt_bias)``, ``a`` the
-    raw projection ``[B,T,Hv]`` / ``[B,T,Hv,Dk]`` (masked steps a = -inf), the parameters in any
+    `gdngen.algebra.chunkwise.ParameterGate`: ``decay`` is the tuple ``(a, A_log, dt_bias)``, ``a``
+    the raw projection ``[B,T,Hv]`` / ``[B,T,Hv,Dk]`` (masked steps a = -inf), the parameters in any
     form `kernel_parameters` takes (``[Hv]``; per channel also ``[Hv,1]``, ``[Hv,Dk]``); the
     kernel forms log g per step (and channel) and the decay exp(log g), the lower bound a
     runtime scalar (one build serves every bound).
     """
     import mlx.core as mx
 
-    from gdngen import chunkwise
+    from gdngen.algebra import chunkwise
 
     B, T, Hk, Dk = (int(n) for n in q.shape)
     Hv, Dv = int(v.shape[2]), int(v.shape[3])
@@ -1211,10 +1212,10 @@ def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher
                 templates=None, qk_norm=False):
     """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
     (API layout, inputs cast as `gated_delta` casts them; y in q's dtype); ``qk_norm``: q, k
-    raw, ``gate`` a `gdngen.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): both
-    computed by the fused forward kernels and recomputed for the backward (`_core`)."""
-    from gdngen import chunkwise
-    from gdngen.backends.mlx_chunkwise import XP
+    raw, ``gate`` a `gdngen.algebra.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``):
+    both computed by the fused forward kernels and recomputed for the backward (`_core`)."""
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
 
     core = _core(variant, problem, gate, scale, launcher, templates, qk_norm)
 
@@ -1241,20 +1242,20 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     Scalar gates with T >= the variant's ``recurrent_below``: the chunk kernels, forward and
     backward. T < recurrent_below: the forward is the recurrent kernel (`recurrent_forward`)
-    and the VJP the chunk path's (`gdngen.backends.mlx_chunkwise.recurrent_or_chunkwise`).
+    and the VJP the chunk path's (`gdngen.backends.portable.mlx_chunkwise.recurrent_or_chunkwise`).
     Per-channel (vector) gates ``[B,T,Hv,Dk]``, likewise switched at recurrent_below: the chunk
-    path is `gdngen.chunkwise_channel` at the variant's chunk (the mlx backend's
-    ``mx.custom_function``, `gdngen.backends.mlx_chunkwise.chunkwise_gated_delta`) with its two
-    chunk walks on the walk kernels (`ChannelWalks`), forward and backward; its intra-chunk
+    path is `gdngen.algebra.chunkwise_channel` at the variant's chunk (the mlx backend's
+    ``mx.custom_function``, `gdngen.backends.portable.mlx_chunkwise.chunkwise_gated_delta`) with its
+    two chunk walks on the walk kernels (`ChannelWalks`), forward and backward; its intra-chunk
     stages run in mx ops (float32).
 
     ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`); ``gate`` a
-    `gdngen.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)`` (`gdngen.layer_inputs`).
-    The kernels compute both in their loads (`render_fused`): the recurrent kernel
-    (`recurrent_forward`'s fused build) and, scalar gates, the chunk forward's two kernels
-    (`_core`), so no normalised q, k and no log gate are formed as arrays in a forward; the
+    `gdngen.algebra.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)``
+    (`gdngen.algebra.layer_inputs`). The kernels compute both in their loads (`render_fused`): the
+    recurrent kernel (`recurrent_forward`'s fused build) and, scalar gates, the chunk forward's two
+    kernels (`_core`), so no normalised q, k and no log gate are formed as arrays in a forward; the
     chunk VJP recomputes them as mx ops for the plain backward kernels (per-channel gates:
-    `gdngen.backends.mlx_chunkwise.chunk_core` computes them in its core, forward and VJP).
+    `gdngen.backends.portable.mlx_chunkwise.chunk_core` computes them in its core, forward and VJP).
     """
     from gdngen import call as calls
 
@@ -1269,9 +1270,9 @@ def _forward(call, operands, variant, launcher=None):
     """`gated_delta`'s body on a checked dense `gdngen.call.Call`."""
     import mlx.core as mx
 
-    from gdngen import chunkwise
-    from gdngen.backends import mlx_chunkwise
-    from gdngen.backends.mlx_chunkwise import XP
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable import mlx_chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
 
     shape, problem, gate, scale, qk_norm = (call.shape, call.problem, call.kernel_gate,
                                             call.scale, call.qk_norm)
@@ -1319,7 +1320,7 @@ def _forward(call, operands, variant, launcher=None):
 
 def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                        gate="log", variant, cu_seqlens, launcher=None, templates_dir=None):
-    """A packed row (`gdngen.packed`, fla's ``cu_seqlens``) on ``variant``'s kernels, scalar
+    """A packed row (`gdngen.algebra.packed`, fla's ``cu_seqlens``) on ``variant``'s kernels, scalar
     gates: the row's chunk walk on the packed build (`render_packed`, `_packed_core`: resets,
     injected initial states, entering states S_in out), each sequence's one-chunk calls (the
     initial states' free response, the final state from its last chunk's S_in) on the dense
@@ -1346,8 +1347,8 @@ def _packed(call, operands, variant, launcher=None, templates_dir=None):
     """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`."""
     import mlx.core as mx
 
-    from gdngen import packed
-    from gdngen.backends.mlx_chunkwise import XP
+    from gdngen.algebra import packed
+    from gdngen.backends.portable.mlx_chunkwise import XP
 
     gate, scale = call.gate, call.scale
     q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
@@ -1384,7 +1385,7 @@ def problem_of_inputs(inputs: dict, dtype: str) -> Problem:
 
 def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, schedule="forward",
              seed=0):
-    """Forward + VJP of ``variant`` in `gdngen.metal_sim`, through the shipped MLX path.
+    """Forward + VJP of ``variant`` in `gdngen.backends.metal.sim`, through the shipped MLX path.
 
     ``inputs``: NumPy q, k, v, g, beta and optionally initial_state, mask (shapes as the API);
     ``cotangents``: ``{"y": dy, "final_state": dS}``. ``scale`` defaults to Dk ** -0.5.
@@ -1424,8 +1425,8 @@ def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, sc
 
 
 class Metal(Backend):
-    """The generated Metal kernels of this module (Apple GPUs; `gdngen.metal_sim` off-device);
-    its hooks are the module's functions (looked up when called)."""
+    """The generated Metal kernels of this module (Apple GPUs; `gdngen.backends.metal.sim`
+    off-device); its hooks are the module's functions (looked up when called)."""
 
     name, framework, config, tolerances = BACKEND, "mlx", Config, POLICY_TOLERANCES
     device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"

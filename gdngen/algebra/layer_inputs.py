@@ -21,7 +21,7 @@ are computed there too (the normalised q, k and the log gate then kept as activa
 autodiff), except where the chunk core takes them raw (``defer_qk_norm``, ``defer_gate``, on a
 backend listing them in `BackendSpec.fused_inputs`: every backend today): its custom VJP
 takes the raw q, k and the raw projection ``a`` with A_log and dt_bias
-(`gdngen.chunkwise.ParameterGate`), computes the norm and the log gate inside the core (for
+(`gdngen.algebra.chunkwise.ParameterGate`), computes the norm and the log gate inside the core (for
 the kernels' loads and in-chunk cumulative sums), keeps only the raw arrays, and recomputes
 both in its backward, mapping their cotangents to the raw arrays. A packed row, a context-parallel
 call and a backend that does not list them get them computed before the call. (The C++, Pallas
@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from gdngen import chunkwise
+from gdngen.algebra import chunkwise
 from gdngen.problem import FLOAT_DTYPES, GATES, check_call, check_framework, dtype_name
 
 #: gates given by their parameters (``g`` is the raw projection, plus A_log and dt_bias)
@@ -179,7 +179,7 @@ def l2_normalize(xp, x):
 
 def log_gate(xp, a, A_log, dt_bias, lower_bound=None):
     """Log decay from the gate's parameters, float32, shaped like ``a + dt_bias``
-    (`gdngen.chunkwise.ParameterGate.log_gates`).
+    (`gdngen.algebra.chunkwise.ParameterGate.log_gates`).
 
     ``-exp(A_log) * softplus(a + dt_bias)``, or with ``lower_bound``:
     ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``. ``A_log`` and ``dt_bias`` must
@@ -196,8 +196,8 @@ def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None,
     convention of ``g``. q, k stay raw with ``normalize`` False (the call's backend normalises
     them, `normalize_qk`); a parameterised gate with ``compute_gate`` False comes back as the
     float32 tuple ``(a, A_log, dt_bias)`` (parameters in
-    `gdngen.chunkwise.parameter_layout`) with a `gdngen.chunkwise.ParameterGate` as its
-    convention, for the chunk core to compute (`computed_gate` where it does not)."""
+    `gdngen.algebra.chunkwise.parameter_layout`) with a `gdngen.algebra.chunkwise.ParameterGate` as
+    its convention, for the chunk core to compute (`computed_gate` where it does not)."""
     if options.qk_norm and normalize:
         q, k = (xp.astype(l2_normalize(xp, x), q.dtype) for x in (q, k))
     gate = options.call_gate
@@ -219,13 +219,13 @@ def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None,
 @functools.cache
 def namespace(framework: str):
     """The ``xp`` of `transform` for ``framework``: its chunkwise ``XP`` namespace
-    (`gdngen.backends.jax_chunkwise.XP`, `gdngen.backends.mlx_chunkwise.XP`) plus
+    (`gdngen.backends.portable.jax_chunkwise.XP`, `gdngen.backends.portable.mlx_chunkwise.XP`) plus
     ``float32 astype``."""
     check_framework(framework)
     if framework == "jax":
-        from gdngen.backends.jax_chunkwise import XP
+        from gdngen.backends.portable.jax_chunkwise import XP
     else:
-        from gdngen.backends.mlx_chunkwise import XP
+        from gdngen.backends.portable.mlx_chunkwise import XP
     module = XP.module
 
     class LayerXP(XP):
@@ -249,7 +249,7 @@ def prepare(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, 
     arguments come back as given, after only the Python-value checks. ``defer_qk_norm``: q, k
     come back raw, for the dispatch to normalise in the chosen backend (`normalize_qk`).
     ``defer_gate``: a parameterised gate comes back as ``(a, A_log, dt_bias)`` with a
-    `gdngen.chunkwise.ParameterGate` (`transform`), for the chosen backend's chunk core."""
+    `gdngen.algebra.chunkwise.ParameterGate` (`transform`), for the chosen backend's chunk core."""
     options = check_layer_inputs(q, k, v, g, beta, initial_state, mask, gate=gate,
                                  qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
                                  lower_bound=lower_bound, beta_activation=beta_activation,
@@ -261,7 +261,7 @@ def prepare(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, 
 
 
 def computed_gate(framework: str, g, gate):
-    """``(g, gate)`` for a backend that does not compute a `gdngen.chunkwise.ParameterGate`
+    """``(g, gate)`` for a backend that does not compute a `gdngen.algebra.chunkwise.ParameterGate`
     itself: its tuple made the float32 log gate (differentiable by the framework, "log");
     other gates as given."""
     if not isinstance(gate, chunkwise.ParameterGate):
@@ -280,7 +280,8 @@ def prepared(call, operands, *, compute_gate: bool = False):
     """``(call, operands)`` of a checked `gdngen.call.Call` for the stages after the entry
     point: beta activated (float32) where ``call.beta_activation`` says so (``call`` then
     without it); a parameterised gate's ``a``, A_log and dt_bias float32, the parameters laid
-    out against ``a`` (`gdngen.chunkwise.parameter_layout`), for the backend to compute; with
+    out against ``a`` (`gdngen.algebra.chunkwise.parameter_layout`), for the backend to compute;
+    with
     ``compute_gate`` the log gate computed here instead (``call.gate_form`` then None). q, k
     stay raw with ``call.qk_norm`` (the backend normalises them, `Backend.run`)."""
     if call.beta_activation is None and call.gate_form is None:

@@ -162,7 +162,8 @@ def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1
 
 def packed_vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, cu_seqlens, *, mask=None,
                scale=1.0, gate="log"):
-    """`vjp` of a packed row (`gdngen.packed`), a sequence at a time: q ``[1,T,Hk,Dk]`` etc.,
+    """`vjp` of a packed row (`gdngen.algebra.packed`), a sequence at a time: q ``[1,T,Hk,Dk]``
+    etc.,
     ``cu_seqlens`` ``[N+1]``, ``initial_state`` / ``dfinal_state`` ``[N,Hv,Dv,Dk]`` (None:
     zeros). Each sequence runs `vjp` on its own steps from its own initial state; an empty one
     returns its initial state (and passes its final-state cotangent straight back). Same keys

@@ -1,5 +1,6 @@
 """Packed sequences: many documents in one row, the state reset at each boundary (fla's
-``cu_seqlens``), on the chunk algebra of `gdngen.chunkwise` / `gdngen.chunkwise_channel`.
+``cu_seqlens``), on the chunk algebra of `gdngen.algebra.chunkwise` /
+`gdngen.algebra.chunkwise_channel`.
 
 Convention (fla's): ``cu_seqlens`` int32 ``[N+1]``, ``cu_seqlens[0] == 0``, non-decreasing,
 ``cu_seqlens[-1] == T``; sequence n is the steps ``s_n = cu_seqlens[n] <= t < e_n =
@@ -11,15 +12,15 @@ the recurrence in its state:
 
 * **Main pass** over the whole row from a zero state, with the gate of each sequence's first
   step replaced by an exact zero (log g = -inf): every decay that straddles a boundary is an
-  exact 0 (`gdngen.chunkwise.segment_sums`), so each sequence sees only its own steps, from a
-  zero state. Its output is exact wherever the sequences' initial states are zero.
+  exact 0 (`gdngen.algebra.chunkwise.segment_sums`), so each sequence sees only its own steps, from
+  a zero state. Its output is exact wherever the sequences' initial states are zero.
 * **Initial states** (only when given): a one-chunk call per sequence over its first partial
   chunk ``s_n .. min(e_n, end of s_n's chunk)``, from ``S0_n`` with v = 0 and the real gates:
   the free response of S0_n. Its outputs are added to y there, and its state at that chunk's end
-  is injected into the main pass's state leaving that chunk (`gdngen.chunkwise.forward`'s
+  is injected into the main pass's state leaving that chunk (`gdngen.algebra.chunkwise.forward`'s
   ``inject``), which carries it on through the sequence's later chunks.
 * **Final states**, scalar gates: taken inside the walk, each the chunk-end formula cut at the
-  sequence's last step (`gdngen.chunkwise.extract_states`; the ffi_cpu packed kernels do the
+  sequence's last step (`gdngen.algebra.chunkwise.extract_states`; the ffi_cpu packed kernels do the
   same), plus, for a sequence inside its first chunk, S0_n's response there. Per-channel gates:
   a one-chunk call per sequence over its last partial chunk ``max(s_n, c_n) .. e_n`` (``c_n``
   the start of the chunk holding step e_n - 1) from the walk's state entering that chunk (the
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gdngen import chunkwise
+from gdngen.algebra import chunkwise
 from gdngen.config import VECTOR_CHUNK
 from gdngen.problem import check_cu_seqlens
 
@@ -177,9 +178,10 @@ def chunk_injection(xp, inject, shape):
 
 def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
     """The ``walk`` of `gated_delta` over a chunk-layout ``packed_core(q, k, v, gates, beta,
-    inject) -> (Y, S_in)`` (`gdngen.chunkwise.forward` with ``inject`` from a zero state), or,
+    inject) -> (Y, S_in)`` (`gdngen.algebra.chunkwise.forward` with ``inject`` from a zero state),
+    or,
     ``extracts``, ``packed_core(q, k, v, gates, beta, inject, chunk, row) -> (Y, S_end)``
-    (each sequence's state after its last step, `gdngen.chunkwise.extract_states`)."""
+    (each sequence's state after its last step, `gdngen.algebra.chunkwise.extract_states`)."""
 
     def walk(q, k, v, g, beta, inject, last):
         _, T, Hk, Dk = q.shape
@@ -210,7 +212,8 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
 # ------------------------------------------------------------------------------ dispatch
 
 #: the portable chunk module a packed row runs on, per framework
-PORTABLE_OPS = {"jax": "gdngen.backends.jax_chunkwise", "mlx": "gdngen.backends.mlx_chunkwise"}
+PORTABLE_OPS = {"jax": "gdngen.backends.portable.jax_chunkwise",
+                "mlx": "gdngen.backends.portable.mlx_chunkwise"}
 
 
 def native(spec, vector_gate: bool) -> bool:

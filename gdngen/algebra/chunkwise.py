@@ -1,10 +1,10 @@
 """Framework-neutral chunkwise gated delta rule (WY form), shared by the JAX and MLX backends.
 
 Every function takes ``xp``, a small array namespace (an `ArrayNamespace`:
-`gdngen.backends.jax_chunkwise.XP`, `gdngen.backends.mlx_chunkwise.XP`) exposing ``exp log
-where concatenate stack swapaxes einsum repeat zeros(shape) eye(n) pad_time(x, pad, value)``
-and the framework-specific ``cumsum(x, axis, reverse) cumprod(x, axis, reverse) tril_mask(n, k)
-scan(f, carry, xs, reverse)`` (lax.scan semantics).
+`gdngen.backends.portable.jax_chunkwise.XP`, `gdngen.backends.portable.mlx_chunkwise.XP`) exposing
+``exp log where concatenate stack swapaxes einsum repeat zeros(shape) eye(n) pad_time(x, pad,
+value)`` and the framework-specific ``cumsum(x, axis, reverse) cumprod(x, axis, reverse)
+tril_mask(n, k) scan(f, carry, xs, reverse)`` (lax.scan semantics).
 Arrays are float32.
 
 Chunk algebra, per value head, chunk of C steps entering with state S0 ``[Dv, Dk]``. Positions
@@ -440,7 +440,7 @@ def forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block=8, inject=None):
 
     ``inject`` [N,B,H,r,Dv,Dk] (or None): added to the state leaving each chunk,
     ``S_{n+1} = D[C,0] S_n + W^T Kc + inject[n]`` (packed sequences' initial states,
-    `gdngen.packed`).
+    `gdngen.algebra.packed`).
 
     Everything that reads a chunk's state happens inside the chunk walk, while that state is
     hot in cache; the intra-chunk products that do not need it run batched over all chunks.
@@ -473,8 +473,8 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
     """Hand-derived VJP of `forward`: returns (dq, dk, dv, dgates, dbeta, dS0).
 
     ``dS_in`` [N,B,H,r,Dv,Dk] (or None): a cotangent of the residual S_in itself (the
-    entering states as an output, `gdngen.packed`); it is added to the walk's state cotangent
-    at each chunk start, and the cotangent of `forward`'s ``inject`` (the state cotangent
+    entering states as an output, `gdngen.algebra.packed`); it is added to the walk's state
+    cotangent at each chunk start, and the cotangent of `forward`'s ``inject`` (the state cotangent
     leaving each chunk) is returned as a seventh value. ``ends``: the cotangent pieces of
     `extract_states` (`extract_states_vjp`), added where W, the keys and the decay factors
     enter.
@@ -558,7 +558,7 @@ def backward(xp, q, k, v, gates, beta, residuals, dY, dS_final, *, gate, dS_in=N
 
 def extract_states(xp, D, S_in, W, k, chunk, row):
     """The state after step ``row[i]`` of chunk ``chunk[i]`` for each i (a packed sequence's
-    final state, `gdngen.packed`): ``S = D[p,0] S_in + sum_{u < p} D[p,u] w_u k_u^T`` at
+    final state, `gdngen.algebra.packed`): ``S = D[p,0] S_in + sum_{u < p} D[p,u] w_u k_u^T`` at
     position ``p = row + 1`` (the chunk-end formula of `forward` cut at p), from the chunk
     layout's decay factors ``D``, entering states, WY pseudo-values and keys. ``chunk``, ``row``
     int32 ``[n]`` (a row of -1: that entry is all zeros). Returns ``[n, B, H, r, Dv, Dk]``."""
@@ -645,7 +645,7 @@ def _chunk_parameters(x, Hk, r, vector_gate):
 
 def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
     """Whole-sequence chunkwise gated delta, scalar or per-channel gates
-    (`gdngen.chunkwise_channel.stages`); float32 arrays, shapes as the API.
+    (`gdngen.algebra.chunkwise_channel.stages`); float32 arrays, shapes as the API.
 
     ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` is `forward` in chunk layout wrapped with
     `backward` as its VJP by the framework. A masked step folds into the gates (log g = 0 /

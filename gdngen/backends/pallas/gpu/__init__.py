@@ -16,13 +16,13 @@ batch x value head x BV rows of the state, every step in order, the state in reg
 saved); their VJP is the chunk path's.
 
 Per-channel (vector) gates: the same forward and backward templates rendered with
-``per_channel`` set are the two chunk walks of `gdngen.chunkwise_channel` (`chunk_walks`: the
-forward walk and the reverse state-cotangent walk carry the state, its cotangent, in registers
+``per_channel`` set are the two chunk walks of `gdngen.algebra.chunkwise_channel` (`chunk_walks`:
+the forward walk and the reverse state-cotangent walk carry the state, its cotangent, in registers
 over the chunks; a chunk-parallel kernel forms the backward's sums over Dv); the intra-chunk
 stages stay its shared jnp code (not fused into the kernels yet). Calls of T >=
-``recurrent_below`` evaluate through `gdngen.chunkwise_channel.forward` with the kernel walk,
-shorter ones through the recurrent kernel, and every differentiated call takes
-`gdngen.chunkwise_channel.backward` with the kernel walks. Their variant space is the walks'
+``recurrent_below`` evaluate through `gdngen.algebra.chunkwise_channel.forward` with the kernel
+walk, shorter ones through the recurrent kernel, and every differentiated call takes
+`gdngen.algebra.chunkwise_channel.backward` with the kernel walks. Their variant space is the walks'
 parameters (``chunk_size``, ``bk``, ``bv``, ``num_warps``, ``num_stages``; ieee, saving states),
 and they are tuned. Validated as the scalar variants (`gdngen.validate.run_battery`, interpret
 mode, poisoned outputs): worst relative L2 error over every per-channel battery case and
@@ -44,8 +44,8 @@ Variant parameters (`variant_space`):
 * ``recurrent_below``: calls with fewer steps run the recurrent kernel forward
   (`gdngen.config.recurrent_switch`); it reaches no rendered source.
 
-Packed rows (``cu_seqlens``, `gdngen.packed`), scalar gates: `packed_gated_delta` runs the row's
-chunk walk on the variant's packed build (`render_packed`: the same templates with ``packed``
+Packed rows (``cu_seqlens``, `gdngen.algebra.packed`), scalar gates: `packed_gated_delta` runs the
+row's chunk walk on the variant's packed build (`render_packed`: the same templates with ``packed``
 set; the forward state walk, and the recomputing variants' ``residuals``, also takes a state per
 chunk ``[B, Hv, N, DV, DK]`` added to the state leaving it, and the forward always returns the
 entering states; the reverse walk also takes their cotangent, and its per-chunk dS_out is the
@@ -64,8 +64,8 @@ was, with ``a_log``, ``dt_bias`` (``[Hv]`` per head, ``[Hv, DK]`` per channel) a
 forming log g (a = -inf: exactly 0) and its exp or segment sums there. The chunk backward (and
 a recomputing variant's residuals) runs the plain kernels on inputs the custom VJP recomputes
 (`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), so only the raw arrays
-are kept. Per-channel chunk calls compute them in `gdngen.backends.jax_chunkwise`'s custom VJP
-(its intra-chunk stages are jnp). The plain renders are byte for byte those of before (tuned
+are kept. Per-channel chunk calls compute them in `gdngen.backends.portable.jax_chunkwise`'s custom
+VJP (its intra-chunk stages are jnp). The plain renders are byte for byte those of before (tuned
 entries keep their sha256).
 
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
@@ -81,10 +81,12 @@ import types
 import warnings
 from dataclasses import dataclass
 
-from gdngen import chunkwise, settings
+from gdngen import settings
+from gdngen.algebra import chunkwise
 from gdngen.backends import generated
-from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
+from gdngen.backends.pallas import core as pallas_core
+from gdngen.backends.pallas.core import call_jitted, exec_module, jit_pair
 from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.variant import Problem, Variant
 
@@ -310,9 +312,9 @@ def render_fused(variant: Variant, problem: Problem, inputs, *, templates_dir=No
     ``recurrent<tag>.py``, ``forward<tag>.py``. The backward kernels and the residual
     recomputation are not in it (they take the recomputed inputs: the plain build's);
     per-channel chunk walks are not either (their intra-chunk stages are jnp,
-    `gdngen.backends.jax_chunkwise`)."""
+    `gdngen.backends.portable.jax_chunkwise`)."""
     names = ("recurrent.py",) if problem.gate == "vector" else ("recurrent.py", "forward.py")
-    return generated.render_fused(SPEC, variant, problem, names, inputs,
+    return pallas_core.render_fused(SPEC, variant, problem, names, inputs,
                                   templates_dir=templates_dir,
                                   context={"qk_norm_eps": repr(QK_NORM_EPS),
                                            "log_gate_floor": repr(LOG_GATE_FLOOR)})
@@ -407,19 +409,19 @@ def load_fused_kernels(variant: Variant, problem: Problem, inputs, *, templates_
     ``recurrent``, ``run_recurrent`` and, for scalar gates, ``forward``, ``run_forward``
     (jitted with ``scale``/``interpret`` static), ``sha256``, ``variant``, ``problem``,
     ``params``, ``interpret``, ``context`` (``inputs.context()``)."""
-    return generated.load_fused(
+    return pallas_core.load_fused(
         BACKEND, render_fused(variant, problem, inputs, templates_dir=templates_dir), inputs,
         kernel_params(variant, problem), interpret_mode(), _LOADED)
 
 
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
-    """The packed-row chunk kernels of ``variant`` (`gdngen.packed`, scalar gates): the forward
-    and backward templates with ``packed`` set. The forward state walk (also the recomputing
+    """The packed-row chunk kernels of ``variant`` (`gdngen.algebra.packed`, scalar gates): the
+    forward and backward templates with ``packed`` set. The forward state walk (also the recomputing
     variants' ``residuals``) takes an injected state per chunk ``[B, Hv, N, DV, DK]``, added to
     the state leaving the chunk, and the forward always returns the entering states; the
     backward also takes their cotangent and returns the injection's (the template headers).
     With ``packed`` unset the templates render the dense kernels byte for byte."""
-    return generated.render_packed(SPEC, variant, problem, ("forward.py", "backward.py"),
+    return pallas_core.render_packed(SPEC, variant, problem, ("forward.py", "backward.py"),
                                    templates_dir=templates_dir)
 
 
@@ -431,7 +433,7 @@ def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=Non
     interpret = interpret_mode()
     key = (rendered.sha256, interpret)
     if key not in _LOADED:
-        kernels = generated.load_packed(BACKEND, rendered, kernel_params(variant, problem),
+        kernels = pallas_core.load_packed(BACKEND, rendered, kernel_params(variant, problem),
                                         interpret)
         kernels.run_residuals = jit_pair(kernels.forward.residuals, ("scale", "interpret"),
                                          interpret)
@@ -598,8 +600,8 @@ def _chunk_states_from_kernel(x, like):
 
 
 def _to_kernel_layout(q, k, v, gates, beta, S0, *, gate, dk, dv):
-    """Chunk layout of `gdngen.chunkwise` -> the kernels' layout (see the forward template), as
-    a dict; log gates clamped to `LOG_GATE_FLOOR`."""
+    """Chunk layout of `gdngen.algebra.chunkwise` -> the kernels' layout (see the forward template),
+    as a dict; log gates clamped to `LOG_GATE_FLOOR`."""
     import jax.numpy as jnp
 
     log_gates = gates if gate == "log" else jnp.log(gates)
@@ -614,7 +616,7 @@ def _to_fused_layout(q, k, v, gates, beta, S0, *, gate, dk, dv, inputs):
     `gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``): q, k as given (raw
     with ``qk_norm``); with a gate form ``gates`` is ``(a, A_log, dt_bias)`` (A_log, dt_bias
     ``[Hk, r, 1]``), ``"g"`` holds ``a`` (-inf kept: an identity step) and ``"gate"`` the
-    operands after it (`gdngen.backends.generated.fused_gate_operands`); otherwise ``gates``
+    operands after it (`gdngen.backends.pallas.core.fused_gate_operands`); otherwise ``gates``
     in ``gate``'s convention, laid out as `_to_kernel_layout` does."""
     if inputs.gate_form is None:
         return dict(_to_kernel_layout(q, k, v, gates, beta, S0, gate=gate, dk=dk, dv=dv),
@@ -622,7 +624,7 @@ def _to_fused_layout(q, k, v, gates, beta, S0, *, gate, dk, dv, inputs):
     a, A_log, dt_bias = gates
     lay = _to_kernel_layout(q, k, v, a, beta, S0, gate="log", dk=dk, dv=dv)
     lay["g"] = _per_step_to_kernel(a)  # unclamped: the kernels clamp the log gate they compute
-    lay["gate"] = generated.fused_gate_operands(inputs, A_log, dt_bias, v.shape[2] * v.shape[3],
+    lay["gate"] = pallas_core.fused_gate_operands(inputs, A_log, dt_bias, v.shape[2] * v.shape[3],
                                                 k.shape[-1], False)
     return lay
 
@@ -630,15 +632,15 @@ def _to_fused_layout(q, k, v, gates, beta, S0, *, gate, dk, dv, inputs):
 def _gate_cotangent(gates, gate, dd11, dd0):
     """d(gates) [B, Hv, N, C] from the kernels' decay-factor cotangents (dd11 [B, Hv, T, C],
     dd0 [B, Hv, T]; the chunk-end terms already folded into their last rows) by the
-    straddle-sum rule of `gdngen.chunkwise` (exact at g = 0); gates [B, Hv, N, C] in their own
-    convention."""
+    straddle-sum rule of `gdngen.algebra.chunkwise` (exact at g = 0); gates [B, Hv, N, C] in their
+    own convention."""
     import jax.numpy as jnp
 
     C = gates.shape[-1]
     dd11 = dd11.reshape(gates.shape + (C,))
     rows = jnp.concatenate([dd0.reshape(gates.shape)[..., None], dd11], axis=-1)  # positions 1..C
     dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, C + 1), rows.dtype), rows], axis=-2)
-    return generated.gate_cotangent(gates, gate, dD)
+    return pallas_core.gate_cotangent(gates, gate, dD)
 
 
 def _cotangents(primals, grads, *, gate):
@@ -663,7 +665,7 @@ def _cotangents(primals, grads, *, gate):
 
 @functools.cache
 def _core(key: tuple, gate, scale: float, qk_norm: bool = False, fused_key: tuple | None = None):
-    """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
+    """`gdngen.algebra.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
     (sha256, interpret mode), with the generated backward as its ``jax.custom_vjp``. Layout
     changes and the gate epilogue are jitted on their own; each kernel module function is its
     own executable (shared by both gate kinds).
@@ -673,7 +675,7 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False, fused_key: tupl
     with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only.
 
     ``fused_key``: the loaded fused build (`load_fused_kernels`) of ``qk_norm`` and ``gate``
-    (a `gdngen.chunkwise.ParameterGate` or a convention): its forward kernels take the raw
+    (a `gdngen.algebra.chunkwise.ParameterGate` or a convention): its forward kernels take the raw
     primals (``forward_fuses``), normalising q, k and computing the log gate in their loads;
     the backward (and a recomputing variant's residuals) runs the plain kernels ``key`` on the
     recomputed inputs. None: the core computes them with array ops before the forward."""
@@ -747,8 +749,8 @@ def _packed_cotangents(primals, grads, *, gate):
 @functools.cache
 def _packed_core(key: tuple, gate: str):
     """The ``packed_core(q, k, v, gates, beta, inject) -> (Y, S_in)`` of
-    `gdngen.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret mode):
-    chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in`` ``[N, B, Hk,
+    `gdngen.algebra.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret
+    mode): chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in`` ``[N, B, Hk,
     r, Dv, Dk]`` float32; the packed backward kernels as its ``jax.custom_vjp`` (cotangents of
     every input, ``inject``'s the state cotangent leaving each chunk)."""
     import jax.numpy as jnp
@@ -812,9 +814,9 @@ def _chunk_vectors_to_kernel(x, dk):
 @functools.cache
 def chunk_walks(key: tuple):
     """``(walk_forward, walk_backward)`` with the signatures and contracts of
-    `gdngen.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r, ...],
-    float32) on the loaded per-channel kernels ``key`` (sha256, interpret mode): the forward and
-    backward templates rendered with ``per_channel``. The forward walk is one ``pallas_call``
+    `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r,
+    ...], float32) on the loaded per-channel kernels ``key`` (sha256, interpret mode): the forward
+    and backward templates rendered with ``per_channel``. The forward walk is one ``pallas_call``
     (grid batch * value head x Dv tiles, the chunks in order in one program, the state in
     registers); the reverse walk two (the state-cotangent walk likewise, then the sums over Dv
     chunk-parallel). Inputs go to the kernels' layout (value heads merged, time rows, head dims
@@ -872,14 +874,14 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem, temp
       ``scale``), v ``[B,T,Hv,Dv]``, ``decay`` the LINEAR decay in [0, 1], ``[B,T,Hv]``
       (scalar gate) or ``[B,T,Hv,Dk]`` (per-channel gate, ``problem.gate == "vector"``), beta
       ``[B,T,Hv]``, S0 ``[B,Hv,Dv,Dk]``. Masked steps are folded by the caller (decay 1,
-      beta 0; `gdngen.chunkwise.fold_mask`), log gates converted with exp (exactly 0 at
+      beta 0; `gdngen.algebra.chunkwise.fold_mask`), log gates converted with exp (exactly 0 at
       log g = -inf).
     * any T >= 1 (a trace-time size: each T traces its own call), GVA (value head h reads key
       head h // (Hv / Hk)), Dk != Dv, head dims that are not multiples of 16 (zero-padded to
       the kernels' ``dk`` / ``dv``, which is exact).
     * returns ``(y [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])``, float32; per step
       ``u = beta (v - S (a k))``, ``S <- S diag(a) + u k^T``, ``y = scale S q``
-      (`gdngen.chunkwise.recurrent_forward`).
+      (`gdngen.algebra.chunkwise.recurrent_forward`).
     * poisoned outputs as the chunk kernels: interpret mode (no GPU, or ``GDNGEN_INTERPRET=1``)
       starts every output as NaN, so anything the kernel leaves unwritten shows up (with
       ``GDNGEN_POISON_OUTPUTS=1`` or without); on a GPU outputs are as Triton leaves them.
@@ -917,7 +919,7 @@ def _run_recurrent(kernels, q, k, v, decay, beta, S0, *, scale, inputs):
                              f"{inputs.gate_form!r}, got {type(decay).__name__}")
         decay, A_log, dt_bias = decay
         vector = decay.ndim == 4
-        gate = generated.fused_gate_operands(inputs, A_log, dt_bias, v.shape[2], Dk, vector)
+        gate = pallas_core.fused_gate_operands(inputs, A_log, dt_bias, v.shape[2], Dk, vector)
         if vector:  # zero-padded key channels: their state columns stay zero whatever the gate
             gate = (*(_pad_last(x, p["dk"]) for x in gate[:2]), *gate[2:])
     q, k = (_pad_last(x.astype(f32), p["dk"]) for x in (q, k))
@@ -937,17 +939,17 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     float16). Differentiable (custom VJP) and jit-able.
 
     A call with T >= the variant's ``recurrent_below`` runs the chunk kernels (per-channel
-    gates, g ``[B,T,Hv,Dk]``: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`);
-    a shorter one evaluates through the recurrent kernel (`recurrent_forward`, on the inputs
-    upcast to float32, masks folded) and differentiates through the chunk path
-    (`gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`).
+    gates, g ``[B,T,Hv,Dk]``: `gdngen.algebra.chunkwise_channel` with the kernel walks,
+    `chunk_walks`); a shorter one evaluates through the recurrent kernel (`recurrent_forward`, on
+    the inputs upcast to float32, masks folded) and differentiates through the chunk path
+    (`gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise`).
 
-    ``qk_norm`` (q, k raw) and a `gdngen.chunkwise.ParameterGate` ``gate`` (``g`` the tuple
+    ``qk_norm`` (q, k raw) and a `gdngen.algebra.chunkwise.ParameterGate` ``gate`` (``g`` the tuple
     ``(a, A_log, dt_bias)``; `BackendSpec.fused_inputs`) are computed in the kernels' loads:
     the recurrent kernel's and the scalar chunk forward kernels' (`render_fused`); the chunk
     backward gets them recomputed and keeps only the raw arrays
     (`gdngen.backends.generated.custom_vjp_core`). Per-channel gates' chunk path computes them
-    inside its custom VJP (`gdngen.backends.jax_chunkwise.chunk_core`).
+    inside its custom VJP (`gdngen.backends.portable.jax_chunkwise.chunk_core`).
     """
     return SPEC.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
                       variant=variant, templates_dir=templates_dir, qk_norm=qk_norm)
@@ -955,15 +957,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
 def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                        gate="log", variant, cu_seqlens, templates_dir=None):
-    """A packed row (`gdngen.packed`, scalar gates) on a variant's kernels
-    (`gdngen.backends.generated.packed_gated_delta`); arguments as `gated_delta` with
+    """A packed row (`gdngen.algebra.packed`, scalar gates) on a variant's kernels
+    (`gdngen.backends.pallas.core.packed_gated_delta`); arguments as `gated_delta` with
     ``cu_seqlens`` int32 ``[N+1]``."""
     return SPEC.packed_entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                              gate=gate, variant=variant, cu_seqlens=cu_seqlens,
                              templates_dir=templates_dir)
 
 
-class PallasGPU(generated.PallasBackend):
+class PallasGPU(pallas_core.PallasBackend):
     """The generated Pallas kernels of this module; its hooks are the module's functions
     (looked up when called)."""
 

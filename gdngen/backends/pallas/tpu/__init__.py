@@ -9,12 +9,12 @@ path's). On a TPU they compile with Mosaic; elsewhere they run in TPU interpret 
 detection), with a warning once per process.
 
 Per-channel (vector) gates: the same forward and backward templates rendered with
-``per_channel`` set are the two chunk walks of `gdngen.chunkwise_channel` (`chunk_walks`: the
-state, and in reverse its cotangent, carried in VMEM over the chunk axis); the intra-chunk
+``per_channel`` set are the two chunk walks of `gdngen.algebra.chunkwise_channel` (`chunk_walks`:
+the state, and in reverse its cotangent, carried in VMEM over the chunk axis); the intra-chunk
 stages stay its shared jnp code (not fused into the kernels yet). Calls of T >=
-``recurrent_below`` evaluate through `gdngen.chunkwise_channel.forward` with the kernel walk,
-shorter ones through the recurrent kernel, and every differentiated call takes
-`gdngen.chunkwise_channel.backward` with the kernel walks. Their variant space is the walk's
+``recurrent_below`` evaluate through `gdngen.algebra.chunkwise_channel.forward` with the kernel
+walk, shorter ones through the recurrent kernel, and every differentiated call takes
+`gdngen.algebra.chunkwise_channel.backward` with the kernel walks. Their variant space is the walk's
 parameters (``chunk_size``, ``head_tile``, ``dv_tile``; ieee, saving states), and they are
 tuned. Validated as the scalar variants (`gdngen.validate.run_battery`, interpret mode, poisoned
 outputs): worst relative L2 error over every per-channel battery case and quantity (dg in both
@@ -35,8 +35,8 @@ Variant parameters (`variant_space`):
 * ``recurrent_below``: calls with fewer steps run the recurrent kernel's forward (its Dv split is
   ``dv_tile``'s; it does not change any rendered source).
 
-Packed rows (``cu_seqlens``, `gdngen.packed`), scalar gates: `packed_gated_delta` runs the row's
-chunk walk on the variant's packed build (`render_packed`: the same templates with ``packed``
+Packed rows (``cu_seqlens``, `gdngen.algebra.packed`), scalar gates: `packed_gated_delta` runs the
+row's chunk walk on the variant's packed build (`render_packed`: the same templates with ``packed``
 set; the forward also takes a state per chunk ``[B, Hv, N, Dv, Dk]`` added to the state leaving
 it and always returns the entering states, the backward also takes their cotangent and returns
 the injection's) and each sequence's one-chunk calls (initial-state response, final state from
@@ -54,7 +54,7 @@ take the raw projection ``a`` where the decay / log gate was, with ``a_log``, ``
 and its exp or segment sums there. The chunk backward runs the plain kernels on inputs the
 custom VJP recomputes (`gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``), so
 only the raw arrays are kept. Per-channel chunk calls compute them in
-`gdngen.backends.jax_chunkwise`'s custom VJP (its intra-chunk stages are jnp). The plain
+`gdngen.backends.portable.jax_chunkwise`'s custom VJP (its intra-chunk stages are jnp). The plain
 renders are byte for byte those of before (tuned entries keep their sha256).
 
 Only ``gdngen.variant`` / ``gdngen.render`` run at import; jax is imported when kernels are
@@ -71,10 +71,12 @@ import types
 import warnings
 from dataclasses import dataclass
 
-from gdngen import chunkwise, settings
+from gdngen import settings
+from gdngen.algebra import chunkwise
 from gdngen.backends import generated
-from gdngen.backends.generated import call_jitted, exec_module, jit_pair
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
+from gdngen.backends.pallas import core as pallas_core
+from gdngen.backends.pallas.core import call_jitted, exec_module, jit_pair
 from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.devices import MiB
 from gdngen.variant import Problem, Variant
@@ -359,9 +361,9 @@ def render_fused(variant: Variant, problem: Problem, inputs, *, templates_dir=No
     operands, computing the log gate in their loads. Named ``recurrent<tag>.py``,
     ``forward<tag>.py``. The backward kernels are not in it (they take the recomputed inputs:
     the plain build's); per-channel chunk walks are not either (their intra-chunk stages are
-    jnp, `gdngen.backends.jax_chunkwise`)."""
+    jnp, `gdngen.backends.portable.jax_chunkwise`)."""
     names = ("recurrent.py",) if problem.gate == "vector" else ("recurrent.py", "forward.py")
-    return generated.render_fused(SPEC, variant, problem, names, inputs,
+    return pallas_core.render_fused(SPEC, variant, problem, names, inputs,
                                   templates_dir=templates_dir,
                                   context={"qk_norm_eps": repr(QK_NORM_EPS),
                                            "log_gate_floor": repr(LOG_GATE_FLOOR)})
@@ -458,21 +460,21 @@ def load_fused_kernels(variant: Variant, problem: Problem, inputs, *, templates_
     ``recurrent``, ``run_recurrent`` and, for scalar gates, ``forward``, ``run_forward``
     (jitted with ``scale``/``interpret`` static), ``sha256``, ``variant``, ``problem``,
     ``params``, ``interpret``, ``context`` (``inputs.context()``)."""
-    return generated.load_fused(
+    return pallas_core.load_fused(
         BACKEND, render_fused(variant, problem, inputs, templates_dir=templates_dir), inputs,
         kernel_params(variant, problem), interpret_mode(), _LOADED)
 
 
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
-    """The packed-row chunk kernels of ``variant`` (`gdngen.packed`, scalar gates): the forward
-    and backward templates with ``packed`` set. The forward (and the recomputing variants'
+    """The packed-row chunk kernels of ``variant`` (`gdngen.algebra.packed`, scalar gates): the
+    forward and backward templates with ``packed`` set. The forward (and the recomputing variants'
     state walk) also takes an injected state per chunk ``[B, Hv, N, Dv, Dk]``, added to the
     state leaving the chunk, and always returns the entering states; the backward also takes
     their cotangent and returns the injection's (the template headers). With ``packed`` unset
     the templates render the dense kernels byte for byte."""
     p = kernel_params(variant, problem)
     extra = 4 * _padded_bytes((p["head_tile"], p["dv_tile"], problem.Dk))  # inject/S_in blocks
-    return generated.render_packed(
+    return pallas_core.render_packed(
         SPEC, variant, problem, ("forward.py", "backward.py"), templates_dir=templates_dir,
         context={"vmem_limit_bytes": _vmem_limit(vmem_bytes(variant, problem) + extra)})
 
@@ -485,7 +487,7 @@ def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=Non
     interpret = interpret_mode()
     key = (rendered.sha256, interpret)
     if key not in _LOADED:
-        kernels = generated.load_packed(BACKEND, rendered, kernel_params(variant, problem),
+        kernels = pallas_core.load_packed(BACKEND, rendered, kernel_params(variant, problem),
                                         interpret)
         if hasattr(kernels.forward, "chunk_states"):
             kernels.run_chunk_states = jit_pair(kernels.forward.chunk_states, ("interpret",),
@@ -517,7 +519,7 @@ def _run_kernel(fns, *args, what: str, interpret, **kwargs):
     interpret mode, check it for races, and reset the interpreter's shared state if it raised
     (jax requires that before the next kernel)."""
     try:
-        outputs = generated.call_sequential_under_vmap(fns, *args, interpret=interpret,
+        outputs = pallas_core.call_sequential_under_vmap(fns, *args, interpret=interpret,
                                                        **kwargs)
         _check_races(outputs, what, interpret)
     except Exception:
@@ -635,7 +637,7 @@ def _check_lowered(lowered: dict) -> dict:
 
 
 def _to_kernel_layout(q, k, v, gates, beta, S0, gate):
-    """Chunk layout of `gdngen.chunkwise` (q, k [N, B, Hk, C, Dk]; v [N, B, Hk, r, C, Dv];
+    """Chunk layout of `gdngen.algebra.chunkwise` (q, k [N, B, Hk, C, Dk]; v [N, B, Hk, r, C, Dv];
     gates, beta [N, B, Hk, r, C]; S0 [B, Hk, r, Dv, Dk]) -> the kernels' layout (see the
     forward template), as a dict."""
     import jax.numpy as jnp
@@ -665,14 +667,14 @@ def _to_fused_layout(q, k, v, gates, beta, S0, gate, inputs):
     `gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``): q, k as given (raw
     with ``qk_norm``); with a gate form ``gates`` is ``(a, A_log, dt_bias)`` (A_log, dt_bias
     ``[Hk, r, 1]``), ``g_col`` / ``g_row`` hold ``a`` (-inf kept: an identity step) and
-    ``"gate"`` the operands after it (`gdngen.backends.generated.fused_gate_operands`);
+    ``"gate"`` the operands after it (`gdngen.backends.pallas.core.fused_gate_operands`);
     otherwise ``gates`` in ``gate``'s convention, laid out as `_to_kernel_layout` does."""
     if inputs.gate_form is None:
         return dict(_to_kernel_layout(q, k, v, gates, beta, S0, gate), gate=())
     a, A_log, dt_bias = gates
     Hv, Dk = v.shape[2] * v.shape[3], k.shape[-1]
     return dict(_kernel_layout(q, k, v, a, beta, S0),
-                gate=generated.fused_gate_operands(inputs, A_log, dt_bias, Hv, Dk, False))
+                gate=pallas_core.fused_gate_operands(inputs, A_log, dt_bias, Hv, Dk, False))
 
 
 def _to_heads(x):
@@ -693,7 +695,7 @@ def _from_heads(x, Hk):
 
 def _gate_cotangent(gates, gate, dd11, dd0, ddc, ddcc):
     """d(gates) from the kernels' decay-factor cotangents, by the straddle-sum rule of
-    `gdngen.chunkwise` (``decay_factors_log_vjp`` / ``decay_factors_linear_vjp``: exact at
+    `gdngen.algebra.chunkwise` (``decay_factors_log_vjp`` / ``decay_factors_linear_vjp``: exact at
     g = 0). Inputs [B, Hv, N, ...]; gates in their own convention."""
     import jax.numpy as jnp
 
@@ -701,7 +703,7 @@ def _gate_cotangent(gates, gate, dd11, dd0, ddc, ddcc):
     last = rows[..., -1, :] + jnp.concatenate([ddcc[..., 0, :], ddc[..., 0]], axis=-1)
     dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, rows.shape[-1]), rows.dtype),
                           rows[..., :-1, :], last[..., None, :]], axis=-2)
-    return generated.gate_cotangent(gates, gate, dD)
+    return pallas_core.gate_cotangent(gates, gate, dD)
 
 
 def _cotangents(primals, grads, gate):
@@ -723,8 +725,8 @@ def _cotangents(primals, grads, gate):
 
 @functools.cache
 def _core(key: tuple, gate, scale: float, qk_norm: bool = False, fused_key: tuple | None = None):
-    """`gdngen.chunkwise` core (chunk layout in and out) for the loaded kernels ``key`` (sha256,
-    interpret parameters), with the
+    """`gdngen.algebra.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
+    (sha256, interpret parameters), with the
     generated backward as its ``jax.custom_vjp``. Layout changes and the gate epilogue are
     jitted on their own; each kernel is its own executable (shared by both gate kinds).
 
@@ -733,7 +735,7 @@ def _core(key: tuple, gate, scale: float, qk_norm: bool = False, fused_key: tupl
     with ``qk_norm`` (`gdngen.backends.generated.custom_vjp_core`) the raw ones only.
 
     ``fused_key``: the loaded fused build (`load_fused_kernels`) of ``qk_norm`` and ``gate``
-    (a `gdngen.chunkwise.ParameterGate` or a convention): its forward kernel takes the raw
+    (a `gdngen.algebra.chunkwise.ParameterGate` or a convention): its forward kernel takes the raw
     primals (``forward_fuses``), normalising q, k and computing the log gate in its loads; the
     backward (and a recomputing variant's state walk) runs the plain kernels ``key`` on the
     recomputed inputs. None: the core computes them with array ops before the forward."""
@@ -812,7 +814,7 @@ def _packed_cotangents(primals, grads, gate):
 @functools.cache
 def _packed_core(key: tuple, gate: str):
     """The ``packed_core(q, k, v, gates, beta, inject) -> (Y, S_in)`` of
-    `gdngen.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret
+    `gdngen.algebra.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret
     parameters): chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in``
     ``[N, B, Hk, r, Dv, Dk]`` float32; the packed backward kernel as its ``jax.custom_vjp``
     (cotangents of every input, ``inject``'s the state cotangent leaving each chunk)."""
@@ -865,8 +867,8 @@ def _heads_merged(x, axis):
 @functools.cache
 def chunk_walks(key: tuple):
     """``(walk_forward, walk_backward)`` with the signatures and contracts of
-    `gdngen.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r, ...],
-    float32) on the loaded per-channel kernels ``key`` (sha256, interpret parameters): the
+    `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r,
+    ...], float32) on the loaded per-channel kernels ``key`` (sha256, interpret parameters): the
     forward and backward templates rendered with ``per_channel``, each one ``pallas_call``
     walking the chunks in order (in reverse) with the state (its cotangent) in VMEM. Only the
     value heads are merged (reshapes, no transposes). Packed rows (``inject`` / ``dS_in``) are
@@ -914,7 +916,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     * beta ``[B, T, Hv]``; S0 ``[B, Hv, Dv, Dk]``;
     * returns ``(y [B, T, Hv, Dv], S_T [B, Hv, Dv, Dk])``, float32, of the recurrence
       ``S_t = S_{t-1} diag(a_t) + beta_t (v_t - S_{t-1} diag(a_t) k_t) k_t^T``,
-      ``y_t = scale * S_t q_t``, evaluated per step as `gdngen.chunkwise.recurrent_forward`:
+      ``y_t = scale * S_t q_t``, evaluated per step as `gdngen.algebra.chunkwise.recurrent_forward`:
       ``u = beta (v - S (a k)); S' = S diag(a) + u k^T; y = S (a q) + u (k . q)``.
 
     Any T >= 1 (a trace-time size; T > `RECURRENT_TIME_BLOCK` runs in blocks of that many
@@ -954,7 +956,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     else:
         kernels = load_kernels(variant, problem, templates_dir=templates_dir)
     if gate_parameters:
-        gate_parameters = generated.fused_gate_operands(inputs, *gate_parameters, problem.Hv,
+        gate_parameters = pallas_core.fused_gate_operands(inputs, *gate_parameters, problem.Hv,
                                                         problem.Dk, per_channel)
     y, state = _run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, *gate_parameters,
                            scale=float(scale), what="recurrent", interpret=kernels.interpret)
@@ -968,17 +970,17 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     q, k, v float32 or bfloat16). Differentiable (custom VJP) and jit-able.
 
     A call with T >= the variant's ``recurrent_below`` runs the chunk kernels (per-channel
-    gates: `gdngen.chunkwise_channel` with the kernel walks, `chunk_walks`). A shorter one
+    gates: `gdngen.algebra.chunkwise_channel` with the kernel walks, `chunk_walks`). A shorter one
     evaluates through the recurrent kernel (`recurrent_forward`, masks folded, the gate made a
-    linear decay) inside `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`: its VJP is
+    linear decay) inside `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise`: its VJP is
     that of the chunk path on the same call.
 
-    ``qk_norm`` (q, k raw) and a `gdngen.chunkwise.ParameterGate` ``gate`` (``g`` the tuple
+    ``qk_norm`` (q, k raw) and a `gdngen.algebra.chunkwise.ParameterGate` ``gate`` (``g`` the tuple
     ``(a, A_log, dt_bias)``; `BackendSpec.fused_inputs`) are computed in the kernels' loads:
     the recurrent kernel's and the scalar chunk forward kernel's (`render_fused`); the chunk
     backward gets them recomputed and keeps only the raw arrays
     (`gdngen.backends.generated.custom_vjp_core`). Per-channel gates' chunk path computes them
-    inside its custom VJP (`gdngen.backends.jax_chunkwise.chunk_core`).
+    inside its custom VJP (`gdngen.backends.portable.jax_chunkwise.chunk_core`).
     """
     return SPEC.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
                       variant=variant, templates_dir=templates_dir, qk_norm=qk_norm)
@@ -986,15 +988,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
 def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                        gate="log", variant, cu_seqlens, templates_dir=None):
-    """A packed row (`gdngen.packed`, scalar gates) on a variant's kernels
-    (`gdngen.backends.generated.packed_gated_delta`); arguments as `gated_delta` with
+    """A packed row (`gdngen.algebra.packed`, scalar gates) on a variant's kernels
+    (`gdngen.backends.pallas.core.packed_gated_delta`); arguments as `gated_delta` with
     ``cu_seqlens`` int32 ``[N+1]``."""
     return SPEC.packed_entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale,
                              gate=gate, variant=variant, cu_seqlens=cu_seqlens,
                              templates_dir=templates_dir)
 
 
-class PallasTPU(generated.PallasBackend):
+class PallasTPU(pallas_core.PallasBackend):
     """The generated Pallas kernels of this module; its hooks are the module's functions
     (looked up when called)."""
 

@@ -1,7 +1,7 @@
 """What the portable backends (xla, mlx) share: their typed config, space and whole-call body.
 
-Both run `gdngen.chunkwise` (scalar gates) and `gdngen.chunkwise_channel` (per-channel gates)
-through framework ops, chunkwise with the hand-derived backward. Their
+Both run `gdngen.algebra.chunkwise` (scalar gates) and `gdngen.algebra.chunkwise_channel`
+(per-channel gates) through framework ops, chunkwise with the hand-derived backward. Their
 tolerance is the generic one per precision policy (`TOLERANCES`).
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gdngen.algebra.chunkwise_channel import SUB_CHUNK
 from gdngen.backend import Backend
-from gdngen.chunkwise_channel import SUB_CHUNK
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -32,7 +32,7 @@ TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 #: D=128), the forward with a state, the default variant's chunk path (a short call in one
 #: chunk of its own length, `short_chunk`) against the step loop: xla's ``lax.scan`` loses from
 #: T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx (the loop's products as split sums,
-#: `gdngen.backends.mlx_chunkwise.XP.dot_last`), scalar gates: the loop wins through T=128
+#: `gdngen.backends.portable.mlx_chunkwise.XP.dot_last`), scalar gates: the loop wins through T=128
 #: (T=1 2.0 vs 2.6 ms, T=16 15 vs 17, T=64 62 vs 85, T=128 218 vs 255) and loses at T=256 (404
 #: vs 355); per-channel gates: the loop wins through T=256 (T=16 17 vs 23 ms, T=128 135 vs
 #: 191, T=256 287 vs 384), the switch kept at the longest T measured
@@ -59,9 +59,9 @@ class PortableConfig(VariantConfig):
 
 
 class PortableBackend(Backend):
-    """A framework's portable backend: `gdngen.chunkwise` / `gdngen.chunkwise_channel` in the
-    framework module ``ops`` (imported when a call runs, so the declaration imports no
-    framework), every gate kind, packed rows on its own chunk path."""
+    """A framework's portable backend: `gdngen.algebra.chunkwise` /
+    `gdngen.algebra.chunkwise_channel` in the framework module ``ops`` (imported when a call runs,
+    so the declaration imports no framework), every gate kind, packed rows on its own chunk path."""
 
     portable = True
     gates = tuned_gates = packed_gates = ("scalar", "vector")
@@ -71,7 +71,8 @@ class PortableBackend(Backend):
                  fused_inputs: tuple = ()):
         self.name, self.framework, self.ops, self.config = name, framework, ops, config
         self.device_kinds, self.fused_inputs = device_kinds, fused_inputs
-        self.source_modules = ("gdngen.chunkwise", "gdngen.chunkwise_channel", __name__, ops)
+        self.source_modules = ("gdngen.algebra.chunkwise", "gdngen.algebra.chunkwise_channel",
+                               __name__, ops)
         super().__init__()
 
     def space(self, problem, device=None):
@@ -90,7 +91,7 @@ class PortableBackend(Backend):
         return gated_delta(module, call, operands, self.parse(variant))
 
     def packed(self, call, operands, variant, **options):
-        from gdngen import packed
+        from gdngen.algebra import packed
 
         return packed.run_portable(call, operands,
                                    packed.chunk_params(self, variant, call.vector_gate))
@@ -134,13 +135,13 @@ def gated_delta(ops, call, operands, config):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
     ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``recurrent_gated_delta`` and
     ``recurrent_or_chunkwise``) for a checked `gdngen.call.Call`: float32 inputs, zero initial
-    state when None; scalar or per-channel gates (`gdngen.chunkwise_channel`). A call shorter
-    than the config's ``recurrent_below`` evaluates through the recurrent step loop,
+    state when None; scalar or per-channel gates (`gdngen.algebra.chunkwise_channel`). A call
+    shorter than the config's ``recurrent_below`` evaluates through the recurrent step loop,
     differentiated through the chunkwise path. ``call.qk_norm`` / a parameterised gate (the
     backend's ``fused_inputs``): q, k and ``a`` are raw; the chunk core computes the norm and
-    the log gate and keeps only the raw arrays (`gdngen.chunkwise.normalized_qk`); the
+    the log gate and keeps only the raw arrays (`gdngen.algebra.chunkwise.normalized_qk`); the
     recurrent path computes them first. Returns ``(y in q's dtype, final_state)``."""
-    from gdngen import chunkwise
+    from gdngen.algebra import chunkwise
 
     f32 = ops.FLOAT32
     shape, gate = call.shape, call.kernel_gate
@@ -174,7 +175,7 @@ def _calls(ops, scale: float, gate, qk_norm: bool, config, chunk_size: int) -> _
     """The paths of `gated_delta` for one framework module, scale, gate, q/k norm and config
     (``chunk_size`` the chunk the call runs, `short_chunk`), built once: a decode loop calls
     them per token, its ``mx.custom_function`` included."""
-    from gdngen import chunkwise
+    from gdngen.algebra import chunkwise
 
     fused = {"qk_norm": True} if qk_norm else {}  # only where the spec declares it fused
     params = {n: x for n, x in config.params().items() if n != "recurrent_below"}

@@ -29,10 +29,10 @@ import re
 
 import numpy as np
 
+from gdngen.backends.metal.sim import compiler, launch, source
+from gdngen.backends.metal.sim.compiler import CompileError
+from gdngen.backends.metal.sim.launch import SimulatorError
 from gdngen.devices import DEVICES
-from gdngen.metal_sim import compiler, launch, source
-from gdngen.metal_sim.compiler import CompileError
-from gdngen.metal_sim.launch import SimulatorError
 
 __all__ = ["CompileError", "SimKernel", "SimulatorError", "available", "metal_kernel", "run"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gdngen import settings
-from gdngen.metal_sim import compiler
+from gdngen.backends.metal.sim import compiler
 
 #: Thread orders within a threadgroup: round robin, LIFO, random, and the lowest / highest
 #: runnable thread first (one simdgroup runs ahead of the others up to the next barrier).

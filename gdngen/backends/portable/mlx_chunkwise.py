@@ -1,7 +1,8 @@
 """MLX backend: the portable chunkwise gated delta rule in mlx.core (any MLX device).
 
-Scalar and per-channel gates (and masks) take `gdngen.chunkwise` / `gdngen.chunkwise_channel`
-with their hand-derived backward wired in through ``mx.custom_function``.
+Scalar and per-channel gates (and masks) take `gdngen.algebra.chunkwise` /
+`gdngen.algebra.chunkwise_channel` with their hand-derived backward wired in through
+``mx.custom_function``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from gdngen import chunkwise, chunkwise_channel, packed
+from gdngen.algebra import chunkwise, chunkwise_channel, packed
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = mx.float32
@@ -19,7 +20,7 @@ zeros = mx.zeros
 
 
 class XP(chunkwise.ArrayNamespace):
-    """The array namespace `gdngen.chunkwise` expects, over mlx.core (float32)."""
+    """The array namespace `gdngen.algebra.chunkwise` expects, over mlx.core (float32)."""
 
     module = mx
 
@@ -81,7 +82,8 @@ class XP(chunkwise.ArrayNamespace):
 DOT_BLOCK = 16
 
 #: chunks per group of the per-channel backward's chunk-local stages
-#: (`gdngen.chunkwise_channel.by_chunk_groups`). Measured, MLX CPU, fwd+bwd with every gradient,
+#: (`gdngen.algebra.chunkwise_channel.by_chunk_groups`). Measured, MLX CPU, fwd+bwd with every
+# gradient,
 #: T=2048, Hk=4, Hv=8, D=128, chunk 32: peak 665 MiB at once, 298 MiB in groups of 8 (267 MiB
 #: in groups of 4, ~20% slower), time unchanged within the machine's noise
 CHUNK_GROUP = 8
@@ -94,18 +96,18 @@ def _grouped(stages):
 
 @functools.cache
 def chunk_core(gate, solve_block, save_states, walks=None, qk_scale=None):
-    """`gdngen.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
+    """`gdngen.algebra.chunkwise.forward` in chunk layout as an ``mx.custom_function`` with its VJP.
 
     The core returns ``(Y, S_final, *residuals)``. With ``save_states`` the backward reads the
     forward's residuals (per-chunk entering states, WY pseudo-values, triangular inverses) from
     its outputs; otherwise it recomputes them. ``walks``: None, or for per-channel gates a pair
-    ``(walk_forward, walk_backward)`` with the contracts of `gdngen.chunkwise_channel`'s
+    ``(walk_forward, walk_backward)`` with the contracts of `gdngen.algebra.chunkwise_channel`'s
     defaults (a generated backend's walk kernels, `gdngen.backends.metal.ChannelWalks`), passed
     as its ``walk`` to every forward and backward. ``qk_scale`` (a float): q, k are the raw
-    ones and the core L2-normalises them (`gdngen.chunkwise.normalized_qk`, q then times
+    ones and the core L2-normalises them (`gdngen.algebra.chunkwise.normalized_qk`, q then times
     ``qk_scale``); its backward recomputes the normalised ones from the raw q, k (no
     normalised copy outlives the forward) and returns the raw ones' cotangents. ``gate`` a
-    `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``, the log gate is
+    `gdngen.algebra.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``, the log gate is
     computed here and recomputed in the backward the same way.
     """
     fwd, bwd = ({}, {}) if walks is None else ({"walk": walks[0]}, {"walk": walks[1]})
@@ -137,10 +139,10 @@ def chunk_core(gate, solve_block, save_states, walks=None, qk_scale=None):
 
 @functools.cache
 def packed_core(gate, solve_block, save_states):
-    """The chunk walk of a packed row (`gdngen.packed`) as an ``mx.custom_function``:
+    """The chunk walk of a packed row (`gdngen.algebra.packed`) as an ``mx.custom_function``:
     ``(q, k, v, gates, beta, inject) -> (Y, S_in, *other residuals)``, from a zero state,
     ``inject`` added to the state leaving each chunk, the entering states S_in an output with
-    a cotangent of their own (`gdngen.chunkwise.backward`'s ``dS_in``)."""
+    a cotangent of their own (`gdngen.algebra.chunkwise.backward`'s ``dS_in``)."""
 
     def run(q, k, v, gates, beta, inject):
         return chunkwise_channel.stages(gates).forward(
@@ -167,8 +169,9 @@ def packed_core(gate, solve_block, save_states):
 @functools.cache
 def packed_scalar_core(gate, solve_block, save_states):
     """`packed_core` for scalar gates that also extracts each sequence's final state in the walk
-    (`gdngen.chunkwise.extract_states`): ``(q, k, v, gates, beta, inject, chunk, row) -> (Y,
-    S_end, *residuals)``; its VJP adds `gdngen.chunkwise.extract_states_vjp` to the walk's."""
+    (`gdngen.algebra.chunkwise.extract_states`): ``(q, k, v, gates, beta, inject, chunk, row) -> (Y,
+    S_end, *residuals)``; its VJP adds `gdngen.algebra.chunkwise.extract_states_vjp` to the
+    walk's."""
 
     def run(q, k, v, gates, beta, inject):
         return chunkwise.forward(XP, q, k, v, gates, beta, mx.zeros(inject.shape[1:]),
@@ -198,7 +201,7 @@ def packed_scalar_core(gate, solve_block, save_states):
 
 def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
                        chunk_size, solve_block=8, save_states=True):
-    """Packed row (`gdngen.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
+    """Packed row (`gdngen.algebra.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
     [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]``. Params as
     `chunkwise_gated_delta`'s."""
     core = chunk_core(gate, solve_block, save_states)
@@ -269,8 +272,8 @@ def recurrent_or_chunkwise(recurrent, chunkwise_call, single_step=False):
 
 
 def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):
-    """Forward of the recurrence one step at a time (`gdngen.chunkwise.recurrent_step`): float32
-    arrays in the API layout, masks folded into g and beta; scalar or per-channel gates.
+    """Forward of the recurrence one step at a time (`gdngen.algebra.chunkwise.recurrent_step`):
+    float32 arrays in the API layout, masks folded into g and beta; scalar or per-channel gates.
     Returns ``(y [B,T,Hv,Dv], S_T)``."""
     return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
                                        gate=gate)

@@ -338,7 +338,7 @@ def simulator_source(kt: KernelText) -> str:
     call = kt.kernel_name + kt.template_def
     arg_text = ",\n      ".join(args)
     entry = (
-        "\n// ---- gdngen.metal_sim entry points\n"
+        "\n// ---- gdngen.backends.metal.sim entry points\n"
         'extern "C" void msl_sim_thread(void* const* a) {\n'
         "  const msl_rt_thread* t = msl_rt_self();\n"
         "  (void)t;\n"

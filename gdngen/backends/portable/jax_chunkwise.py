@@ -1,8 +1,8 @@
 """XLA backend: the portable chunkwise gated delta rule in jax.numpy (any JAX device).
 
-Scalar and per-channel gates (and masks) take the chunkwise path of `gdngen.chunkwise` /
-`gdngen.chunkwise_channel`, whose hand-derived backward (recomputation, straddle-sum gate rule)
-is wired in with ``jax.custom_vjp``. `sequential_gated_delta`, a float32 ``lax.scan``
+Scalar and per-channel gates (and masks) take the chunkwise path of `gdngen.algebra.chunkwise` /
+`gdngen.algebra.chunkwise_channel`, whose hand-derived backward (recomputation, straddle-sum gate
+rule) is wired in with ``jax.custom_vjp``. `sequential_gated_delta`, a float32 ``lax.scan``
 recurrence, is the benchmark baseline.
 """
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdngen import chunkwise, chunkwise_channel, packed
+from gdngen.algebra import chunkwise, chunkwise_channel, packed
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = jnp.float32
@@ -22,7 +22,7 @@ zeros = jnp.zeros
 
 
 class XP(chunkwise.ArrayNamespace):
-    """The array namespace `gdngen.chunkwise` expects, over jax.numpy (float32)."""
+    """The array namespace `gdngen.algebra.chunkwise` expects, over jax.numpy (float32)."""
 
     module = jnp
 
@@ -80,7 +80,7 @@ FLOAT32_MATMULS = jax.default_matmul_precision("highest")
 
 
 def _walk(walks, which):
-    """The ``walk=`` keyword of `gdngen.chunkwise_channel`'s ``forward`` (``which`` 0) or
+    """The ``walk=`` keyword of `gdngen.algebra.chunkwise_channel`'s ``forward`` (``which`` 0) or
     ``backward`` (1) for the ``walks`` pair, none for the default walks."""
     return {} if walks is None else {"walk": walks[which]}
 
@@ -88,17 +88,19 @@ def _walk(walks, which):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale=None,
                walks=None):
-    """`gdngen.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived VJP.
+    """`gdngen.algebra.chunkwise.forward` in chunk layout -> (Y, S_final), with its hand-derived
+    VJP.
 
     ``save_states``: keep the forward's residuals (per-chunk entering states, WY pseudo-values,
     triangular inverses) for the backward, or recompute them there (one more sequential pass,
     less memory). ``qk_scale`` (a float): q, k are the raw ones and the core L2-normalises
-    them itself (`gdngen.chunkwise.normalized_qk`, q then times ``qk_scale``), keeping the raw
-    ones for its backward, which recomputes the normalised ones behind a barrier. ``gate`` a
-    `gdngen.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` and the log gate is
-    computed here, likewise kept only as ``a``. ``walks``
+    them itself (`gdngen.algebra.chunkwise.normalized_qk`, q then times ``qk_scale``), keeping the
+    raw ones for its backward, which recomputes the normalised ones behind a barrier. ``gate`` a
+    `gdngen.algebra.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` and the log gate
+    is computed here, likewise kept only as ``a``. ``walks``
     (per-channel gates only): ``(walk_forward, walk_backward)`` replacing
-    `gdngen.chunkwise_channel`'s default chunk walks (a generated backend's kernels; hashable).
+    `gdngen.algebra.chunkwise_channel`'s default chunk walks (a generated backend's kernels;
+    hashable).
     """
     return _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, False, qk_scale, walks)[0]
 
@@ -134,9 +136,9 @@ chunk_core.defvjp(_core_fwd, _core_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def packed_core(q, k, v, gates, beta, inject, gate, solve_block, save_states):
-    """The chunk walk of a packed row (`gdngen.packed`) -> ``(Y, S_in)``: from a zero state,
+    """The chunk walk of a packed row (`gdngen.algebra.packed`) -> ``(Y, S_in)``: from a zero state,
     ``inject`` added to the state leaving each chunk, the entering states an output; its VJP is
-    `gdngen.chunkwise.backward` with those two extra terms."""
+    `gdngen.algebra.chunkwise.backward` with those two extra terms."""
     return _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states)[0]
 
 
@@ -169,8 +171,8 @@ packed_core.defvjp(_packed_fwd, _packed_bwd)
 def packed_scalar_core(q, k, v, gates, beta, inject, chunk, row, gate, solve_block,
                        save_states):
     """`packed_core` for scalar gates that also extracts each sequence's final state in the walk
-    (`gdngen.chunkwise.extract_states` at ``chunk``, ``row``) -> ``(Y, S_end)``; its VJP adds
-    `gdngen.chunkwise.extract_states_vjp` to the walk's."""
+    (`gdngen.algebra.chunkwise.extract_states` at ``chunk``, ``row``) -> ``(Y, S_end)``; its VJP
+    adds `gdngen.algebra.chunkwise.extract_states_vjp` to the walk's."""
     return _packed_scalar_fwd(q, k, v, gates, beta, inject, chunk, row, gate, solve_block,
                               save_states)[0]
 
@@ -232,7 +234,7 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
                                              "save_states"))
 def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
                        chunk_size, solve_block=8, save_states=True):
-    """Packed row (`gdngen.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
+    """Packed row (`gdngen.algebra.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
     [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]`` (may be traced). Params as
     `chunkwise_gated_delta`'s."""
 
@@ -268,8 +270,8 @@ def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=
 @functools.partial(jax.jit, static_argnames=("scale", "gate"))
 def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):
     """Forward of the recurrence one step at a time in a ``lax.scan``
-    (`gdngen.chunkwise.recurrent_forward`): float32 arrays in the API layout, masks folded into
-    g and beta; scalar or per-channel gates. Returns ``(y [B,T,Hv,Dv], S_T)``."""
+    (`gdngen.algebra.chunkwise.recurrent_forward`): float32 arrays in the API layout, masks folded
+    into g and beta; scalar or per-channel gates. Returns ``(y [B,T,Hv,Dv], S_T)``."""
     with FLOAT32_MATMULS:
         return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
                                            gate=gate)

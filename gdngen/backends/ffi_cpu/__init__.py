@@ -3,7 +3,7 @@ called from JAX as XLA FFI custom calls, for scalar and per-channel (vector) gat
 
 The forward and backward are rendered from ``templates/ffi_cpu/gated_delta.cc.j2`` with the
 chunk size, the padded head dims and the gate kind baked in (per-channel gates: the template
-includes ``templates/ffi_cpu/channel.cc.j2``, the algebra of `gdngen.chunkwise_channel`, in
+includes ``templates/ffi_cpu/channel.cc.j2``, the algebra of `gdngen.algebra.chunkwise_channel`, in
 place of its scalar decay factors and chunk walks; the matmul kernel, triangular solve,
 padding and FFI plumbing are shared), compiled with the host C++ compiler
 (``$CXX``, else g++ / c++; ``-O3 -march=native``) into a shared library cached under
@@ -19,7 +19,7 @@ kernel keeps a chunk's operands in cache and runs those products near the square
 Variant parameters (`variant_space`):
 
 * ``chunk_size`` 32 | 64 | 128: steps per chunk (per-channel gates: sub-chunks of
-  `gdngen.chunkwise_channel.SUB_CHUNK` steps inside; default 32, as the portable path's).
+  `gdngen.algebra.chunkwise_channel.SUB_CHUNK` steps inside; default 32, as the portable path's).
 * ``row_block`` 4 | 6: output rows per register block of the matmul kernel (4 or 6 rows by
   up to 64 columns of float32 accumulators).
 
@@ -31,9 +31,10 @@ nothing saved; its VJP is the chunk kernels'.
 
 The forward saves only the state entering each chunk; the backward walks the chunks in reverse,
 recomputes each chunk's WY form (per-channel gates: also the decay factors and decayed products)
-from it, and forms the gate cotangent in-kernel by the straddle-sum rule of `gdngen.chunkwise`
-(per channel: `gdngen.chunkwise_channel`'s anchored and chunk sums), exact at g = 0 for linear
-gates. Packed rows of per-channel gates run on the portable path (``packed_gates``).
+from it, and forms the gate cotangent in-kernel by the straddle-sum rule of
+`gdngen.algebra.chunkwise` (per channel: `gdngen.algebra.chunkwise_channel`'s anchored and chunk
+sums), exact at g = 0 for linear gates. Packed rows of per-channel gates run on the portable path
+(``packed_gates``).
 
 Layer inputs in the loads (``qk_norm``, a parameterised gate: `gdngen.backends.kernel_inputs`):
 a call with either runs fused builds of the recurrent kernel and of the chunk forward
@@ -63,7 +64,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gdngen import chunkwise, chunkwise_channel, settings
+from gdngen import settings
+from gdngen.algebra import chunkwise, chunkwise_channel
 from gdngen.backend import Backend
 from gdngen.backends import generated
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs, kernel_parameters
@@ -342,7 +344,8 @@ def _load(rendered, kinds=("forward", "backward", "recurrent")) -> Kernels:
 
 
 def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
-    """The packed-row chunk kernels of ``variant`` (`gdngen.packed`): the chunk template with
+    """The packed-row chunk kernels of ``variant`` (`gdngen.algebra.packed`): the chunk template
+    with
     ``packed`` set: the forward also takes the injected states ``[B, Hv, n_seq, Dv, Dk]`` (or
     empty), ``inject_at`` int32 ``[N]`` (the sequence whose state is added to the state leaving
     each chunk, -1 none) and each sequence's last step, and returns the state after it; the
@@ -457,8 +460,8 @@ def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
           forward_sha256: str | None = None):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
     (gates ``[B,T,Hv]`` or, on per-channel kernels, ``[B,T,Hv,Dk]``, in their own convention,
-    already masked; for a `gdngen.chunkwise.ParameterGate` ``(a, A_log, dt_bias)``), with the
-    generated backward as its ``jax.custom_vjp`` (`gdngen.backends.generated.custom_vjp_core`).
+    already masked; for a `gdngen.algebra.chunkwise.ParameterGate` ``(a, A_log, dt_bias)``), with
+    the generated backward as its ``jax.custom_vjp`` (`gdngen.backends.generated.custom_vjp_core`).
 
     ``forward_sha256`` None: the core normalises q, k (``qk_norm``) and computes the log gate
     as array ops before the forward kernel. Otherwise the loaded fused chunk forward of that
@@ -520,10 +523,11 @@ def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
 @functools.cache
 def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
-    `gdngen.packed.gated_delta` on the packed kernels ``sha256`` (B = 1, API layout, float32;
+    `gdngen.algebra.packed.gated_delta` on the packed kernels ``sha256`` (B = 1, API layout,
+    float32;
     ``inject`` None or ``(states [n_seq, Hv, Dv, Dk], at [N] int32)``, the state injected at
-    each chunk's end (`gdngen.packed.gated_delta`); ``last`` int32 ``[n_seq]`` each sequence's
-    last step, -1 for an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state after it, not
+    each chunk's end (`gdngen.algebra.packed.gated_delta`); ``last`` int32 ``[n_seq]`` each
+    sequence's last step, -1 for an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state after it, not
     written for an empty one): a ``jax.custom_vjp`` per presence of ``inject`` whose backward is
     the packed backward kernel."""
     import jax
@@ -612,8 +616,8 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
 
 def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                        gate="log", variant, cu_seqlens, templates_dir=None):
-    """A packed row (`gdngen.packed`) on ``variant``'s kernels, scalar gates: the row's chunk
-    walk on its packed kernels (`render_packed`), each sequence's one-chunk calls on its dense
+    """A packed row (`gdngen.algebra.packed`) on ``variant``'s kernels, scalar gates: the row's
+    chunk walk on its packed kernels (`render_packed`), each sequence's one-chunk calls on its dense
     chunk kernels. Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens``; float32
     throughout; returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk])``."""
     from gdngen import call as calls
@@ -627,8 +631,8 @@ def _packed(call, operands, variant, templates_dir=None):
     """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`."""
     import jax.numpy as jnp
 
-    from gdngen import packed
-    from gdngen.backends import jax_chunkwise
+    from gdngen.algebra import packed
+    from gdngen.backends.portable import jax_chunkwise
 
     gate, scale = call.gate, call.scale
     problem = call.problem
@@ -715,7 +719,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     whole 16-float vectors inside). Masked steps must already be folded (decay 1, beta 0).
     Returns ``(y [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])``, float32. Per step, with q scaled by
     ``scale``: ``u = beta (v - S (a k))``, ``S' = S diag(a) + u k^T``, ``y = S (a q) + u (k.q)``
-    (`gdngen.chunkwise.recurrent_forward`). Each task is a block of state rows
+    (`gdngen.algebra.chunkwise.recurrent_forward`). Each task is a block of state rows
     (`recurrent_rows`) of one (batch, value head), held in a local buffer for the whole walk;
     the tasks run on `threads` threads. Nothing is saved for a backward and it has no VJP of
     its own (`gated_delta` pairs it with the chunk path's). With ``GDNGEN_POISON_OUTPUTS=1``
@@ -761,10 +765,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     Scalar and per-channel (vector) gates alike: a call with T < the variant's
     ``recurrent_below`` evaluates through the recurrent kernel (`recurrent_forward`), and its
     VJP is the chunk kernels' (the forward then runs the chunk kernels:
-    `gdngen.backends.jax_chunkwise.recurrent_or_chunkwise`); longer calls run the chunk
+    `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise`); longer calls run the chunk
     kernels (per-channel gates: the kernels rendered from ``templates/ffi_cpu/channel.cc.j2``).
 
-    ``qk_norm`` and a `gdngen.chunkwise.ParameterGate` ``gate`` (``g`` then ``(a, A_log,
+    ``qk_norm`` and a `gdngen.algebra.chunkwise.ParameterGate` ``gate`` (``g`` then ``(a, A_log,
     dt_bias)``): the kernels compute them in their own loads (`render_fused` builds per
     `gdngen.backends.kernel_inputs.KernelInputs`). A short call's recurrent kernel takes the
     raw q, k and ``a`` with A_log, dt_bias (no normalised q, k, log gate or decay array); the
@@ -784,7 +788,7 @@ def _forward(call, operands, variant, templates_dir=None):
     """`gated_delta`'s body on a checked dense `gdngen.call.Call`."""
     import jax.numpy as jnp
 
-    from gdngen.backends import jax_chunkwise
+    from gdngen.backends.portable import jax_chunkwise
 
     shape, problem, gate, scale = call.shape, call.problem, call.kernel_gate, call.scale
     q, k, v, g, beta, initial_state, mask = operands[:7]
