@@ -32,7 +32,7 @@ def _check(backend, case, monkeypatch, **changes):
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     spec = registry.get(backend)
     assert packed.native(spec, False) and not packed.native(spec, True)
-    core = _module(backend)._packed_core
+    core = _module(backend).packed_core
     calls = core.cache_info().hits + core.cache_info().misses
     variant = None
     if changes:
@@ -56,8 +56,8 @@ def test_packed_case_passes(backend, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_packed_core_matches_the_portable_walk(backend):
-    """The packed core (`_packed_core`: the chunk walk from a zero state, a non-zero state
+def testpacked_core_matches_the_portable_walk(backend):
+    """The packed core (`packed_core`: the chunk walk from a zero state, a non-zero state
     injected at every chunk end, the entering states out) and its VJP (the cotangents of the
     entering states in at every chunk, the injections' out) against the portable one
     (`gdngen.backends.portable.jax_chunkwise.packed_core`), on random inputs."""
@@ -80,7 +80,7 @@ def test_packed_core_matches_the_portable_walk(backend):
             jax.nn.sigmoid(draw(M, 1, Hk, r, C)), draw(M, 1, Hk, r, Dv, Dk))
     cotangents = (draw(M, 1, Hk, r, C, Dv), draw(M, 1, Hk, r, Dv, Dk))
     results = []
-    for core in (module._packed_core((kernels.sha256, kernels.interpret), "log"),
+    for core in (module.packed_core((kernels.sha256, kernels.interpret), "log"),
                  lambda *a: jax_chunkwise.packed_core(*a, "log", 8, True)):
         outputs, vjp = jax.vjp(core, *args)
         results.append((*outputs, *vjp(cotangents)))

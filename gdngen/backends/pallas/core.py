@@ -347,18 +347,75 @@ def packed_gated_delta(backend, call, operands, variant, templates_dir=None):
 
 
 class PallasBackend(Backend):
-    """What the two Pallas backends (`gdngen.backends.pallas.tpu`, `gdngen.backends.pallas.gpu`)
-    share: the dense call with its recurrent switch (`switched_gated_delta`) and the packed row
-    (`packed_gated_delta`) written once over the hooks each declares: ``interpret_mode()``,
-    ``load_kernels`` / ``load_fused_kernels`` / ``load_packed_kernels``, ``chunk_core(key,
-    gate, scale, qk_norm, fused_key)`` and ``packed_core(key, gate)`` (the chunk layouts and
-    cotangent conventions of its kernels), ``chunk_walks(key)`` (per-channel walks) and
-    ``recurrent(problem, q, k, v, decay, beta, S0, inputs, *, scale, variant,
-    templates_dir)``."""
+    """What the two Pallas backends share: the dense call with its recurrent switch
+    (`switched_gated_delta`) and the packed row (`packed_gated_delta`) written once over the
+    hooks each backend module declares as public functions (looked up in the module when called,
+    so a test may replace one): ``variant_space``, ``default_config``, the footprint named by
+    ``footprint_function``, ``render_plan``, ``lower_check``, ``clear_cache``,
+    ``interpret_mode()``, ``load_kernels`` / ``load_fused_kernels`` / ``load_packed_kernels``,
+    ``chunk_core(key, gate, scale, qk_norm, fused_key)`` and ``packed_core(key, gate)`` (the
+    custom-VJP cores in that backend's chunk layouts and cotangent conventions),
+    ``chunk_walks(key)`` (the per-channel walks) and ``recurrent_forward``."""
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
     fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    footprint_function: str
+
+    def __init__(self, module: str):
+        self.module = module
+        super().__init__()
+
+    def _hook(self, name: str):
+        import sys
+
+        return getattr(sys.modules[self.module], name)
+
+    def space(self, problem, device=None):
+        return self._hook("variant_space")(problem, device)
+
+    def default(self, problem, device=None):
+        return self._hook("default_config")(problem, device)
+
+    def footprint(self, variant, problem):
+        return self._hook(self.footprint_function)(variant, problem)
+
+    def render_plan(self, variant, problem):
+        return self._hook("render_plan")(variant, problem)
+
+    def lower_check(self, variant, problem, **options):
+        return self._hook("lower_check")(variant, problem, **options)
+
+    def clear_cache(self):
+        self._hook("clear_cache")()
+
+    def interpret_mode(self):
+        return self._hook("interpret_mode")()
+
+    def load_kernels(self, variant, problem, *, templates_dir=None):
+        return self._hook("load_kernels")(variant, problem, templates_dir=templates_dir)
+
+    def load_fused_kernels(self, variant, problem, inputs, *, templates_dir=None):
+        return self._hook("load_fused_kernels")(variant, problem, inputs,
+                                                templates_dir=templates_dir)
+
+    def load_packed_kernels(self, variant, problem, *, templates_dir=None):
+        return self._hook("load_packed_kernels")(variant, problem, templates_dir=templates_dir)
+
+    def chunk_core(self, key, gate, scale, qk_norm=False, fused_key=None):
+        return self._hook("chunk_core")(key, gate, scale, qk_norm, fused_key)
+
+    def packed_core(self, key, gate):
+        return self._hook("packed_core")(key, gate)
+
+    def chunk_walks(self, key):
+        return self._hook("chunk_walks")(key)
+
+    def recurrent(self, problem, q, k, v, decay, beta, S0, inputs, *, scale, variant,
+                  templates_dir=None):
+        return self._hook("recurrent_forward")(q, k, v, decay, beta, S0, scale=scale,
+                                               variant=variant, problem=problem,
+                                               templates_dir=templates_dir, inputs=inputs)
 
     def forward(self, call, operands, variant, templates_dir=None):
         return switched_gated_delta(self, call, operands, variant, templates_dir)

@@ -415,8 +415,8 @@ def clear_cache() -> None:
     import jax
 
     _LOADED.clear()
-    _core.cache_clear()
-    _packed_core.cache_clear()
+    chunk_core.cache_clear()
+    packed_core.cache_clear()
     chunk_walks.cache_clear()
     jax.clear_caches()
 
@@ -724,7 +724,8 @@ def _cotangents(primals, grads, gate):
 
 
 @functools.cache
-def _core(key: tuple, gate, scale: float, qk_norm: bool = False, fused_key: tuple | None = None):
+def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
+               fused_key: tuple | None = None):
     """`gdngen.algebra.chunkwise` core (chunk layout in and out) for the loaded kernels ``key``
     (sha256, interpret parameters), with the
     generated backward as its ``jax.custom_vjp``. Layout changes and the gate epilogue are
@@ -812,7 +813,7 @@ def _packed_cotangents(primals, grads, gate):
 
 
 @functools.cache
-def _packed_core(key: tuple, gate: str):
+def packed_core(key: tuple, gate: str):
     """The ``packed_core(q, k, v, gates, beta, inject) -> (Y, S_in)`` of
     `gdngen.algebra.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret
     parameters): chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in``
@@ -998,54 +999,13 @@ def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale
 
 class PallasTPU(pallas_core.PallasBackend):
     """The generated Pallas kernels of this module; its hooks are the module's functions
-    (looked up when called)."""
+    (looked up when called,
+    `gdngen.backends.pallas.core.PallasBackend`)."""
 
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("tpu",), "vmem_budget", "tpu-v5e"
 
-    def space(self, problem, device=None):
-        return variant_space(problem, device)
-
-    def default(self, problem, device=None):
-        return default_config(problem, device)
-
-    def footprint(self, variant, problem):
-        return vmem_bytes(variant, problem)
-
-    def render_plan(self, variant, problem):
-        return render_plan(variant, problem)
-
-    def lower_check(self, variant, problem, **options):
-        return lower_check(variant, problem, **options)
-
-    def clear_cache(self):
-        clear_cache()
-
-    def interpret_mode(self):
-        return interpret_mode()
-
-    def load_kernels(self, variant, problem, *, templates_dir=None):
-        return load_kernels(variant, problem, templates_dir=templates_dir)
-
-    def load_fused_kernels(self, variant, problem, inputs, *, templates_dir=None):
-        return load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
-
-    def load_packed_kernels(self, variant, problem, *, templates_dir=None):
-        return load_packed_kernels(variant, problem, templates_dir=templates_dir)
-
-    def chunk_core(self, key, gate, scale, qk_norm=False, fused_key=None):
-        return _core(key, gate, scale, qk_norm, fused_key)
-
-    def packed_core(self, key, gate):
-        return _packed_core(key, gate)
-
-    def chunk_walks(self, key):
-        return chunk_walks(key)
-
-    def recurrent(self, problem, q, k, v, decay, beta, S0, inputs, *, scale, variant,
-                  templates_dir=None):
-        return recurrent_forward(q, k, v, decay, beta, S0, scale=scale, variant=variant,
-                                 problem=problem, templates_dir=templates_dir, inputs=inputs)
+    footprint_function = "vmem_bytes"
 
 
-SPEC = PallasTPU()
+SPEC = PallasTPU(__name__)
