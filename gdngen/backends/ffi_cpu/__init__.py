@@ -832,7 +832,7 @@ def _forward(call, operands, variant, templates_dir=None):
 
 #: relative L2 error per precision policy: the kernels compute in float32 under every policy
 #: (worst measured 9.7e-7, dbeta / identical_keys; per-channel gates 1.4e-6, dbeta /
-#: vector_identical_keys at chunk 128, tests/test_ffi_cpu_channel.py).
+#: vector_identical_keys at chunk 128, tests/backends/ffi_cpu/test_ffi_cpu_channel.py).
 TOLERANCES = {"ieee": 5e-5, "tf32": 5e-5, "bf16": 5e-5}
 
 class FfiCpu(Backend):

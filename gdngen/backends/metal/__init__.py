@@ -39,7 +39,8 @@ build (``per_channel`` set), whose decays d0 / dc / dcc come in as per-channel i
 (factors, decayed products, WY, the backward's adjoints and straddle sums) stay
 `gdngen.algebra.chunkwise_channel`'s shared code in mx ops; fusing them into kernels is a later
 step. Validated as the scalar kernels: the battery's vector cases in the simulator with poisoned
-outputs, worst relative error 1.1e-6 (vector_identical_keys, dbeta; tests/test_metal_kernels.py).
+outputs, worst relative error 1.1e-6 (vector_identical_keys, dbeta;
+tests/backends/metal/test_metal_kernels.py).
 
 Packed rows (`gdngen.algebra.packed`, ``cu_seqlens``), scalar gates: `packed_gated_delta` runs the
 row's chunk walk on the templates' ``packed`` build (`render_packed`, `packed_launch_plan`):
@@ -62,7 +63,7 @@ exp(log g). The chunk backward stays the plain build's, its inputs recomputed as
 `_core`; per-channel chunk calls compute them in `gdngen.algebra.chunkwise_channel`'s core. The
 plain build renders byte for byte as before (its sha256 and tuned entries unchanged). Measured in
 the simulator against float64, values and gradients: worst relative error 1.8e-6
-(tests/test_metal_fused_inputs.py).
+(tests/backends/metal/test_metal_fused_inputs.py).
 
 This module imports without mlx: the space, the renderer and the plan need no framework.
 """

@@ -16,7 +16,7 @@ from gdngen import cache, dispatch, registry
 from gdngen.registry import default_variant
 from gdngen.variant import Problem, Variant
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = Problem(1, 2, 16, 16)
 TUNED = {"chunk_size": 16, "solve_block": 8, "save_states": False, "recurrent_below": 16}
 #: what the chunk path runs with (the spy of `mlx_calls` sees these)

@@ -36,7 +36,8 @@ FAST_FULL_BATTERY = {"mlx"}
 #: hard cases; mlx's whole battery below covers every case), so no hard cases here
 BATTERY_ELSEWHERE = {"xla"}
 #: interpreted backends whose per-channel case in `make test` is elsewhere: their entry tests
-#: (tests/test_recurrent_pallas_*.py: a masked two-chunk GVA call, values and every gradient
+#: (tests/backends/pallas/test_recurrent_pallas_*.py: a masked two-chunk GVA call, values and every
+# gradient
 #: through the kernel walks against the float64 reference); vector_t1 here would compile the
 #: shared jnp stages in interpret mode once more (~35-65 s each); the whole battery is slow
 VECTOR_ELSEWHERE = {"pallas_tpu", "pallas_gpu"}

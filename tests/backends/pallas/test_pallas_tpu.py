@@ -130,7 +130,7 @@ def test_channel_walks_lower_for_mosaic():
 
 def test_default_variant_on_grouped_heads():
     """The default variant of a 3-head group (head_tile 3); the scalar battery on the default
-    shape is the conformance suite's (tests/test_conformance.py)."""
+    shape is the conformance suite's (tests/calls/test_conformance.py)."""
     variant = default_variant("pallas_tpu", GVA3)
     cases = ["gva3", "equal_heads"]  # padding_mask: the conformance suite's hard cases
     results = validate.run_battery(None, variant=variant, cases=cases, dtype="float32")

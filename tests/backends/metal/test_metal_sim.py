@@ -326,7 +326,7 @@ def test_wheel_ships_the_simulator_sources():
 
     from gdngen.backends.metal.sim import compiler
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     config = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["gdngen.backends.metal.sim"]
     for path in (compiler.SHIM_HEADER, compiler.RUNTIME_HEADER, compiler.RUNTIME_SOURCE):

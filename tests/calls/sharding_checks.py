@@ -1,5 +1,5 @@
 """Checks of `gdngen.sharding` on a many-device host, run in a subprocess (the device count is
-fixed when jax is imported): ``python tests/sharding_checks.py JSON`` prints one JSON object.
+fixed when jax is imported): ``python tests/calls/sharding_checks.py JSON`` prints one JSON object.
 
 The request: ``{"mode": ..., "backend": name, "cases": [battery case names], "check_vma":
 bool}``. Each case goes through `gdngen.validate.check_case` with a runner that places the call

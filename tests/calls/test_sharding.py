@@ -2,7 +2,7 @@
 inputs (partitioned, no collectives), with context parallelism over a sequence axis, and vmap
 on a many-device host — every JAX backend, against the float64 reference of the battery.
 
-Each check runs `tests/sharding_checks.py` in a subprocess on an 8-device host platform
+Each check runs `tests/calls/sharding_checks.py` in a subprocess on an 8-device host platform
 (``--xla_force_host_platform_device_count=8``: the real SPMD partitioner), with poisoned
 ffi_cpu outputs."""
 

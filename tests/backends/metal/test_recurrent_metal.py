@@ -24,7 +24,7 @@ from gdngen.validate import relative_error
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
 pytestmark = pytest.mark.skipif(not metal_sim.available(), reason="no C++ compiler (g++)")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 TOL = 5e-5
 
 

@@ -28,7 +28,7 @@ from gdngen.tolerance import allowed_error
 mx = pytest.importorskip("mlx.core", reason="the Metal backend runs through MLX")
 pytestmark = pytest.mark.skipif(not metal_sim.available(), reason="no C++ compiler (g++)")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PROBLEM = Problem(2, 4, 64, 64)
 GVA3 = Problem(2, 6, 32, 64)
 ADVERSARIAL = ("hard_decay", "gates_exact_one_and_zero", "identical_keys", "padding_mask")

@@ -471,11 +471,12 @@ def test_layer_inputs_fused_into_the_chunk_core(name, path, framework, backend, 
     """xla, mlx, ffi_cpu, pallas_tpu and pallas_gpu (interpret mode here) take ``qk_norm`` and
     a parameterised gate raw (`BackendSpec.fused_inputs`): the chunk core normalises q, k and
     computes the log gate from ``(a, A_log, dt_bias)`` itself (the generated backends in their
-    kernels' loads: tests/test_ffi_cpu_fused_inputs.py, tests/test_pallas_fused_inputs.py), and
-    its backward recomputes them; a short call's recurrent path does the same (the portable
-    step loop as array ops, the generated recurrent kernels in their loads). Nothing computes
-    the gate outside the backend (`gdngen.algebra.layer_inputs.computed_gate` only passes gates
-    through). Values and gradients against float64 (metal: `test_metal_fuses_layer_inputs`)."""
+    kernels' loads: tests/backends/ffi_cpu/test_ffi_cpu_fused_inputs.py,
+    tests/backends/pallas/test_pallas_fused_inputs.py), and its backward recomputes them; a short
+    call's recurrent path does the same (the portable step loop as array ops, the generated
+    recurrent kernels in their loads). Nothing computes the gate outside the backend
+    (`gdngen.algebra.layer_inputs.computed_gate` only passes gates through). Values and gradients
+    against float64 (metal: `test_metal_fuses_layer_inputs`)."""
     fw = Framework(framework)
     setup = SETUPS[name]
     variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
@@ -515,8 +516,8 @@ def test_metal_fuses_layer_inputs(path, vector, gate):
     parameterised gate raw: its chunk core (scalar gates) or the per-channel path's core
     normalises q, k and computes the log gate from ``(a, A_log, dt_bias)``, and its VJP maps
     the kernels' dq, dk, dlog g back to the raw arrays; the recurrent kernel and the scalar
-    chunk forward compute them in their loads (tests/test_metal_fused_inputs.py). Values and
-    the gradients of every raw array against float64."""
+    chunk forward compute them in their loads (tests/backends/metal/test_metal_fused_inputs.py).
+    Values and the gradients of every raw array against float64."""
     import mlx.core as mx
 
     from gdngen import Variant, registry

@@ -3,7 +3,7 @@ float64 NumPy written from the definitions: the anchored factors are the gates' 
 segments (bounded, exact zeros), the decayed products are sum_d x y d(t, j), the adjoint is the
 transpose of the segment sums, and the whole chunk path matches the reference at strong decay
 on both frameworks, with chunks smaller and larger than a sub-chunk. The battery cases run in
-tests/test_conformance.py."""
+tests/calls/test_conformance.py."""
 
 from __future__ import annotations
 

@@ -321,7 +321,7 @@ def test_benchmark_script_dry_run(tmp_path, monkeypatch):
     at toy sizes in interpret mode (fla skipped without torch/CUDA), writing its tables."""
     from gdngen.flops import chunkwise_flops
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu_vs_fla.py"
+    path = Path(__file__).resolve().parents[3] / "benchmarks/bench_gpu_vs_fla.py"
     spec = importlib.util.spec_from_file_location("bench_gpu_vs_fla", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -199,9 +199,10 @@ def test_empty_sequence_returns_its_initial_state(framework):
 
 def test_packed_paths_of_generated_backends():
     """ffi_cpu runs packed rows in its own kernels and matches xla's packed row (the Pallas
-    and Metal packed builds: tests/test_packed_pallas.py, tests/test_packed_metal.py); per-channel
-    gates, which no generated backend has packed kernels for, run on the portable path at the
-    variant's chunk; `explain` / `describe` say which ran."""
+    and Metal packed builds: tests/backends/pallas/test_packed_pallas.py,
+    tests/backends/metal/test_packed_metal.py); per-channel gates, which no generated backend has
+    packed kernels for, run on the portable path at the variant's chunk; `explain` / `describe` say
+    which ran."""
     import jax.numpy as jnp
 
     from gdngen import registry
