@@ -197,8 +197,8 @@ class Backend:
         if not self.native_packed(call.vector_gate):
             shape = call.shape
             raise ValueError(f"g has shape {(shape.B, shape.T, shape.Hv, shape.Dk)}: the "
-                             f"{self.name} packed kernels take scalar gates (per-channel packed "
-                             "rows run on the portable path)")
+                             f"{self.name} packed kernels take scalar gates only (per-channel "
+                             "packed rows run on the portable path)")
         return self.run(call, operands, variant, **options)
 
     def forward(self, call, operands, variant: Variant, **options):

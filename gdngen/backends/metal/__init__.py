@@ -71,595 +71,80 @@ This module imports without mlx: the space, the renderer and the plan need no fr
 from __future__ import annotations
 
 import functools
-import hashlib
-import itertools
-import math
 from dataclasses import dataclass
 
 from gdngen import settings
-from gdngen.backend import Backend
 from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
-from gdngen.backends.kernel_inputs import KernelInputs, context_tag, kernel_parameters
-from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
-from gdngen.devices import KiB
-from gdngen.problem import dtype_name
+from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
+from gdngen.backends.metal.kernels import (
+    BACKEND,
+    CHANNEL_BLOCK,
+    CHANNEL_KERNELS,
+    CHUNK_SIZES,
+    DV_TILES,
+    MAX_ACC_FLOATS,
+    POLICY_TOLERANCES,
+    PRECISIONS,
+    RECURRENT_BELOW,
+    SIMDGROUPS,
+    SPEC,
+    THREADGROUP_MEMORY,
+    Config,
+    Metal,
+    accumulator_floats,
+    adapt,
+    default_config,
+    fused_kernels,
+    fused_key,
+    intra_tile,
+    kernels_used,
+    max_threadgroup_bytes,
+    params_valid,
+    render_fused,
+    render_fused_kernels,
+    render_packed,
+    render_plan,
+    supports,
+    threadgroup_bytes,
+    variant_space,
+)
+from gdngen.backends.metal.plan import (
+    KernelSpec,
+    Launch,
+    MLXLauncher,
+    Plan,
+    SimLauncher,
+    build_launch_plan,
+    channel_input_metas,
+    channel_plan,
+    compile_plan,
+    from_numpy,
+    launch_plan,
+    lower_check,
+    packed_launch_plan,
+    plan_input_metas,
+    recurrent_input_metas,
+    recurrent_plan,
+    to_numpy,
+)
 from gdngen.variant import Problem, Variant
 
-BACKEND = "metal"
-CHUNK_SIZES = (16, 32, 64)
-PRECISIONS = ("ieee", "tf32", "bf16")
-SIMDGROUPS = (1, 2, 4)
-DV_TILES = (16, 32, 64)
-#: Threadgroup memory of every Apple GPU in gdngen.devices (a variant is adapted to a shape
-#: within it; spaces are pruned with the device's own limit).
-THREADGROUP_MEMORY = 32 * KiB
-#: Accumulator floats a thread may hold (beyond this the GPU spills registers).
-MAX_ACC_FLOATS = 128
-#: The per-channel gates' walk kernels (`channel_plan`): the scan templates' per-channel build.
-CHANNEL_KERNELS = ("fwd_scan_channel", "bwd_scan_channel")
-#: Dk columns per block of the backward walk's chunk products (``KB`` in bwd_scan.metal.j2).
-CHANNEL_BLOCK = 32
+#: this package's names: its own and those of the modules it is made of (`kernels`, `plan`)
+__all__ = [
+    'BACKEND', 'CHANNEL_BLOCK', 'CHANNEL_KERNELS', 'CHUNK_SIZES', 'DV_TILES', 'MAX_ACC_FLOATS',
+    'POLICY_TOLERANCES', 'PRECISIONS', 'RECURRENT_BELOW', 'SIMDGROUPS', 'SPEC',
+    'THREADGROUP_MEMORY', 'ChannelWalks', 'Config', 'KernelSpec', 'Launch', 'MLXLauncher',
+    'Metal', 'Plan', 'SimLauncher', 'accumulator_floats', 'adapt', 'build_launch_plan',
+    'channel_input_metas', 'channel_plan', 'compile_plan', 'default_config',
+    'default_launcher', 'dense_call', 'from_numpy', 'fused_kernels', 'fused_key',
+    'gated_delta', 'intra_tile', 'kernels_used', 'launch_plan', 'lower_check',
+    'max_threadgroup_bytes', 'packed_call', 'packed_gated_delta', 'packed_launch_plan',
+    'params_valid', 'plan_input_metas', 'problem_of_inputs', 'recurrent_forward',
+    'recurrent_input_metas', 'recurrent_plan', 'render_fused', 'render_fused_kernels',
+    'render_packed', 'render_plan', 'simulate', 'supports', 'threadgroup_bytes', 'to_numpy',
+    'variant_space',
+]
 
-#: Relative L2 error the battery allows per precision (`gdngen.tolerance`: the input dtype's
-#: own tolerance applies when it is looser). ieee: float32 arithmetic throughout (worst
-#: measured 1.2e-6). tf32: matmul operands rounded to 10 mantissa bits (unit roundoff 4.9e-4;
-#: worst measured 3.6e-3, identical_keys). bf16: operands rounded to bfloat (unit roundoff
-#: 3.9e-3; worst measured 2.1e-2, identical_keys, whose near-singular solve amplifies operand
-#: rounding).
-POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 5e-2}
-
-
-def supports(problem: Problem) -> str | None:
-    """None when the kernels' shape rules allow ``problem``, else why not."""
-    for name in ("Dk", "Dv"):
-        if getattr(problem, name) % 32:
-            return f"Problem.{name} must be a multiple of 32, got {getattr(problem, name)}"
-    return None
-
-#: untuned crossover T (`gdngen.config.recurrent_switch`): one chunk (below it the chunk
-#: kernels pad to a whole chunk); not measured on an Apple GPU, the tuner measures it there
-RECURRENT_BELOW = 64
-
-@dataclass(frozen=True)
-class Config(VariantConfig):
-    """Typed metal parameters (see `variant_space`)."""
-
-    backend = BACKEND
-    chunk_size: int = 64
-    dv_tile: int = 32
-    mma: str = "simdgroup"
-    precision: str = "ieee"
-    save_states: bool = True
-    simdgroups: int = 4
-    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
-
-    def check(self) -> None:
-        self.check_count("recurrent_below")
-        self.check_choice("chunk_size", CHUNK_SIZES)
-        self.check_choice("dv_tile", DV_TILES)
-        self.check_choice("mma", ("simdgroup", "fma"))
-        self.check_choice("precision", PRECISIONS)
-        self.check_flag("save_states")
-        self.check_choice("simdgroups", SIMDGROUPS)
-        if self.mma == "fma" and self.precision != "ieee":
-            self._fail("mma", "'simdgroup' unless precision is 'ieee'")
-
-
-def intra_tile(chunk_size: int) -> int:
-    """Columns of Dk / Dv per intra-chunk tile (DW): 32, or 16 for chunk 64 (memory)."""
-    return 32 if chunk_size <= 32 else 16
-
-
-def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> dict:
-    """Threadgroup memory each kernel of ``problem``'s gate kind declares, in bytes (float32
-    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile.
-    ``qk_norm``: the fused build's (`render_fused`) forward kernels, which also hold the rows'
-    norm factors (rk in fwd_intra, rq and rk in fwd_scan: C floats each; at most 26 KiB in all
-    of the space, within every Apple GPU's 32 KiB)."""
-    C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
-        intra_tile(params["chunk_size"])
-    if problem.gate == "vector":
-        return {name: 4 * C * dvt for name in CHANNEL_KERNELS}
-    floats = {
-        "fwd_intra": C * C + 3 * C,
-        "fwd_intra_tinv": C * C + 3 * C,
-        "fwd_scan": C * C + C * dvt + 4 * C,
-        "fwd_scan_save": C * C + C * dvt + 4 * C,
-        "fwd_scan_states": C * dvt + 4 * C,
-        "bwd_scan": C * max(C, dvt) + C * dvt + 4 * C,
-        "bwd_tri": C * C + 2 * C * dw + 5 * C,
-        "bwd_qk": C * C + C * dw + 7 * C + sg,
-    }
-    if qk_norm:
-        for name in ("fwd_intra", "fwd_intra_tinv"):
-            floats[name] += C
-        for name in ("fwd_scan", "fwd_scan_save"):
-            floats[name] += 2 * C
-    return {name: 4 * n for name, n in floats.items()}
-
-
-def max_threadgroup_bytes(variant: Variant, problem: Problem) -> int:
-    """The threadgroup memory of the variant's largest kernel, in bytes."""
-    return max(threadgroup_bytes(variant.as_dict(), problem).values())
-
-
-def _acc_floats(params: dict, M: int, N: int) -> int:
-    """Floats one thread holds for an M x N accumulator tile."""
-    sg = params["simdgroups"]
-    if params["mma"] == "simdgroup":
-        return 2 * math.ceil((M // 8) * (N // 8) / sg)
-    return math.ceil(M * N / (32 * sg))
-
-
-def accumulator_floats(params: dict, problem: Problem) -> int:
-    """Most accumulator floats a thread keeps live in any kernel (a register-pressure bound)."""
-    C, dvt, dw = params["chunk_size"], params["dv_tile"], intra_tile(params["chunk_size"])
-    acc = functools.partial(_acc_floats, params)
-    if problem.gate == "vector":  # the walks: W / dW tiles, the state tile, KB-column products
-        return max(acc(C, dvt), acc(dvt, problem.Dk), acc(C, CHANNEL_BLOCK))
-    return max(
-        acc(C, C), acc(C, dw),                                     # fwd_intra
-        acc(C, dvt), acc(dvt, problem.Dk),                         # fwd_scan
-        2 * acc(C, dvt),                                           # bwd_scan
-        acc(C, C) + acc(C, dw),                                    # bwd_tri
-        2 * acc(C, C) + 2 * acc(C, dw),                            # bwd_qk
-    )
-
-
-def params_valid(params: dict, problem: Problem, limit: int = THREADGROUP_MEMORY) -> str | None:
-    """None when ``params`` can run ``problem`` within ``limit`` bytes of threadgroup memory,
-    else why not."""
-    SPEC.check(problem)
-    if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
-        return f"dv_tile={params['dv_tile']} does not divide Dv={problem.Dv}"
-    if params["mma"] == "fma" and params["precision"] != "ieee":
-        return "mma='fma' is only offered with precision='ieee'"
-    worst = max(threadgroup_bytes(params, problem).values())
-    if worst > limit:
-        return f"{worst} bytes of threadgroup memory (limit {limit})"
-    acc = accumulator_floats(params, problem)
-    if acc > MAX_ACC_FLOATS:
-        return f"{acc} accumulator floats per thread (limit {MAX_ACC_FLOATS})"
-    return None
-
-
-def variant_space(problem: Problem, device) -> list[Config]:
-    """All Metal variants of ``problem`` that fit ``device`` (see the module doc for the kernels).
-
-    Params: ``chunk_size`` 16/32/64; ``precision`` ieee (float32) / tf32 / bf16 (matmul operand
-    precision); ``mma`` simdgroup (8x8 simdgroup matrices) or fma (scalar FMA, ieee only);
-    ``simdgroups`` per threadgroup; ``dv_tile`` Dv columns per state-scan threadgroup;
-    ``save_states`` (the forward keeps per-chunk states, W and T for the backward, else the
-    backward recomputes them). Variants over the device's threadgroup memory or
-    `MAX_ACC_FLOATS` are left out.
-
-    Per-channel gates: ``chunk_size`` x ``simdgroups`` x ``dv_tile``, the params their path
-    depends on (the chunk of `gdngen.algebra.chunkwise_channel`'s stages, the walk kernels' tiling,
-    which the recurrent kernel shares); precision ieee, simdgroup matrices, saved states (the
-    intra-chunk stages run in float32 mx ops whatever the walks' operand precision).
-    """
-    SPEC.check(problem)
-    limit = device.limits["threadgroup_memory"]
-    space = []
-    if problem.gate == "vector":
-        for C, sg, dvt in itertools.product(CHUNK_SIZES, SIMDGROUPS, DV_TILES):
-            config = Config(C, dvt, simdgroups=sg)
-            if params_valid(config.params(), problem, limit) is None:
-                space.append(config)
-        return space
-    for C, precision, mma, sg, dvt, save in itertools.product(
-            CHUNK_SIZES, PRECISIONS, ("simdgroup", "fma"), SIMDGROUPS, DV_TILES, (True, False)):
-        if mma == "fma" and precision != "ieee":
-            continue
-        config = Config(C, dvt, mma, precision, save, sg)
-        if params_valid(config.params(), problem, limit) is None:
-            space.append(config)
-    return space
-
-
-def default_config(problem: Problem, device) -> Config:
-    """Chunk 64, ieee, simdgroup matrices, 4 simdgroups, 32-column Dv tiles, saving states (the
-    first variant of the space if that does not fit ``device``). Per-channel gates: chunk
-    `gdngen.config.VECTOR_CHUNK` (the portable path's per-channel chunk; not measured on an
-    Apple GPU, the tuner chooses there)."""
-    config = Config(VECTOR_CHUNK) if problem.gate == "vector" else Config()
-    if params_valid(config.params(), problem, device.limits["threadgroup_memory"]) is not None:
-        config = variant_space(problem, device)[0]
-    return config
-
-
-def adapt(variant: Variant, problem: Problem) -> Variant:
-    """``variant``'s params for ``problem``'s shape: dv_tile shrinks to the largest valid tile
-    when it does not divide Dv; anything else invalid is a ValueError."""
-    params = SPEC.parse(variant).params()
-    if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
-        params["dv_tile"] = max(t for t in DV_TILES
-                                if t <= min(params["dv_tile"], problem.Dv) and problem.Dv % t == 0)
-    why = params_valid(params, problem)
-    if why:
-        raise ValueError(f"variant {variant} cannot run {problem.key()}: {why}")
-    return Variant(BACKEND, params)
-
-
-# ---------------------------------------------------------------------------- rendering
-
-def _context(variant: Variant, problem: Problem) -> dict:
-    p = variant.as_dict()
-    return {
-        "C": p["chunk_size"], "DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk,
-        "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
-        "DW": intra_tile(p["chunk_size"]), "policy": p["precision"], "mma": p["mma"],
-        "per_channel": False, "packed": False,  # the packed build (`render_packed`) sets it
-        **KernelInputs().context(),  # nothing fused: the fused build (`render_fused`) sets it
-        # 16-bit operands: bfloat under precision bf16, else (tf32 rounding) half for float16
-        "op_type": "bfloat" if p["precision"] == "bf16" or problem.dtype == "bfloat16"
-        else "half",
-    }
-
-
-# kernel -> (template, extra context)
-_KERNEL_TEMPLATES = {
-    "fwd_intra": ("metal/fwd_intra.metal.j2", {"save_inverse": False}),
-    "fwd_intra_tinv": ("metal/fwd_intra.metal.j2", {"save_inverse": True}),
-    "fwd_scan": ("metal/fwd_scan.metal.j2", {"save": False, "write_y": True}),
-    "fwd_scan_save": ("metal/fwd_scan.metal.j2", {"save": True, "write_y": True}),
-    "fwd_scan_states": ("metal/fwd_scan.metal.j2", {"save": True, "write_y": False}),
-    "bwd_scan": ("metal/bwd_scan.metal.j2", {}),
-    "bwd_tri": ("metal/bwd_tri.metal.j2", {}),
-    "bwd_qk": ("metal/bwd_qk.metal.j2", {}),
-    # per-channel gates: the scan templates' per-channel build (the chunkwise_channel walks)
-    "fwd_scan_channel": ("metal/fwd_scan.metal.j2",
-                         {"save": True, "write_y": True, "per_channel": True}),
-    "bwd_scan_channel": ("metal/bwd_scan.metal.j2", {"per_channel": True, "KB": CHANNEL_BLOCK}),
-}
-
-
-def _kernels_used(save: bool) -> tuple[str, ...]:
-    if save:
-        return ("fwd_intra_tinv", "fwd_scan_save", "bwd_scan", "bwd_tri", "bwd_qk")
-    return ("fwd_intra", "fwd_scan", "fwd_intra_tinv", "fwd_scan_states", "bwd_scan", "bwd_tri",
-            "bwd_qk")
-
-
-def _recurrent_context(variant: Variant, problem: Problem) -> dict:
-    """Context of ``recurrent.metal.j2``: head dims and heads, ``ROWS`` state rows per
-    threadgroup (the variant's ``dv_tile``) over ``SG`` simdgroups (its ``simdgroups``), and the
-    gate kind (``per_channel`` for a vector-gate problem). Nothing else of the variant (chunk,
-    precision, ``recurrent_below``) reaches the recurrent source."""
-    p = variant.as_dict()
-    return {"DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk, "HV": problem.Hv,
-            "ROWS": p["dv_tile"], "SG": p["simdgroups"], "per_channel": problem.gate == "vector",
-            **KernelInputs().context()}
-
-
-def render_plan(variant: Variant, problem: Problem) -> dict:
-    """`gdngen.render` hook: ``{"common.metal": ..., "<kernel>.metal": ...}`` for the kernels
-    this variant launches; each value is ``(template path, context)``. A scalar-gate problem
-    runs the chunk kernels and the recurrent kernel (short calls); a vector-gate problem the
-    per-channel build of the scan templates (`CHANNEL_KERNELS`, the walks of
-    `gdngen.algebra.chunkwise_channel`) and the recurrent kernel."""
-    variant = adapt(variant, problem)
-    plan = {}
-    ctx = _context(variant, problem)
-    names = CHANNEL_KERNELS if problem.gate == "vector" else \
-        _kernels_used(variant["save_states"])
-    plan["common.metal"] = ("metal/common.metal.j2", ctx)
-    for name in names:
-        template, extra = _KERNEL_TEMPLATES[name]
-        plan[f"{name}.metal"] = (template, dict(ctx, **extra))
-    plan["recurrent.metal"] = ("metal/recurrent.metal.j2", _recurrent_context(variant, problem))
-    return plan
-
-
-def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
-    """The packed-row build of ``variant``'s chunk kernels (`gdngen.algebra.packed`), a
-    `gdngen.sources.Rendered` with `render_plan`'s chunk-kernel names (no recurrent kernel):
-    the same templates with ``packed`` set. Its forward scans take ``inject [N, B, Hv, Dv,
-    Dk]`` (added to the state leaving each chunk) and always write the entering states
-    ``states`` (S_in); its ``bwd_scan`` takes their cotangent ``dsin`` (same layout), so its
-    ``dsout`` is the injection's cotangent. With ``packed`` unset the templates render the dense
-    kernels byte for byte: the dense sha256 (and tuned entries) do not depend on this build."""
-    from gdngen.sources import Rendered, environment, sources_sha256
-
-    if problem.gate != "scalar":
-        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
-    variant = adapt(variant, problem)
-    env = environment(templates_dir)
-    texts = {name: env.get_template(template).render(**dict(context, packed=True))
-             for name, (template, context) in render_plan(variant, problem).items()
-             if name != "recurrent.metal"}
-    return Rendered(variant, problem, texts, sources_sha256(texts))
-
-
-def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
-                 templates_dir=None):
-    """The fused build of ``variant``'s forward kernels (`gdngen.backends.kernel_inputs`): a
-    `gdngen.sources.Rendered` of the kernels that compute the layer inputs in their loads, each
-    template rendered with ``inputs.context()`` (``qk_norm``, ``gate_form``): the recurrent
-    kernel; for a scalar-gate problem also the chunk forward's two kernels (`fused_kernels`)
-    and their header ``common.metal``; and ``"layer_inputs.metal"``, the helpers they call (the
-    fused recurrent kernel's header; ``common.metal`` includes it). These take raw q, k (each
-    row normalised at load) and, with a gate form, the raw projection ``a`` with ``A_log`` and
-    ``dt_bias`` ``[Hv]`` (per channel ``[Hv, Dk]``) in place of the gate. A backward is the plain
-    build's (`render_plan`), on recomputed inputs; per-channel gates' chunk path is
-    `gdngen.algebra.chunkwise_channel`'s (its layer inputs computed in its core). ``inputs`` must
-    fuse something: the plain build is `render_plan`'s, whose sha256, and tuned entries, do not
-    depend on this one. ``templates_dir``: a template override folder (default
-    ``GDNGEN_TEMPLATES``)."""
-    if not inputs.fused:
-        raise ValueError(f"inputs must fuse a qk norm or a gate (the plain build is "
-                         f"render_plan's), got {inputs!r}")
-    templates = settings.templates_override() if templates_dir is None else templates_dir
-    return _render_fused(adapt(variant, problem), problem, _fused_key(inputs), templates)
-
-
-@functools.lru_cache(maxsize=64)
-def _render_fused(variant: Variant, problem: Problem, fused: tuple, templates_dir):
-    from gdngen.sources import Rendered, environment, sources_sha256
-
-    env = environment(templates_dir)
-    plan = render_plan(variant, problem)
-    plan["layer_inputs.metal"] = ("metal/layer_inputs.metal.j2",
-                                  _recurrent_context(variant, problem))
-    names = {"recurrent.metal", "layer_inputs.metal"}
-    if problem.gate == "scalar":
-        names |= {"common.metal", *(f"{n}.metal" for n in fused_kernels(variant))}
-    texts = {name: env.get_template(template).render(**dict(context, **dict(fused)))
-             for name, (template, context) in plan.items() if name in names}
-    return Rendered(variant, problem, texts, sources_sha256(texts))
-
-
-def fused_kernels(variant: Variant) -> tuple[str, ...]:
-    """The chunk kernels of a scalar-gate forward that have a fused build (`render_fused`): the
-    forward's two launches (fwd_intra_tinv and fwd_scan_save when the variant saves states,
-    fwd_intra and fwd_scan otherwise)."""
-    if variant["save_states"]:
-        return ("fwd_intra_tinv", "fwd_scan_save")
-    return ("fwd_intra", "fwd_scan")
-
-
-def _fused_key(inputs: KernelInputs | None) -> tuple:
-    """What of ``inputs`` reaches a rendering (`KernelInputs.context`), hashable; ``()`` when
-    nothing is fused. ``lower_bound`` is a runtime scalar: one build serves every bound."""
-    if inputs is None or not inputs.fused:
-        return ()
-    return tuple(sorted(inputs.context().items()))
-
-
-# ---------------------------------------------------------------------------- launch plan
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """One ``mx.fast.metal_kernel``: its unique name, parameter names, body and header."""
-
-    name: str
-    input_names: tuple
-    output_names: tuple
-    source: str
-    header: str
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel call. ``inputs`` / ``outputs`` name arrays of the plan's environment, in the
-    kernel's parameter order; ``template`` values are ints, bools or dtype names."""
-
-    kernel: str
-    inputs: tuple
-    outputs: tuple
-    output_shapes: tuple
-    output_dtypes: tuple
-    grid: tuple
-    threadgroup: tuple
-    template: tuple
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything a forward + backward of one variant runs, for N chunks of batch B.
-
-    Environment names: inputs q, k, v, g, beta, s0, prm (and dy, dsf in the backward); the
-    forward returns ``y`` / ``final_state`` and hands ``saved`` to the backward.
-
-    ``packed`` (`packed_launch_plan`): the packed build; the forward also takes ``inject`` and
-    returns ``states`` (S_in, never in ``saved``: it is an output), the backward also takes
-    ``dsin`` and its ``dsout`` is the injection's cotangent.
-
-    A walk plan (`channel_plan`, per-channel gates) has one launch in each: the forward walk's
-    and the backward walk's, each run on its own inputs by `ChannelWalks` (nothing ``saved``).
-
-    ``fused`` (`_fused_key`: ``(("gate_form", ...), ("qk_norm", ...))``, empty for the plain
-    build): the forward's kernels are `render_fused`'s, taking raw q, k and, with a gate form,
-    ``a``, ``A_log``, ``dt_bias`` in place of ``g`` (``prm`` then also holds the lower bound);
-    a backward is the plain build's, on the recomputed inputs.
-    """
-
-    variant: Variant
-    problem: Problem
-    N: int
-    B: int
-    kernels: dict
-    forward: tuple
-    backward: tuple
-    saved: tuple
-    threadgroup_bytes: dict
-    packed: bool = False
-    fused: tuple = ()
-
-
-_KERNEL_IO = {
-    "fwd_intra": (("k", "v", "g", "beta", "prm"), ("u", "wk")),
-    "fwd_intra_tinv": (("k", "v", "g", "beta", "prm"), ("u", "wk", "tinv")),
-    "fwd_scan": (("q", "k", "g", "s0", "u", "wk", "prm"), ("y_out", "final_state")),
-    "fwd_scan_save": (("q", "k", "g", "s0", "u", "wk", "prm"),
-                      ("y_out", "final_state", "states", "w_out")),
-    "fwd_scan_states": (("k", "g", "s0", "u", "wk", "prm"), ("final_state", "states", "w_out")),
-    "bwd_scan": (("q", "k", "g", "dy", "dsf", "wk", "prm"), ("dw", "dsout", "ds0")),
-    "bwd_tri": (("k", "v", "g", "beta", "dw", "states", "tinv", "prm"),
-                ("da", "dv", "dkt", "vec_out")),
-    "bwd_qk": (("q", "k", "g", "beta", "dy", "w", "states", "dsout", "da", "dkt", "vec_in",
-                "prm"), ("dq", "dk", "dbeta", "dd")),
-    "recurrent": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "final_state")),
-    "fwd_scan_channel": (("s0", "u", "wk", "kc", "qd", "pm", "dccv"),
-                         ("y_out", "final_state", "states", "w_out")),
-    "bwd_scan_channel": (("dsf", "ptdy", "kc", "wk", "w", "states", "dy", "qd", "dccv"),
-                         ("dw", "dsout", "ds0", "dwk", "dqd", "dkc", "ddcc")),
-}
-# Kernel parameter -> environment name, where they differ.
-_ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
-
-
-def _kernel_io(name: str, packed: bool, fused: tuple = ()) -> tuple:
-    """``(inputs, outputs)`` of kernel ``name``; the packed build's scans take ``inject`` /
-    ``dsin`` (before ``prm``) and every packed forward scan writes ``states``; a fused build
-    (`_fused_key`) with a gate form takes ``a`` in place of ``g`` and ``A_log``, ``dt_bias``
-    before ``prm``."""
-    ins, outs = _KERNEL_IO[name]
-    if dict(fused).get("gate_form"):
-        ins = tuple("a" if n == "g" else n for n in ins[:-1]) + ("A_log", "dt_bias", "prm")
-    if packed and name.startswith("fwd_scan"):
-        ins = ins[:-1] + ("inject", "prm")
-        outs = outs if "states" in outs else outs + ("states",)
-    elif packed and name == "bwd_scan":
-        ins = ins[:-1] + ("dsin", "prm")
-    return ins, outs
-
-
-def launch_plan(variant: Variant, problem: Problem, N: int, B: int,
-                inputs: KernelInputs | None = None) -> Plan:
-    """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
-    from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder. ``inputs``
-    (`KernelInputs`, default none): the forward's kernels are the fused build's
-    (`render_fused`, `fused_kernels`): raw q, k and, with a gate form, ``a``, ``A_log``,
-    ``dt_bias`` (``prm = (scale, 0, lower_bound)``); the backward's stay the plain build's, on
-    the recomputed inputs (environment names ``q``, ``k``, ``g`` as before)."""
-    if problem.gate != "scalar":
-        raise ValueError(f"the metal chunk kernels take scalar gates only, got {problem.key()} "
-                         f"(vector gates run the walk kernels, `channel_plan`)")
-    return _launch_plan(adapt(variant, problem), problem, N, B,
-                        settings.templates_override(), False, _fused_key(inputs))
-
-
-def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
-                       templates_dir=None) -> Plan:
-    """`launch_plan` of the packed build (`render_packed`): the same launches, grids and
-    threadgroup memory; ``templates_dir`` default the ``GDNGEN_TEMPLATES`` override."""
-    if problem.gate != "scalar":
-        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
-    templates = settings.templates_override() if templates_dir is None else templates_dir
-    return _launch_plan(adapt(variant, problem), problem, N, B, templates, True)
-
-
-def _recurrent_io(fused: tuple) -> tuple:
-    """``(inputs, outputs)`` of the recurrent kernel; a fused gate adds ``A_log``, ``dt_bias``."""
-    ins, outs = _KERNEL_IO["recurrent"]
-    return (ins + ("A_log", "dt_bias") if dict(fused).get("gate_form") else ins), outs
-
-
-@functools.lru_cache(maxsize=64)
-def _recurrent_kernel(variant: Variant, problem: Problem, templates, fused: tuple = ()
-                      ) -> KernelSpec:
-    if not fused:
-        rendered = SPEC.render(variant, problem, templates_dir=templates)
-        body = rendered.sources["recurrent.metal"]
-        tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
-        return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
-    rendered = _render_fused(variant, problem, fused, templates)
-    body, header = rendered.sources["recurrent.metal"], rendered.sources["layer_inputs.metal"]
-    tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
-    return KernelSpec(f"gdngen_recurrent{context_tag(dict(fused))}_{tag}",
-                      *_recurrent_io(fused), body, header)
-
-
-def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
-                   templates_dir=None, inputs: KernelInputs | None = None) -> Plan:
-    """The one launch of the recurrent kernel of ``variant`` (adapted to ``problem``) for T steps
-    and batch B: grid (32 * simdgroups, Dv / dv_tile, B * Hv). In this `Plan`, ``N`` is T (the
-    kernel reads T from q's shape at run time; the source does not depend on it) and there is no
-    backward. ``templates_dir``: default the ``GDNGEN_TEMPLATES`` override, else the shipped
-    templates. ``inputs`` (`KernelInputs`, default none): the fused build (`render_fused`),
-    which takes raw q, k and, with a gate form, ``a``, ``A_log``, ``dt_bias`` (inputs in that
-    order after the plain ones; ``prm = (scale, lower_bound)``); the kernel is keyed on what
-    reaches its source (`_fused_key`), not on the lower bound."""
-    variant = adapt(variant, problem)
-    templates = settings.templates_override() if templates_dir is None else templates_dir
-    fused = _fused_key(inputs)
-    spec = _recurrent_kernel(variant, problem, templates, fused)
-    p = variant.as_dict()
-    nt = 32 * p["simdgroups"]
-    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
-    f32 = "float32"
-    ins, outs = _recurrent_io(fused)
-    launch = Launch(kernel="recurrent", inputs=ins, outputs=outs,
-                    output_shapes=((B, T, Hv, Dv), (B, Hv, Dv, Dk)), output_dtypes=(f32, f32),
-                    grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
-    return Plan(variant, problem, T, B, {"recurrent": spec}, (launch,), (), (),
-                {"recurrent": 0}, fused=fused)
-
-
-def recurrent_input_metas(plan: Plan) -> dict:
-    """``(dtype, ndim, size)`` of the recurrent kernel's inputs for ``plan`` (`recurrent_plan`)."""
-    pb, T, B = plan.problem, plan.N, plan.B
-    f32 = "float32"
-    gate = T * B * pb.Hv * (pb.Dk if pb.gate == "vector" else 1)
-    metas = {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
-             "v": (f32, 4, B * T * pb.Hv * pb.Dv),
-             "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
-             "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 2 if plan.fused else 1)}
-    if dict(plan.fused).get("gate_form"):
-        vector = pb.gate == "vector"
-        metas["A_log"] = metas["dt_bias"] = (f32, 2 if vector else 1,
-                                             pb.Hv * (pb.Dk if vector else 1))
-    return metas
-
-
-@functools.lru_cache(maxsize=64)
-def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=None) -> Plan:
-    """The walk kernels of per-channel gates (`CHANNEL_KERNELS`) for N chunks and batch B:
-    ``forward`` is the one launch of `ChannelWalks.forward` (fwd_scan_channel), ``backward``
-    the one of `ChannelWalks.backward` (bwd_scan_channel); both on grid (32 * simdgroups,
-    Dv / dv_tile, B * Hv), every buffer float32 (names and shapes in the templates' headers).
-    ``variant`` must be adapted to ``problem`` (a vector-gate `Problem`); ``templates``: a
-    template override folder (None: the shipped templates)."""
-    if problem.gate != "vector":
-        raise ValueError(f"the metal walk kernels take vector gates, got {problem.key()}")
-    rendered = SPEC.render(variant, problem, templates_dir=templates)
-    p = variant.as_dict()
-    C, nt, dvt = p["chunk_size"], 32 * p["simdgroups"], p["dv_tile"]
-    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
-    header = rendered.sources["common.metal"]
-    chunks, tiles = (N, B, Hv), (Dv // dvt, N, B, Hv)
-    shapes = {"y_out": chunks + (C, Dv), "final_state": (B, Hv, Dv, Dk),
-              "states": chunks + (Dv, Dk), "w_out": chunks + (C, Dv), "dw": chunks + (C, Dv),
-              "dsout": chunks + (Dv, Dk), "ds0": (B, Hv, Dv, Dk), "dwk": tiles + (C, Dk),
-              "dqd": tiles + (C, Dk), "dkc": tiles + (C, Dk), "ddcc": tiles + (Dk,)}
-    kernels, launches = {}, []
-    for name in CHANNEL_KERNELS:
-        body = rendered.sources[f"{name}.metal"]
-        tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
-        ins, outs = _KERNEL_IO[name]
-        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", ins, outs, body, header)
-        launches.append(Launch(kernel=name, inputs=ins, outputs=outs,
-                               output_shapes=tuple(shapes[o] for o in outs),
-                               output_dtypes=("float32",) * len(outs),
-                               grid=(nt, Dv // dvt, B * Hv), threadgroup=(nt, 1, 1),
-                               template=(("InT", "float32"),)))
-    tg = threadgroup_bytes(p, problem)
-    return Plan(variant, problem, N, B, kernels, (launches[0],), (launches[1],), (),
-                {name: tg[name] for name in kernels})
-
-
-def channel_input_metas(plan: Plan) -> dict:
-    """``(dtype, ndim, size)`` of the walk kernels' inputs for ``plan`` (`channel_plan`), in
-    the chunk layout `gdngen.algebra.chunkwise_channel` passes ([N, B, Hk, r, ...], states [B, Hk,
-    r, Dv, Dk])."""
-    pb, N, B, C = plan.problem, plan.N, plan.B, plan.variant["chunk_size"]
-    f32, heads = "float32", N * B * pb.Hv
-    state, rows_v, rows_k = (f32, 5, B * pb.Hv * pb.Dv * pb.Dk), (f32, 6, heads * C * pb.Dv), \
-        (f32, 6, heads * C * pb.Dk)
-    return {"s0": state, "dsf": state, "u": rows_v, "ptdy": rows_v, "w": rows_v, "dy": rows_v,
-            "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
-            "dccv": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk)}
 
 
 @dataclass(frozen=True)
@@ -717,232 +202,6 @@ class ChannelWalks:
         return (env["ds0"].reshape(dS_final.shape), env["dw"].reshape(W.shape),
                 summed("dwk", Wk), summed("dqd", Qd), summed("dkc", Kc), summed("ddcc", dCC),
                 None)
-
-
-@functools.lru_cache(maxsize=64)
-def _launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
-                 packed: bool = False, fused: tuple = ()) -> Plan:
-    if packed and fused:
-        raise ValueError("a packed row takes its layer inputs computed (no fused build)")
-    rendered = render_packed(variant, problem, templates_dir=templates) if packed else \
-        SPEC.render(variant, problem, templates_dir=templates)
-    forward_fused = fused_kernels(variant) if fused else ()
-    fused_sources = _render_fused(variant, problem, fused, templates).sources if fused else {}
-    p = variant.as_dict()
-    C, sg, dvt = p["chunk_size"], p["simdgroups"], p["dv_tile"]
-    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
-    nt = 32 * sg
-    in_t = problem.dtype
-    header = rendered.sources["common.metal"]
-    kernels = {}
-    for name in _kernels_used(p["save_states"]):
-        if name in forward_fused:  # the fused build: its own header (the helpers) and body
-            head, body, suffix = fused_sources["common.metal"], \
-                fused_sources[f"{name}.metal"], context_tag(dict(fused))
-            io = _kernel_io(name, packed, fused)
-        else:
-            head, body, suffix = header, rendered.sources[f"{name}.metal"], ""
-            io = _kernel_io(name, packed)
-        # Named by its own text: variants that share a kernel share its compiled pipeline.
-        tag = hashlib.sha256((head + "\0" + body).encode()).hexdigest()[:12]
-        kernels[name] = KernelSpec(f"gdngen_{name}{suffix}_{tag}", *io, body, head)
-    per_chunk = (N, B, Hv)
-    f32 = "float32"
-    shapes = {
-        "u": per_chunk + (C, Dv), "wk": per_chunk + (C, Dk), "tinv": per_chunk + (C, C),
-        "y_out": per_chunk + (C, Dv), "final_state": (B, Hv, Dv, Dk),
-        "states": per_chunk + (Dv, Dk), "w_out": per_chunk + (C, Dv),
-        "dw": per_chunk + (C, Dv), "dsout": per_chunk + (Dv, Dk), "ds0": (B, Hv, Dv, Dk),
-        "da": per_chunk + (C, C), "dv": per_chunk + (C, Dv), "dkt": per_chunk + (C, Dk),
-        "vec_out": per_chunk + (2, C), "dq": per_chunk + (C, Dk), "dk": per_chunk + (C, Dk),
-        "dbeta": per_chunk + (C,), "dd": per_chunk + (C + 1, C + 1),
-    }
-    chunk_grid = (nt, 1, N * B * Hv)
-    scan_grid = (nt, Dv // dvt, B * Hv)
-    grids = {"fwd_intra": chunk_grid, "fwd_intra_tinv": chunk_grid, "fwd_scan": scan_grid,
-             "fwd_scan_save": scan_grid, "fwd_scan_states": scan_grid, "bwd_scan": scan_grid,
-             "bwd_tri": chunk_grid, "bwd_qk": chunk_grid}
-
-    def launch(name):
-        ins, outs = _kernel_io(name, packed, fused if name in forward_fused else ())
-        return Launch(
-            kernel=name, inputs=tuple(_ENV_NAME.get(n, n) for n in ins), outputs=outs,
-            output_shapes=tuple(shapes[o] for o in outs),
-            output_dtypes=tuple(in_t if o == "y_out" else f32 for o in outs),
-            grid=grids[name], threadgroup=(nt, 1, 1), template=(("InT", in_t),))
-
-    bwd = ("bwd_scan", "bwd_tri", "bwd_qk")
-    if p["save_states"]:
-        forward = (launch("fwd_intra_tinv"), launch("fwd_scan_save"))
-        backward = tuple(launch(n) for n in bwd)
-        saved = ("w_out", "tinv", "wk") if packed else ("states", "w_out", "tinv", "wk")
-    else:
-        forward = (launch("fwd_intra"), launch("fwd_scan"))
-        backward = tuple(launch(n) for n in ("fwd_intra_tinv", "fwd_scan_states") + bwd)
-        saved = ()
-    tg, tg_fused = threadgroup_bytes(p, problem), \
-        threadgroup_bytes(p, problem, dict(fused).get("qk_norm", False))
-    return Plan(variant, problem, N, B, kernels, forward, backward, saved,
-                {name: (tg_fused if name in forward_fused else tg)[name] for name in kernels},
-                packed, fused)
-
-
-# ---------------------------------------------------------------------------- execution
-
-class MLXLauncher:
-    """Runs launches with ``mx.fast.metal_kernel`` on the Metal GPU."""
-
-    name = "metal"
-
-    @staticmethod
-    @functools.cache
-    def _kernel(spec: KernelSpec):
-        import mlx.core as mx
-
-        return mx.fast.metal_kernel(name=spec.name, input_names=list(spec.input_names),
-                                    output_names=list(spec.output_names), source=spec.source,
-                                    header=spec.header)
-
-    def __call__(self, plan: Plan, launch: Launch, arrays):
-        import mlx.core as mx
-
-        kernel = self._kernel(plan.kernels[launch.kernel])
-        template = [(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template]
-        # GDNGEN_POISON_OUTPUTS=1: every output starts as NaN, so anything a kernel leaves
-        # unwritten shows (the simulator always poisons outputs and fails on what is left).
-        poison = float("nan") if settings.flag(settings.ENV_POISON_OUTPUTS) else None
-        return kernel(inputs=list(arrays), template=template or None, grid=launch.grid,
-                      threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
-                      output_dtypes=[getattr(mx, d) for d in launch.output_dtypes],
-                      init_value=poison)
-
-
-class SimLauncher:
-    """Runs launches in `gdngen.backends.metal.sim` (NumPy in and out of the simulated GPU)."""
-
-    name = "simulator"
-
-    def __init__(self, schedule: str = "forward", seed: int = 0):
-        self.schedule, self.seed = schedule, seed
-        self.threadgroup_bytes = {}  # kernel -> bytes the simulator measured
-
-    @staticmethod
-    @functools.cache
-    def _kernel(spec: KernelSpec):
-        from gdngen.backends.metal import sim as metal_sim
-
-        return metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
-                                      spec.source, spec.header)
-
-    def prepare(self, plan: Plan, env: dict) -> None:
-        """Compile every kernel of ``plan`` before the first launch (see `compile_plan`);
-        ``env`` holds the forward's input arrays."""
-        compile_plan(plan, {n: (dtype_name(a), a.ndim, int(a.size)) for n, a in env.items()})
-
-    def __call__(self, plan: Plan, launch: Launch, arrays):
-        kernel = self._kernel(plan.kernels[launch.kernel])
-        outs = kernel(inputs=[to_numpy(a) for a in arrays], template=list(launch.template),
-                      grid=launch.grid, threadgroup=launch.threadgroup,
-                      output_shapes=list(launch.output_shapes),
-                      output_dtypes=list(launch.output_dtypes), schedule=self.schedule,
-                      seed=self.seed)
-        self.threadgroup_bytes[launch.kernel] = kernel.last_threadgroup_bytes
-        return [from_numpy(o) for o in outs]
-
-
-def plan_input_metas(plan: Plan) -> dict:
-    """``(dtype, ndim, size)`` of the forward's inputs in chunk layout, as MLX passes them."""
-    pb, C = plan.problem, plan.variant["chunk_size"]
-    steps = plan.N * plan.B * C  # time steps of all chunks and batch rows
-    f32 = "float32"
-    metas = {"q": (pb.dtype, 5, steps * pb.Hk * pb.Dk), "k": (pb.dtype, 5, steps * pb.Hk * pb.Dk),
-             "v": (pb.dtype, 6, steps * pb.Hv * pb.Dv), "g": (f32, 5, steps * pb.Hv),
-             "beta": (f32, 5, steps * pb.Hv), "s0": (f32, 5, plan.B * pb.Hv * pb.Dv * pb.Dk),
-             "prm": (f32, 1, 2)}
-    if plan.packed:  # [N, B, Hk, r, Dv, Dk], as `packed_gated_delta`'s walk passes it
-        metas["inject"] = (f32, 6, plan.N * plan.B * pb.Hv * pb.Dv * pb.Dk)
-    if plan.fused:  # the fused forward's: raw q, k (as above), prm with the lower bound
-        metas["prm"] = (f32, 1, 3)
-        if dict(plan.fused).get("gate_form"):
-            metas["a"] = metas["g"]
-            metas["A_log"] = metas["dt_bias"] = (f32, 1, pb.Hv)
-    return metas
-
-
-def compile_plan(plan: Plan, metas: dict | None = None) -> list:
-    """Compile, in parallel, the simulator build of every kernel ``plan`` launches (the full
-    source MLX would compile, g++ against the MSL shim); returns the shared-object paths.
-
-    ``metas`` gives ``(dtype, ndim, size)`` of the forward's inputs (default: as MLX passes
-    them, `plan_input_metas`; for a walk plan, `channel_input_metas`, which also completes the
-    given ones: the backward walk's inputs are not the forward's outputs); every other buffer
-    is declared by the plan.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from gdngen.backends.metal import sim as metal_sim
-    from gdngen.backends.metal.sim import compiler, source
-    from gdngen.backends.metal.sim.launch import default_workers
-
-    if set(plan.kernels) == set(CHANNEL_KERNELS):
-        metas = {**channel_input_metas(plan), **(metas or {})}
-    metas = dict(plan_input_metas(plan) if metas is None else metas)
-    if plan.fused and "a" in metas and "g" not in metas:  # its backward: the recomputed log g
-        metas["g"] = metas["a"]
-    texts = {}
-    for launch in plan.forward + plan.backward:
-        spec = plan.kernels[launch.kernel]
-        kernel = metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
-                                        spec.source, spec.header)
-        text = kernel.kernel_text([metas[n] for n in launch.inputs], launch.output_dtypes,
-                                  launch.template, metas_given=True)
-        texts[source.simulator_source(text)] = f"kernel {text.kernel_name}"
-        for name, shape, dt in zip(launch.outputs, launch.output_shapes, launch.output_dtypes):
-            metas[name] = (dt, len(shape), math.prod(shape))
-        if "y_out" in metas:  # the backward's cotangents are shaped like the outputs
-            metas.setdefault("dy", metas["y_out"])
-            metas.setdefault("dsf", metas["final_state"])
-        if plan.packed and "states" in metas:
-            metas.setdefault("dsin", metas["states"])
-    with ThreadPoolExecutor(max_workers=default_workers()) as pool:
-        return list(pool.map(lambda item: compiler.kernel_library(*item), texts.items()))
-
-
-def lower_check(variant: Variant, problem: Problem) -> None:
-    """`gdngen.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
-    g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
-    gate forms with the qk norm (`render_fused`) included. Raises on failure."""
-    fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))
-    if problem.gate == "scalar":
-        for inputs in (None, *fused):
-            compile_plan(launch_plan(variant, problem, 2, 1, inputs))
-    else:
-        compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
-                                  settings.templates_override()))
-    for inputs in (None, *fused):
-        plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
-        compile_plan(plan, recurrent_input_metas(plan))
-
-
-def to_numpy(x):
-    """mx array -> NumPy (bfloat16 through ml_dtypes, bit for bit)."""
-    import mlx.core as mx
-    import numpy as np
-
-    if x.dtype == mx.bfloat16:
-        import ml_dtypes
-
-        return np.array(x.view(mx.uint16)).view(ml_dtypes.bfloat16)
-    return np.array(x)
-
-
-def from_numpy(x):
-    """NumPy -> mx array (bfloat16 bit for bit)."""
-    import mlx.core as mx
-
-    if x.dtype.name == "bfloat16":
-        return mx.array(x.view("uint16")).view(mx.bfloat16)
-    return mx.array(x)
 
 
 @functools.cache
@@ -1024,8 +283,8 @@ def _core(variant: Variant, problem: Problem, gate, scale: float, launcher,
         N, B = int(v.shape[0]), int(v.shape[1])
         if templates is None:
             return launch_plan(variant, problem, N, B, inputs)
-        return _launch_plan(adapt(variant, problem), problem, N, B, templates, False,
-                            _fused_key(inputs))
+        return build_launch_plan(adapt(variant, problem), problem, N, B, templates, False,
+                            fused_key(inputs))
 
     def forward_inputs(q, k, gates):
         """The fused forward's q, k and gate operands: raw (the kernels compute the rest)."""
@@ -1267,7 +526,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     return SPEC.run(checked, operands, variant, launcher=launcher)
 
 
-def _forward(call, operands, variant, launcher=None):
+def dense_call(call, operands, variant, launcher=None):
     """`gated_delta`'s body on a checked dense `gdngen.call.Call`."""
     import mlx.core as mx
 
@@ -1344,7 +603,7 @@ def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale
                                    templates_dir=templates_dir)
 
 
-def _packed(call, operands, variant, launcher=None, templates_dir=None):
+def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`."""
     import mlx.core as mx
 
@@ -1425,38 +684,3 @@ def simulate(variant, problem, inputs, cotangents, *, gate="log", scale=None, sc
     return ({n: as_np[n] for n in out}, {n: as_np[n] for n in named})
 
 
-class Metal(Backend):
-    """The generated Metal kernels of this module (Apple GPUs; `gdngen.backends.metal.sim`
-    off-device); its hooks are the module's functions (looked up when called)."""
-
-    name, framework, config, tolerances = BACKEND, "mlx", Config, POLICY_TOLERANCES
-    device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"
-    gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
-
-    def space(self, problem, device=None):
-        return variant_space(problem, device)
-
-    def default(self, problem, device=None):
-        return default_config(problem, device)
-
-    def supports(self, problem):
-        return supports(problem)
-
-    def footprint(self, variant, problem):
-        return max_threadgroup_bytes(variant, problem)
-
-    def render_plan(self, variant, problem):
-        return render_plan(variant, problem)
-
-    def lower_check(self, variant, problem):
-        return lower_check(variant, problem)
-
-    def forward(self, call, operands, variant, launcher=None):
-        return _forward(call, operands, variant, launcher)
-
-    def packed(self, call, operands, variant, launcher=None, templates_dir=None):
-        return _packed(call, operands, variant, launcher, templates_dir)
-
-
-SPEC = Metal()

@@ -59,7 +59,10 @@ def _check(results, variant, dtype="float32"):
 def test_registered_once():
     spec = registry.get("metal")
     assert registry.BACKENDS["metal"] == "gdngen.backends.metal" and spec is metal.SPEC
-    assert spec.framework == "mlx" and spec.render_plan is metal.render_plan
+    problem = Problem(2, 4, 64, 64)
+    variant = default_variant("metal", problem)
+    assert spec.framework == "mlx"
+    assert spec.render_plan(variant, problem) == metal.render_plan(variant, problem)
     assert registry.backends_for("apple-m3", "mlx") == ("metal", "mlx")
 
 

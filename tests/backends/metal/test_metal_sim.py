@@ -330,7 +330,7 @@ def test_wheel_ships_the_simulator_sources():
     config = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["gdngen.backends.metal.sim"]
     for path in (compiler.SHIM_HEADER, compiler.RUNTIME_HEADER, compiler.RUNTIME_SOURCE):
-        assert path.parent == root / "gdngen" / "metal_sim"
+        assert path.parent == root / "gdngen" / "backends" / "metal" / "sim"
         assert any(path.match(p) for p in patterns), path.name
 
 

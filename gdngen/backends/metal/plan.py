@@ -1,0 +1,489 @@
+"""The Metal backend's launch plans (which kernels run in which order on which buffers, for a
+chunk call, a packed row, the recurrent kernel and the per-channel walks), their compile
+check, and the two launchers that run them: MLX's ``mx.fast.metal_kernel`` and the MSL
+simulator (`gdngen.backends.metal.sim`)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+
+from gdngen import settings
+from gdngen.backends.kernel_inputs import KernelInputs, context_tag
+from gdngen.backends.metal.kernels import (
+    CHANNEL_KERNELS,
+    SPEC,
+    adapt,
+    fused_kernels,
+    fused_key,
+    kernels_used,
+    render_fused_kernels,
+    render_packed,
+    threadgroup_bytes,
+)
+from gdngen.problem import dtype_name
+from gdngen.variant import Problem, Variant
+
+# ---------------------------------------------------------------------------- launch plan
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One ``mx.fast.metal_kernel``: its unique name, parameter names, body and header."""
+
+    name: str
+    input_names: tuple
+    output_names: tuple
+    source: str
+    header: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call. ``inputs`` / ``outputs`` name arrays of the plan's environment, in the
+    kernel's parameter order; ``template`` values are ints, bools or dtype names."""
+
+    kernel: str
+    inputs: tuple
+    outputs: tuple
+    output_shapes: tuple
+    output_dtypes: tuple
+    grid: tuple
+    threadgroup: tuple
+    template: tuple
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a forward + backward of one variant runs, for N chunks of batch B.
+
+    Environment names: inputs q, k, v, g, beta, s0, prm (and dy, dsf in the backward); the
+    forward returns ``y`` / ``final_state`` and hands ``saved`` to the backward.
+
+    ``packed`` (`packed_launch_plan`): the packed build; the forward also takes ``inject`` and
+    returns ``states`` (S_in, never in ``saved``: it is an output), the backward also takes
+    ``dsin`` and its ``dsout`` is the injection's cotangent.
+
+    A walk plan (`channel_plan`, per-channel gates) has one launch in each: the forward walk's
+    and the backward walk's, each run on its own inputs by `ChannelWalks` (nothing ``saved``).
+
+    ``fused`` (`fused_key`: ``(("gate_form", ...), ("qk_norm", ...))``, empty for the plain
+    build): the forward's kernels are `render_fused`'s, taking raw q, k and, with a gate form,
+    ``a``, ``A_log``, ``dt_bias`` in place of ``g`` (``prm`` then also holds the lower bound);
+    a backward is the plain build's, on the recomputed inputs.
+    """
+
+    variant: Variant
+    problem: Problem
+    N: int
+    B: int
+    kernels: dict
+    forward: tuple
+    backward: tuple
+    saved: tuple
+    threadgroup_bytes: dict
+    packed: bool = False
+    fused: tuple = ()
+
+
+_KERNEL_IO = {
+    "fwd_intra": (("k", "v", "g", "beta", "prm"), ("u", "wk")),
+    "fwd_intra_tinv": (("k", "v", "g", "beta", "prm"), ("u", "wk", "tinv")),
+    "fwd_scan": (("q", "k", "g", "s0", "u", "wk", "prm"), ("y_out", "final_state")),
+    "fwd_scan_save": (("q", "k", "g", "s0", "u", "wk", "prm"),
+                      ("y_out", "final_state", "states", "w_out")),
+    "fwd_scan_states": (("k", "g", "s0", "u", "wk", "prm"), ("final_state", "states", "w_out")),
+    "bwd_scan": (("q", "k", "g", "dy", "dsf", "wk", "prm"), ("dw", "dsout", "ds0")),
+    "bwd_tri": (("k", "v", "g", "beta", "dw", "states", "tinv", "prm"),
+                ("da", "dv", "dkt", "vec_out")),
+    "bwd_qk": (("q", "k", "g", "beta", "dy", "w", "states", "dsout", "da", "dkt", "vec_in",
+                "prm"), ("dq", "dk", "dbeta", "dd")),
+    "recurrent": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "final_state")),
+    "fwd_scan_channel": (("s0", "u", "wk", "kc", "qd", "pm", "dccv"),
+                         ("y_out", "final_state", "states", "w_out")),
+    "bwd_scan_channel": (("dsf", "ptdy", "kc", "wk", "w", "states", "dy", "qd", "dccv"),
+                         ("dw", "dsout", "ds0", "dwk", "dqd", "dkc", "ddcc")),
+}
+# Kernel parameter -> environment name, where they differ.
+_ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
+
+
+def _kernel_io(name: str, packed: bool, fused: tuple = ()) -> tuple:
+    """``(inputs, outputs)`` of kernel ``name``; the packed build's scans take ``inject`` /
+    ``dsin`` (before ``prm``) and every packed forward scan writes ``states``; a fused build
+    (`fused_key`) with a gate form takes ``a`` in place of ``g`` and ``A_log``, ``dt_bias``
+    before ``prm``."""
+    ins, outs = _KERNEL_IO[name]
+    if dict(fused).get("gate_form"):
+        ins = tuple("a" if n == "g" else n for n in ins[:-1]) + ("A_log", "dt_bias", "prm")
+    if packed and name.startswith("fwd_scan"):
+        ins = ins[:-1] + ("inject", "prm")
+        outs = outs if "states" in outs else outs + ("states",)
+    elif packed and name == "bwd_scan":
+        ins = ins[:-1] + ("dsin", "prm")
+    return ins, outs
+
+
+def launch_plan(variant: Variant, problem: Problem, N: int, B: int,
+                inputs: KernelInputs | None = None) -> Plan:
+    """The launches of ``variant`` (adapted to ``problem``) for N chunks and batch B, rendered
+    from the shipped templates or the ``GDNGEN_TEMPLATES`` override folder. ``inputs``
+    (`KernelInputs`, default none): the forward's kernels are the fused build's
+    (`render_fused`, `fused_kernels`): raw q, k and, with a gate form, ``a``, ``A_log``,
+    ``dt_bias`` (``prm = (scale, 0, lower_bound)``); the backward's stay the plain build's, on
+    the recomputed inputs (environment names ``q``, ``k``, ``g`` as before)."""
+    if problem.gate != "scalar":
+        raise ValueError(f"the metal chunk kernels take scalar gates only, got {problem.key()} "
+                         f"(vector gates run the walk kernels, `channel_plan`)")
+    return build_launch_plan(adapt(variant, problem), problem, N, B,
+                        settings.templates_override(), False, fused_key(inputs))
+
+
+def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
+                       templates_dir=None) -> Plan:
+    """`launch_plan` of the packed build (`render_packed`): the same launches, grids and
+    threadgroup memory; ``templates_dir`` default the ``GDNGEN_TEMPLATES`` override."""
+    if problem.gate != "scalar":
+        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    return build_launch_plan(adapt(variant, problem), problem, N, B, templates, True)
+
+
+def _recurrent_io(fused: tuple) -> tuple:
+    """``(inputs, outputs)`` of the recurrent kernel; a fused gate adds ``A_log``, ``dt_bias``."""
+    ins, outs = _KERNEL_IO["recurrent"]
+    return (ins + ("A_log", "dt_bias") if dict(fused).get("gate_form") else ins), outs
+
+
+@functools.lru_cache(maxsize=64)
+def _recurrent_kernel(variant: Variant, problem: Problem, templates, fused: tuple = ()
+                      ) -> KernelSpec:
+    if not fused:
+        rendered = SPEC.render(variant, problem, templates_dir=templates)
+        body = rendered.sources["recurrent.metal"]
+        tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
+        return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
+    rendered = render_fused_kernels(variant, problem, fused, templates)
+    body, header = rendered.sources["recurrent.metal"], rendered.sources["layer_inputs.metal"]
+    tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
+    return KernelSpec(f"gdngen_recurrent{context_tag(dict(fused))}_{tag}",
+                      *_recurrent_io(fused), body, header)
+
+
+def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
+                   templates_dir=None, inputs: KernelInputs | None = None) -> Plan:
+    """The one launch of the recurrent kernel of ``variant`` (adapted to ``problem``) for T steps
+    and batch B: grid (32 * simdgroups, Dv / dv_tile, B * Hv). In this `Plan`, ``N`` is T (the
+    kernel reads T from q's shape at run time; the source does not depend on it) and there is no
+    backward. ``templates_dir``: default the ``GDNGEN_TEMPLATES`` override, else the shipped
+    templates. ``inputs`` (`KernelInputs`, default none): the fused build (`render_fused`),
+    which takes raw q, k and, with a gate form, ``a``, ``A_log``, ``dt_bias`` (inputs in that
+    order after the plain ones; ``prm = (scale, lower_bound)``); the kernel is keyed on what
+    reaches its source (`fused_key`), not on the lower bound."""
+    variant = adapt(variant, problem)
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    fused = fused_key(inputs)
+    spec = _recurrent_kernel(variant, problem, templates, fused)
+    p = variant.as_dict()
+    nt = 32 * p["simdgroups"]
+    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
+    f32 = "float32"
+    ins, outs = _recurrent_io(fused)
+    launch = Launch(kernel="recurrent", inputs=ins, outputs=outs,
+                    output_shapes=((B, T, Hv, Dv), (B, Hv, Dv, Dk)), output_dtypes=(f32, f32),
+                    grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
+    return Plan(variant, problem, T, B, {"recurrent": spec}, (launch,), (), (),
+                {"recurrent": 0}, fused=fused)
+
+
+def recurrent_input_metas(plan: Plan) -> dict:
+    """``(dtype, ndim, size)`` of the recurrent kernel's inputs for ``plan`` (`recurrent_plan`)."""
+    pb, T, B = plan.problem, plan.N, plan.B
+    f32 = "float32"
+    gate = T * B * pb.Hv * (pb.Dk if pb.gate == "vector" else 1)
+    metas = {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
+             "v": (f32, 4, B * T * pb.Hv * pb.Dv),
+             "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
+             "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 2 if plan.fused else 1)}
+    if dict(plan.fused).get("gate_form"):
+        vector = pb.gate == "vector"
+        metas["A_log"] = metas["dt_bias"] = (f32, 2 if vector else 1,
+                                             pb.Hv * (pb.Dk if vector else 1))
+    return metas
+
+
+@functools.lru_cache(maxsize=64)
+def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=None) -> Plan:
+    """The walk kernels of per-channel gates (`CHANNEL_KERNELS`) for N chunks and batch B:
+    ``forward`` is the one launch of `ChannelWalks.forward` (fwd_scan_channel), ``backward``
+    the one of `ChannelWalks.backward` (bwd_scan_channel); both on grid (32 * simdgroups,
+    Dv / dv_tile, B * Hv), every buffer float32 (names and shapes in the templates' headers).
+    ``variant`` must be adapted to ``problem`` (a vector-gate `Problem`); ``templates``: a
+    template override folder (None: the shipped templates)."""
+    if problem.gate != "vector":
+        raise ValueError(f"the metal walk kernels take vector gates, got {problem.key()}")
+    rendered = SPEC.render(variant, problem, templates_dir=templates)
+    p = variant.as_dict()
+    C, nt, dvt = p["chunk_size"], 32 * p["simdgroups"], p["dv_tile"]
+    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
+    header = rendered.sources["common.metal"]
+    chunks, tiles = (N, B, Hv), (Dv // dvt, N, B, Hv)
+    shapes = {"y_out": chunks + (C, Dv), "final_state": (B, Hv, Dv, Dk),
+              "states": chunks + (Dv, Dk), "w_out": chunks + (C, Dv), "dw": chunks + (C, Dv),
+              "dsout": chunks + (Dv, Dk), "ds0": (B, Hv, Dv, Dk), "dwk": tiles + (C, Dk),
+              "dqd": tiles + (C, Dk), "dkc": tiles + (C, Dk), "ddcc": tiles + (Dk,)}
+    kernels, launches = {}, []
+    for name in CHANNEL_KERNELS:
+        body = rendered.sources[f"{name}.metal"]
+        tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
+        ins, outs = _KERNEL_IO[name]
+        kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", ins, outs, body, header)
+        launches.append(Launch(kernel=name, inputs=ins, outputs=outs,
+                               output_shapes=tuple(shapes[o] for o in outs),
+                               output_dtypes=("float32",) * len(outs),
+                               grid=(nt, Dv // dvt, B * Hv), threadgroup=(nt, 1, 1),
+                               template=(("InT", "float32"),)))
+    tg = threadgroup_bytes(p, problem)
+    return Plan(variant, problem, N, B, kernels, (launches[0],), (launches[1],), (),
+                {name: tg[name] for name in kernels})
+
+
+def channel_input_metas(plan: Plan) -> dict:
+    """``(dtype, ndim, size)`` of the walk kernels' inputs for ``plan`` (`channel_plan`), in
+    the chunk layout `gdngen.algebra.chunkwise_channel` passes ([N, B, Hk, r, ...], states [B, Hk,
+    r, Dv, Dk])."""
+    pb, N, B, C = plan.problem, plan.N, plan.B, plan.variant["chunk_size"]
+    f32, heads = "float32", N * B * pb.Hv
+    state, rows_v, rows_k = (f32, 5, B * pb.Hv * pb.Dv * pb.Dk), (f32, 6, heads * C * pb.Dv), \
+        (f32, 6, heads * C * pb.Dk)
+    return {"s0": state, "dsf": state, "u": rows_v, "ptdy": rows_v, "w": rows_v, "dy": rows_v,
+            "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
+            "dccv": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk)}
+
+
+@functools.lru_cache(maxsize=64)
+def build_launch_plan(variant: Variant, problem: Problem, N: int, B: int, templates,
+                 packed: bool = False, fused: tuple = ()) -> Plan:
+    if packed and fused:
+        raise ValueError("a packed row takes its layer inputs computed (no fused build)")
+    rendered = render_packed(variant, problem, templates_dir=templates) if packed else \
+        SPEC.render(variant, problem, templates_dir=templates)
+    forward_fused = fused_kernels(variant) if fused else ()
+    fused_sources = (render_fused_kernels(variant, problem, fused, templates).sources if fused
+                     else {})
+    p = variant.as_dict()
+    C, sg, dvt = p["chunk_size"], p["simdgroups"], p["dv_tile"]
+    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
+    nt = 32 * sg
+    in_t = problem.dtype
+    header = rendered.sources["common.metal"]
+    kernels = {}
+    for name in kernels_used(p["save_states"]):
+        if name in forward_fused:  # the fused build: its own header (the helpers) and body
+            head, body, suffix = fused_sources["common.metal"], \
+                fused_sources[f"{name}.metal"], context_tag(dict(fused))
+            io = _kernel_io(name, packed, fused)
+        else:
+            head, body, suffix = header, rendered.sources[f"{name}.metal"], ""
+            io = _kernel_io(name, packed)
+        # Named by its own text: variants that share a kernel share its compiled pipeline.
+        tag = hashlib.sha256((head + "\0" + body).encode()).hexdigest()[:12]
+        kernels[name] = KernelSpec(f"gdngen_{name}{suffix}_{tag}", *io, body, head)
+    per_chunk = (N, B, Hv)
+    f32 = "float32"
+    shapes = {
+        "u": per_chunk + (C, Dv), "wk": per_chunk + (C, Dk), "tinv": per_chunk + (C, C),
+        "y_out": per_chunk + (C, Dv), "final_state": (B, Hv, Dv, Dk),
+        "states": per_chunk + (Dv, Dk), "w_out": per_chunk + (C, Dv),
+        "dw": per_chunk + (C, Dv), "dsout": per_chunk + (Dv, Dk), "ds0": (B, Hv, Dv, Dk),
+        "da": per_chunk + (C, C), "dv": per_chunk + (C, Dv), "dkt": per_chunk + (C, Dk),
+        "vec_out": per_chunk + (2, C), "dq": per_chunk + (C, Dk), "dk": per_chunk + (C, Dk),
+        "dbeta": per_chunk + (C,), "dd": per_chunk + (C + 1, C + 1),
+    }
+    chunk_grid = (nt, 1, N * B * Hv)
+    scan_grid = (nt, Dv // dvt, B * Hv)
+    grids = {"fwd_intra": chunk_grid, "fwd_intra_tinv": chunk_grid, "fwd_scan": scan_grid,
+             "fwd_scan_save": scan_grid, "fwd_scan_states": scan_grid, "bwd_scan": scan_grid,
+             "bwd_tri": chunk_grid, "bwd_qk": chunk_grid}
+
+    def launch(name):
+        ins, outs = _kernel_io(name, packed, fused if name in forward_fused else ())
+        return Launch(
+            kernel=name, inputs=tuple(_ENV_NAME.get(n, n) for n in ins), outputs=outs,
+            output_shapes=tuple(shapes[o] for o in outs),
+            output_dtypes=tuple(in_t if o == "y_out" else f32 for o in outs),
+            grid=grids[name], threadgroup=(nt, 1, 1), template=(("InT", in_t),))
+
+    bwd = ("bwd_scan", "bwd_tri", "bwd_qk")
+    if p["save_states"]:
+        forward = (launch("fwd_intra_tinv"), launch("fwd_scan_save"))
+        backward = tuple(launch(n) for n in bwd)
+        saved = ("w_out", "tinv", "wk") if packed else ("states", "w_out", "tinv", "wk")
+    else:
+        forward = (launch("fwd_intra"), launch("fwd_scan"))
+        backward = tuple(launch(n) for n in ("fwd_intra_tinv", "fwd_scan_states") + bwd)
+        saved = ()
+    tg, tg_fused = threadgroup_bytes(p, problem), \
+        threadgroup_bytes(p, problem, dict(fused).get("qk_norm", False))
+    return Plan(variant, problem, N, B, kernels, forward, backward, saved,
+                {name: (tg_fused if name in forward_fused else tg)[name] for name in kernels},
+                packed, fused)
+
+
+# ---------------------------------------------------------------------------- execution
+
+class MLXLauncher:
+    """Runs launches with ``mx.fast.metal_kernel`` on the Metal GPU."""
+
+    name = "metal"
+
+    @staticmethod
+    @functools.cache
+    def _kernel(spec: KernelSpec):
+        import mlx.core as mx
+
+        return mx.fast.metal_kernel(name=spec.name, input_names=list(spec.input_names),
+                                    output_names=list(spec.output_names), source=spec.source,
+                                    header=spec.header)
+
+    def __call__(self, plan: Plan, launch: Launch, arrays):
+        import mlx.core as mx
+
+        kernel = self._kernel(plan.kernels[launch.kernel])
+        template = [(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template]
+        # GDNGEN_POISON_OUTPUTS=1: every output starts as NaN, so anything a kernel leaves
+        # unwritten shows (the simulator always poisons outputs and fails on what is left).
+        poison = float("nan") if settings.flag(settings.ENV_POISON_OUTPUTS) else None
+        return kernel(inputs=list(arrays), template=template or None, grid=launch.grid,
+                      threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
+                      output_dtypes=[getattr(mx, d) for d in launch.output_dtypes],
+                      init_value=poison)
+
+
+class SimLauncher:
+    """Runs launches in `gdngen.backends.metal.sim` (NumPy in and out of the simulated GPU)."""
+
+    name = "simulator"
+
+    def __init__(self, schedule: str = "forward", seed: int = 0):
+        self.schedule, self.seed = schedule, seed
+        self.threadgroup_bytes = {}  # kernel -> bytes the simulator measured
+
+    @staticmethod
+    @functools.cache
+    def _kernel(spec: KernelSpec):
+        from gdngen.backends.metal import sim as metal_sim
+
+        return metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
+                                      spec.source, spec.header)
+
+    def prepare(self, plan: Plan, env: dict) -> None:
+        """Compile every kernel of ``plan`` before the first launch (see `compile_plan`);
+        ``env`` holds the forward's input arrays."""
+        compile_plan(plan, {n: (dtype_name(a), a.ndim, int(a.size)) for n, a in env.items()})
+
+    def __call__(self, plan: Plan, launch: Launch, arrays):
+        kernel = self._kernel(plan.kernels[launch.kernel])
+        outs = kernel(inputs=[to_numpy(a) for a in arrays], template=list(launch.template),
+                      grid=launch.grid, threadgroup=launch.threadgroup,
+                      output_shapes=list(launch.output_shapes),
+                      output_dtypes=list(launch.output_dtypes), schedule=self.schedule,
+                      seed=self.seed)
+        self.threadgroup_bytes[launch.kernel] = kernel.last_threadgroup_bytes
+        return [from_numpy(o) for o in outs]
+
+
+def plan_input_metas(plan: Plan) -> dict:
+    """``(dtype, ndim, size)`` of the forward's inputs in chunk layout, as MLX passes them."""
+    pb, C = plan.problem, plan.variant["chunk_size"]
+    steps = plan.N * plan.B * C  # time steps of all chunks and batch rows
+    f32 = "float32"
+    metas = {"q": (pb.dtype, 5, steps * pb.Hk * pb.Dk), "k": (pb.dtype, 5, steps * pb.Hk * pb.Dk),
+             "v": (pb.dtype, 6, steps * pb.Hv * pb.Dv), "g": (f32, 5, steps * pb.Hv),
+             "beta": (f32, 5, steps * pb.Hv), "s0": (f32, 5, plan.B * pb.Hv * pb.Dv * pb.Dk),
+             "prm": (f32, 1, 2)}
+    if plan.packed:  # [N, B, Hk, r, Dv, Dk], as `packed_gated_delta`'s walk passes it
+        metas["inject"] = (f32, 6, plan.N * plan.B * pb.Hv * pb.Dv * pb.Dk)
+    if plan.fused:  # the fused forward's: raw q, k (as above), prm with the lower bound
+        metas["prm"] = (f32, 1, 3)
+        if dict(plan.fused).get("gate_form"):
+            metas["a"] = metas["g"]
+            metas["A_log"] = metas["dt_bias"] = (f32, 1, pb.Hv)
+    return metas
+
+
+def compile_plan(plan: Plan, metas: dict | None = None) -> list:
+    """Compile, in parallel, the simulator build of every kernel ``plan`` launches (the full
+    source MLX would compile, g++ against the MSL shim); returns the shared-object paths.
+
+    ``metas`` gives ``(dtype, ndim, size)`` of the forward's inputs (default: as MLX passes
+    them, `plan_input_metas`; for a walk plan, `channel_input_metas`, which also completes the
+    given ones: the backward walk's inputs are not the forward's outputs); every other buffer
+    is declared by the plan.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gdngen.backends.metal import sim as metal_sim
+    from gdngen.backends.metal.sim import compiler, source
+    from gdngen.backends.metal.sim.launch import default_workers
+
+    if set(plan.kernels) == set(CHANNEL_KERNELS):
+        metas = {**channel_input_metas(plan), **(metas or {})}
+    metas = dict(plan_input_metas(plan) if metas is None else metas)
+    if plan.fused and "a" in metas and "g" not in metas:  # its backward: the recomputed log g
+        metas["g"] = metas["a"]
+    texts = {}
+    for launch in plan.forward + plan.backward:
+        spec = plan.kernels[launch.kernel]
+        kernel = metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
+                                        spec.source, spec.header)
+        text = kernel.kernel_text([metas[n] for n in launch.inputs], launch.output_dtypes,
+                                  launch.template, metas_given=True)
+        texts[source.simulator_source(text)] = f"kernel {text.kernel_name}"
+        for name, shape, dt in zip(launch.outputs, launch.output_shapes, launch.output_dtypes):
+            metas[name] = (dt, len(shape), math.prod(shape))
+        if "y_out" in metas:  # the backward's cotangents are shaped like the outputs
+            metas.setdefault("dy", metas["y_out"])
+            metas.setdefault("dsf", metas["final_state"])
+        if plan.packed and "states" in metas:
+            metas.setdefault("dsin", metas["states"])
+    with ThreadPoolExecutor(max_workers=default_workers()) as pool:
+        return list(pool.map(lambda item: compiler.kernel_library(*item), texts.items()))
+
+
+def lower_check(variant: Variant, problem: Problem) -> None:
+    """`gdngen.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
+    g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
+    gate forms with the qk norm (`render_fused`) included. Raises on failure."""
+    fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))
+    if problem.gate == "scalar":
+        for inputs in (None, *fused):
+            compile_plan(launch_plan(variant, problem, 2, 1, inputs))
+    else:
+        compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
+                                  settings.templates_override()))
+    for inputs in (None, *fused):
+        plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
+        compile_plan(plan, recurrent_input_metas(plan))
+
+
+def to_numpy(x):
+    """mx array -> NumPy (bfloat16 through ml_dtypes, bit for bit)."""
+    import mlx.core as mx
+    import numpy as np
+
+    if x.dtype == mx.bfloat16:
+        import ml_dtypes
+
+        return np.array(x.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.array(x)
+
+
+def from_numpy(x):
+    """NumPy -> mx array (bfloat16 bit for bit)."""
+    import mlx.core as mx
+
+    if x.dtype.name == "bfloat16":
+        return mx.array(x.view("uint16")).view(mx.bfloat16)
+    return mx.array(x)
