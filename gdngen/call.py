@@ -83,19 +83,20 @@ class Call:
         return dataclasses.replace(self, **changes)
 
     def for_arrays(self, q, v, *, packed: bool | None = None) -> Call:
-        """This call on other arrays of it: B, T, heads and dtype read from ``q``
-        ``[B,T,Hk,Dk]`` and ``v`` ``[B,T,Hv,Dv]`` (one shard's, inside ``jax.shard_map`` or a
-        partitioned op; the one-chunk rows or the float32 copies a stage makes), nothing
-        checked again; ``packed=False`` drops the packed sequences (a dense call of them)."""
+        """This call on other arrays of it: sizes and dtype read from ``q`` ``[B,T,Hk,Dk]`` and
+        ``v`` ``[B,T,Hv,Dv]`` (one shard's, inside ``jax.shard_map`` or a partitioned op; the
+        extended values of a context-parallel shard; the one-chunk rows or the float32 copies a
+        stage makes), nothing checked again; ``packed=False`` drops the packed sequences (a
+        dense call of them)."""
         from gdngen.problem import dtype_name
 
-        B, T, Hk, _ = (int(s) for s in q.shape)
-        Hv, dtype = int(v.shape[2]), dtype_name(q)
+        B, T, Hk, Dk = (int(s) for s in q.shape)
+        Hv, Dv, dtype = int(v.shape[2]), int(v.shape[3]), dtype_name(q)
         sequences = self.shape.sequences if packed is None or packed else None
-        if (B, T, Hk, Hv, dtype, sequences) == (self.shape.B, self.shape.T, self.shape.Hk,
-                                                self.shape.Hv, self.dtype, self.shape.sequences):
+        shape = dataclasses.replace(self.shape, B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv,
+                                    sequences=sequences)
+        if (shape, dtype) == (self.shape, self.dtype):
             return self
-        shape = dataclasses.replace(self.shape, B=B, T=T, Hk=Hk, Hv=Hv, sequences=sequences)
         return self.replace(shape=shape, dtype=dtype)
 
 
