@@ -41,10 +41,10 @@ from gdngen import settings
 from gdngen.devices import Device, get_device
 from gdngen.variant import Problem, Variant, dumps
 
-__all__ = ["COMPILERS", "CompileReport", "Program", "check_space", "check_targets",
-           "compile_variant",
-           "compiler_available", "compiler_versions", "missing_reason", "programs",
-           "target_device"]
+__all__ = ["COLLECTIVES", "COMPILERS", "CompileReport", "Program", "check_space",
+           "check_targets", "collective_bytes", "compile_variant", "compiler_available",
+           "compiler_versions", "missing_reason", "programs", "target_device",
+           "topology_devices"]
 
 #: backend -> (compiler name, device kind it compiles for)
 COMPILERS = {"pallas_tpu": ("mosaic", "tpu")}
@@ -280,6 +280,31 @@ def mosaic_kernels(hlo_text: str) -> list[dict]:
         kernels.append({"name": match.group(1), "vmem_used": size("used_scoped_memory_configs"),
                         "vmem_limit": size("scoped_memory_configs")})
     return kernels
+
+
+#: an HLO instruction that communicates between devices (its result types before the name)
+COLLECTIVES = r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\("
+
+
+def collective_bytes(hlo_text: str, *, per_channel: bool = False) -> dict:
+    """``{collective kind: bytes its results hold, per device}`` in compiled HLO ``hlo_text``
+    (empty: the program communicates nothing). ``per_channel``: one collective counts once per
+    ``(kind, channel_id)``, for XLA TPU, which repeats a collective in each fusion it puts it
+    in (XLA CPU gives one channel to several collectives it schedules together)."""
+    import numpy as np
+
+    sizes = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "pred": 1}
+    out, seen = {}, set()
+    for i, line in enumerate(hlo_text.splitlines()):
+        found = re.search(r"= (.*?) " + COLLECTIVES, line)
+        channel = re.search(r"\bchannel_id=(\d+)", line)
+        key = (found.group(2), channel.group(1)) if found and channel and per_channel else i
+        if found and key not in seen:
+            seen.add(key)
+            total = sum(sizes[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                        for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", found.group(1)))
+            out[found.group(2)] = out.get(found.group(2), 0) + total
+    return out
 
 
 def _compile_program(name: str, variant: Variant, problem: Problem, T: int, target) -> Program:
