@@ -222,3 +222,97 @@ def test_context_parallel_over_four_chips_communicates_only_the_transitions():
     assert "tpu_custom_call" in text
     assert compilers.collective_bytes(text, per_channel=True) == {
         "all-gather": n * B * Hv * D * (D + D) * 4, "all-reduce": n * B * Hv * D * D * 4}
+
+
+# ------------------------------------------------------------------------------ build, tune
+
+SMALL_VARIANT = ('{"chunk_size": 64, "dv_tile": 128, "head_tile": 2, "precision": "ieee", '
+                 '"save_states": true, "recurrent_below": 64}')
+
+
+def _build(tmp_path, *extra):
+    from click.testing import CliRunner
+
+    from gdngen.cli import main
+
+    return CliRunner().invoke(main, [
+        "build", "--backend", "pallas_tpu", "--problem", "Hk=1,Hv=2,Dk=128,Dv=128,dtype=bfloat16",
+        "--device", "tpu-v5e", "--compile", "--compile-seq", "64", "--no-validate",
+        "--variant", SMALL_VARIANT, "--out", str(tmp_path / "out"), "--json", *extra])
+
+
+def test_build_compile_records_the_compile(tmp_path):
+    result = _build(tmp_path)
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.output[result.output.index("["):])
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    entry = manifest["variants"][0]["compile"]
+    assert printed[0]["compile"] == entry
+    assert entry["compiler"] == "mosaic" and entry["target"] == "TPU v5 lite"
+    assert entry["ok"] is True and entry["error"] is None
+    assert entry["code_bytes"] > 0 and entry["temp_bytes"] >= 0
+    assert [p["name"] for p in entry["programs"]] == [
+        "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
+        "fused_recurrent_forward"]
+
+
+def test_build_compile_fails_when_mosaic_rejects_a_kernel(tmp_path):
+    """A template override giving the recurrent kernel a 4 KiB scoped-VMEM limit: Mosaic
+    rejects it, the variant fails with the compiler's message, the command exits 1."""
+    from gdngen import resources
+
+    source = resources.templates_dir() / "pallas_tpu" / "recurrent.py.j2"
+    override = tmp_path / "templates" / "pallas_tpu"
+    override.mkdir(parents=True)
+    text = source.read_text()
+    assert "VMEM_LIMIT_BYTES = {{ vmem_limit_bytes }}" in text
+    (override / "recurrent.py.j2").write_text(
+        text.replace("VMEM_LIMIT_BYTES = {{ vmem_limit_bytes }}", "VMEM_LIMIT_BYTES = 4096"))
+    result = _build(tmp_path, "--templates", str(tmp_path / "templates"))
+    assert result.exit_code == 1, result.output
+    entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["variants"][0]
+    assert entry["status"] == "failed" and entry["compile"]["ok"] is False
+    failed = {p["name"] for p in entry["compile"]["programs"] if not p["ok"]}
+    assert failed == {"recurrent_forward", "fused_recurrent_forward"}
+    assert entry["compile"]["error"].startswith("recurrent_forward: ")
+
+
+def test_build_compile_needs_a_tpu_device(tmp_path):
+    from click.testing import CliRunner
+
+    from gdngen.cli import main
+
+    args = ["build", "--backend", "pallas_tpu", "--compile", "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "--device" in result.output
+    result = CliRunner().invoke(main, args + ["--device", "h100"])
+    assert result.exit_code == 2 and "--device" in result.output and "tpu" in result.output
+
+
+def test_tune_space_drops_what_does_not_compile(tmp_path, monkeypatch):
+    """`check_targets` leaves the variants the compiler rejects out of the target's space and
+    remembers each verdict (a second check compiles nothing)."""
+    from gdngen.tune.target import targets
+
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path))
+    problem = Problem(1, 2, 128, 128, "bfloat16", "scalar")
+    (target,) = targets("tpu-v5e", ("jax",), [problem], backends=("pallas_tpu",))
+    space = target.space()
+    rejected = space[1].name()
+    compiled = []
+
+    def compile_variant(variant, problem, device, **kwargs):
+        compiled.append(variant.name())
+        if variant.name() != rejected:
+            return compilers.CompileReport("mosaic", "TPU v5 lite", "tpu-v5e")
+        return compilers.CompileReport("mosaic", "TPU v5 lite", "tpu-v5e",
+                                       error="Mosaic: scoped VMEM exceeded")
+
+    monkeypatch.setattr(compilers, "compile_variant", compile_variant)
+    ((checked, dropped),) = compilers.check_targets([target])
+    assert dropped == {rejected: "Mosaic: scoped VMEM exceeded"}
+    assert [v.name() for v in checked.space()] == [v.name() for v in space if v.name() != rejected]
+    assert sorted(compiled) == sorted(v.name() for v in space)
+    compiled.clear()
+    ((again, dropped_again),) = compilers.check_targets([target])
+    assert compiled == [] and dropped_again == dropped and again.space() == checked.space()
