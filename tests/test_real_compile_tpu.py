@@ -47,7 +47,7 @@ def test_default_variant_compiles_fwd_bwd(device, gate):
     """The default variant's chunk forward + backward and its recurrent forward, compiled."""
     problem = SMALL[gate]
     variant = registry.default_variant("pallas_tpu", problem, device)
-    report = compilers.compile_variant(variant, problem, device, T=128,
+    report = compilers.compile_variant(variant, problem, device, T=64,
                                        only=("chunk_fwd_bwd", "recurrent_forward"))
     _check_report(report, device)
     names = {p.name: [k["name"].split(".")[0] for k in p.kernels] for p in report.programs}
@@ -62,7 +62,7 @@ def test_every_program_of_a_call_compiles(gate):
     softplus gate; fwd+bwd and recurrent) of the default variant, for TPU v5e."""
     problem = SMALL[gate]
     variant = registry.default_variant("pallas_tpu", problem, "tpu-v5e")
-    report = compilers.compile_variant(variant, problem, "tpu-v5e", T=128)
+    report = compilers.compile_variant(variant, problem, "tpu-v5e", T=64)
     _check_report(report, "tpu-v5e")
     expected = {"chunk_fwd_bwd", "recurrent_forward", "fused_fwd_bwd", "fused_recurrent_forward"}
     assert {p.name for p in report.programs} == expected | (
