@@ -11,7 +11,7 @@ install: $(STAMP)
 # Reinstalls only when the packaging files change (the stamp is newer otherwise).
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -e '.[jax,mlx,dev,postgres]'
+	$(BIN)/python -m pip install -e '.[jax,mlx,dev,postgres,tpu]'
 	touch $@
 
 # The PostgreSQL server tests/test_shared_study.py starts (initdb on a loopback port): Debian's

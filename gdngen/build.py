@@ -9,7 +9,12 @@ Generic over the backends of `gdngen.registry`. A variant is validated at
 * ``clear_cache() -> None``: drop loaded/compiled kernels (called after each variant, so a
   long build's memory stays flat).
 
-With a ``device``, only the variants that fit that device's limits are built.
+With a ``device``, only the variants that fit that device's limits are built; with
+``compile_for`` (a device name) each variant's programs are also compiled for that device with
+its real compiler, attached or not (`gdngen.compilers.compile_variant`), recorded as
+``compile`` (`gdngen.compilers.CompileReport.to_json`: ``compiler``, ``target``, ``ok``,
+``error``, ``temp_bytes``, ``code_bytes``, ``programs``, ...); a failed compile fails the
+variant.
 
 Layout of the output folder: ``<out>/<sha256[:16]>/<output name>`` per distinct rendering (the
 problem's own), and ``<out>/manifest.json``::
@@ -17,7 +22,8 @@ problem's own), and ``<out>/manifest.json``::
     {"backend", "problem", "dtype", "templates", "cases", "seed",
      "variants": [{"name", "params", "sha256", "files",
                    "status": "passed" | "rendered" | "failed" | "error", "tolerance",
-                   "worst": {quantity: error}, "failed_cases", "lowering", "error", "seconds"}],
+                   "worst": {quantity: error}, "failed_cases", "lowering", "compile", "error",
+                   "seconds"}],
      "summary": {"total", "ok", "failed"}}
 
 Each variant is validated with its parameters rendered for every case's own shape (the variant
@@ -94,6 +100,7 @@ class VariantBuild:
     lowering: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    compile: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -108,10 +115,11 @@ class VariantBuild:
                 "sha256": self.sha256, "files": self.files, "status": self.status,
                 "tolerance": self.tolerance, "worst": {q: num(e) for q, e in self.worst.items()},
                 "failed_cases": self.failed_cases, "lowering": self.lowering,
-                "error": self.error, "seconds": round(self.seconds, 2)}
+                "compile": self.compile, "error": self.error, "seconds": round(self.seconds, 2)}
 
 
-def _build_one(variant, problem, out_dir, *, templates_dir, cases, seed, validate):
+def _build_one(variant, problem, out_dir, *, templates_dir, cases, seed, validate,
+               compile_for=None, compile_T=None):
     from gdngen import validate as validate_mod
 
     result = VariantBuild(variant)
@@ -133,6 +141,14 @@ def _build_one(variant, problem, out_dir, *, templates_dir, cases, seed, validat
             except Exception as e:  # noqa: BLE001 - recorded; the variant fails
                 result.lowering = f"{type(e).__name__}: {e}"
                 failed = True
+        if compile_for is not None:
+            from gdngen import compilers
+
+            with _templates_env(templates_dir):
+                report = compilers.compile_variant(variant, problem, compile_for,
+                                                   T=compile_T or compilers.DEFAULT_T)
+            result.compile = report.to_json()
+            failed = failed or not report.ok
         if validate:
             result.tolerance = variant_tolerance(variant, problem.dtype)
             with _templates_env(templates_dir):
@@ -177,12 +193,13 @@ def _from_entry(variant: Variant, entry: dict) -> VariantBuild:
                         status=entry["status"], tolerance=entry["tolerance"],
                         worst={q: float(e) for q, e in entry["worst"].items()},
                         failed_cases=entry["failed_cases"], lowering=entry["lowering"],
-                        error=entry["error"], seconds=entry["seconds"])
+                        error=entry["error"], seconds=entry["seconds"],
+                        compile=entry.get("compile"))
 
 
 def build(backend: str, problem: Problem, out_dir, *, templates_dir=None, cases=None,
           seed=None, variant_list=None, validate=True, progress=None,
-          resume=False, device=None) -> list[VariantBuild]:
+          resume=False, device=None, compile_for=None, compile_T=None) -> list[VariantBuild]:
     """Render (and validate) every variant of ``backend`` for ``problem`` into ``out_dir``.
 
     ``variant_list``: build only these (default: `gdngen.registry.variants` on ``device``,
@@ -193,6 +210,9 @@ def build(backend: str, problem: Problem, out_dir, *, templates_dir=None, cases=
     hash the same (the rest are built again). Returns the results in order;
     ``out_dir/manifest.json`` describes them (module docstring). The backend's ``clear_cache``
     hook, if any, runs after each variant (compiled kernels are not kept across variants).
+    ``compile_for``: a device name to compile each variant's programs for with its real
+    compiler (`gdngen.compilers`; ``compile_T`` steps, default theirs); a resumed entry is kept
+    only if it was compiled for that device.
     """
     backend = normalize_backend(backend)
     if variant_list is None:
@@ -209,12 +229,17 @@ def build(backend: str, problem: Problem, out_dir, *, templates_dir=None, cases=
     results = []
     for variant in variant_list:
         entry = done.get(variant.name())
+        if compile_for is not None and entry is not None and (
+                (entry.get("compile") or {}).get("device") != compile_for
+                or not entry["compile"]["ok"]):
+            entry = None
         if entry is not None and entry["sha256"] == render(
                 variant, problem, templates_dir=templates_dir).sha256:
             results.append(_from_entry(variant, entry))
         else:
             results.append(_build_one(variant, problem, out_dir, templates_dir=templates_dir,
-                                      cases=cases, seed=seed, validate=validate))
+                                      cases=cases, seed=seed, validate=validate,
+                                      compile_for=compile_for, compile_T=compile_T))
             if clear_cache is not None:
                 clear_cache()
         _write_manifest(out_dir, backend, problem, templates_dir, case_names, seed, results)

@@ -213,9 +213,19 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
 @click.option("--device", default=None, metavar="NAME",
               help="Build only the variants that fit this device (`gdngen devices`); default: "
                    "the backend's reference device.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Also compile each variant's programs (chunk fwd+bwd, recurrent, packed, "
+                   "fused inputs) for --device with its real compiler, attached or not "
+                   "(TPU: Mosaic through libtpu, gdngen[tpu]); recorded as `compile` in the "
+                   "manifest.")
+@click.option("--compile-seq", type=click.IntRange(min=1), default=None, metavar="T",
+              help="Steps of the compiled chunk programs (default 256).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print each variant's manifest entry as JSON (instead of a line each).")
 def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, seed,
-          no_validate, resume, device):
-    """Enumerate, render, write and validate a backend's variants; exit 1 if any fails."""
+          no_validate, resume, device, compile_, compile_seq, as_json):
+    """Enumerate, render, write and validate a backend's variants (with --compile, also
+    compile them for --device); exit 1 if any fails."""
     from gdngen import build as build_mod
     from gdngen import cases as cases_mod
     from gdngen.variant import Problem
@@ -228,6 +238,10 @@ def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, s
         problem = Problem.parse(problem)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--problem") from None
+    if compile_:
+        _check_compile(backend, device)
+    elif compile_seq is not None:
+        raise click.BadParameter("--compile-seq is for --compile", param_hint="--compile-seq")
     variant_list = [_parse_variant(backend, text, None) for text in variant_jsons] or None
     if variant_list is None:
         try:
@@ -240,21 +254,59 @@ def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, s
         raise click.BadParameter(str(e), param_hint="--case") from None
 
     def progress(result):
+        if as_json:
+            return
         worst = max(result.worst.items(), key=lambda item: item[1], default=("-", 0.0))
         click.echo(f"{result.status.upper():6} {result.variant.name()}  worst {worst[0]} "
                    f"{worst[1]:.1e}  ({result.seconds:.0f}s)")
+        if result.compile is not None:
+            c = result.compile
+            click.echo(f"       compile {c['compiler']} {c['target']}: "
+                       f"{'ok' if c['ok'] else 'FAILED'}  vmem {c['vmem_used'] / 2**20:.1f} MiB"
+                       f"  temp {c['temp_bytes'] / 2**20:.1f} MiB  ({c['seconds']:.0f}s)")
+            if c["error"]:
+                click.echo(c["error"].rstrip(), err=True)
         if result.error:
             click.echo(result.error.rstrip(), err=True)
 
     results = build_mod.build(backend, problem, out_dir, templates_dir=templates_dir,
                               cases=cases, seed=seed, variant_list=variant_list,
-                              validate=not no_validate, progress=progress, resume=resume)
+                              validate=not no_validate, progress=progress, resume=resume,
+                              compile_for=device if compile_ else None, compile_T=compile_seq)
     failed = [r.variant.name() for r in results if not r.ok]
-    click.echo(f"{len(results) - len(failed)}/{len(results)} variants "
-               f"{'rendered' if no_validate else 'passed'}; manifest: {out_dir}/manifest.json")
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in results], indent=2))
+    else:
+        click.echo(f"{len(results) - len(failed)}/{len(results)} variants "
+                   f"{'rendered' if no_validate else 'passed'}"
+                   f"{' and compiled' if compile_ else ''}; manifest: {out_dir}/manifest.json")
     if failed:
         click.echo(f"FAILED ({len(failed)}/{len(results)}): {', '.join(failed)}", err=True)
         sys.exit(1)
+
+
+def _check_compile(backend: str, device: str | None) -> None:
+    """``build --compile``'s checks, before anything is built: a backend with a real compiler,
+    a --device it compiles for, the compiler installed here."""
+    from gdngen import compilers, devices
+
+    try:
+        compiler, kind = compilers.compiler_of(backend)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--backend") from None
+    if device is None:
+        raise click.BadParameter(f"--compile needs the {kind} device to compile for",
+                                 param_hint="--device")
+    try:
+        dev = devices.get_device(device)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
+    if dev.kind != kind or not dev.topology:
+        raise click.BadParameter(f"{backend} compiles with {compiler} for {kind} devices, got "
+                                 f"{device!r} ({dev.kind})", param_hint="--device")
+    reason = compilers.missing_reason(compiler)
+    if reason:
+        raise click.UsageError(f"--compile for {device}: {reason}")
 
 
 # ------------------------------------------------------------------ tune, devices, show, report
@@ -366,12 +418,48 @@ def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framewo
     targets = [t for t, why in skipped if not why]
     if not targets:
         raise click.UsageError(f"nothing to tune on {device} for frameworks {frameworks}")
+    if dry_run:
+        targets = _compile_checked(targets, device)
     if not dry_run and workers == 1:
         try:  # fail fast, before any target starts
             storage = tune_mod.open_storage(storage, device, settings.heartbeat)
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
     _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json, workers)
+
+
+def _compile_checked(targets, device: str) -> list:
+    """Off-device tuning (``--dry-run``) for a device with a real compiler here
+    (`gdngen.compilers`): each target's space without the variants that do not compile for
+    it, saying how many were dropped and why (verdicts cached per source and compiler)."""
+    from gdngen import compilers, devices
+
+    dev = devices.get_device(device)
+    wanted = {c for c, kind in compilers.COMPILERS.values() if kind == dev.kind}
+    if not wanted or not dev.topology:
+        return targets
+    missing = [compilers.missing_reason(c) for c in sorted(wanted) if compilers.missing_reason(c)]
+    if missing:
+        click.echo(f"note: no compile check for {device}: {'; '.join(missing)}", err=True)
+        return targets
+    out = []
+    for target, dropped in compilers.check_targets(targets):
+        if dropped:
+            click.echo(f"{target.label()}: dropped {len(dropped)} of "
+                       f"{len(target.space()) + len(dropped)} variants, which do not compile "
+                       f"for {device}:", err=True)
+            for name, why in dropped.items():
+                click.echo(f"  {name}: {why.splitlines()[0][:300]}", err=True)
+        elif compilers.COMPILERS.get(target.backend, (None, None))[1] == dev.kind:
+            click.echo(f"{target.label()}: all {len(target.space())} variants compile for "
+                       f"{device}", err=True)
+        if target.space():
+            out.append(target)
+        else:
+            click.echo(f"skipping {target.label()}: no variant compiles for {device}", err=True)
+    if not out:
+        raise click.ClickException(f"no variant of any target compiles for {device}")
+    return out
 
 
 def _run_tune(tune_mod, targets, settings, storage, cache_dir, dry_run, as_json, workers=1):

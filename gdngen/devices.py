@@ -30,6 +30,9 @@ class Device:
     kind: str  # "cpu" | "tpu" | "gpu" | "apple"
     limits: dict = field(default_factory=dict)
     source: str = ""
+    #: the compile-only topology of a TPU (``jax.experimental.topologies.get_topology_desc``
+    #: with libtpu; `gdngen.compilers`), "" for devices without one
+    topology: str = ""
 
 
 # VMEM per TensorCore: v4 16 MiB, v5e 128 MiB, v5p 95 MiB, v6e 128 MiB (Pallas TPU docs,
@@ -40,10 +43,14 @@ class Device:
 DEVICES: dict[str, Device] = {
     d.name: d for d in (
         Device("cpu", "cpu"),
-        Device("tpu-v4", "tpu", {"vmem": 16 * MiB, "vmem_budget": 16 * MiB}, "Pallas TPU docs"),
-        Device("tpu-v5e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
-        Device("tpu-v5p", "tpu", {"vmem": 95 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
-        Device("tpu-v6e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB}, "Pallas TPU docs"),
+        Device("tpu-v4", "tpu", {"vmem": 16 * MiB, "vmem_budget": 16 * MiB},
+               "Pallas TPU docs", topology="v4:2x2x1"),
+        Device("tpu-v5e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB},
+               "Pallas TPU docs", topology="v5e:2x2"),
+        Device("tpu-v5p", "tpu", {"vmem": 95 * MiB, "vmem_budget": 32 * MiB},
+               "Pallas TPU docs", topology="v5p:2x2x1"),
+        Device("tpu-v6e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB},
+               "Pallas TPU docs", topology="v6e:2x2"),
         Device("a100", "gpu", {"shared_memory": 163 * KiB},
                "CUDA programming guide, compute capability 8.0"),
         Device("h100", "gpu", {"shared_memory": 227 * KiB},

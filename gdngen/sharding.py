@@ -85,8 +85,6 @@ def run(call, arrays: dict, shape, *, context_axis):
     zeros), mask (None: none), and A_log, dt_bias (None unless g is a parameterised gate's raw
     projection, `fuses_gate`; per-channel ``[Hv, 1 or Dk]``); ``shape`` the checked
     `CallShape`."""
-    import jax
-
     axes = manual_axes()
     if context_axis is not None:
         if context_axis not in axes:
@@ -96,8 +94,7 @@ def run(call, arrays: dict, shape, *, context_axis):
         return context_parallel(call, arrays, shape, axis=context_axis)
     if axes:
         return per_shard(call, arrays)
-    if jax.device_count() > 1 and not settings.flag(settings.ENV_NO_PARTITIONING) \
-            and not _on_one_device(arrays):
+    if not settings.flag(settings.ENV_NO_PARTITIONING) and not _on_one_device(arrays):
         arrays = _whole_parameters(arrays, shape)
         known = known_shardings(arrays, shape)
         if known:
@@ -129,14 +126,25 @@ def _whole_parameters(arrays: dict, shape) -> dict:
 
 
 def _on_one_device(arrays: dict) -> bool:
-    """Whether every array is concrete and lives on a single device (an eager call that no
-    partitioner will see)."""
+    """Whether the call runs on a single device, so no partitioner will see it: every concrete
+    array lives on one device, and every traced one carries a one-device mesh in its type
+    (under a ``jax.jit`` whose inputs have a sharding: the mesh of those inputs, which may be
+    a compile-only topology's, not this host's devices). A traced array without a mesh in its
+    type falls back to this host's device count."""
     import jax
 
     present = [x for x in arrays.values() if x is not None]
-    if any(isinstance(x, jax.core.Tracer) for x in present):
-        return False
-    return all(len(x.sharding.device_set) == 1 for x in present if hasattr(x, "sharding"))
+    for x in present:
+        if isinstance(x, jax.core.Tracer):
+            mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+            if mesh is None or mesh.empty:
+                if jax.device_count() > 1:
+                    return False
+            elif mesh.size > 1:
+                return False
+        elif hasattr(x, "sharding") and len(x.sharding.device_set) > 1:
+            return False
+    return True
 
 
 def per_shard(call, arrays: dict):

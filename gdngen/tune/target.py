@@ -35,6 +35,9 @@ class Target:
     precision: str = "ieee"
     seq_len: int = 2048
     batch: int = 1
+    #: variant names left out of the space (those that do not compile for the device:
+    #: `gdngen.compilers.check_targets`)
+    excluded: tuple = ()
 
     def default(self) -> Variant:
         """The backend's default variant on the device (its own precision param, if any,
@@ -45,10 +48,10 @@ class Target:
         return variant
 
     def space(self) -> list[Variant]:
-        """The backend's variants that fit the device and whose own precision param (if any)
-        is at least as accurate as the target's policy."""
+        """The backend's variants that fit the device, are not `excluded` and whose own
+        precision param (if any) is at least as accurate as the target's policy."""
         return [v for v in variants(self.backend, self.problem, self.device)
-                if _precision_allowed(v, self.precision)]
+                if _precision_allowed(v, self.precision) and v.name() not in self.excluded]
 
     def label(self) -> str:
         return (f"{self.framework}/{self.backend} {self.problem.key()} {self.precision} "

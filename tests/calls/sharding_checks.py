@@ -31,10 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 from gdngen import registry, validate
 from gdngen.algebra import chunkwise
+from gdngen.compilers import COLLECTIVES, collective_bytes
 from gdngen.jax import gated_delta
 from gdngen.variant import Problem, Variant
 
-COLLECTIVES = r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\("
 SEQ_SHARDS = 4
 
 
@@ -342,19 +342,6 @@ def _problem_arrays(B, T, Hk, Hv, D, seed=0):
     return q, k, v, g, beta, S0
 
 
-def _collective_bytes(text: str) -> dict:
-    """Bytes each kind of collective in compiled HLO ``text`` produces, per device."""
-    sizes = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "pred": 1}
-    out = {}
-    for line in text.splitlines():
-        found = re.search(r"= (.*?) " + COLLECTIVES, line)
-        if found:
-            total = sum(sizes[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
-                        for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", found.group(1)))
-            out[found.group(2)] = out.get(found.group(2), 0) + total
-    return out
-
-
 def context_communication() -> dict:
     """Collective bytes per device of a context-parallel forward + backward (2 x 4 mesh of
     data x seq; B=2, Hk=2, Hv=4, D=16) at two lengths."""
@@ -372,7 +359,7 @@ def context_communication() -> dict:
         return (y * y).sum() + (S * S).sum()
 
     step = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
-    return {f"T={T}": _collective_bytes(step.lower(*_problem_arrays(2, T, 2, 4, 16))
+    return {f"T={T}": collective_bytes(step.lower(*_problem_arrays(2, T, 2, 4, 16))
                                         .compile().as_text()) for T in (64, 256)}
 
 

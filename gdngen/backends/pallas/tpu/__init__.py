@@ -189,14 +189,18 @@ def vmem_bytes(variant: Variant, problem: Problem) -> int:
     if p["save_states"]:
         forward_blocks += tile_state + cc
     forward_scratch = state + (3 * cc + 2 * ck + c1 + b((ht, 1, 1)) if tiled else 0)
-    temps = 8 * b((C, C)) + 4 * b((C, Dk)) + 3 * b((C, tv)) + 2 * b((tv, Dk))
+    # live per head of the tile at ieee (Mosaic's float32 matmuls keep their split operands;
+    # measured against the compiler's scoped VMEM, docs/COMPILE.md), once at tf32 / bf16
+    per_head = ht if p["precision"] == "ieee" else 1
+    temps = per_head * (8 * b((C, C)) + 4 * b((C, Dk)) + 3 * b((C, tv)) + 2 * b((tv, Dk)))
     forward = 2 * forward_blocks + forward_scratch + temps
     backward_blocks = (2 * key + values + gates + tile_state + (cc if p["save_states"] else 0)
                        + values + state  # inputs: ..., s_in, [tinv], dy, dsf
                        + 2 * b((C, Dk)) + values + 4 * c1 + cc + b((ht, 1, 1)) + state)
     backward_scratch = state + ((5 * cc + 4 * ck + 4 * c1 + 2 * b((ht, 1, 1)) + 2 * b((C, C))
                                  + 2 * ck + c1) if tiled else 0)
-    backward = 2 * backward_blocks + backward_scratch + temps + 4 * b((C, C)) + 2 * b((C, Dk))
+    backward = (2 * backward_blocks + backward_scratch + temps
+                + per_head * (4 * b((C, C)) + 2 * b((C, Dk))))
     if problem.gate == "vector":  # the chunk walks and the recurrent kernel
         return max(walk_vmem_bytes(variant, problem), recurrent_vmem_bytes(variant, problem))
     return max(forward, backward, recurrent_vmem_bytes(variant, problem))
