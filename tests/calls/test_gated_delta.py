@@ -158,7 +158,7 @@ def test_short_call_in_one_chunk_of_its_length(fw, T, vector, monkeypatch):
     from gdngen import Variant
 
     backend = BACKEND_OF[fw.name]
-    ops = importlib.import_module(f"gdngen.backends.{'jax' if fw.name == 'jax' else 'mlx'}"
+    ops = importlib.import_module(f"gdngen.backends.portable.{'jax' if fw.name == 'jax' else 'mlx'}"
                                   "_chunkwise")
     seen = []
     real = ops.chunkwise_gated_delta

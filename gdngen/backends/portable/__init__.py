@@ -104,7 +104,7 @@ def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inpu
         "Config", [("recurrent_below", int,
                     recurrent_switch(RECURRENT_BELOW[name]["scalar"]))],
         bases=(PortableConfig,), frozen=True, namespace={"backend": name})
-    config_cls.__module__ = f"gdngen.backends.{name}"
+    config_cls.__module__ = f"gdngen.backends.portable.{name}"
     spec = PortableBackend(name, framework, ops, config_cls, device_kinds, fused_inputs)
 
     def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",

@@ -23,7 +23,7 @@ QUANTITIES = {"y", "final_state", "dinitial_state", "dq", "dk", "dv", "dbeta", "
 
 
 def _module(backend):
-    return importlib.import_module(f"gdngen.backends.{backend}")
+    return importlib.import_module(registry.BACKENDS[backend])
 
 
 def _check(backend, case, monkeypatch, **changes):
