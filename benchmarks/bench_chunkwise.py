@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gdngen import bench
+from gdngen.tools import bench
 
 
 def main(argv=None) -> None:

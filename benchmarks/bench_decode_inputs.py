@@ -15,7 +15,7 @@ Both callables get the same raw arrays: q, k un-normalised, ``a`` the gate proje
 
 JAX: each jitted whole; MLX: eager, as a model calls it. The plain ``gdngen.<framework>.
 gated_delta`` dispatch runs (tuned entry, else the default variant; ``--backend`` forces that
-backend's default variant). Interleaved (`gdngen.timing._interleaved`), median of
+backend's default variant). Interleaved (`gdngen.tools.timing._interleaved`), median of
 ``--repeats``; the ratio is ``outside / fused`` (>= 1: fused is faster). Run from the repo
 root::
 
@@ -74,7 +74,8 @@ def callables(framework, D, variant):
 
 
 def run(framework, T, Hk, Hv, D, vector, backend, repeats):
-    from gdngen import registry, timing
+    from gdngen import registry
+    from gdngen.tools import timing
     from gdngen.variant import Problem
 
     raw = make_inputs(1, T, Hk, Hv, D, vector)

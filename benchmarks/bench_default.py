@@ -8,7 +8,7 @@ the state walked with ``lax.scan`` and the backward left to JAX's autodiff. It i
 against the float64 reference before it is timed.
 
 All callables are timed in one process on the same inputs, interleaved round-robin
-(`gdngen.timing.time_fwd_bwd`; ``--settle``: each timed run preceded by an untimed one of the
+(`gdngen.tools.timing.time_fwd_bwd`; ``--settle``: each timed run preceded by an untimed one of the
 same callable), median of ``--repeats``; the table gives each one's ratio to
 the plain call from the same run. Run from the repo root::
 
@@ -78,7 +78,7 @@ def check_textbook(problem) -> float:
     import jax.numpy as jnp
 
     from gdngen.algebra import reference
-    from gdngen.timing import make_inputs
+    from gdngen.tools.timing import make_inputs
     from gdngen.validate import relative_error
 
     x = make_inputs(problem, 1, 150, seed=1)
@@ -107,14 +107,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the rows as JSON to this file")
     p.add_argument("--settle", action="store_true",
                    help="an untimed call of each callable before each of its timed runs "
-                        "(`gdngen.timing.time_fwd_bwd`)")
+                        "(`gdngen.tools.timing.time_fwd_bwd`)")
     args = p.parse_args(argv)
 
     import jax.numpy as jnp
 
-    from gdngen import timing
     from gdngen.dispatch import TunedGatedDelta
     from gdngen.jax import gated_delta
+    from gdngen.tools import timing
     from gdngen.variant import Problem
 
     hk, hv = (int(x) for x in args.heads.split(","))

@@ -3,14 +3,14 @@ NVIDIA GPU (H100/H200), forward + backward, bfloat16, D = 128.
 
 One prepared run, in order (every step writes its files under ``--out``, default ``$OUT``):
 
-1. validate: ``gdngen.build`` renders, lowers and validates candidate variants of the
+1. validate: ``gdngen.tools.build`` renders, lowers and validates candidate variants of the
    benchmark problem against the float64 reference on the hard battery cases
    (``build/manifest.json``);
 2. tune: ``gdngen.tune`` searches the pallas_gpu space with a small Optuna budget at
    T = ``--tune-seq``, B = 1, per head count (every trial behind the validation gate); the
    tuned entries go to ``tuned/<device>.json``;
 3. time: forward + backward of the tuned variant (gdngen, ``block_until_ready``, warm-up,
-   median; `gdngen.timing.time_fwd_bwd`) and of fla (CUDA events, warm-up, median) at every
+   median; `gdngen.tools.timing.time_fwd_bwd`) and of fla (CUDA events, warm-up, median) at every
    B x T x H of the grid, Hk = Hv = H (fla's layout), with the FLOP count of `gdngen.flops`
    and a minimal-traffic byte count, so the ratio can be read against the roofline.
    Rows go to ``results.json`` / ``results.md`` after every point, fla's to ``fla.json``.
@@ -111,8 +111,8 @@ def candidates(problem, device: str, limit: int, dry_run: bool):
 
 
 def validate_candidates(problem, variants, out: Path, dry_run: bool) -> list[dict]:
-    from gdngen import build
     from gdngen.cases import Case
+    from gdngen.tools import build
 
     cases = list(VALIDATION_CASES)
     if dry_run:
@@ -138,7 +138,7 @@ def tune_heads(device: str, problem, args, out: Path):
 
 
 def time_gdngen(variant, problem, B: int, T: int, args) -> dict:
-    from gdngen.timing import time_fwd_bwd, variant_fn
+    from gdngen.tools.timing import time_fwd_bwd, variant_fn
 
     timing = time_fwd_bwd("jax", {"gdngen": variant_fn("jax", variant)}, problem, batch=B,
                           seq_len=T, precision=args.precision, repeats=args.repeats,

@@ -19,7 +19,7 @@ plain ``gdngen.<framework>.gated_delta`` call (tuned entry, else the default var
   ``compiled.memory_analysis()``: temporaries plus outputs (what XLA allocates for one
   fwd+bwd beyond its arguments).
 
-Time: median of ``--repeats`` interleaved runs after a warm-up (`gdngen.timing._interleaved`).
+Time: median of ``--repeats`` interleaved runs after a warm-up (`gdngen.tools.timing._interleaved`).
 Ratios are ``outside / fused`` (>= 1: the fused call is smaller / faster). Run from the repo
 root::
 
@@ -111,8 +111,8 @@ def mlx_calls(inputs, D, kind):
 
 
 def mlx_memory(calls):
-    """`gdngen.timing.mlx_peak_memory`, with the peak above what was resident."""
-    from gdngen import timing
+    """`gdngen.tools.timing.mlx_peak_memory`, with the peak above what was resident."""
+    from gdngen.tools import timing
 
     return {name: {"peak_bytes": m["peak_bytes"],
                    "above_resident_bytes": m["peak_bytes"] - m["resident_bytes"]}
@@ -141,7 +141,7 @@ def jax_calls(inputs, D, kind):
 
 
 def run(framework, args, vector, kind):
-    from gdngen import timing
+    from gdngen.tools import timing
 
     Hk, Hv = args.heads
     inputs = make_inputs(1, args.seq_len, Hk, Hv, args.dim, vector)

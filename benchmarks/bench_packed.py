@@ -3,7 +3,7 @@
 One row of ``--sequences`` documents of mixed lengths (drawn once from ``--seed``: cut points
 uniform over the row, so lengths from a few steps to several chunks, boundaries anywhere)
 totalling ``--seq-len`` steps, against one dense call of that T (B = 1), per framework, on the
-same inputs in one process, timed interleaved (`gdngen.timing.time_fwd_bwd`: the gradient of
+same inputs in one process, timed interleaved (`gdngen.tools.timing.time_fwd_bwd`: the gradient of
 ``sum(y * dy) + sum(final_state * dfinal_state)`` with respect to q, k, v, g, beta and the
 initial state; median of ``--repeats``):
 
@@ -45,7 +45,7 @@ def packed_offsets(seq_len: int, sequences: int, seed: int) -> np.ndarray:
 
 def _fns(framework: str, problem, offsets: np.ndarray):
     from gdngen import registry
-    from gdngen.timing import variant_fn
+    from gdngen.tools.timing import variant_fn
 
     if framework == "jax":
         import jax.numpy as jnp
@@ -75,7 +75,7 @@ def _fns(framework: str, problem, offsets: np.ndarray):
 
 def run(frameworks, seq_len, sequences, heads, dim, repeats, seed):
     from gdngen.dispatch import load_tuned
-    from gdngen.timing import time_fwd_bwd
+    from gdngen.tools.timing import time_fwd_bwd
     from gdngen.variant import Problem
 
     Hk, Hv = heads

@@ -37,7 +37,7 @@ def _study(storage):
 
 
 def _cli(*args, env) -> str:
-    proc = subprocess.run([sys.executable, "-m", "gdngen.cli", *args], env=env,
+    proc = subprocess.run([sys.executable, "-m", "gdngen.tools.cli", *args], env=env,
                           capture_output=True, text=True, check=True)
     return proc.stdout
 
@@ -57,7 +57,7 @@ def _run(ns, url, folder: Path, workers: int, kill: bool) -> dict:
     hosts = [f"host-{i}" for i in range(workers)]
     started = time.monotonic()
     procs = {h: subprocess.Popen(
-        [sys.executable, "-m", "gdngen.cli", *_tune_args(ns, url)],
+        [sys.executable, "-m", "gdngen.tools.cli", *_tune_args(ns, url)],
         env=dict(os.environ, GDNGEN_HOST=h, GDNGEN_CACHE_DIR=str(folder / h)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in hosts}
     victim, seen = None, set()

@@ -2,7 +2,7 @@
 generating model calls (T = 1..64) and at training lengths (T >= 512).
 
 Per framework, every callable runs on the same inputs in one process, interleaved round-robin
-(`gdngen.timing.time_forward`: jitted for JAX, eager for MLX as models call it), median of
+(`gdngen.tools.timing.time_forward`: jitted for JAX, eager for MLX as models call it), median of
 ``--repeats``:
 
 * ``gdngen``: the plain ``gdngen.<framework>.gated_delta`` call (tuned entry, else default);
@@ -58,7 +58,7 @@ def run(framework: str, problem, seq_lens, repeats: int) -> list[dict]:
     import gdngen
     from gdngen import dispatch
     from gdngen.problem import CallShape
-    from gdngen.timing import time_forward, variant_fn
+    from gdngen.tools.timing import time_forward, variant_fn
 
     tuned = gdngen.load_tuned(framework)
     if framework == "jax":

@@ -9,7 +9,7 @@ For each framework, preset and sequence length T this times forward+backward (th
 * sequential: the baseline of ``gdngen bench`` (``lax.scan`` for JAX, mlx_lm's per-step
   ``gated_delta_ops`` for MLX), skipped above ``--baseline-max-T``;
 
-in one process per framework, interleaved run by run (`gdngen.timing.time_fwd_bwd`), median
+in one process per framework, interleaved run by run (`gdngen.tools.timing.time_fwd_bwd`), median
 of ``--repeats`` after a warm-up. Without ``--seq`` each preset runs at the T buckets the cache
 has entries for. The target is tuned >= 1.3x faster than default on at least one preset.
 
@@ -48,8 +48,9 @@ def planned_lengths(framework: str, device: str, preset, seq_lens) -> list[int]:
 
 def measure(framework: str, models, seq_lens, repeats: int, baseline_max_t: int) -> list[dict]:
     """Rows for one framework, measured in this process."""
-    from gdngen import devices, dispatch, presets, timing
+    from gdngen import devices, dispatch, presets
     from gdngen.problem import CallShape
+    from gdngen.tools import timing
 
     device = devices.detect(framework)
     rows = []
@@ -118,7 +119,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    from gdngen import bench, presets
+    from gdngen import presets
+    from gdngen.tools import bench
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--framework", choices=["jax", "mlx", "all"], default="all")

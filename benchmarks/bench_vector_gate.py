@@ -9,8 +9,8 @@ gate g = log a_t of shape ``[B,T,Hv,Dk]``::
 What is timed is the gradient of ``sum(y * dy) + sum(final_state * dfinal_state)`` with respect
 to q, k, v, g, beta and initial_state (``scale = Dk ** -0.5``, B=1, float32). Per framework and
 T, every callable runs on the same inputs in one process: each is warmed up (compiled), then
-the timed runs are interleaved round-robin (`gdngen.timing._interleaved`, the grad callables
-of `gdngen.timing.time_fwd_bwd`), by default each right after an untimed "settle" run of the
+the timed runs are interleaved round-robin (`gdngen.tools.timing._interleaved`, the grad callables
+of `gdngen.tools.timing.time_fwd_bwd`), by default each right after an untimed "settle" run of the
 same callable (``--no-settle`` drops it), median of ``--repeats``:
 
 * ``gdngen``: the plain ``gdngen.<framework>.gated_delta`` call (tuned entry, else default);
@@ -159,7 +159,7 @@ def check_baseline(baseline=textbook_chunked, B=1, T=100, Hk=2, Hv=4, D=32,
 
     from gdngen.algebra import reference
     from gdngen.precision import precision_context
-    from gdngen.timing import make_inputs
+    from gdngen.tools.timing import make_inputs
     from gdngen.variant import Problem
 
     x = make_inputs(Problem(Hk, Hv, D, D, gate="vector"), B, T, seed)
@@ -193,9 +193,10 @@ def mlx_lm_ops(q, k, v, g, beta, initial_state, *, scale, gate="log"):
 def run(framework: str, problem, seq_lens, repeats: int, baseline_max_T: int,
         settle: bool) -> list[dict]:
     import gdngen
-    from gdngen import dispatch, timing
+    from gdngen import dispatch
     from gdngen.precision import precision_context
     from gdngen.problem import CallShape
+    from gdngen.tools import timing
 
     tuned = gdngen.load_tuned(framework)
     if framework == "jax":

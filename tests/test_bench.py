@@ -1,7 +1,7 @@
 """Benchmark machinery, exercised in-process with small stand-in kernels.
 
 The stand-ins (a plain sequential recurrence) exist only here, so these tests check the timing,
-memory and row plumbing of gdngen.bench independently of the real chunkwise kernels.
+memory and row plumbing of gdngen.tools.bench independently of the real chunkwise kernels.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gdngen import bench
 from gdngen.flops import chunkwise_flops
+from gdngen.tools import bench
 
 CFG = bench.BenchConfig(seq_lens=(8, 16), batch=1, hk=1, hv=2, dk=16, dv=16, chunk_size=8,
                         repeats=1, baseline_max_T=8, matmul_n=64)
@@ -168,7 +168,7 @@ def test_config_validation():
 def test_time_fwd_bwd_interleaves_and_settles(settle, monkeypatch):
     """Each callable: one compile run, then ``repeats`` timed runs in rotating order; with
     ``settle`` an untimed run of the same callable right before each timed one."""
-    from gdngen import timing
+    from gdngen.tools import timing
     from gdngen.variant import Problem
 
     runs = []

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from gdngen import Problem, Variant, render, variants
-from gdngen import build as build_mod
-from gdngen.cli import main
 from gdngen.resources import templates_dir
+from gdngen.tools import build as build_mod
+from gdngen.tools.cli import main
 from gdngen.validate import QUANTITIES
 
 pytest.importorskip("jax")

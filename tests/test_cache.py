@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from gdngen import cache
-from gdngen.cli import main
 from gdngen.registry import default_variant
+from gdngen.tools.cli import main
 from gdngen.variant import Problem, Variant
 
 ROOT = Path(__file__).resolve().parent.parent

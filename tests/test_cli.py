@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gdngen import bench
-from gdngen.cli import main
+from gdngen.tools import bench
+from gdngen.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--seq-lens", "64", "--dk", "16", "--dv", "16", "--hk", "1", "--hv", "2",
@@ -26,7 +26,7 @@ def test_help_lists_commands():
 
 
 def test_import_does_not_import_frameworks():
-    code = ("import sys, gdngen.cli, gdngen.bench, gdngen.flops, gdngen.resources; "
+    code = ("import sys, gdngen.tools.cli, gdngen.tools.bench, gdngen.flops, gdngen.resources; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'mlx')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, cwd=ROOT)

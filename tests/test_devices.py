@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from gdngen import devices
-from gdngen.cli import main
+from gdngen.tools.cli import main
 
 
 @pytest.mark.parametrize("platform, kind, expected", [

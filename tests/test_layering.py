@@ -94,6 +94,6 @@ def test_entry_points_sit_above_dispatch_and_the_backends_below_it():
     graph = import_graph()
     assert "gdngen.dispatch" in graph["gdngen.jax"] and "gdngen.dispatch" in graph["gdngen.mlx"]
     for name in ("gdngen.dispatch", "gdngen.registry"):
-        assert not {"gdngen.jax", "gdngen.mlx", "gdngen.validate", "gdngen.timing",
-                    "gdngen.tune", "gdngen.build", "gdngen.cli"} & graph[name], name
+        assert not {"gdngen.jax", "gdngen.mlx", "gdngen.validate", "gdngen.tools.timing",
+                    "gdngen.tune", "gdngen.tools.build", "gdngen.tools.cli"} & graph[name], name
     assert "gdngen.backends.metal" not in graph["gdngen.backends.metal.sim"]

@@ -62,12 +62,13 @@ def test_wheel_carries_templates_and_tuned(wheel):
 def test_wheel_has_console_script_and_packages(wheel):
     zf = zipfile.ZipFile(wheel)
     names = zf.namelist()
-    for module in ("gdngen/__init__.py", "gdngen/cli.py", "gdngen/backends/__init__.py"):
+    for module in ("gdngen/__init__.py", "gdngen/__main__.py", "gdngen/tools/cli.py",
+                   "gdngen/backends/__init__.py"):
         assert module in names
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zf.read(entry_points).decode()
     assert "[console_scripts]" in text
-    assert "gdngen = gdngen.cli:main" in text
+    assert "gdngen = gdngen.tools.cli:main" in text
 
 
 def test_installed_resources_point_inside_package(wheel, tmp_path):

@@ -233,7 +233,7 @@ SMALL_VARIANT = ('{"chunk_size": 64, "dv_tile": 128, "head_tile": 2, "precision"
 def _build(tmp_path, *extra):
     from click.testing import CliRunner
 
-    from gdngen.cli import main
+    from gdngen.tools.cli import main
 
     return CliRunner().invoke(main, [
         "build", "--backend", "pallas_tpu", "--problem", "Hk=1,Hv=2,Dk=128,Dv=128,dtype=bfloat16",
@@ -280,7 +280,7 @@ def test_build_compile_fails_when_mosaic_rejects_a_kernel(tmp_path):
 def test_build_compile_needs_a_tpu_device(tmp_path):
     from click.testing import CliRunner
 
-    from gdngen.cli import main
+    from gdngen.tools.cli import main
 
     args = ["build", "--backend", "pallas_tpu", "--compile", "--out", str(tmp_path)]
     result = CliRunner().invoke(main, args)

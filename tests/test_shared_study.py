@@ -27,7 +27,8 @@ from click.testing import CliRunner
 from polling import wait_for
 from postgres_server import free_port, server_bin, temporary_server
 
-from gdngen import cli, tune
+from gdngen import tune
+from gdngen.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 9
@@ -112,14 +113,14 @@ def env(tmp_path):
 
 
 def _cli(*args, env) -> str:
-    proc = subprocess.run([sys.executable, "-m", "gdngen.cli", *args], env=env,
+    proc = subprocess.run([sys.executable, "-m", "gdngen.tools.cli", *args], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def _start(args, env, **extra):
-    return subprocess.Popen([sys.executable, "-m", "gdngen.cli", "tune", *args],
+    return subprocess.Popen([sys.executable, "-m", "gdngen.tools.cli", "tune", *args],
                             env=dict(env, **extra), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -281,7 +282,7 @@ def test_storage_url_without_its_driver_names_the_extra(monkeypatch):
 
 def test_unreachable_storage_is_a_clear_error(env):
     port = free_port()  # nothing listens there
-    proc = subprocess.run([sys.executable, "-m", "gdngen.cli", "tune", *TINY, "--storage",
+    proc = subprocess.run([sys.executable, "-m", "gdngen.tools.cli", "tune", *TINY, "--storage",
                            f"postgresql://me:secret@127.0.0.1:{port}/db"], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1 and "cannot open the Optuna storage" in proc.stderr

@@ -9,10 +9,11 @@ import types
 
 import pytest
 
-from gdngen import build, registry, tolerance, validate
+from gdngen import registry, tolerance, validate
 from gdngen.backends import portable
 from gdngen.config import VariantConfig
 from gdngen.spec import BackendSpec
+from gdngen.tools import build
 from gdngen.variant import Problem, Variant
 
 NAME = "planted_error"

@@ -107,7 +107,7 @@ def env(tmp_path, monkeypatch):
 
 
 def gdngen_cli(*args, env, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "gdngen.cli", *args], env=env, check=False,
+    proc = subprocess.run([sys.executable, "-m", "gdngen.tools.cli", *args], env=env, check=False,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -199,7 +199,7 @@ def test_dry_run_renders_and_validates_off_device(env):
 def test_sigkilled_study_resumes_without_losing_trials(env, tmp_path):
     storage_path = tmp_path / "kill.journal"
     args = ["tune", *tiny(), "--trials", "7", "--storage", str(storage_path), "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "gdngen.cli", *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "gdngen.tools.cli", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     storage = tune.open_storage(storage_path, "cpu")
 
@@ -243,7 +243,7 @@ def test_sigkilled_study_resumes_without_losing_trials(env, tmp_path):
 def test_two_processes_tune_one_sqlite_study(env, tmp_path):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     args = ["tune", *tiny(), "--trials", "8", "--storage", url, "--json"]
-    procs = [subprocess.Popen([sys.executable, "-m", "gdngen.cli", *args], env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "gdngen.tools.cli", *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outputs = [p.communicate(timeout=300) for p in procs]

@@ -5,7 +5,7 @@ T < recurrent_below runs its forward through the recurrent kernel (the state hel
 one step at a time), longer calls through the chunk kernels. After the search picks a variant,
 the tuner times the forward alone (with an incoming state, as a generating model calls it) of
 both paths of that variant at each T of `SEQ_LENS`, interleaved in one trial subprocess
-(`gdngen.timing.time_forward`), and records the measured curve and the crossover in the cache
+(`gdngen.tools.timing.time_forward`), and records the measured curve and the crossover in the cache
 entry; `crossover_from` turns the curve into ``recurrent_below``. The cache lets a call shorter
 than every tuned T bucket use the smallest tuned bucket's entry (`gdngen.cache.lookup`), so the
 tuned crossover decides decode-length calls.

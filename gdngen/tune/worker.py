@@ -7,7 +7,7 @@ to compile is recorded as a FAIL trial and the study goes on. The subprocess
 1. validates the variant on the battery cases ``Settings.cases`` (`gdngen.validate.run_battery`,
    at the Problem's dtype; tolerance: `gdngen.tolerance.allowed_error`, as in ``gdngen build``),
    unless the validation memo (`gdngen.tune.memo`) already knows the answer;
-2. times forward+backward at the target shape (`gdngen.timing.time_fwd_bwd`);
+2. times forward+backward at the target shape (`gdngen.tools.timing.time_fwd_bwd`);
 3. or times the forward alone of the variant's recurrent and chunk paths over a range of T
    (``spec["crossover"]``, `gdngen.tune.crossover`).
 
@@ -45,7 +45,7 @@ def _worker(spec: dict) -> dict:
     """Validate and/or time one variant as described by ``spec`` (see `_run_worker`)."""
     load_plugins()
     from gdngen.precision import precision_context
-    from gdngen.timing import time_fwd_bwd, variant_fn
+    from gdngen.tools.timing import time_fwd_bwd, variant_fn
 
     framework, precision = spec["framework"], spec["precision"]
     problem = Problem.from_json(spec["problem"])
@@ -78,7 +78,7 @@ def _crossover_curve(spec: dict, framework: str, problem: Problem, variant: Vari
                      precision: str) -> list[dict]:
     """Forward-only times of ``variant``'s two paths at each T of ``spec["crossover"]``
     (`gdngen.tune.crossover`)."""
-    from gdngen.timing import time_forward, variant_fn
+    from gdngen.tools.timing import time_forward, variant_fn
     from gdngen.tune.crossover import paths
 
     fns = {name: variant_fn(framework, v) for name, v in paths(variant).items()}

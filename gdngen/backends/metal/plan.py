@@ -453,7 +453,7 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
 
 
 def lower_check(variant: Variant, problem: Problem) -> None:
-    """`gdngen.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
+    """`gdngen.tools.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
     g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
     gate forms with the qk norm (`render_fused`) included. Raises on failure."""
     fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))

@@ -7,7 +7,7 @@ battery runs for the default variant; every enumerated variant of a small proble
 pass through its numerics class: ``num_warps`` and ``num_stages`` only reach
 ``plgpu.CompilerParams``, so variants that differ only there render to the same kernels up to
 those two constants (checked), and one representative per class is lowered and validated by
-``gdngen.build`` on the hardest battery case. The test marked ``gpu`` runs on a CUDA device.
+``gdngen.tools.build`` on the hardest battery case. The test marked ``gpu`` runs on a CUDA device.
 Per-channel gates: the chunk walks' contract against gdngen.algebra.chunkwise_channel's, their
 Triton lowering, and a battery case through them.
 """
@@ -194,9 +194,9 @@ SWEEP_CASE = Case("sweep", "identical keys per 16 steps, g = 0.95, beta = 1, T =
 @pytest.mark.slow
 def test_every_enumerated_variant_passes_via_its_numerics_class(tmp_path):
     """All 72 variants of SMALL: one representative per numerics class is lowered for Triton
-    and validated by ``gdngen.build`` on `SWEEP_CASE`; every other variant renders to its
+    and validated by ``gdngen.tools.build`` on `SWEEP_CASE`; every other variant renders to its
     representative's sources up to the launch constants."""
-    from gdngen import build
+    from gdngen.tools import build
 
     space = variants("pallas_gpu", SMALL)
     classes: dict = {}

@@ -125,10 +125,10 @@ def available_frameworks() -> tuple[str, ...]:
 
 
 def make_inputs(cfg: BenchConfig, T: int) -> dict[str, np.ndarray]:
-    """Deterministic float32 inputs of length T (`gdngen.timing.make_inputs`, seed
+    """Deterministic float32 inputs of length T (`gdngen.tools.timing.make_inputs`, seed
     ``cfg.seed + T``): q, k (unit-norm), v, g (log-decay, ``[B,T,Hv,Dk]`` for a vector gate),
     beta, initial_state, and the cotangents dy, dfinal_state."""
-    from gdngen.timing import make_inputs as problem_inputs
+    from gdngen.tools.timing import make_inputs as problem_inputs
 
     return problem_inputs(cfg.problem(), cfg.batch, T, cfg.seed + T)
 
@@ -408,11 +408,11 @@ def measure(framework: str, cfg: BenchConfig) -> list[dict]:
 
 
 def _measure_in_subprocess(framework: str, cfg: BenchConfig) -> list[dict]:
-    """`measure` in a fresh ``python -m gdngen.bench --worker FRAMEWORK`` (`gdngen
+    """`measure` in a fresh ``python -m gdngen.tools.bench --worker FRAMEWORK`` (`gdngen
     .worker_protocol`: the config goes to its stdin; its stderr, progress included, is ours)."""
     outcome = worker_protocol.call(
-        "gdngen.bench", dataclasses.asdict(cfg), args=("--worker", framework), tag=_ROWS_TAG,
-        capture_stderr=False)
+        "gdngen.tools.bench", dataclasses.asdict(cfg), args=("--worker", framework),
+        tag=_ROWS_TAG, capture_stderr=False)
     if outcome.status != "ok":
         raise RuntimeError(
             f"bench worker for {framework} failed (exit {outcome.returncode}); its error is above"

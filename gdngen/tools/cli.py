@@ -148,7 +148,7 @@ def _parse_seq_lens(ctx, param, value: str) -> tuple[int, ...]:
 def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype, gate, repeats,
           baseline_max_t, matmul_n, as_json, out):
     """Time forward+backward of the chunkwise path against the sequential baseline."""
-    from gdngen import bench as bench_mod
+    from gdngen.tools import bench as bench_mod
 
     try:
         cfg = bench_mod.BenchConfig(
@@ -226,8 +226,8 @@ def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, s
           no_validate, resume, device, compile_, compile_seq, as_json):
     """Enumerate, render, write and validate a backend's variants (with --compile, also
     compile them for --device); exit 1 if any fails."""
-    from gdngen import build as build_mod
     from gdngen import cases as cases_mod
+    from gdngen.tools import build as build_mod
     from gdngen.variant import Problem
 
     try:
@@ -597,7 +597,7 @@ def merge(files, cache_dir, as_json):
 def report(device, storage, out_dir, as_json):
     """Write PNG plots: tuning history per study and speedup vs sequence length."""
     from gdngen import devices
-    from gdngen import report as report_mod
+    from gdngen.tools import report as report_mod
 
     try:
         device = device or devices.detect()
