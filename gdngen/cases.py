@@ -244,6 +244,12 @@ BATTERY: tuple[Case, ...] = (
          B=2, T=1, Hk=2, Hv=4, Dk=32, Dv=32, has_initial_state=True),
     Case("short", "T = 37 < chunk 64, B = 1: a single partial chunk",
          B=1, T=37, Hk=2, Hv=4, Dk=32, Dv=32),
+    Case("short_masked",
+         "T = 37 at chunk 32 with a padding mask, exact gates (g = 0 resets, g = 1 runs), an "
+         "initial state, GVA 3x, Dk != Dv: a decode-length call, run on both sides of the "
+         "recurrent switch (tests/calls/test_recurrent.py)",
+         B=2, T=37, Hk=2, Hv=6, Dk=32, Dv=64, chunk_size=32, gates="exact_one_and_zero",
+         has_initial_state=True, padding=True),
     Case("ragged", "T = 150 with chunk 64: two full chunks then a partial one (tail handling, "
          "state carried across chunks)",
          B=2, T=150, Hk=2, Hv=4, Dk=32, Dv=32),
@@ -284,6 +290,11 @@ BATTERY: tuple[Case, ...] = (
          "exactly (0), crushed (~ -35) or barely decayed: decode-like step, Dk < Dv",
          B=2, T=1, Hk=2, Hv=4, Dk=32, Dv=64, vector_gate=True, gates="channel_mix",
          has_initial_state=True),
+    Case("vector_short_masked",
+         "short_masked with per-channel exact gates (single channels and whole steps at -inf, "
+         "g = 1 stretches): the per-channel recurrent kernel and its chunk VJP",
+         B=2, T=37, Hk=2, Hv=6, Dk=32, Dv=64, chunk_size=32, vector_gate=True,
+         gates="channel_zero_and_one", has_initial_state=True, padding=True),
     Case("vector_identical_keys",
          "per-channel mild gates (log g ~ -U(0.01, 0.1)) with all keys equal within each "
          "64-chunk, beta = 1, initial state: near-singular triangular solve with per-channel "

@@ -78,12 +78,6 @@ def _check_packed_case(name, monkeypatch, params=None):
     return result
 
 
-def test_packed_case_passes(monkeypatch):
-    """packed_boundaries (9 sequences: empty ones, length 1 at a chunk edge, a boundary inside
-    a chunk, the ragged tail; GVA 3x, Dk != Dv) in both gate conventions."""
-    _check_packed_case("packed_boundaries", monkeypatch)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [None, {"chunk_size": 32, "save_states": False}],
                          ids=["default", "chunk32-recompute"])

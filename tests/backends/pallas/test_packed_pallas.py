@@ -46,14 +46,6 @@ def _check(backend, case, monkeypatch, **changes):
     return result
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_packed_case_passes(backend, monkeypatch):
-    """packed_boundaries (boundaries inside chunks and at their edges, empty and length-1
-    sequences, an initial state carried over a chunk end, exact gates, GVA 3x, Dk != Dv) on
-    the packed kernels: every quantity in both gate conventions."""
-    _check(backend, get_case("packed_boundaries"), monkeypatch)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def testpacked_core_matches_the_portable_walk(backend):

@@ -19,7 +19,7 @@ jnp = pytest.importorskip("jax.numpy")
 from channel_walks import spy_chunk_walks
 
 import gdngen.jax as gjax
-from gdngen import Problem, Variant, render, settings, validate
+from gdngen import Problem, Variant, render, settings
 from gdngen.algebra import reference
 from gdngen.backends.pallas import gpu as pallas_gpu
 
@@ -138,10 +138,10 @@ def _counting_recurrent(monkeypatch):
     return calls
 
 
-def test_entry_masked_forward_and_gradients_of_the_chunk_path(monkeypatch):
+def test_entry_short_masked_call_runs_the_recurrent_kernel(monkeypatch):
     """T = 21 < recurrent_below: the forward is the recurrent kernel's (checked against the
-    reference, with a padding mask and a -inf log gate), the VJP is the chunk kernels' (equal
-    to the same variant with recurrent_below = 0)."""
+    reference, with a padding mask and a -inf log gate); gradients of such calls on every
+    backend: tests/calls/test_recurrent.py."""
     B, T, Hk, Hv, Dk, Dv = 2, 21, 1, 3, 32, 16
     q, k, v, g, beta, s0 = _inputs(3, B, T, Hk, Hv, Dk, Dv, vector=False, log=True)
     mask = np.ones((B, T), bool)
@@ -151,31 +151,12 @@ def test_entry_masked_forward_and_gradients_of_the_chunk_path(monkeypatch):
     args = tuple(jnp.asarray(x) for x in (q, k, v, g, beta, s0))
     scale = Dk ** -0.5
     calls = _counting_recurrent(monkeypatch)
-
-    def run(variant):
-        def f(*arrays):
-            return gjax.gated_delta(*arrays, mask=jnp.asarray(mask), scale=scale, gate="log",
-                                    variant=variant)
-        return f
-
-    recurrent, chunk = run(_variant(1000)), run(_variant(0))
-    y, state = recurrent(*args)
+    y, state = gjax.gated_delta(*args, mask=jnp.asarray(mask), scale=scale, gate="log",
+                                variant=_variant(1000))
     assert calls, "the recurrent kernel did not run"
-    ref = reference.vjp(q, k, v, g, beta, s0, *_cotangents(B, T, Hv, Dv, Dk), mask=mask,
-                        scale=scale, gate="log")
-    assert _rel(y, ref["y"]) <= TOL and _rel(state, ref["final_state"]) <= TOL
+    y_ref, s_ref = reference.forward(q, k, v, g, beta, s0, mask=mask, scale=scale, gate="log")
+    assert _rel(y, y_ref) <= TOL and _rel(state, s_ref) <= TOL
     assert (np.asarray(y)[~mask] == 0).all()
-    n_calls = len(calls)
-    cot = tuple(jnp.asarray(c) for c in _cotangents(B, T, Hv, Dv, Dk))
-    out_r, vjp_r = jax.vjp(recurrent, *args)
-    out_c, vjp_c = jax.vjp(chunk, *args)
-    assert len(calls) == n_calls  # a forward under jax.vjp runs the chunk kernels
-    for a, b in zip(out_r, out_c):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    grads_r, grads_c = vjp_r(cot), vjp_c(cot)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads_r, grads_c):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-        assert _rel(a, ref[name]) <= TOL, name
 
 
 def _cotangents(B, T, Hv, Dv, Dk):
@@ -225,17 +206,3 @@ def test_low_precision_inputs_take_the_recurrent_kernel_in_float32(monkeypatch):
     up = [np.asarray(x.astype(jnp.float32)) for x in bf16]
     y_ref, s_ref = reference.forward(*up, g, beta, s0, scale=0.2)
     assert _rel(y, y_ref) <= 1e-2 and _rel(state, s_ref) <= TOL
-
-
-# ----------------------------------------------------------------------------- battery
-
-
-@pytest.mark.parametrize("case", ["t1", "short"])
-def test_battery_checks_both_paths(case):
-    """T < recurrent_below: the differentiated call's forward is the recurrent kernel, and the
-    runner's other-path call forces the chunk kernels."""
-    result = validate.check_case("pallas_gpu", case, variant=_variant(64, chunk_size=64))
-    assert "y_other_path" in result.errors and "final_state_other_path" in result.errors
-    assert result.errors["y"] <= TOL and result.errors["final_state"] <= TOL
-    assert result.errors["y_other_path"] <= TOL
-    assert result.errors["final_state_other_path"] <= TOL
