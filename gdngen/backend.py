@@ -17,8 +17,9 @@ A backend (one per execution target; `gdngen.registry.BACKENDS` lists them) is a
 * ``supports(problem) -> reason | None`` (shape rules beyond gates and dtypes),
   ``available()``, ``render_plan(variant, problem)`` (templated) or ``source_modules``
   (portable), ``lower_check(variant, problem)``, ``clear_cache()``;
-* the hooks a call runs through: ``forward(call, operands, variant)`` (a dense call) and,
-  for ``packed_gates``, ``packed(call, operands, variant)``.
+* the hooks a call runs through: ``forward(call, operands, variant)`` (a dense call; it reads
+  the recurrent switch through `Backend.chunked`) and, for ``packed_gates``,
+  ``packed(call, operands, variant)``.
 
 `run` is the one path from a checked `gdngen.call.Call` to those hooks: the layer inputs the
 backend does not fuse are computed first (`gdngen.algebra.layer_inputs.computed`), a packed row goes
@@ -137,6 +138,13 @@ class Backend:
                     f"({shape.B}, {shape.T}, {shape.Hv}): the {self.name} backend implements "
                     "scalar gates only")
         return self.unsupported(call.problem)
+
+    def chunked(self, call, variant: Variant) -> bool:
+        """The recurrent switch (`gdngen.config.recurrent_switch`), the one place it is read:
+        whether ``call`` under ``variant`` evaluates through the chunk kernels (T >= the
+        variant's ``recurrent_below``; a packed row always) rather than the recurrent kernel.
+        Either way a differentiated call takes the chunk path's VJP."""
+        return call.packed or call.shape.T >= self.parse(variant).recurrent_below
 
     def native_packed(self, vector_gate: bool) -> bool:
         """Whether packed rows of this gate kind run in this backend's own kernels."""

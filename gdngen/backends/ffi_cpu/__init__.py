@@ -793,7 +793,6 @@ def _forward(call, operands, variant, templates_dir=None):
     shape, problem, gate, scale = call.shape, call.problem, call.kernel_gate, call.scale
     q, k, v, g, beta, initial_state, mask = operands[:7]
     kernels = load_kernels(variant, problem, templates_dir=templates_dir)
-    recurrent_below = SPEC.parse(variant).recurrent_below
     f32 = jnp.float32
     if initial_state is None:
         initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
@@ -809,7 +808,7 @@ def _forward(call, operands, variant, templates_dir=None):
                                          templates_dir=templates_dir).sha256
                       if inputs.fused else None)
     chunkwise_call = _core(kernels.sha256, gate, scale, poison, call.qk_norm, forward_sha256)
-    if shape.T < recurrent_below:
+    if not SPEC.chunked(call, variant):
         fused = (load_fused_kernels(variant, problem, inputs, templates_dir=templates_dir)
                  if inputs.fused else kernels)
         run = _recurrent(fused.sha256, scale, poison, inputs)

@@ -557,7 +557,7 @@ def dense_call(call, operands, variant, launcher=None):
             return y.astype(q.dtype), state
     else:
         chunkwise_call = _chunk_call(variant, problem, gate, scale, launcher, qk_norm=qk_norm)
-    if shape.T >= SPEC.parse(variant).recurrent_below:
+    if SPEC.chunked(call, variant):
         return chunkwise_call(*args, mask)
 
     parameter_gate = gate if isinstance(gate, chunkwise.ParameterGate) else None

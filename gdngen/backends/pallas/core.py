@@ -179,7 +179,7 @@ def switched_gated_delta(backend, call, operands, variant, templates_dir=None):
     from gdngen.backends.portable import jax_chunkwise
 
     shape, problem, gate, qk_norm = call.shape, call.problem, call.kernel_gate, call.qk_norm
-    chunked = shape.T >= backend.parse(variant).recurrent_below
+    chunked = backend.chunked(call, variant)
     if not shape.vector_gate and chunked:
         return gated_delta(backend, call, operands, variant, templates_dir)
     backend.interpret_mode()  # decided (and warned about) at the caller's frame

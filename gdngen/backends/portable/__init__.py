@@ -88,7 +88,8 @@ class PortableBackend(Backend):
 
     def forward(self, call, operands, variant, **options):
         module = sys.modules.get(self.ops) or importlib.import_module(self.ops)
-        return gated_delta(module, call, operands, self.parse(variant))
+        return gated_delta(module, call, operands, self.parse(variant),
+                           self.chunked(call, variant))
 
     def packed(self, call, operands, variant, **options):
         from gdngen.algebra import packed
@@ -131,16 +132,16 @@ def short_chunk(T: int, chunk_size: int) -> int:
     return T if T <= SUB_CHUNK else min(chunk_size, -(-T // SUB_CHUNK) * SUB_CHUNK)
 
 
-def gated_delta(ops, call, operands, config):
+def gated_delta(ops, call, operands, config, chunked: bool):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
     ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``recurrent_gated_delta`` and
     ``recurrent_or_chunkwise``) for a checked `gdngen.call.Call`: float32 inputs, zero initial
-    state when None; scalar or per-channel gates (`gdngen.algebra.chunkwise_channel`). A call
-    shorter than the config's ``recurrent_below`` evaluates through the recurrent step loop,
-    differentiated through the chunkwise path. ``call.qk_norm`` / a parameterised gate (the
-    backend's ``fused_inputs``): q, k and ``a`` are raw; the chunk core computes the norm and
-    the log gate and keeps only the raw arrays (`gdngen.algebra.chunkwise.normalized_qk`); the
-    recurrent path computes them first. Returns ``(y in q's dtype, final_state)``."""
+    state when None; scalar or per-channel gates (`gdngen.algebra.chunkwise_channel`). Unless
+    ``chunked`` (the recurrent switch, `gdngen.backend.Backend.chunked`) the call evaluates
+    through the recurrent step loop, differentiated through the chunkwise path.
+    ``call.qk_norm`` / a parameterised gate (the backend's ``fused_inputs``): q, k and ``a`` are
+    raw; the chunk core computes the norm and the log gate and keeps only the raw arrays
+    (`gdngen.algebra.chunkwise.normalized_qk`); the recurrent path computes them first. Returns ``(y in q's dtype, final_state)``."""
     from gdngen.algebra import chunkwise
 
     f32 = ops.FLOAT32
@@ -153,7 +154,7 @@ def gated_delta(ops, call, operands, config):
             initial_state.astype(f32), mask)
     calls = _calls(ops, call.scale, gate, call.qk_norm, config,
                    short_chunk(shape.T, config.chunk_size))
-    if shape.T >= config.recurrent_below:
+    if chunked:
         y, state = calls.chunkwise(*args)
         return y.astype(q.dtype), state
     g, beta = chunkwise.fold_mask(ops.XP, args[3], args[4], mask, gate)
