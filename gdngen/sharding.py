@@ -108,7 +108,7 @@ def run(call, arrays: dict, shape, *, context_axis):
 
 def fuses_gate(context_axis) -> bool:
     """Whether a parameterised gate travels to the backend as its raw projection and
-    parameters (`gdngen.algebra.layer_inputs.prepare`'s ``defer_gate``), its log gate computed in
+    parameters (`gdngen.algebra.layer_inputs.prepared`), its log gate computed in
     the chunk core: on every path of `run` but `context_parallel` (which gets the log gate, split
     over time like g)."""
     return context_axis is None

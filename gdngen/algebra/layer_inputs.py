@@ -15,11 +15,11 @@ for a per-channel gate each is ``[Hv]``, ``[Hv,1]`` (mlx-lm's Kimi Linear / Bail
 ``A_log.reshape(Hv, 1)``) or ``[Hv,Dk]``, and ``[Hv]`` means one value per head (it broadcasts
 over Dk, not over the heads).
 
-`prepare` computes beta once, before the call, as ordinary differentiable array operations, so
+`prepared` computes beta once, before the call, as ordinary differentiable array operations, so
 the gradients reach the beta logits through the framework's autodiff. The q/k norm and the gate
-are computed there too (the normalised q, k and the log gate then kept as activations of that
-autodiff), except where the chunk core takes them raw (``defer_qk_norm``, ``defer_gate``, on a
-backend listing them in `BackendSpec.fused_inputs`: every backend today): its custom VJP
+are computed before the backend too (`computed`: the normalised q, k and the log gate then kept
+as activations of that autodiff), except where the chunk core takes them raw (a backend listing
+them in `gdngen.backend.Backend.fused_inputs`: every backend today): its custom VJP
 takes the raw q, k and the raw projection ``a`` with A_log and dt_bias
 (`gdngen.algebra.chunkwise.ParameterGate`), computes the norm and the log gate inside the core (for
 the kernels' loads and in-chunk cumulative sums), keeps only the raw arrays, and recomputes
@@ -50,7 +50,7 @@ import functools
 from dataclasses import dataclass
 
 from gdngen.algebra import chunkwise
-from gdngen.problem import FLOAT_DTYPES, GATES, check_call, check_framework, dtype_name
+from gdngen.problem import FLOAT_DTYPES, GATES, check_framework, dtype_name
 
 #: gates given by their parameters (``g`` is the raw projection, plus A_log and dt_bias)
 PARAMETER_GATES = ("softplus", "sigmoid_bound")
@@ -63,7 +63,7 @@ QK_NORM_EPS = chunkwise.QK_NORM_EPS
 
 @dataclass(frozen=True)
 class LayerInputs:
-    """The checked layer-input options of one call (`check_layer_inputs`).
+    """The checked layer-input options of one call (`check_options`, `check_parameters`).
 
     ``gate`` is the caller's gate; ``vector_gate`` whether ``g`` is ``[B,T,Hv,Dk]``.
     """
@@ -98,24 +98,6 @@ def _parameter_shapes(Hv: int, Dk: int, vector_gate: bool) -> tuple[tuple[int, .
 def _listed(shapes) -> str:
     names = [str(tuple(s)) for s in shapes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-
-
-def check_layer_inputs(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
-                       qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                       beta_activation=None, scale=1.0) -> LayerInputs:
-    """Check the layer-input options of a ``gated_delta`` call; return them as `LayerInputs`
-    (`check_options`, then, when an option is active, the ordinary arguments by
-    `gdngen.problem.check_call` and the gate's parameters by `check_parameters`).
-
-    Only shapes and Python values are read (no array data), so it runs under ``jax.jit`` /
-    ``mx.compile``. Errors are ValueErrors naming the argument.
-    """
-    options = check_options(gate=gate, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
-                            lower_bound=lower_bound, beta_activation=beta_activation)
-    if options.is_identity:
-        return options
-    shape = check_call(q, k, v, g, beta, initial_state, mask, gate="log", scale=scale)
-    return check_parameters(options, shape, g, A_log, dt_bias)
 
 
 def check_options(*, gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
@@ -189,36 +171,12 @@ def log_gate(xp, a, A_log, dt_bias, lower_bound=None):
         xp, *(xp.float32(x) for x in (a, A_log, dt_bias)))
 
 
-def transform(xp, options: LayerInputs, q, k, g, beta, A_log=None, dt_bias=None, *,
-              normalize=True, compute_gate=True):
-    """``(q, k, g, beta, gate)`` for the backends: normalised q, k (q's dtype), the log gate
-    and the activated beta (float32), each unchanged where its option is off, and the gate
-    convention of ``g``. q, k stay raw with ``normalize`` False (the call's backend normalises
-    them, `normalize_qk`); a parameterised gate with ``compute_gate`` False comes back as the
-    float32 tuple ``(a, A_log, dt_bias)`` (parameters in
-    `gdngen.algebra.chunkwise.parameter_layout`) with a `gdngen.algebra.chunkwise.ParameterGate` as
-    its convention, for the chunk core to compute (`computed_gate` where it does not)."""
-    if options.qk_norm and normalize:
-        q, k = (xp.astype(l2_normalize(xp, x), q.dtype) for x in (q, k))
-    gate = options.call_gate
-    if options.gate in PARAMETER_GATES:
-        A_log, dt_bias = chunkwise.parameter_layout(A_log, dt_bias, options.vector_gate)
-        if compute_gate:
-            g = log_gate(xp, g, A_log, dt_bias, options.lower_bound)
-        else:
-            g = tuple(xp.float32(x) for x in (g, A_log, dt_bias))
-            gate = chunkwise.ParameterGate(options.lower_bound)
-    if options.beta_activation == "sigmoid":
-        beta = xp.sigmoid(xp.float32(beta))
-    return q, k, g, beta, gate
-
-
 # --------------------------------------------------------------------------- per framework
 
 
 @functools.cache
 def namespace(framework: str):
-    """The ``xp`` of `transform` for ``framework``: its chunkwise ``XP`` namespace
+    """The ``xp`` of this module's array ops for ``framework``: its chunkwise ``XP`` namespace
     (`gdngen.backends.portable.jax_chunkwise.XP`, `gdngen.backends.portable.mlx_chunkwise.XP`) plus
     ``float32 astype``."""
     check_framework(framework)
@@ -239,25 +197,6 @@ def namespace(framework: str):
 
     LayerXP.__name__ = LayerXP.__qualname__ = f"LayerXP[{framework}]"
     return LayerXP
-
-
-def prepare(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, gate="log",
-            qk_norm=False, A_log=None, dt_bias=None, lower_bound=None, beta_activation=None,
-            scale=1.0, defer_qk_norm=False, defer_gate=False):
-    """Check the layer-input options and apply them; return ``(q, k, g, beta, gate)`` for the
-    ordinary call (``gate`` "log" after a parameterised gate). With every option off the
-    arguments come back as given, after only the Python-value checks. ``defer_qk_norm``: q, k
-    come back raw, for the dispatch to normalise in the chosen backend (`normalize_qk`).
-    ``defer_gate``: a parameterised gate comes back as ``(a, A_log, dt_bias)`` with a
-    `gdngen.algebra.chunkwise.ParameterGate` (`transform`), for the chosen backend's chunk core."""
-    options = check_layer_inputs(q, k, v, g, beta, initial_state, mask, gate=gate,
-                                 qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
-                                 lower_bound=lower_bound, beta_activation=beta_activation,
-                                 scale=scale)
-    if options.is_identity:
-        return q, k, g, beta, gate
-    return transform(namespace(framework), options, q, k, g, beta, A_log, dt_bias,
-                     normalize=not defer_qk_norm, compute_gate=not defer_gate)
 
 
 def computed_gate(framework: str, g, gate):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from gdngen import call as calls
 from gdngen.algebra import chunkwise, layer_inputs, reference
 from gdngen.validate import relative_error
 
@@ -384,8 +385,11 @@ def test_defaults_pass_the_arrays_through_unchanged(fw):
                                     np.ones((B, T, Hv, Dv)), -np.ones((B, T, Hv)),
                                     np.ones((B, T, Hv)))]
     q, k, v, g, beta = arrays
-    out = layer_inputs.prepare(fw.name, q, k, v, g, beta)
-    assert all(a is b for a, b in zip(out, (q, k, g, beta))) and out[4] == "log"
+    call, operands = calls.check(fw.name, q, k, v, g, beta)
+    prepared_call, prepared = layer_inputs.prepared(call, operands)
+    assert prepared_call is call and prepared is operands
+    out_call, out = layer_inputs.computed(call, operands, fused=())
+    assert out_call == call and all(a is b for a, b in zip(out, operands))
 
 
 def _bad(gate="softplus", vector_gate=False, **options):

@@ -141,7 +141,8 @@ def gated_delta(ops, call, operands, config, chunked: bool):
     through the recurrent step loop, differentiated through the chunkwise path.
     ``call.qk_norm`` / a parameterised gate (the backend's ``fused_inputs``): q, k and ``a`` are
     raw; the chunk core computes the norm and the log gate and keeps only the raw arrays
-    (`gdngen.algebra.chunkwise.normalized_qk`); the recurrent path computes them first. Returns ``(y in q's dtype, final_state)``."""
+    (`gdngen.algebra.chunkwise.normalized_qk`); the recurrent path computes them first.
+    Returns ``(y in q's dtype, final_state)``."""
     from gdngen.algebra import chunkwise
 
     f32 = ops.FLOAT32
