@@ -227,16 +227,8 @@ def _jax_matmul(cfg: BenchConfig) -> dict:
     import jax
     import jax.numpy as jnp
 
-    rng = np.random.default_rng(cfg.seed)
-    repeats = max(3, cfg.repeats)
-    out = {}
-    for key, (label, a_shape, b_shape, flops) in _matmul_shapes(cfg).items():
-        a = jnp.asarray(rng.standard_normal(a_shape), jnp.float32)
-        b = jnp.asarray(rng.standard_normal(b_shape), jnp.float32)
-        f = jax.jit(jnp.matmul)
-        seconds = _median_seconds(lambda f=f, a=a, b=b: f(a, b), jax.block_until_ready, repeats)
-        out[key] = (flops / seconds / 1e9, label)
-    return out
+    return _matmul_rates(cfg, lambda x: jnp.asarray(x, jnp.float32), jax.jit(jnp.matmul),
+                         jax.block_until_ready)
 
 
 def _measure_jax(cfg: BenchConfig) -> list[dict]:
@@ -306,13 +298,18 @@ def _mlx_time(fn, args, repeats: int, scale: float, **kwargs) -> tuple[float, in
 def _mlx_matmul(cfg: BenchConfig) -> dict:
     import mlx.core as mx
 
+    return _matmul_rates(cfg, lambda x: mx.array(x.astype(np.float32)), mx.matmul, mx.eval)
+
+
+def _matmul_rates(cfg: BenchConfig, array, matmul, sync) -> dict:
+    """``{key: (GFLOP/s, label)}`` of ``matmul`` on float32 operands made by ``array`` from
+    NumPy, for each shape of `_matmul_shapes` (median of at least 3 runs, ``sync`` after)."""
     rng = np.random.default_rng(cfg.seed)
     repeats = max(3, cfg.repeats)
     out = {}
     for key, (label, a_shape, b_shape, flops) in _matmul_shapes(cfg).items():
-        a = mx.array(rng.standard_normal(a_shape).astype(np.float32))
-        b = mx.array(rng.standard_normal(b_shape).astype(np.float32))
-        seconds = _median_seconds(lambda a=a, b=b: mx.matmul(a, b), mx.eval, repeats)
+        a, b = array(rng.standard_normal(a_shape)), array(rng.standard_normal(b_shape))
+        seconds = _median_seconds(lambda a=a, b=b: matmul(a, b), sync, repeats)
         out[key] = (flops / seconds / 1e9, label)
     return out
 

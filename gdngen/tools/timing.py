@@ -152,14 +152,9 @@ def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq
     not pay for what the callable before it left behind (a sequential baseline's gigabytes of
     buffers are released after it returns: measured here, the call after a 3 GB ``lax.scan``
     ran 3.5x slower than the one after that)."""
-    _check_timing(fns, repeats, warmup)
-    inputs = make_inputs(problem, batch, seq_len, seed)
-    with precision_context(framework, precision):
-        if framework == "jax":
-            calls, sync = _jax_grad_fns(fns, problem, inputs)
-        else:
-            calls, sync = _mlx_grad_fns(fns, problem, inputs)
-        return _interleaved(calls, sync, repeats, warmup, settle)
+    builders = {"jax": _jax_grad_fns, "mlx": _mlx_grad_fns}
+    return _timed(builders[framework], framework, fns, problem, batch, seq_len, precision,
+                  repeats, warmup, seed, settle)
 
 
 def _jax_forward_fns(fns, problem, inputs):
@@ -192,14 +187,20 @@ def time_forward(framework: str, fns: dict, problem: Problem, *, batch: int, seq
     """Time the forward alone (no gradient: what generating text runs) of each ``fns[name]``
     with an incoming state, on the same inputs of ``problem`` at ``[batch, seq_len]``, jitted
     for JAX, eager for MLX (as models call it); interleaved like `time_fwd_bwd`."""
+    builders = {"jax": _jax_forward_fns, "mlx": _mlx_forward_fns}
+    return _timed(builders[framework], framework, fns, problem, batch, seq_len, precision,
+                  repeats, warmup, seed, False)
+
+
+def _timed(build, framework, fns, problem, batch, seq_len, precision, repeats, warmup, seed,
+           settle):
+    """`_interleaved` timings of the callables ``build(fns, problem, inputs)`` makes of
+    ``fns`` on one set of inputs, under the framework's matmul ``precision``."""
     _check_timing(fns, repeats, warmup)
     inputs = make_inputs(problem, batch, seq_len, seed)
     with precision_context(framework, precision):
-        if framework == "jax":
-            calls, sync = _jax_forward_fns(fns, problem, inputs)
-        else:
-            calls, sync = _mlx_forward_fns(fns, problem, inputs)
-        return _interleaved(calls, sync, repeats, warmup, False)
+        calls, sync = build(fns, problem, inputs)
+        return _interleaved(calls, sync, repeats, warmup, settle)
 
 
 def _check_timing(fns: dict, repeats: int, warmup: int) -> None:
