@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gdngen import call as calls
-from gdngen import sharding
+from gdngen import sharding, state_pool
 from gdngen.algebra import layer_inputs
 from gdngen.call import Operands
 from gdngen.dispatch import run
@@ -13,7 +13,8 @@ __all__ = ["gated_delta"]
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
-                dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None):
+                dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None,
+                state_indices=None, state_dtype="float32"):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -55,7 +56,20 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``jax.jit``, N static) splits the single row (B = 1) into N sequences, the state reset at
     each boundary; ``initial_state`` and the returned final state are then ``[N,Hv,Dv,Dk]``.
     Masks still apply; ``jax.vmap`` over a leading axis of rows (and of their offsets) works.
+
+    Serving (`gdngen.state_pool`): ``state_indices`` int32 ``[B]`` (``[N]`` with
+    ``cu_seqlens``) makes ``initial_state`` a pool ``[P,Hv,Dv,Dk]``: row b starts from
+    ``pool[state_indices[b]]`` (a zero state for a negative index, a padding row that writes
+    nothing) and the returned state is the pool with those rows replaced (in place under
+    ``jax.jit`` with the pool donated). ``state_dtype="bfloat16"`` stores the states (pool or
+    ``initial_state``, and the returned one) in bfloat16; compute stays float32.
     """
+    if state_indices is not None or state_dtype != "float32":
+        return state_pool.stored(
+            "jax", gated_delta, q, k, v, g, beta, initial_state, state_indices, state_dtype,
+            mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant,
+            context_axis=context_axis, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens)
     checked, operands = calls.check(
         "jax", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
         chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,

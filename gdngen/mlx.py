@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gdngen import call as calls
+from gdngen import state_pool
 from gdngen.algebra import layer_inputs
 from gdngen.dispatch import run
 
@@ -11,7 +12,8 @@ __all__ = ["gated_delta"]
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, qk_norm=False, A_log=None, dt_bias=None,
-                lower_bound=None, beta_activation=None, cu_seqlens=None):
+                lower_bound=None, beta_activation=None, cu_seqlens=None, state_indices=None,
+                state_dtype="float32"):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     Same contract as `gdngen.jax.gated_delta`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g
@@ -33,7 +35,17 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     Packed sequences, as in `gdngen.jax.gated_delta`: ``cu_seqlens`` int32 ``[N+1]``, B = 1,
     ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.algebra.packed`).
+
+    Serving, as in `gdngen.jax.gated_delta` (`gdngen.state_pool`): ``state_indices`` with a
+    pool ``initial_state`` ``[P,Hv,Dv,Dk]``, which is updated in place and returned;
+    ``state_dtype="bfloat16"``.
     """
+    if state_indices is not None or state_dtype != "float32":
+        return state_pool.stored(
+            "mlx", gated_delta, q, k, v, g, beta, initial_state, state_indices, state_dtype,
+            mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant,
+            qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            beta_activation=beta_activation, cu_seqlens=cu_seqlens)
     checked, operands = calls.check(
         "mlx", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
         chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
