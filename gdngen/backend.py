@@ -55,6 +55,9 @@ class Backend:
     reference_device: str | None = None
     fused_inputs: tuple = ()
     packed_gates: tuple = ()
+    #: gate kinds whose per-step states (``return_states="steps"``) its recurrent kernels write
+    #: (the ``steps`` hook); the others run `gdngen.algebra.step_states.run_portable`
+    step_states: tuple = ()
     #: optional hooks (None: the backend has none): ``render_plan(variant, problem)``,
     #: ``lower_check(variant, problem)``, ``clear_cache()``, ``footprint(variant, problem)``
     render_plan = None
@@ -189,6 +192,13 @@ class Backend:
         why = self.refusal(call)
         if why:
             raise ValueError(why)
+        if call.return_states == "steps":
+            from gdngen.algebra import step_states
+
+            call, operands = layer_inputs.computed(call, operands)
+            if ("vector" if call.vector_gate else "scalar") in self.step_states:
+                return self.steps(call, operands, variant, **options)
+            return step_states.run_portable(call, operands)
         if call.packed:
             call, operands = layer_inputs.computed(call, operands)
             if self.native_packed(call.vector_gate):
@@ -212,6 +222,11 @@ class Backend:
     def forward(self, call, operands, variant: Variant, **options):
         """A dense call of ``variant``: ``(y in q's dtype, final_state float32)``. The
         layer inputs in ``call`` are the ones listed in `fused_inputs`."""
+        raise NotImplementedError
+
+    def steps(self, call, operands, variant: Variant, **options):
+        """A ``return_states="steps"`` call (gate kinds of `step_states`): ``(y in q's dtype,
+        states [B,T,Hv,Dv,Dk] float32)``."""
         raise NotImplementedError
 
     def packed(self, call, operands, variant: Variant, **options):

@@ -40,6 +40,8 @@ class Call:
       "sigmoid" (beta given as logits).
     * ``scale``; ``chunk_size``: the caller's override of the default variant's chunk, or
       None; ``context_axis``: the mesh axis the time axis is split over, or None.
+    * ``return_states``: "final" (the final state) or "steps" (the state after every step,
+      `gdngen.algebra.step_states`).
     """
 
     framework: str
@@ -53,6 +55,7 @@ class Call:
     scale: float = 1.0
     chunk_size: int | None = None
     context_axis: str | None = None
+    return_states: str = "final"
 
     @property
     def problem(self):
@@ -130,8 +133,8 @@ _CHECKED: dict = {}  # check's static key -> Call of a call that passed every ch
 
 def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, scale=1.0,
           gate="log", chunk_size=None, qk_norm=False, A_log=None, dt_bias=None,
-          lower_bound=None, beta_activation=None, cu_seqlens=None, context_axis=None
-          ) -> tuple[Call, Operands]:
+          lower_bound=None, beta_activation=None, cu_seqlens=None, context_axis=None,
+          return_states="final") -> tuple[Call, Operands]:
     """Check one ``gated_delta`` call (arguments as `gdngen.jax.gated_delta`); return its
     `Call` and `Operands`. ValueErrors name the argument and what was expected (the checks of
     `gdngen.algebra.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the gate's
@@ -144,7 +147,7 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     key = None
     if cu_seqlens is None:
         key = (framework, gate, chunk_size, type(chunk_size), scale, type(scale), qk_norm,
-               lower_bound, beta_activation, context_axis,
+               lower_bound, beta_activation, context_axis, return_states,
                tuple(None if x is None else (tuple(x.shape), dtype_name(x))
                      for x in operands[:9]))
         try:
@@ -154,6 +157,7 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
         if found is not None:
             return found, operands
     check_framework(framework)
+    _check_return_states(return_states, cu_seqlens, context_axis)
     options = layer_inputs.check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
                                          dt_bias=dt_bias, lower_bound=lower_bound,
                                          beta_activation=beta_activation)
@@ -164,10 +168,23 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     found = Call(framework, shape, dtype_name(q), options.call_gate,
                  options.gate if options.gate in layer_inputs.PARAMETER_GATES else None,
                  options.lower_bound, qk_norm, beta_activation, float(scale), chunk_size,
-                 context_axis)
+                 context_axis, return_states)
     if key is not None and len(_CHECKED) < 4096:
         _CHECKED[key] = found
     return found, operands
+
+
+def _check_return_states(return_states, cu_seqlens, context_axis) -> None:
+    from gdngen.algebra.step_states import RETURN_STATES
+
+    if return_states not in RETURN_STATES:
+        raise ValueError(f"return_states must be one of {RETURN_STATES}, got {return_states!r}")
+    if return_states == "steps" and cu_seqlens is not None:
+        raise ValueError("return_states='steps' takes dense rows (a verify window per row): "
+                         "pass cu_seqlens=None")
+    if return_states == "steps" and context_axis is not None:
+        raise ValueError("return_states='steps' runs a short window on one chip: pass "
+                         "context_axis=None")
 
 
 def of_kernel_args(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *,

@@ -696,7 +696,7 @@ def recurrent_step(xp, S, q_t, k_t, v_t, a_t, beta_t):
     return S * a_t + u[..., None] * k_t, y_t
 
 
-def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate):
+def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate, steps=False):
     """The recurrence's forward one step at a time, the state carried whole (the portable
     backends' recurrent path; no VJP of its own, see `gdngen.config.recurrent_switch`).
 
@@ -705,15 +705,26 @@ def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate):
     S_T)``. Each step is `recurrent_step` on the value heads grouped by key head (reshapes
     only: q and k broadcast, never repeated), made one fused kernel where the framework
     compiles eagerly called functions (``xp.compiled``); a single step (decode) is one such
-    call, its reshapes included (`single_step`).
+    call, its reshapes included (`single_step`). ``steps``: the state after every step,
+    ``[B,T,Hv,Dv,Dk]``, in place of S_T (the scan's output; differentiable by the framework).
     """
     a = linear_decay(xp, g, gate)  # exp of log g <= 0 only; -inf gives exactly 0
     if q.shape[1] == 1:
-        return xp.compiled(single_step)(q, k, v, a, beta, initial_state, scale)
+        y, S = xp.compiled(single_step)(q, k, v, a, beta, initial_state, scale)
+        return (y, S[:, None]) if steps else (y, S)
     B, T, Hv, Dv = v.shape
     S0, xs = _grouped_by_key_head(q, k, v, a, beta, initial_state, scale)
     step = xp.compiled(recurrent_step)
-    S, y = xp.scan(lambda S, x: step(S, *x), S0, tuple(x.swapaxes(0, 1) for x in xs), False)
+    xs = tuple(x.swapaxes(0, 1) for x in xs)
+    if steps:
+        def step_and_state(S, x):
+            S, y = step(S, *x)
+            return S, (y, S)
+
+        _, (y, Ss) = xp.scan(step_and_state, S0, xs, False)
+        states = Ss.swapaxes(0, 1).reshape((B, T) + tuple(initial_state.shape[1:]))
+        return y.swapaxes(0, 1).reshape(B, T, Hv, Dv), states
+    S, y = xp.scan(lambda S, x: step(S, *x), S0, xs, False)
     return y.swapaxes(0, 1).reshape(B, T, Hv, Dv), S.reshape(initial_state.shape)
 
 

@@ -267,14 +267,15 @@ def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=
                                                 scale=scale, gate=gate)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gate"))
-def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):
+@functools.partial(jax.jit, static_argnames=("scale", "gate", "steps"))
+def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate, steps=False):
     """Forward of the recurrence one step at a time in a ``lax.scan``
     (`gdngen.algebra.chunkwise.recurrent_forward`): float32 arrays in the API layout, masks folded
-    into g and beta; scalar or per-channel gates. Returns ``(y [B,T,Hv,Dv], S_T)``."""
+    into g and beta; scalar or per-channel gates. Returns ``(y [B,T,Hv,Dv], S_T)``; with
+    ``steps`` every step's state ``[B,T,Hv,Dv,Dk]`` in place of S_T."""
     with FLOAT32_MATMULS:
         return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
-                                           gate=gate)
+                                           gate=gate, steps=steps)
 
 
 def recurrent_or_chunkwise(recurrent, chunkwise_call, single_step=False):

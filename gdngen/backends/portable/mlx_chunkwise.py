@@ -271,9 +271,10 @@ def recurrent_or_chunkwise(recurrent, chunkwise_call, single_step=False):
     return mx.compile(switched) if single_step else switched
 
 
-def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate):
+def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate, steps=False):
     """Forward of the recurrence one step at a time (`gdngen.algebra.chunkwise.recurrent_step`):
     float32 arrays in the API layout, masks folded into g and beta; scalar or per-channel gates.
-    Returns ``(y [B,T,Hv,Dv], S_T)``."""
+    Returns ``(y [B,T,Hv,Dv], S_T)``; with ``steps`` every step's state ``[B,T,Hv,Dv,Dk]`` in
+    place of S_T."""
     return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
-                                       gate=gate)
+                                       gate=gate, steps=steps)

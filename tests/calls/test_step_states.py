@@ -1,0 +1,158 @@
+"""Per-step states (``return_states="steps"``, `gdngen.algebra.step_states`): a verify window
+on every registered backend, scalar and per-channel gates, against the float64 recurrence step
+by step; masked steps; the layer inputs; gradients through the steps; the argument errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from gdngen import registry
+from gdngen.algebra import reference
+from gdngen.validate import relative_error
+from gdngen.variant import Problem
+
+B, T, HK, HV, DK, DV = 2, 6, 1, 3, 32, 32
+TOL = 5e-5
+
+
+def _inputs(seed, vector=False):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, T, HK, DK))
+    gate_shape = (B, T, HV, DK) if vector else (B, T, HV)
+    g = -rng.uniform(0.02, 0.6, gate_shape)
+    g[0, 2] = -np.inf  # an exact reset
+    mask = np.ones((B, T), bool)
+    mask[1, 3] = False
+    mask[0, 0] = False
+    return {"q": rng.standard_normal((B, T, HK, DK)).astype(np.float32),
+            "k": (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32),
+            "v": rng.standard_normal((B, T, HV, DV)).astype(np.float32),
+            "g": g.astype(np.float32),
+            "beta": rng.uniform(0.1, 1.0, (B, T, HV)).astype(np.float32),
+            "initial_state": rng.standard_normal((B, HV, DV, DK)).astype(np.float32),
+            "mask": mask}
+
+
+def _reference_steps(x, scale):
+    """float64 y and the state after each step t (the final state of the first t+1 steps)."""
+    names = ("q", "k", "v", "g", "beta")
+    y, _ = reference.forward(*(x[n] for n in names), x["initial_state"], mask=x["mask"],
+                             scale=scale)
+    states = [reference.forward(*(x[n][:, :t + 1] for n in names), x["initial_state"],
+                                mask=x["mask"][:, :t + 1], scale=scale)[1] for t in range(T)]
+    return y, np.stack(states, axis=1)
+
+
+def _framework(name):
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed")
+    if name == "jax":
+        import jax.numpy as jnp
+
+        from gdngen.jax import gated_delta
+        return gated_delta, jnp.asarray, np.asarray
+    import mlx.core as mx
+
+    from gdngen.mlx import gated_delta
+    return gated_delta, mx.array, np.array
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+@pytest.mark.parametrize("backend", registry.names())
+def test_window_states_match_the_float64_recurrence(backend, gate):
+    spec = registry.get(backend)
+    problem = Problem(HK, HV, DK, DV, gate=gate)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    gated_delta, array, numpy = _framework(spec.framework)
+    x = _inputs(1, vector=gate == "vector")
+    y, states = gated_delta(*(array(x[n]) for n in ("q", "k", "v", "g", "beta",
+                                                    "initial_state")),
+                            mask=array(x["mask"]), scale=DK ** -0.5, return_states="steps",
+                            variant=registry.default_variant(backend, problem))
+    y_ref, states_ref = _reference_steps(x, DK ** -0.5)
+    states = numpy(states)
+    assert states.shape == (B, T, HV, DV, DK) and states.dtype == np.float32
+    assert relative_error(numpy(y), y_ref) <= TOL
+    for t in range(T):
+        assert relative_error(states[:, t], states_ref[:, t]) <= TOL, t
+    np.testing.assert_array_equal(states[1, 3], states[1, 2])  # a masked step: unchanged
+    assert not numpy(y)[~x["mask"]].any()
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_layer_inputs_and_bfloat16_storage(framework):
+    """qk_norm with a softplus gate from its parameters, states stored in bfloat16: the last
+    step's state is the plain call's final state, rounded."""
+    gated_delta, array, numpy = _framework(framework)
+    x = _inputs(2)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((B, T, HV)).astype(np.float32)
+    params = {"A_log": array(rng.standard_normal(HV).astype(np.float32) * 0.3),
+              "dt_bias": array(rng.standard_normal(HV).astype(np.float32))}
+    args = [array(x[n]) for n in ("q", "k", "v")] + [array(a), array(x["beta"])]
+    s0 = array(x["initial_state"])
+    y, final = gated_delta(*args, s0, gate="softplus", qk_norm=True, **params)
+    y_s, states = gated_delta(*args, s0, gate="softplus", qk_norm=True, return_states="steps",
+                              **params)
+    assert relative_error(numpy(y_s), numpy(y)) <= TOL
+    assert relative_error(numpy(states)[:, -1], numpy(final)) <= TOL
+    bf16 = s0.astype(_bf16(framework))
+    _, stored = gated_delta(*args, bf16, gate="softplus", qk_norm=True, return_states="steps",
+                            state_dtype="bfloat16", **params)
+    assert str(stored.dtype).endswith("bfloat16") and stored.shape == (B, T, HV, DV, DK)
+
+
+def _bf16(framework):
+    if framework == "jax":
+        import jax.numpy as jnp
+        return jnp.bfloat16
+    import mlx.core as mx
+    return mx.bfloat16
+
+
+def test_gradients_through_the_steps_match_the_chunk_vjp():
+    """jax.grad of a loss on y and the last step's state, through the step loop, equals the
+    plain call's gradients (the chunk path's hand-derived VJP): two independent derivations."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.jax import gated_delta
+
+    x = _inputs(4)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    arrays = [jnp.asarray(x[n]) for n in names]
+    mask = jnp.asarray(x["mask"])
+    w = jnp.asarray(np.random.default_rng(5).standard_normal((B, HV, DV, DK)), jnp.float32)
+
+    def loss(steps):
+        def f(*xs):
+            y, s = gated_delta(*xs, mask=mask, scale=0.3,
+                               return_states="steps" if steps else "final")
+            s = s[:, -1] if steps else s
+            return jnp.sum(y ** 2) + jnp.sum(w * s)
+        return f
+
+    got = jax.grad(loss(True), argnums=tuple(range(6)))(*arrays)
+    want = jax.grad(loss(False), argnums=tuple(range(6)))(*arrays)
+    for name, a, b in zip(names, got, want):
+        assert relative_error(np.asarray(a), np.asarray(b)) <= 1e-4, name
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_bad_return_states_name_the_argument(framework):
+    gated_delta, array, _ = _framework(framework)
+    x = _inputs(6)
+    args = [array(x[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    with pytest.raises(ValueError, match="return_states must be one of"):
+        gated_delta(*args, return_states="all")
+    with pytest.raises(ValueError, match="return_states='steps' takes dense rows"):
+        gated_delta(*(a[:1] for a in args[:5]), args[5],
+                    cu_seqlens=array(np.array([0, 2, T], np.int32)), return_states="steps")
+    with pytest.raises(ValueError, match="not a pool: pass state_indices=None"):
+        gated_delta(*args, state_indices=array(np.array([0, 1], np.int32)),
+                    return_states="steps")
