@@ -56,7 +56,7 @@ class Backend:
     fused_inputs: tuple = ()
     packed_gates: tuple = ()
     #: gate kinds whose per-step states (``return_states="steps"``) its recurrent kernels write
-    #: (the ``steps`` hook); the others run `gdngen.algebra.step_states.run_portable`
+    #: (the ``steps`` hook); the others run `gdngen.algebra.states.run_steps_portable`
     step_states: tuple = ()
     #: optional hooks (None: the backend has none): ``render_plan(variant, problem)``,
     #: ``lower_check(variant, problem)``, ``clear_cache()``, ``footprint(variant, problem)``
@@ -192,13 +192,16 @@ class Backend:
         why = self.refusal(call)
         if why:
             raise ValueError(why)
-        if call.return_states == "steps":
-            from gdngen.algebra import step_states
+        if call.return_states != "final":
+            from gdngen.algebra import states
 
             call, operands = layer_inputs.computed(call, operands)
+            if call.return_states == "chunks":
+                return states.run_chunks_portable(
+                    call, operands, packed.chunk_params(self, variant, call.vector_gate))
             if ("vector" if call.vector_gate else "scalar") in self.step_states:
                 return self.steps(call, operands, variant, **options)
-            return step_states.run_portable(call, operands)
+            return states.run_steps_portable(call, operands)
         if call.packed:
             call, operands = layer_inputs.computed(call, operands)
             if self.native_packed(call.vector_gate):

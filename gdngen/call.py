@@ -40,8 +40,8 @@ class Call:
       "sigmoid" (beta given as logits).
     * ``scale``; ``chunk_size``: the caller's override of the default variant's chunk, or
       None; ``context_axis``: the mesh axis the time axis is split over, or None.
-    * ``return_states``: "final" (the final state) or "steps" (the state after every step,
-      `gdngen.algebra.step_states`).
+    * ``return_states``: "final" (the final state), "steps" (the state after every step) or
+      "chunks" (every ``checkpoint_every`` steps and the final one), `gdngen.algebra.states`.
     """
 
     framework: str
@@ -56,6 +56,7 @@ class Call:
     chunk_size: int | None = None
     context_axis: str | None = None
     return_states: str = "final"
+    checkpoint_every: int | None = None
 
     @property
     def problem(self):
@@ -134,7 +135,7 @@ _CHECKED: dict = {}  # check's static key -> Call of a call that passed every ch
 def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, scale=1.0,
           gate="log", chunk_size=None, qk_norm=False, A_log=None, dt_bias=None,
           lower_bound=None, beta_activation=None, cu_seqlens=None, context_axis=None,
-          return_states="final") -> tuple[Call, Operands]:
+          return_states="final", checkpoint_every=None) -> tuple[Call, Operands]:
     """Check one ``gated_delta`` call (arguments as `gdngen.jax.gated_delta`); return its
     `Call` and `Operands`. ValueErrors name the argument and what was expected (the checks of
     `gdngen.algebra.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the gate's
@@ -147,7 +148,8 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     key = None
     if cu_seqlens is None:
         key = (framework, gate, chunk_size, type(chunk_size), scale, type(scale), qk_norm,
-               lower_bound, beta_activation, context_axis, return_states,
+               lower_bound, beta_activation, context_axis, return_states, checkpoint_every,
+               type(checkpoint_every),
                tuple(None if x is None else (tuple(x.shape), dtype_name(x))
                      for x in operands[:9]))
         try:
@@ -157,7 +159,7 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
         if found is not None:
             return found, operands
     check_framework(framework)
-    _check_return_states(return_states, cu_seqlens, context_axis)
+    _check_return_states(return_states, checkpoint_every, cu_seqlens, context_axis)
     options = layer_inputs.check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
                                          dt_bias=dt_bias, lower_bound=lower_bound,
                                          beta_activation=beta_activation)
@@ -168,22 +170,30 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     found = Call(framework, shape, dtype_name(q), options.call_gate,
                  options.gate if options.gate in layer_inputs.PARAMETER_GATES else None,
                  options.lower_bound, qk_norm, beta_activation, float(scale), chunk_size,
-                 context_axis, return_states)
+                 context_axis, return_states, checkpoint_every)
     if key is not None and len(_CHECKED) < 4096:
         _CHECKED[key] = found
     return found, operands
 
 
-def _check_return_states(return_states, cu_seqlens, context_axis) -> None:
-    from gdngen.algebra.step_states import RETURN_STATES
+def _check_return_states(return_states, checkpoint_every, cu_seqlens, context_axis) -> None:
+    from gdngen.algebra.states import RETURN_STATES
 
     if return_states not in RETURN_STATES:
         raise ValueError(f"return_states must be one of {RETURN_STATES}, got {return_states!r}")
-    if return_states == "steps" and cu_seqlens is not None:
-        raise ValueError("return_states='steps' takes dense rows (a verify window per row): "
-                         "pass cu_seqlens=None")
-    if return_states == "steps" and context_axis is not None:
-        raise ValueError("return_states='steps' runs a short window on one chip: pass "
+    if return_states == "chunks":
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+                or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be a positive int (a multiple of the chunk "
+                             f"size) with return_states='chunks', got {checkpoint_every!r}")
+    elif checkpoint_every is not None:
+        raise ValueError(f"checkpoint_every goes with return_states='chunks', got "
+                         f"return_states={return_states!r}")
+    if return_states != "final" and cu_seqlens is not None:
+        raise ValueError(f"return_states={return_states!r} takes dense rows: pass "
+                         "cu_seqlens=None")
+    if return_states != "final" and context_axis is not None:
+        raise ValueError(f"return_states={return_states!r} runs on one chip: pass "
                          "context_axis=None")
 
 

@@ -252,7 +252,7 @@ class TunedGatedDelta:
     def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                  gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
                  beta_activation=None, cu_seqlens=None, state_indices=None,
-                 state_dtype="float32", return_states="final"):
+                 state_dtype="float32", return_states="final", checkpoint_every=None):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
         from gdngen import call as calls
         from gdngen import state_pool
@@ -263,12 +263,14 @@ class TunedGatedDelta:
                 self.framework, self, q, k, v, g, beta, initial_state, state_indices,
                 state_dtype, mask=mask, scale=scale, gate=gate, qk_norm=qk_norm, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation,
-                cu_seqlens=cu_seqlens, return_states=return_states)
+                cu_seqlens=cu_seqlens, return_states=return_states,
+                checkpoint_every=checkpoint_every)
 
         checked, operands = calls.check(
             self.framework, q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
             qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            beta_activation=beta_activation, cu_seqlens=cu_seqlens, return_states=return_states)
+            beta_activation=beta_activation, cu_seqlens=cu_seqlens, return_states=return_states,
+            checkpoint_every=checkpoint_every)
         checked, operands = layer_inputs.prepared(checked, operands)
         with precision_context(self.framework, self.precision):
             return run(checked, operands, device=self.device, precision=self.precision)

@@ -14,7 +14,8 @@ __all__ = ["gated_delta"]
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
                 dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None,
-                state_indices=None, state_dtype="float32", return_states="final"):
+                state_indices=None, state_dtype="float32", return_states="final",
+                checkpoint_every=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -63,8 +64,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     nothing) and the returned state is the pool with those rows replaced (in place under
     ``jax.jit`` with the pool donated). ``state_dtype="bfloat16"`` stores the states (pool or
     ``initial_state``, and the returned one) in bfloat16; compute stays float32.
-    ``return_states="steps"`` (speculative verify, `gdngen.algebra.step_states`): the state
-    after every step, ``[B,T,Hv,Dv,Dk]``, in place of the final state (dense rows, no pool).
+    ``return_states="steps"`` (speculative verify, `gdngen.algebra.states`): the state after
+    every step, ``[B,T,Hv,Dv,Dk]``, in place of the final state; ``"chunks"`` with
+    ``checkpoint_every=N`` (prefix caching; N a multiple of the chunk size): the states at
+    t = N, 2N, ... before T and the final one, ``[B,ceil(T/N),Hv,Dv,Dk]``. Dense rows, no pool.
     """
     if state_indices is not None or state_dtype != "float32":
         return state_pool.stored(
@@ -72,13 +75,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
             mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant,
             context_axis=context_axis, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
-            return_states=return_states)
+            return_states=return_states, checkpoint_every=checkpoint_every)
     checked, operands = calls.check(
         "jax", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
         chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
-        context_axis=context_axis, return_states=return_states)
-    if checked.return_states == "steps":  # plain array ops: a sharded jit partitions them
+        context_axis=context_axis, return_states=return_states, checkpoint_every=checkpoint_every)
+    if checked.return_states != "final":  # plain array ops: a sharded jit partitions them
         return run(*layer_inputs.prepared(checked, operands), variant=variant)
     if checked.packed:
         if context_axis is not None:

@@ -13,7 +13,8 @@ __all__ = ["gated_delta"]
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, qk_norm=False, A_log=None, dt_bias=None,
                 lower_bound=None, beta_activation=None, cu_seqlens=None, state_indices=None,
-                state_dtype="float32", return_states="final"):
+                state_dtype="float32", return_states="final",
+                checkpoint_every=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     Same contract as `gdngen.jax.gated_delta`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g
@@ -38,17 +39,19 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     Serving, as in `gdngen.jax.gated_delta` (`gdngen.state_pool`): ``state_indices`` with a
     pool ``initial_state`` ``[P,Hv,Dv,Dk]``, which is updated in place and returned;
-    ``state_dtype="bfloat16"``; ``return_states="steps"``.
+    ``state_dtype="bfloat16"``; ``return_states="steps"`` / ``"chunks"`` with
+    ``checkpoint_every``.
     """
     if state_indices is not None or state_dtype != "float32":
         return state_pool.stored(
             "mlx", gated_delta, q, k, v, g, beta, initial_state, state_indices, state_dtype,
             mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant,
             qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            beta_activation=beta_activation, cu_seqlens=cu_seqlens, return_states=return_states)
+            beta_activation=beta_activation, cu_seqlens=cu_seqlens, return_states=return_states,
+            checkpoint_every=checkpoint_every)
     checked, operands = calls.check(
         "mlx", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
         chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
-        return_states=return_states)
+        return_states=return_states, checkpoint_every=checkpoint_every)
     return run(*layer_inputs.prepared(checked, operands), variant=variant)

@@ -148,9 +148,9 @@ def stored(framework: str, entry, q, k, v, g, beta, initial_state, state_indices
 
     check_state_dtype(state_dtype, initial_state)
     if state_indices is not None and kwargs.get("return_states", "final") != "final":
-        raise ValueError("return_states='steps' returns the window's states, not a pool: pass "
-                         "state_indices=None and write the accepted step's state into the "
-                         "pool")
+        raise ValueError(f"return_states={kwargs['return_states']!r} returns a row's states, not "
+                         "a pool: pass state_indices=None and write the state you keep into "
+                         "the pool")
     checks = {n: x for n, x in kwargs.items() if n != "variant"}
     shape = calls.check(framework, q, k, v, g, beta, None, **checks)[0].shape
     if state_indices is None:

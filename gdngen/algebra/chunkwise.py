@@ -643,7 +643,8 @@ def _chunk_parameters(x, Hk, r, vector_gate):
     return x.reshape((Hk, r, 1) + tuple(x.shape[1:]) if vector_gate else (Hk, r, 1))
 
 
-def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size):
+def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
+                entering=False):
     """Whole-sequence chunkwise gated delta, scalar or per-channel gates
     (`gdngen.algebra.chunkwise_channel.stages`); float32 arrays, shapes as the API.
 
@@ -652,7 +653,8 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     g = 1, beta = 0) and its output is zeroed; T is padded to a multiple of the chunk with
     identity steps, which leave the state unchanged. With a `ParameterGate` ``g`` is the tuple
     ``(a, A_log, dt_bias)`` (parameters as `parameter_layout` gives them) and the core gets it
-    in chunk layout.
+    in chunk layout. ``entering``: ``core`` returns ``(Y, S_final, S_in)`` (the states entering
+    each chunk, `forward`'s first residual) and so does this, S_in ``[B, N, Hv, Dv, Dk]``.
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
@@ -668,13 +670,16 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
         to_chunks(a[..., None], N, C, (Hk, r))[..., 0]
     if isinstance(g, tuple):
         gates = (gates, *(_chunk_parameters(x, Hk, r, a.ndim == 4) for x in g[1:]))
-    Y, S_final = core(to_chunks(q * scale, N, C, (Hk,)), to_chunks(k, N, C, (Hk,)),
-                      to_chunks(v, N, C, (Hk, r)), gates,
-                      to_chunks(beta[..., None], N, C, (Hk, r))[..., 0],
-                      initial_state.reshape(B, Hk, r, Dv, Dk))
+    Y, S_final, *S_in = core(to_chunks(q * scale, N, C, (Hk,)), to_chunks(k, N, C, (Hk,)),
+                             to_chunks(v, N, C, (Hk, r)), gates,
+                             to_chunks(beta[..., None], N, C, (Hk, r))[..., 0],
+                             initial_state.reshape(B, Hk, r, Dv, Dk))
     y = from_chunks(Y, T)
     if mask is not None:
         y = xp.where(mask[..., None, None], y, 0.0)
+    if entering:  # [N, B, Hk, r, Dv, Dk] -> [B, N, Hv, Dv, Dk]
+        S_in = S_in[0].transpose((1, 0, 2, 3, 4, 5)).reshape(B, N, Hv, Dv, Dk)
+        return y, S_final.reshape(B, Hv, Dv, Dk), S_in
     return y, S_final.reshape(B, Hv, Dv, Dk)
 
 

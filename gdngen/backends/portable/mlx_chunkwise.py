@@ -7,12 +7,16 @@ Scalar and per-channel gates (and masks) take `gdngen.algebra.chunkwise` /
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import mlx.core as mx
 import numpy as np
 
 from gdngen.algebra import chunkwise, chunkwise_channel, packed
+
+#: MLX's matmuls are float32 at every precision policy: nothing to set around them
+FLOAT32_MATMULS = contextlib.nullcontext()
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = mx.float32

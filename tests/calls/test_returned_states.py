@@ -156,3 +156,67 @@ def test_bad_return_states_name_the_argument(framework):
     with pytest.raises(ValueError, match="not a pool: pass state_indices=None"):
         gated_delta(*args, state_indices=array(np.array([0, 1], np.int32)),
                     return_states="steps")
+
+
+# ------------------------------------------------------------------ chunk-boundary states
+
+TC, EVERY = 150, 64
+
+
+def _chunk_inputs(seed, vector=False):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, TC, HK, DK))
+    g = -rng.uniform(0.01, 0.2, (B, TC, HV, DK) if vector else (B, TC, HV))
+    g[1, 70] = -np.inf  # an exact reset inside the second checkpoint span
+    mask = np.ones((B, TC), bool)
+    mask[0, 60:70] = False  # across the first checkpoint
+    return {"q": rng.standard_normal((B, TC, HK, DK)).astype(np.float32),
+            "k": (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32),
+            "v": rng.standard_normal((B, TC, HV, DV)).astype(np.float32),
+            "g": g.astype(np.float32),
+            "beta": rng.uniform(0.1, 1.0, (B, TC, HV)).astype(np.float32),
+            "initial_state": rng.standard_normal((B, HV, DV, DK)).astype(np.float32),
+            "mask": mask}
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+@pytest.mark.parametrize("backend", registry.names())
+def test_chunk_boundary_states_match_the_float64_recurrence(backend, gate):
+    """return_states="chunks", checkpoint_every=64 over T = 150: the states at t = 64, 128
+    and the final one (t = 150), each against the float64 recurrence of that prefix."""
+    spec = registry.get(backend)
+    problem = Problem(HK, HV, DK, DV, gate=gate)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    gated_delta, array, numpy = _framework(spec.framework)
+    x = _chunk_inputs(11, vector=gate == "vector")
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    y, states = gated_delta(*(array(x[n]) for n in names), mask=array(x["mask"]),
+                            scale=DK ** -0.5, return_states="chunks", checkpoint_every=EVERY,
+                            variant=registry.default_variant(backend, problem))
+    states = numpy(states)
+    assert states.shape == (B, 3, HV, DV, DK) and states.dtype == np.float32
+    y_ref, _ = reference.forward(*(x[n] for n in names), mask=x["mask"], scale=DK ** -0.5)
+    assert relative_error(numpy(y), y_ref) <= TOL
+    for j, t in enumerate((64, 128, 150)):
+        _, s_ref = reference.forward(*(x[n][:, :t] for n in names[:5]), x["initial_state"],
+                                     mask=x["mask"][:, :t], scale=DK ** -0.5)
+        assert relative_error(states[:, j], s_ref) <= TOL, t
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_chunk_states_checks(framework):
+    gated_delta, array, _ = _framework(framework)
+    x = _chunk_inputs(12)
+    args = [array(x[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    with pytest.raises(ValueError, match="checkpoint_every=48 must be a multiple of the chunk"):
+        gated_delta(*args, return_states="chunks", checkpoint_every=48, chunk_size=64)
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive int"):
+        gated_delta(*args, return_states="chunks")
+    with pytest.raises(ValueError, match="checkpoint_every goes with return_states='chunks'"):
+        gated_delta(*args, checkpoint_every=64)
+    _, one = gated_delta(*args, return_states="chunks", checkpoint_every=256, chunk_size=64)
+    _, final = gated_delta(*args, chunk_size=64)
+    assert one.shape == (B, 1, HV, DV, DK)  # T <= N: the final state alone
+    assert relative_error(np.asarray(one[:, 0]), np.asarray(final)) <= TOL
