@@ -98,7 +98,9 @@ def test_packed_case_passes(backend, gate, monkeypatch):
     from gdngen import settings
 
     spec = registry.get(backend)
-    case = get_case(PACKED_CASES[gate])
+    # xla: the smaller scalar case (its compile is most of the time; mlx runs every packed case)
+    case = get_case("packed_long_masked" if (backend, gate) == ("xla", "scalar")
+                    else PACKED_CASES[gate])
     if importlib.util.find_spec(spec.framework) is None:
         pytest.skip(f"{spec.framework} is not installed")
     ok, why = spec.capability(Problem(case.Hk, case.Hv, case.Dk, case.Dv, gate=gate))

@@ -312,14 +312,11 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     runs float32) nor ``recurrent_below``.
     """
     p = kernel_params(variant, problem)
+    heads = {"dk": problem.Dk, "dv": problem.Dv, "dv_tile": p["dv_tile"],
+             "n_dv": problem.Dv // p["dv_tile"], "hk": problem.Hk, "hv": problem.Hv,
+             "group": problem.group}
     recurrent = ("pallas_tpu/recurrent.py.j2", {
-        "dk": problem.Dk,
-        "dv": problem.Dv,
-        "dv_tile": p["dv_tile"],
-        "n_dv": problem.Dv // p["dv_tile"],
-        "hk": problem.Hk,
-        "hv": problem.Hv,
-        "group": problem.group,
+        **heads,
         "per_channel": problem.gate == "vector",
         "time_block": RECURRENT_TIME_BLOCK,
         "vmem_limit_bytes": _vmem_limit(recurrent_vmem_bytes(variant, problem)),
@@ -328,13 +325,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     context = {
         "problem_key": problem.key(),
         "chunk": p["chunk_size"],
-        "dk": problem.Dk,
-        "dv": problem.Dv,
-        "dv_tile": p["dv_tile"],
-        "n_dv": problem.Dv // p["dv_tile"],
-        "hk": problem.Hk,
-        "hv": problem.Hv,
-        "group": problem.group,
+        **heads,
         "head_tile": p["head_tile"],
         "n_head_tiles": problem.group // p["head_tile"],
         "dtype": problem.dtype,
