@@ -4,10 +4,9 @@ by step; masked steps; the layer inputs; gradients through the steps; the argume
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
+from framework_arrays import dtype, entry
 
 from gdngen import registry
 from gdngen.algebra import reference
@@ -18,15 +17,16 @@ B, T, HK, HV, DK, DV = 2, 6, 1, 3, 32, 32
 TOL = 5e-5
 
 
-def _inputs(seed, vector=False):
+def _inputs(seed, vector=False, T=T, decay=(0.02, 0.6), reset=(0, 2), masked=((1, 3), (0, 0))):
+    """Inputs of B rows of T steps: log g ~ -U(decay), an exact reset (log g = -inf) at
+    ``reset`` (row, step), masked (row, step or slice) ``masked``."""
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((B, T, HK, DK))
-    gate_shape = (B, T, HV, DK) if vector else (B, T, HV)
-    g = -rng.uniform(0.02, 0.6, gate_shape)
-    g[0, 2] = -np.inf  # an exact reset
+    g = -rng.uniform(*decay, (B, T, HV, DK) if vector else (B, T, HV))
+    g[reset] = -np.inf
     mask = np.ones((B, T), bool)
-    mask[1, 3] = False
-    mask[0, 0] = False
+    for where in masked:
+        mask[where] = False
     return {"q": rng.standard_normal((B, T, HK, DK)).astype(np.float32),
             "k": (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32),
             "v": rng.standard_normal((B, T, HV, DV)).astype(np.float32),
@@ -46,34 +46,27 @@ def _reference_steps(x, scale):
     return y, np.stack(states, axis=1)
 
 
-def _framework(name):
-    if importlib.util.find_spec(name) is None:
-        pytest.skip(f"{name} is not installed")
-    if name == "jax":
-        import jax.numpy as jnp
-
-        from gdngen.jax import gated_delta
-        return gated_delta, jnp.asarray, np.asarray
-    import mlx.core as mx
-
-    from gdngen.mlx import gated_delta
-    return gated_delta, mx.array, np.array
-
-
-@pytest.mark.parametrize("gate", ["scalar", "vector"])
-@pytest.mark.parametrize("backend", registry.names())
-def test_window_states_match_the_float64_recurrence(backend, gate):
+def _run(backend, gate, x, **options):
+    """``(y, states, numpy)`` of ``x`` on ``backend``'s default variant (skips where it cannot
+    run here)."""
     spec = registry.get(backend)
     problem = Problem(HK, HV, DK, DV, gate=gate)
     ok, why = spec.capability(problem)
     if not ok:
         pytest.skip(f"{backend} cannot run here: {why}")
-    gated_delta, array, numpy = _framework(spec.framework)
-    x = _inputs(1, vector=gate == "vector")
+    gated_delta, array, numpy = entry(spec.framework)
     y, states = gated_delta(*(array(x[n]) for n in ("q", "k", "v", "g", "beta",
                                                     "initial_state")),
-                            mask=array(x["mask"]), scale=DK ** -0.5, return_states="steps",
-                            variant=registry.default_variant(backend, problem))
+                            mask=array(x["mask"]), scale=DK ** -0.5,
+                            variant=registry.default_variant(backend, problem), **options)
+    return y, states, numpy
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+@pytest.mark.parametrize("backend", registry.names())
+def test_window_states_match_the_float64_recurrence(backend, gate):
+    x = _inputs(1, vector=gate == "vector")
+    y, states, numpy = _run(backend, gate, x, return_states="steps")
     y_ref, states_ref = _reference_steps(x, DK ** -0.5)
     states = numpy(states)
     assert states.shape == (B, T, HV, DV, DK) and states.dtype == np.float32
@@ -88,7 +81,7 @@ def test_window_states_match_the_float64_recurrence(backend, gate):
 def test_layer_inputs_and_bfloat16_storage(framework):
     """qk_norm with a softplus gate from its parameters, states stored in bfloat16: the last
     step's state is the plain call's final state, rounded."""
-    gated_delta, array, numpy = _framework(framework)
+    gated_delta, array, numpy = entry(framework)
     x = _inputs(2)
     rng = np.random.default_rng(3)
     a = rng.standard_normal((B, T, HV)).astype(np.float32)
@@ -101,18 +94,10 @@ def test_layer_inputs_and_bfloat16_storage(framework):
                               **params)
     assert relative_error(numpy(y_s), numpy(y)) <= TOL
     assert relative_error(numpy(states)[:, -1], numpy(final)) <= TOL
-    bf16 = s0.astype(_bf16(framework))
+    bf16 = s0.astype(dtype(framework, "bfloat16"))
     _, stored = gated_delta(*args, bf16, gate="softplus", qk_norm=True, return_states="steps",
                             state_dtype="bfloat16", **params)
     assert str(stored.dtype).endswith("bfloat16") and stored.shape == (B, T, HV, DV, DK)
-
-
-def _bf16(framework):
-    if framework == "jax":
-        import jax.numpy as jnp
-        return jnp.bfloat16
-    import mlx.core as mx
-    return mx.bfloat16
 
 
 def test_gradients_through_the_steps_match_the_chunk_vjp():
@@ -145,7 +130,7 @@ def test_gradients_through_the_steps_match_the_chunk_vjp():
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_bad_return_states_name_the_argument(framework):
-    gated_delta, array, _ = _framework(framework)
+    gated_delta, array, _ = entry(framework)
     x = _inputs(6)
     args = [array(x[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")]
     with pytest.raises(ValueError, match="return_states must be one of"):
@@ -164,19 +149,9 @@ TC, EVERY = 150, 64
 
 
 def _chunk_inputs(seed, vector=False):
-    rng = np.random.default_rng(seed)
-    k = rng.standard_normal((B, TC, HK, DK))
-    g = -rng.uniform(0.01, 0.2, (B, TC, HV, DK) if vector else (B, TC, HV))
-    g[1, 70] = -np.inf  # an exact reset inside the second checkpoint span
-    mask = np.ones((B, TC), bool)
-    mask[0, 60:70] = False  # across the first checkpoint
-    return {"q": rng.standard_normal((B, TC, HK, DK)).astype(np.float32),
-            "k": (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32),
-            "v": rng.standard_normal((B, TC, HV, DV)).astype(np.float32),
-            "g": g.astype(np.float32),
-            "beta": rng.uniform(0.1, 1.0, (B, TC, HV)).astype(np.float32),
-            "initial_state": rng.standard_normal((B, HV, DV, DK)).astype(np.float32),
-            "mask": mask}
+    """T = 150: a reset inside the second checkpoint span, a masked stretch across the first."""
+    return _inputs(seed, vector, T=TC, decay=(0.01, 0.2), reset=(1, 70),
+                   masked=((0, slice(60, 70)),))
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
@@ -184,17 +159,9 @@ def _chunk_inputs(seed, vector=False):
 def test_chunk_boundary_states_match_the_float64_recurrence(backend, gate):
     """return_states="chunks", checkpoint_every=64 over T = 150: the states at t = 64, 128
     and the final one (t = 150), each against the float64 recurrence of that prefix."""
-    spec = registry.get(backend)
-    problem = Problem(HK, HV, DK, DV, gate=gate)
-    ok, why = spec.capability(problem)
-    if not ok:
-        pytest.skip(f"{backend} cannot run here: {why}")
-    gated_delta, array, numpy = _framework(spec.framework)
     x = _chunk_inputs(11, vector=gate == "vector")
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    y, states = gated_delta(*(array(x[n]) for n in names), mask=array(x["mask"]),
-                            scale=DK ** -0.5, return_states="chunks", checkpoint_every=EVERY,
-                            variant=registry.default_variant(backend, problem))
+    y, states, numpy = _run(backend, gate, x, return_states="chunks", checkpoint_every=EVERY)
     states = numpy(states)
     assert states.shape == (B, 3, HV, DV, DK) and states.dtype == np.float32
     y_ref, _ = reference.forward(*(x[n] for n in names), mask=x["mask"], scale=DK ** -0.5)
@@ -207,7 +174,7 @@ def test_chunk_boundary_states_match_the_float64_recurrence(backend, gate):
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_chunk_states_checks(framework):
-    gated_delta, array, _ = _framework(framework)
+    gated_delta, array, _ = entry(framework)
     x = _chunk_inputs(12)
     args = [array(x[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")]
     with pytest.raises(ValueError, match="checkpoint_every=48 must be a multiple of the chunk"):

@@ -5,10 +5,9 @@ program; MLX's pool updated without a copy; the argument errors."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
+from framework_arrays import dtype, entry
 
 from gdngen import registry
 from gdngen.algebra import reference
@@ -30,20 +29,6 @@ def _inputs(seed, B, T):
             "pool": rng.standard_normal((P, HV, DV, DK)).astype(np.float32)}
 
 
-def _framework(name):
-    if importlib.util.find_spec(name) is None:
-        pytest.skip(f"{name} is not installed")
-    if name == "jax":
-        import jax.numpy as jnp
-
-        from gdngen.jax import gated_delta
-        return gated_delta, jnp.asarray, np.asarray
-    import mlx.core as mx
-
-    from gdngen.mlx import gated_delta
-    return gated_delta, mx.array, np.array
-
-
 def _expected(x, idx, scale, cu_seqlens=None):
     """float64 y and pool': each row from pool[i] (zeros for i < 0), written back where i >= 0."""
     starts = np.stack([x["pool"][i] if i >= 0 else np.zeros_like(x["pool"][0]) for i in idx])
@@ -62,7 +47,7 @@ def _expected(x, idx, scale, cu_seqlens=None):
 
 
 def _check_pool_call(framework, x, idx, variant=None, cu_seqlens=None):
-    gated_delta, array, numpy = _framework(framework)
+    gated_delta, array, numpy = entry(framework)
     untouched = [i for i in range(P) if i not in set(idx.tolist())]
     kwargs = {} if cu_seqlens is None else {"cu_seqlens": array(cu_seqlens)}
     y, pool = gated_delta(*(array(x[n]) for n in ("q", "k", "v", "g", "beta", "pool")),
@@ -101,7 +86,7 @@ def test_prefill_and_packed_rows_through_the_chunk_path(framework):
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_all_padding_rows_leave_the_pool_as_it_was(framework):
-    gated_delta, array, numpy = _framework(framework)
+    gated_delta, array, numpy = entry(framework)
     x = _inputs(4, 2, 1)
     y, pool = gated_delta(*(array(x[n]) for n in ("q", "k", "v", "g", "beta", "pool")),
                           state_indices=array(np.array([-1, -3], np.int32)))
@@ -163,36 +148,21 @@ def test_mlx_pool_is_updated_in_place_without_a_copy():
 def test_bfloat16_state_storage(framework):
     """state_dtype="bfloat16": initial_state and the returned state (pool or not) in
     bfloat16, the recurrence in float32 (the result is the float32 one rounded)."""
-    gated_delta, array, numpy = _framework(framework)
+    gated_delta, array, numpy = entry(framework)
+    bf16, f32 = dtype(framework, "bfloat16"), dtype(framework, "float32")
     x = _inputs(7, 2, 5)
     args = [array(x[n]) for n in ("q", "k", "v", "g", "beta")]
-    bf16 = array(x["pool"][:2]).astype(_bf16(framework))
-    y, state = gated_delta(*args, bf16, state_dtype="bfloat16")
+    stored = array(x["pool"][:2]).astype(bf16)
+    y, state = gated_delta(*args, stored, state_dtype="bfloat16")
     assert str(state.dtype).endswith("bfloat16")
-    y32, state32 = gated_delta(*args, bf16.astype(_f32(framework)))
+    y32, state32 = gated_delta(*args, stored.astype(f32))
     np.testing.assert_array_equal(numpy(y), numpy(y32))
-    np.testing.assert_array_equal(numpy(state.astype(_f32(framework))),
-                                  numpy(state32.astype(_bf16(framework)).astype(_f32(framework))))
-    pool = array(x["pool"]).astype(_bf16(framework))
+    np.testing.assert_array_equal(numpy(state.astype(f32)),
+                                  numpy(state32.astype(bf16).astype(f32)))
+    pool = array(x["pool"]).astype(bf16)
     _, pool2 = gated_delta(*args, pool, state_indices=array(np.array([3, 0], np.int32)),
                            state_dtype="bfloat16")
     assert str(pool2.dtype).endswith("bfloat16")
-
-
-def _bf16(framework):
-    if framework == "jax":
-        import jax.numpy as jnp
-        return jnp.bfloat16
-    import mlx.core as mx
-    return mx.bfloat16
-
-
-def _f32(framework):
-    if framework == "jax":
-        import jax.numpy as jnp
-        return jnp.float32
-    import mlx.core as mx
-    return mx.float32
 
 
 BAD = [
@@ -211,7 +181,7 @@ BAD = [
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 @pytest.mark.parametrize("bad, message", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
 def test_bad_pool_arguments_name_the_argument(framework, bad, message):
-    gated_delta, array, _ = _framework(framework)
+    gated_delta, array, _ = entry(framework)
     x = _inputs(8, 2, 1)
     pool = bad.get("pool", x["pool"][:2] if "state_indices" not in bad else x["pool"])
     kwargs = {n: array(a) for n, a in bad.items() if n == "state_indices"}
@@ -226,7 +196,7 @@ def test_bad_pool_arguments_name_the_argument(framework, bad, message):
 def test_load_tuned_callable_takes_a_pool(framework):
     import gdngen
 
-    _, array, numpy = _framework(framework)
+    _, array, numpy = entry(framework)
     x = _inputs(9, 2, 3)
     idx = np.array([2, 5], np.int32)
     tuned = gdngen.load_tuned(framework)
