@@ -32,7 +32,9 @@ def _variant(problem, device, **params):
     return Variant("pallas_gpu", dict(base.params, **({"chunk_size": 16} | params)))
 
 
-def _check_report(report, device):
+def _check_report(report, device, variant):
+    """Every program compiled, each Triton launch within the device's shared memory and with
+    the variant's ``num_warps`` (32 threads each)."""
     assert report.ok, report.first_error()
     assert report.compiler == "xla-gpu" and report.device == device
     assert report.target == compilers.GPU_SPECS[device]["description"]
@@ -42,14 +44,7 @@ def _check_report(report, device):
         for kernel in program.kernels:
             assert 0 < kernel["shared_memory"] <= kernel["shared_memory_limit"] == limit, (
                 program.name, kernel)
-            assert kernel["threads"][0] == 32 * report_warps(program, kernel), kernel
-
-
-def report_warps(program, kernel):
-    """A Triton launch has 32 threads per warp: its threads are a multiple of 32."""
-    assert kernel["threads"][0] % 32 == 0 and kernel["threads"][1:] == [1, 1], (program.name,
-                                                                                 kernel)
-    return kernel["threads"][0] // 32
+            assert kernel["threads"] == [32 * variant.get("num_warps"), 1, 1], kernel
 
 
 def test_every_gpu_device_has_a_target():
@@ -69,9 +64,10 @@ def test_chunk_and_recurrent_programs_compile(device):
     """A chunk-16 variant's chunk forward + backward (the four chunk kernels) and its recurrent
     forward, compiled for the chip."""
     problem = SMALL["scalar"]
-    report = compilers.compile_variant(_variant(problem, device), problem, device, T=64,
+    variant = _variant(problem, device, num_warps=8)
+    report = compilers.compile_variant(variant, problem, device, T=64,
                                        only=("chunk_fwd_bwd", "recurrent_forward"))
-    _check_report(report, device)
+    _check_report(report, device, variant)
     names = {p.name: {k["name"] for k in p.kernels} for p in report.programs}
     assert names == {"chunk_fwd_bwd": CHUNK_KERNELS["scalar"],
                      "recurrent_forward": {"gdn_recurrent"}}
@@ -80,16 +76,68 @@ def test_chunk_and_recurrent_programs_compile(device):
     assert "vmem_used" not in record
 
 
-@pytest.mark.parametrize("gate", ["scalar", "vector"])
-def test_every_program_of_a_call_compiles(gate):
-    """Chunk fwd+bwd, recurrent, packed row (scalar) and the fused-input build (qk_norm,
-    softplus gate; fwd+bwd and recurrent) of a chunk-16 variant, for H100."""
-    problem = SMALL[gate]
-    report = compilers.compile_variant(_variant(problem, "h100"), problem, "h100", T=32)
-    _check_report(report, "h100")
-    expected = {"chunk_fwd_bwd", "recurrent_forward", "fused_fwd_bwd", "fused_recurrent_forward"}
-    assert {p.name for p in report.programs} == expected | (
-        {"packed_fwd_bwd"} if gate == "scalar" else set())
+def test_vector_gate_programs_compile():
+    """Per-channel gates: chunk fwd+bwd (the two chunk walks) and the fused-input recurrent
+    kernel (qk_norm, softplus gate) of a chunk-16 variant, for H100."""
+    problem = SMALL["vector"]
+    variant = _variant(problem, "h100")
+    report = compilers.compile_variant(variant, problem, "h100", T=32,
+                                       only=("chunk_fwd_bwd", "fused_recurrent_forward"))
+    _check_report(report, "h100", variant)
+    names = {p.name: {k["name"] for k in p.kernels} for p in report.programs}
+    assert names["fused_recurrent_forward"] == {"gdn_recurrent"}, names
+    assert len(names["chunk_fwd_bwd"]) >= 2, names  # the forward and the reverse walk
+
+
+def test_build_compile_records_the_compile(tmp_path):
+    """``gdngen build --backend pallas_gpu --device h100 --compile --json``: every program of a
+    call (chunk fwd+bwd, recurrent, packed row, fused inputs) compiled, in the manifest."""
+    from click.testing import CliRunner
+
+    from gdngen.tools.cli import main
+
+    problem = SMALL["scalar"]
+    variant = json.dumps(dict(_variant(problem, "h100").params))
+    result = CliRunner().invoke(main, [
+        "build", "--backend", "pallas_gpu", "--problem", "Hk=1,Hv=2,Dk=32,Dv=32,dtype=bfloat16",
+        "--device", "h100", "--compile", "--compile-seq", "32", "--no-validate", "--variant",
+        variant, "--out", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.output[result.output.index("["):])
+    entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["variants"][0]
+    assert printed[0]["compile"] == entry["compile"]
+    record = entry["compile"]
+    assert record["compiler"] == "xla-gpu" and record["target"] == "NVIDIA H100 80GB HBM3"
+    assert record["ok"] is True and record["error"] is None and record["temp_bytes"] > 0
+    assert 0 < record["shared_memory_used"] <= 227 * 1024
+    assert [p["name"] for p in record["programs"]] == [
+        "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
+        "fused_recurrent_forward"]
+
+
+def test_tune_space_drops_what_does_not_compile_for_a_gpu(tmp_path, monkeypatch):
+    """`check_targets` runs the XLA GPU check for an NVIDIA target (a rejected variant leaves
+    its space, the verdicts are remembered)."""
+    from gdngen.tune.target import targets
+
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path))
+    (target,) = targets("a100", ("jax",), [SMALL["scalar"]], backends=("pallas_gpu",))
+    space = target.space()
+    rejected = space[0].name()
+    compiled = []
+
+    def compile_variant(variant, problem, device, **kwargs):
+        compiled.append((variant.name(), device.name))
+        error = "Shared memory size limit exceeded" if variant.name() == rejected else None
+        return compilers.CompileReport("xla-gpu", "NVIDIA A100-SXM4-80GB", "a100", error=error)
+
+    monkeypatch.setattr(compilers, "compile_variant", compile_variant)
+    ((checked, dropped),) = compilers.check_targets([target])
+    assert dropped == {rejected: "Shared memory size limit exceeded"}
+    assert [v.name() for v in checked.space()] == [v.name() for v in space[1:]]
+    assert sorted(compiled) == sorted((v.name(), "a100") for v in space)
+    compiled.clear()
+    assert compilers.check_targets([target])[0][1] == dropped and compiled == []
 
 
 def test_shared_memory_over_the_limit_is_the_compilers_rejection():
@@ -118,4 +166,4 @@ def test_footprint_model_admits_what_fits(device):
     largest = max(space, key=lambda v: pallas_gpu.shared_memory_bytes(v, problem))
     report = compilers.compile_variant(largest, problem, device, T=128,
                                        only=("chunk_fwd_bwd",))
-    _check_report(report, device)
+    _check_report(report, device, largest)
