@@ -444,7 +444,7 @@ def _backend_module(backend: str):
 
 
 def _compile_program(name: str, variant: Variant, problem: Problem, T: int, target,
-                     device: Device) -> Program:
+                     device: Device, dump_to=None) -> Program:
     import contextlib
     import pathlib
     import tempfile
@@ -468,7 +468,8 @@ def _compile_program(name: str, variant: Variant, problem: Problem, T: int, targ
                 compiled = lowered.compile()
                 kernels = mosaic_kernels(compiled.as_text())
             else:  # the launches' shared memory is in the thunk sequence XLA GPU dumps
-                dump = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                dump = (pathlib.Path(dump_to) / name if dump_to is not None else
+                        pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory())))
                 compiled = lowered.compile(compiler_options={"xla_dump_to": str(dump)})
                 thunks = "\n".join(f.read_text() for f in sorted(dump.glob("*thunk_sequence.txt")))
                 kernels = triton_kernels(compiled.as_text(), thunks,
@@ -495,10 +496,12 @@ def _short(message: str, limit: int = 2000) -> str:
 
 
 def compile_variant(variant: Variant, problem: Problem, device: str | Device, *,
-                    T: int = DEFAULT_T, only=None) -> CompileReport:
+                    T: int = DEFAULT_T, only=None, dump_to=None) -> CompileReport:
     """Compile ``variant``'s `programs` for ``device`` with its real compiler (``only``: these
-    program names). ValueError for a backend/device without one, RuntimeError when the
-    compiler is not installed; a program the compiler rejects is a failed `Program`."""
+    program names; ``dump_to``: XLA GPU keeps its dump of each program, LLVM IR, PTX and thunk
+    sequence, in ``dump_to/<program>``, else in a temporary directory). ValueError for a
+    backend/device without one, RuntimeError when the compiler is not installed; a program the
+    compiler rejects is a failed `Program`."""
     compiler, _ = compiler_of(variant.backend)
     device = _check_device(variant.backend, device)
     target = target_device(device, variant.backend)
@@ -513,7 +516,7 @@ def compile_variant(variant: Variant, problem: Problem, device: str | Device, *,
     try:
         for name, steps in wanted:
             report.programs.append(_compile_program(name, variant, problem, steps, target,
-                                                    device))
+                                                    device, dump_to))
     finally:
         _backend_module(variant.backend).clear_cache()
     return report
