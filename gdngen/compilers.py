@@ -176,7 +176,7 @@ def missing_reason(compiler: str) -> str | None:
     if compiler == "mosaic" and importlib.util.find_spec("libtpu") is None:
         return "libtpu is not installed (pip install 'gdngen[tpu]')"
     if compiler == "xla-gpu":
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        if _find_spec("jax_plugins.xla_cuda12") is None:
             return "jax's CUDA plugin is not installed (pip install 'gdngen[cuda]')"
         if _libdevice() is None:
             return ("no libdevice / ptxas for XLA GPU (nvidia-cuda-nvcc-cu12; pip install "
@@ -184,15 +184,20 @@ def missing_reason(compiler: str) -> str | None:
     return None
 
 
+def _find_spec(name: str):
+    """``importlib.util.find_spec(name)``, None also when a parent package is missing."""
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
 def _libdevice():
     """Where XLA GPU finds libdevice (the nvidia-cuda-nvcc-cu12 package, else a CUDA toolkit
     under /usr/local/cuda), or None."""
     from pathlib import Path
 
-    try:
-        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    except ModuleNotFoundError:
-        spec = None
+    spec = _find_spec("nvidia.cuda_nvcc")
     roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     for root in roots + [Path("/usr/local/cuda")]:
         found = sorted(root.glob("nvvm/libdevice/libdevice*.bc"))
