@@ -536,12 +536,19 @@ def _memo_path():
 
 def verdict_key(variant: Variant, problem: Problem, device: Device, T: int) -> str:
     """The memo key of a compile verdict: the variant's render sha256 (its templates), params,
-    problem, target, T and the compiler's versions."""
+    problem, target (for a GPU, its `gpu_target_config` text's sha256), T and the compiler's
+    versions."""
+    import hashlib
+
     from gdngen import cache
 
     compiler, _ = compiler_of(variant.backend)
+    target = device.topology
+    if PLATFORMS[compiler] == "cuda":
+        config = gpu_target_config(device).encode()
+        target += ":" + hashlib.sha256(config).hexdigest()[:16]
     return "|".join([cache.variant_sha256(variant, problem), dumps(variant), dumps(problem),
-                     device.name, device.topology, f"T{T}",
+                     device.name, target, f"T{T}",
                      json.dumps(compiler_versions(compiler), sort_keys=True)])
 
 
