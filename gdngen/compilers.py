@@ -18,9 +18,19 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
 * ``fused_fwd_bwd`` / ``fused_recurrent_forward``: ``qk_norm=True``, ``gate="softplus"`` with
   ``A_log``, ``dt_bias`` (the fused-input build) at ``T`` and at the recurrent length.
 
-Each compiled program reports XLA's memory analysis (``temp_bytes``, ``code_bytes``) and, per
-Mosaic kernel, the scoped VMEM the compiler used and the limit it was given (read from the
-compiled HLO's ``tpu_custom_call`` backend configs): `CompileReport.vmem_used` is the largest.
+NVIDIA (``compiler="xla-gpu"``): with jax's CUDA plugin and ptxas/libdevice installed
+(``gdngen[cuda]``; no GPU or driver needed), ``get_topology_desc(platform="cuda",
+target_config=...)`` gives a compile-only device of the chip from its ``GpuTargetConfigProto``
+text (`gpu_target_config`, from `GPU_SPECS`): XLA GPU compiles the program deviceless, its
+Triton for each Pallas kernel (`gdngen.backends.pallas.gpu.compiling_for_gpu`) down to PTX and
+ptxas (no autotuning: nothing to time on). Shared memory beyond the chip's opt-in per block is
+XLA's rejection ("Shared memory size limit exceeded").
+
+Each compiled program reports XLA's memory analysis (``temp_bytes``, ``code_bytes``; 0 on
+GPU) and, per kernel: for Mosaic the scoped VMEM the compiler used and the limit it was given
+(read from the compiled HLO's ``tpu_custom_call`` backend configs; `CompileReport.vmem_used` is
+the largest); for Triton the shared memory its launch takes, with grid and threads (the thunk
+sequence XLA dumps; `CompileReport.shared_memory_used` is the largest).
 
 `check_space` is the verdict per variant for a search space, remembered in
 ``<cache root>/compile.json`` per render sha256, variant, problem, target and compiler versions.
@@ -47,9 +57,32 @@ __all__ = ["COLLECTIVES", "COMPILERS", "CompileReport", "Program", "check_space"
            "topology_devices"]
 
 #: backend -> (compiler name, device kind it compiles for)
-COMPILERS = {"pallas_tpu": ("mosaic", "tpu")}
+COMPILERS = {"pallas_tpu": ("mosaic", "tpu"), "pallas_gpu": ("xla-gpu", "gpu")}
 #: packages whose versions make a compile verdict (with gdngen's own version)
-COMPILER_PACKAGES = {"mosaic": ("jax", "jaxlib", "libtpu")}
+COMPILER_PACKAGES = {"mosaic": ("jax", "jaxlib", "libtpu"),
+                     "xla-gpu": ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+                                 "nvidia-cuda-nvcc-cu12")}
+#: the jax platform each compiler lowers for
+PLATFORMS = {"mosaic": "tpu", "xla-gpu": "cuda"}
+
+#: ``GpuTargetConfigProto.gpu_device_info`` of each NVIDIA device (SXM parts, as the CUDA
+#: runtime reports them; ``shared_memory_per_block_optin`` is the device's ``shared_memory``
+#: limit, `gpu_target_config`), its ``device_description_str`` and cuDNN version
+GPU_SPECS = {
+    "a100": {"description": "NVIDIA A100-SXM4-80GB", "compute_capability": (8, 0),
+             "core_count": 108, "fpus_per_core": 64, "shared_memory_per_core": 167936,
+             "memory_bandwidth": 2039000000000, "l2_cache_size": 41943040,
+             "clock_rate_ghz": 1.41, "device_memory_size": 85097971712},
+    "h100": {"description": "NVIDIA H100 80GB HBM3", "compute_capability": (9, 0),
+             "core_count": 132, "fpus_per_core": 128, "shared_memory_per_core": 233472,
+             "memory_bandwidth": 3352320000000, "l2_cache_size": 52428800,
+             "clock_rate_ghz": 1.98, "device_memory_size": 84978434048},
+    "h200": {"description": "NVIDIA H200", "compute_capability": (9, 0),
+             "core_count": 132, "fpus_per_core": 128, "shared_memory_per_core": 233472,
+             "memory_bandwidth": 4800000000000, "l2_cache_size": 52428800,
+             "clock_rate_ghz": 1.98, "device_memory_size": 150754820096},
+}
+CUDNN_VERSION = (9, 8)
 
 #: the default sequence length of the chunk programs (two chunks of the largest chunk size)
 DEFAULT_T = 256
@@ -58,7 +91,8 @@ DEFAULT_T = 256
 @dataclasses.dataclass
 class Program:
     """One compiled program: ``kernels`` lists each Mosaic kernel as ``{"name", "vmem_used",
-    "vmem_limit"}`` (bytes)."""
+    "vmem_limit"}`` (bytes), each Triton kernel launch as ``{"name", "shared_memory",
+    "shared_memory_limit", "grid", "threads"}`` (bytes; ``[x, y, z]``)."""
 
     name: str
     T: int
@@ -78,7 +112,7 @@ class CompileReport:
     """The real compile of one variant's programs for one device (the manifest's ``compile``)."""
 
     compiler: str
-    target: str  # the compile-only device's device_kind, e.g. "TPU v5 lite"
+    target: str  # the compile-only device's device_kind, e.g. "TPU v5 lite", "NVIDIA H100 ..."
     device: str  # the registry name, e.g. "tpu-v5e"
     programs: list = dataclasses.field(default_factory=list)
     error: str | None = None
@@ -98,7 +132,13 @@ class CompileReport:
     @property
     def vmem_used(self) -> int:
         """The largest scoped VMEM any kernel of any program used (bytes)."""
-        return max((k["vmem_used"] for p in self.programs for k in p.kernels), default=0)
+        return max((k.get("vmem_used", 0) for p in self.programs for k in p.kernels), default=0)
+
+    @property
+    def shared_memory_used(self) -> int:
+        """The most shared memory any Triton kernel launch of any program takes (bytes)."""
+        return max((k.get("shared_memory", 0) for p in self.programs for k in p.kernels),
+                   default=0)
 
     @property
     def seconds(self) -> float:
@@ -110,10 +150,13 @@ class CompileReport:
         return next((f"{p.name}: {p.error}" for p in self.programs if not p.ok), None)
 
     def to_json(self) -> dict:
+        """The manifest's ``compile``: ``vmem_used`` (Mosaic) or ``shared_memory_used``
+        (XLA GPU) beside the common fields."""
+        onchip = ({"shared_memory_used": self.shared_memory_used} if self.compiler == "xla-gpu"
+                  else {"vmem_used": self.vmem_used})
         return {"compiler": self.compiler, "target": self.target, "device": self.device,
                 "ok": self.ok, "error": self.first_error(), "temp_bytes": self.temp_bytes,
-                "code_bytes": self.code_bytes, "vmem_used": self.vmem_used,
-                "seconds": round(self.seconds, 2),
+                "code_bytes": self.code_bytes, **onchip, "seconds": round(self.seconds, 2),
                 "programs": [p.to_json() for p in self.programs]}
 
 
@@ -132,6 +175,34 @@ def missing_reason(compiler: str) -> str | None:
     """Why ``compiler`` cannot run on this host (None when it can)."""
     if compiler == "mosaic" and importlib.util.find_spec("libtpu") is None:
         return "libtpu is not installed (pip install 'gdngen[tpu]')"
+    if compiler == "xla-gpu":
+        if _find_spec("jax_plugins.xla_cuda12") is None:
+            return "jax's CUDA plugin is not installed (pip install 'gdngen[cuda]')"
+        if _libdevice() is None:
+            return ("no libdevice / ptxas for XLA GPU (nvidia-cuda-nvcc-cu12; pip install "
+                    "'gdngen[cuda]')")
+    return None
+
+
+def _find_spec(name: str):
+    """``importlib.util.find_spec(name)``, None also when a parent package is missing."""
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
+def _libdevice():
+    """Where XLA GPU finds libdevice (the nvidia-cuda-nvcc-cu12 package, else a CUDA toolkit
+    under /usr/local/cuda), or None."""
+    from pathlib import Path
+
+    spec = _find_spec("nvidia.cuda_nvcc")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    for root in roots + [Path("/usr/local/cuda")]:
+        found = sorted(root.glob("nvvm/libdevice/libdevice*.bc"))
+        if found:
+            return found[0]
     return None
 
 
@@ -152,9 +223,16 @@ def compiler_versions(compiler: str) -> dict:
     return versions
 
 
-def _check_device(backend: str, device: str | Device) -> Device:
-    compiler, kind = compiler_of(backend)
+def _check_device(backend: str | None, device: str | Device) -> Device:
+    """``device`` checked for ``backend``'s compiler (None: the backend compiling for its
+    kind)."""
     device = get_device(device) if isinstance(device, str) else device
+    if backend is None:
+        backend = next((b for b, (_, kind) in COMPILERS.items() if kind == device.kind), None)
+        if backend is None:
+            raise ValueError(f"no backend has a real compiler for {device.kind} devices, got "
+                             f"{device.name!r}")
+    compiler, kind = compiler_of(backend)
     if device.kind != kind or not device.topology:
         raise ValueError(f"device must be a {kind} device with a topology for {backend}'s "
                          f"{compiler} compile, got {device.name!r}")
@@ -170,23 +248,61 @@ ENV_LIBTPU_SHARED = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 os.environ.setdefault(ENV_LIBTPU_SHARED, "1")  # before this process first loads libtpu
 
 
+def gpu_target_config(device: str | Device) -> str:
+    """The ``GpuTargetConfigProto`` text of an NVIDIA device of `GPU_SPECS` (what XLA GPU
+    compiles for without the chip); its opt-in shared memory per block is the device's
+    ``shared_memory`` limit."""
+    device = get_device(device) if isinstance(device, str) else device
+    if device.name not in GPU_SPECS:
+        raise ValueError(f"device must be one of {sorted(GPU_SPECS)} for a GPU target config, "
+                         f"got {device.name!r}")
+    spec = GPU_SPECS[device.name]
+    major, minor = spec["compute_capability"]
+    info = {"threads_per_block_limit": 1024, "threads_per_warp": 32,
+            "shared_memory_per_block": 48 * 1024,
+            "shared_memory_per_core": spec["shared_memory_per_core"],
+            "threads_per_core_limit": 2048, "core_count": spec["core_count"],
+            "fpus_per_core": spec["fpus_per_core"], "block_dim_limit_x": 2 ** 31 - 1,
+            "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+            "memory_bandwidth": spec["memory_bandwidth"], "l2_cache_size": spec["l2_cache_size"],
+            "clock_rate_ghz": spec["clock_rate_ghz"],
+            "device_memory_size": spec["device_memory_size"],
+            "shared_memory_per_block_optin": device.limits["shared_memory"]}
+    lines = ["gpu_device_info {", *(f"  {k}: {v}" for k, v in info.items()),
+             f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
+             "  registers_per_core_limit: 65536", "  registers_per_block_limit: 65536", "}",
+             'platform_name: "CUDA"',
+             f"dnn_version_info {{ major: {CUDNN_VERSION[0]} minor: {CUDNN_VERSION[1]} }}",
+             f'device_description_str: "{spec["description"]}"']
+    return "\n".join(lines) + "\n"
+
+
 @functools.cache
-def _topology(name: str):
+def _topology(platform: str, name: str, topology: str, target_config: str | None):
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(topology_name=name, platform="tpu")
+    if platform == "tpu":
+        return topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    return topologies.get_topology_desc(topology_name=name, platform=platform,
+                                        topology=topology, target_config=target_config)
 
 
-def target_device(device: str | Device, backend: str = "pallas_tpu"):
-    """A compile-only jax device of ``device`` (the first of its topology)."""
-    device = _check_device(backend, device)
-    return _topology(device.topology).devices[0]
+def _device_topology(device: Device):
+    compiler = next(c for c, kind in COMPILERS.values() if kind == device.kind)
+    platform = PLATFORMS[compiler]
+    config = gpu_target_config(device) if platform == "cuda" else None
+    return _topology(platform, device.name, device.topology, config)
 
 
-def topology_devices(device: str | Device, backend: str = "pallas_tpu") -> list:
+def target_device(device: str | Device, backend: str | None = None):
+    """A compile-only jax device of ``device`` (the first of its topology; ``backend``: the
+    one compiling for ``device``'s kind when None)."""
+    return _device_topology(_check_device(backend, device)).devices[0]
+
+
+def topology_devices(device: str | Device, backend: str | None = None) -> list:
     """Every compile-only jax device of ``device``'s topology (e.g. 4 for ``v5e:2x2``)."""
-    device = _check_device(backend, device)
-    return list(_topology(device.topology).devices)
+    return list(_device_topology(_check_device(backend, device)).devices)
 
 
 # ------------------------------------------------------------------------------ programs
@@ -307,25 +423,69 @@ def collective_bytes(hlo_text: str, *, per_channel: bool = False) -> dict:
     return out
 
 
-def _compile_program(name: str, variant: Variant, problem: Problem, T: int, target) -> Program:
+_TRITON_CALL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?\bname = "([^"]+)"')
+_THUNK = re.compile(r"\s(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
+                    r"shared_memory: (\d+) bytes")
+
+
+def triton_kernels(hlo_text: str, thunks_text: str, limit: int) -> list[dict]:
+    """Each launch of a Triton kernel (a Pallas ``pallas_call``) in a program XLA GPU compiled:
+    ``{"name", "shared_memory", "shared_memory_limit", "grid", "threads"}``, the kernels named
+    by the compiled HLO's ``__gpu$xla.gpu.triton`` custom calls, their launches read from the
+    thunk sequence XLA dumps (``*thunk_sequence.txt``); ``limit``: the device's opt-in shared
+    memory per block."""
+    names = set(_TRITON_CALL.findall(hlo_text))
+    return [{"name": m.group(1), "shared_memory": int(m.group(4)), "shared_memory_limit": limit,
+             "grid": [int(x) for x in m.group(2).split(",")],
+             "threads": [int(x) for x in m.group(3).split(",")]}
+            for m in _THUNK.finditer(thunks_text) if m.group(1) in names]
+
+
+def _backend_module(backend: str):
+    from gdngen.backends.pallas import gpu as pallas_gpu
+    from gdngen.backends.pallas import tpu as pallas_tpu
+
+    return {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[backend]
+
+
+def _compile_program(name: str, variant: Variant, problem: Problem, T: int, target,
+                     device: Device, dump_to=None) -> Program:
+    import contextlib
+    import pathlib
+    import tempfile
+
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from gdngen.backends.pallas import tpu as pallas_tpu
-
+    compiler, _ = compiler_of(variant.backend)
+    module = _backend_module(variant.backend)
+    real = (module.interpreting(False) if compiler == "mosaic"
+            else module.compiling_for_gpu())
     program = Program(name, T)
     start = time.perf_counter()
     try:
-        fn, args = _program_fn(name, variant, problem, T, SingleDeviceSharding(target))
-        with pallas_tpu.interpreting(False):
-            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
-        compiled = lowered.compile()
+        with contextlib.ExitStack() as stack:
+            fn, args = _program_fn(name, variant, problem, T, SingleDeviceSharding(target))
+            with real:
+                lowered = (jax.jit(fn).trace(*args)
+                           .lower(lowering_platforms=(PLATFORMS[compiler],)))
+            if compiler == "mosaic":
+                compiled = lowered.compile()
+                kernels = mosaic_kernels(compiled.as_text())
+            else:  # the launches' shared memory is in the thunk sequence XLA GPU dumps
+                dump = (pathlib.Path(dump_to) / name if dump_to is not None else
+                        pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory())))
+                compiled = lowered.compile(compiler_options={"xla_dump_to": str(dump)})
+                thunks = "\n".join(f.read_text() for f in sorted(dump.glob("*thunk_sequence.txt")))
+                kernels = triton_kernels(compiled.as_text(), thunks,
+                                         device.limits["shared_memory"])
         memory = compiled.memory_analysis()
         program.temp_bytes = int(memory.temp_size_in_bytes)
         program.code_bytes = int(memory.generated_code_size_in_bytes)
-        program.kernels = mosaic_kernels(compiled.as_text())
+        program.kernels = kernels
         if not program.kernels:
-            raise RuntimeError(f"the {name} program compiled without a Mosaic kernel")
+            kind = "Mosaic" if compiler == "mosaic" else "Triton"
+            raise RuntimeError(f"the {name} program compiled without a {kind} kernel")
         program.ok = True
     except Exception as e:  # noqa: BLE001 - the compiler's rejection is this program's result
         program.error = f"{type(e).__name__}: {_short(str(e))}"
@@ -341,12 +501,12 @@ def _short(message: str, limit: int = 2000) -> str:
 
 
 def compile_variant(variant: Variant, problem: Problem, device: str | Device, *,
-                    T: int = DEFAULT_T, only=None) -> CompileReport:
+                    T: int = DEFAULT_T, only=None, dump_to=None) -> CompileReport:
     """Compile ``variant``'s `programs` for ``device`` with its real compiler (``only``: these
-    program names). ValueError for a backend/device without one, RuntimeError when the
-    compiler is not installed; a program the compiler rejects is a failed `Program`."""
-    from gdngen.backends.pallas import tpu as pallas_tpu
-
+    program names; ``dump_to``: XLA GPU keeps its dump of each program, LLVM IR, PTX and thunk
+    sequence, in ``dump_to/<program>``, else in a temporary directory). ValueError for a
+    backend/device without one, RuntimeError when the compiler is not installed; a program the
+    compiler rejects is a failed `Program`."""
     compiler, _ = compiler_of(variant.backend)
     device = _check_device(variant.backend, device)
     target = target_device(device, variant.backend)
@@ -360,9 +520,10 @@ def compile_variant(variant: Variant, problem: Problem, device: str | Device, *,
         wanted = [(n, t) for n, t in wanted if n in only]
     try:
         for name, steps in wanted:
-            report.programs.append(_compile_program(name, variant, problem, steps, target))
+            report.programs.append(_compile_program(name, variant, problem, steps, target,
+                                                    device, dump_to))
     finally:
-        pallas_tpu.clear_cache()
+        _backend_module(variant.backend).clear_cache()
     return report
 
 
@@ -375,12 +536,19 @@ def _memo_path():
 
 def verdict_key(variant: Variant, problem: Problem, device: Device, T: int) -> str:
     """The memo key of a compile verdict: the variant's render sha256 (its templates), params,
-    problem, target, T and the compiler's versions."""
+    problem, target (for a GPU, its `gpu_target_config` text's sha256), T and the compiler's
+    versions."""
+    import hashlib
+
     from gdngen import cache
 
     compiler, _ = compiler_of(variant.backend)
+    target = device.topology
+    if PLATFORMS[compiler] == "cuda":
+        config = gpu_target_config(device).encode()
+        target += ":" + hashlib.sha256(config).hexdigest()[:16]
     return "|".join([cache.variant_sha256(variant, problem), dumps(variant), dumps(problem),
-                     device.name, device.topology, f"T{T}",
+                     device.name, target, f"T{T}",
                      json.dumps(compiler_versions(compiler), sort_keys=True)])
 
 

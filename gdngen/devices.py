@@ -31,7 +31,8 @@ class Device:
     limits: dict = field(default_factory=dict)
     source: str = ""
     #: the compile-only topology of a TPU (``jax.experimental.topologies.get_topology_desc``
-    #: with libtpu; `gdngen.compilers`), "" for devices without one
+    #: with libtpu) or NVIDIA GPU (one chip, "1x1x1", with jax's CUDA plugin; `gdngen.compilers`),
+    #: "" for devices without one
     topology: str = ""
 
 
@@ -52,11 +53,11 @@ DEVICES: dict[str, Device] = {
         Device("tpu-v6e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB},
                "Pallas TPU docs", topology="v6e:2x2"),
         Device("a100", "gpu", {"shared_memory": 163 * KiB},
-               "CUDA programming guide, compute capability 8.0"),
+               "CUDA programming guide, compute capability 8.0", topology="1x1x1"),
         Device("h100", "gpu", {"shared_memory": 227 * KiB},
-               "CUDA programming guide, compute capability 9.0"),
+               "CUDA programming guide, compute capability 9.0", topology="1x1x1"),
         Device("h200", "gpu", {"shared_memory": 227 * KiB},
-               "CUDA programming guide, compute capability 9.0"),
+               "CUDA programming guide, compute capability 9.0", topology="1x1x1"),
         *(Device(f"apple-m{i}", "apple", {"threadgroup_memory": 32 * KiB},
                  "Metal feature set tables") for i in range(1, 6)),
     )

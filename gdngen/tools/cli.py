@@ -216,7 +216,8 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
 @click.option("--compile", "compile_", is_flag=True,
               help="Also compile each variant's programs (chunk fwd+bwd, recurrent, packed, "
                    "fused inputs) for --device with its real compiler, attached or not "
-                   "(TPU: Mosaic through libtpu, gdngen[tpu]); recorded as `compile` in the "
+                   "(TPU: Mosaic through libtpu, gdngen[tpu]; NVIDIA: XLA GPU and Triton "
+                   "through jax's CUDA plugin, gdngen[cuda]); recorded as `compile` in the "
                    "manifest.")
 @click.option("--compile-seq", type=click.IntRange(min=1), default=None, metavar="T",
               help="Steps of the compiled chunk programs (default 256).")
@@ -261,8 +262,10 @@ def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, s
                    f"{worst[1]:.1e}  ({result.seconds:.0f}s)")
         if result.compile is not None:
             c = result.compile
+            onchip = (f"shared {c['shared_memory_used'] / 2**10:.0f} KiB"
+                      if "shared_memory_used" in c else f"vmem {c['vmem_used'] / 2**20:.1f} MiB")
             click.echo(f"       compile {c['compiler']} {c['target']}: "
-                       f"{'ok' if c['ok'] else 'FAILED'}  vmem {c['vmem_used'] / 2**20:.1f} MiB"
+                       f"{'ok' if c['ok'] else 'FAILED'}  {onchip}"
                        f"  temp {c['temp_bytes'] / 2**20:.1f} MiB  ({c['seconds']:.0f}s)")
             if c["error"]:
                 click.echo(c["error"].rstrip(), err=True)
