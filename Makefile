@@ -31,7 +31,15 @@ postgres-server:
 test: install postgres-server
 	$(BIN)/python -m pytest -q -rs -m "not slow" --durations=15
 
-test-all: install postgres-server
+# `make test-all` also installs the NVIDIA compiler (the `cuda` extra, ~550 MB: jax's CUDA plugin
+# and ptxas) for tests/test_real_compile_gpu.py; `make test` leaves it out (those tests skip).
+CUDA_STAMP := $(VENV)/.installed-cuda
+
+$(CUDA_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -e '.[cuda]'
+	touch $@
+
+test-all: install postgres-server $(CUDA_STAMP)
 	$(BIN)/python -m pytest -q -rs
 
 bench: install
