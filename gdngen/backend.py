@@ -199,7 +199,7 @@ class Backend:
             if call.return_states == "chunks":
                 return states.run_chunks_portable(
                     call, operands, packed.chunk_params(self, variant, call.vector_gate))
-            if ("vector" if call.vector_gate else "scalar") in self.step_states:
+            if call.problem.gate in self.step_states:
                 return self.steps(call, operands, variant, **options)
             return states.run_steps_portable(call, operands)
         if call.packed:

@@ -30,24 +30,29 @@ __all__ = ["RETURN_STATES", "run_chunks_portable", "run_steps_portable"]
 RETURN_STATES = ("final", "steps", "chunks")
 
 
+def _float32(call, operands):
+    """``(ops, q, k, v, g, beta, initial_state, mask)``: the call's portable framework module
+    and its operands in float32 (a zero initial state when None)."""
+    ops = importlib.import_module(PORTABLE_OPS[call.framework])
+    f32, shape = ops.FLOAT32, call.shape
+    q, k, v, g, beta, initial_state, mask = operands[:7]
+    if initial_state is None:
+        initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    return (ops, q.astype(f32), k.astype(f32), v.astype(f32), chunkwise.cast_gates(g, f32),
+            beta.astype(f32), initial_state.astype(f32), mask)
+
+
 def run_steps_portable(call, operands):
     """A ``return_states="steps"`` `gdngen.call.Call` (layer inputs computed) on the portable
     recurrent loop of its framework, float32 inside. Returns ``(y in q's dtype, states
     [B,T,Hv,Dv,Dk] float32)``."""
-    ops = importlib.import_module(PORTABLE_OPS[call.framework])
-    f32 = ops.FLOAT32
-    shape = call.shape
-    q, k, v, g, beta, initial_state, mask = operands[:7]
-    if initial_state is None:
-        initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    g, beta = chunkwise.fold_mask(ops.XP, chunkwise.cast_gates(g, f32), beta.astype(f32), mask,
-                                  call.gate)
-    y, states = ops.recurrent_gated_delta(q.astype(f32), k.astype(f32), v.astype(f32), g, beta,
-                                          initial_state.astype(f32), scale=call.scale,
+    ops, q, k, v, g, beta, initial_state, mask = _float32(call, operands)
+    g, beta = chunkwise.fold_mask(ops.XP, g, beta, mask, call.gate)
+    y, states = ops.recurrent_gated_delta(q, k, v, g, beta, initial_state, scale=call.scale,
                                           gate=call.gate, steps=True)
     if mask is not None:
         y = ops.XP.where(mask[..., None, None], y, 0.0)
-    return y.astype(q.dtype), states
+    return y.astype(operands.q.dtype), states
 
 
 def run_chunks_portable(call, operands, params):
@@ -61,11 +66,7 @@ def run_chunks_portable(call, operands, params):
     if every % C:
         raise ValueError(f"checkpoint_every={every} must be a multiple of the chunk size {C} "
                          "the call runs at (the states are the chunk walk's)")
-    ops = importlib.import_module(PORTABLE_OPS[call.framework])
-    f32, shape = ops.FLOAT32, call.shape
-    q, k, v, g, beta, initial_state, mask = operands[:7]
-    if initial_state is None:
-        initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    ops, q, k, v, g, beta, initial_state, mask = _float32(call, operands)
     solve_block = int(params.get("solve_block", 8))
 
     def core(q, k, v, gates, beta, S0):
@@ -75,10 +76,9 @@ def run_chunks_portable(call, operands, params):
 
     with ops.FLOAT32_MATMULS:
         y, final, entering = chunkwise.gated_delta(
-            ops.XP, core, q.astype(f32), k.astype(f32), v.astype(f32),
-            chunkwise.cast_gates(g, f32), beta.astype(f32), initial_state.astype(f32), mask,
-            scale=call.scale, gate=call.gate, chunk_size=C, entering=True)
+            ops.XP, core, q, k, v, g, beta, initial_state, mask, scale=call.scale,
+            gate=call.gate, chunk_size=C, entering=True)
     m = every // C
     states = ops.XP.module.concatenate([entering[:, m::m], final[:, None]], axis=1) if \
         entering.shape[1] > m else final[:, None]
-    return y.astype(q.dtype), states
+    return y.astype(operands.q.dtype), states
