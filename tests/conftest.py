@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Releases each test module's compiled XLA executables when the module ends.
+
+    An XLA:CPU executable holds ~18 memory maps; one suite process compiles thousands, and past
+    the kernel's ``vm.max_map_count`` (65530) the next compile segfaults inside XLA.
+    """
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture
