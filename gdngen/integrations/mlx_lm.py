@@ -208,7 +208,9 @@ class _Patch:
     original: Callable
     inference: bool
     chunk_size: int | None
+    mixer: bool = True
     replaced: list[tuple[ModuleType, str]] = field(default_factory=list)
+    layers: list[tuple[type, Callable]] = field(default_factory=list)
 
 
 _ACTIVE: _Patch | None = None
@@ -233,6 +235,105 @@ def _routed_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
                                      use_kernel=use_kernel, lower_bound=lower_bound,
                                      allow_neg_eigval=allow_neg_eigval,
                                      chunk_size=active.chunk_size)
+
+
+# --------------------------------------------------------------------------- whole mixers
+
+
+def _mixer_inputs_qwen3_next(layer, inputs):
+    """``(mixed_qkv, z, b, a)`` of a Qwen3-Next layer (q, k, v, z interleaved per key head in
+    ``in_proj_qkvz``: mlx-lm's ``fix_query_key_value_ordering``)."""
+    B, S, _ = inputs.shape
+    q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(inputs),
+                                                         layer.in_proj_ba(inputs))
+    return mx.concatenate([t.reshape(B, S, -1) for t in (q, k, v)], axis=-1), z, b, a
+
+
+def _mixer_inputs_qwen3_5(layer, inputs):
+    """``(mixed_qkv, z, b, a)`` of a Qwen3.5 layer (separate projections)."""
+    B, S, _ = inputs.shape
+    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    return layer.in_proj_qkv(inputs), z, layer.in_proj_b(inputs), layer.in_proj_a(inputs)
+
+
+#: mlx-lm layer classes whose whole ``__call__`` `patch` routes through
+#: `gdngen.mlx.gated_delta_mixer`: ``(module, class name) -> projections``
+MIXER_LAYERS = {("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet"): _mixer_inputs_qwen3_next,
+                ("mlx_lm.models.qwen3_5", "GatedDeltaNet"): _mixer_inputs_qwen3_5}
+
+
+def _takes_mixer(layer, cache) -> bool:
+    """Whether the layer's call goes through the mixer: a patch with ``mixer=True`` taking this
+    path (training, or ``inference=True``), head dims gdngen takes, no tensor-parallel sharding
+    group, and a cache without per-row lengths (batched generation keeps mlx-lm's layer, which
+    reads the conv state at each row's length)."""
+    active = _ACTIVE
+    if active is None or not active.mixer or (not layer.training and not active.inference):
+        return False
+    if getattr(layer, "sharding_group", None) is not None:
+        return False
+    if cache is not None and getattr(cache, "lengths", None) is not None:
+        return False
+    return (MIN_HEAD_DIM <= layer.head_k_dim <= MAX_HEAD_DIM
+            and MIN_HEAD_DIM <= layer.head_v_dim <= MAX_HEAD_DIM)
+
+
+def _routed_mixer_call(projections, original):
+    """The ``__call__`` `patch` installs on a `MIXER_LAYERS` class."""
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if not _takes_mixer(self, cache):
+            return original(self, inputs, mask, cache)
+        B, S, _ = inputs.shape
+        mixed, z, b, a = projections(self, inputs)
+        conv_state = state = None
+        if cache is not None and cache[0] is not None:
+            conv_state = mx.swapaxes(cache[0], 1, 2)  # mlx-lm keeps [B, K-1, C]
+        if cache is not None:
+            state = cache[1]
+        if mask is not None and mask.dtype != mx.bool_:
+            mask = mask.astype(mx.bool_)
+        dims = {"Hk": self.num_k_heads, "Hv": self.num_v_heads, "Dk": self.head_k_dim,
+                "Dv": self.head_v_dim}
+        variant = None
+        if self.training:
+            variant = _layer_training_variant(B, S, dims, mixed.dtype, _ACTIVE.chunk_size)
+        out, state, conv_state = gdngen_mlx.gated_delta_mixer(
+            mixed, self.conv1d.weight[..., 0], a, b, z, **dims, A_log=self.A_log,
+            dt_bias=self.dt_bias, norm_weight=self.norm.weight, conv_state=conv_state,
+            initial_state=state, mask=mask, norm_eps=self.norm.eps,
+            chunk_size=None if variant is not None else _ACTIVE.chunk_size, variant=variant)
+        if cache is not None:
+            cache[0] = mx.swapaxes(conv_state, 1, 2)
+            cache[1] = state
+            cache.advance(S)
+        return self.out_proj(out.reshape(B, S, -1))
+
+    __call__.__gdngen_original__ = original
+    return __call__
+
+
+def _layer_training_variant(B, T, dims, dtype, chunk_size):
+    """`_training_variant` of a layer's recurrence (per-head gate)."""
+    from gdngen import dispatch
+    from gdngen.problem import CallShape, dtype_name
+
+    shape = CallShape(B, T, dims["Hk"], dims["Hv"], dims["Dk"], dims["Dv"], False)
+    chosen = dispatch.resolve("mlx", shape, dtype_name(mx.zeros((), dtype)), None, chunk_size)
+    if chosen.get("recurrent_below") is None:
+        return None
+    return chosen.replace(recurrent_below=0)
+
+
+def _patch_layers(active) -> None:
+    """Install `_routed_mixer_call` on every `MIXER_LAYERS` class (once)."""
+    for (module_name, class_name), projections in MIXER_LAYERS.items():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        if hasattr(cls.__call__, "__gdngen_original__"):
+            continue
+        original = cls.__call__
+        cls.__call__ = _routed_mixer_call(projections, original)
+        active.layers.append((cls, original))
 
 
 # --------------------------------------------------------------------------- version / discovery
@@ -297,7 +398,8 @@ def _modules_to_scan() -> list[ModuleType]:
 # --------------------------------------------------------------------------- public API
 
 
-def patch(*, inference: bool = False, chunk_size: int | None = None) -> tuple[str, ...]:
+def patch(*, inference: bool = False, chunk_size: int | None = None,
+          mixer: bool = True) -> tuple[str, ...]:
     """Route mlx-lm's ``gated_delta_update`` training calls to gdngen; return the patched modules.
 
     Every global of an mlx_lm module bound to mlx-lm's original function is replaced (aliases
@@ -307,6 +409,11 @@ def patch(*, inference: bool = False, chunk_size: int | None = None) -> tuple[st
     ``chunk_size`` None: each call runs the tuned variant of its shape class and length, else
     the default (`gdngen.dispatch`; decode-length calls take the recurrent kernel below the
     crossover); an int forces that chunk on the default variant.
+    ``mixer`` (default): the whole linear-attention layer of the `MIXER_LAYERS` families
+    (Qwen3-Next, Qwen3.5) runs `gdngen.mlx.gated_delta_mixer` between its projections (the
+    short convolution, norms, gates, recurrence and gated RMSNorm in one call; the conv and
+    recurrent states carried in the layer's cache); ``mixer=False`` routes only
+    ``gated_delta_update``, as for the other families.
     Raises ``RuntimeError`` for an unsupported mlx-lm (before changing anything).
     """
     global _ACTIVE, _ORIGINAL
@@ -327,6 +434,8 @@ def patch(*, inference: bool = False, chunk_size: int | None = None) -> tuple[st
     if _ACTIVE is None:
         _ACTIVE = _Patch(original, inference, chunk_size)
     _ACTIVE.inference, _ACTIVE.chunk_size = bool(inference), chunk_size
+    _ACTIVE.mixer = bool(mixer)
+    _patch_layers(_ACTIVE)
     for module in _modules_to_scan():
         for name, value in list(vars(module).items()):
             if value is original:
@@ -342,25 +451,27 @@ def unpatch() -> None:
         return
     for module, name in _ACTIVE.replaced:
         setattr(module, name, _ACTIVE.original)
+    for cls, original in _ACTIVE.layers:
+        cls.__call__ = original
     _ACTIVE = None
 
 
 @contextlib.contextmanager
-def patched(*, inference: bool = False,
-            chunk_size: int | None = None) -> Iterator[tuple[str, ...]]:
+def patched(*, inference: bool = False, chunk_size: int | None = None,
+            mixer: bool = True) -> Iterator[tuple[str, ...]]:
     """`patch` for the duration of a ``with`` block, yielding the patched module names.
 
     On exit the previous state returns: unpatched if it was, else the outer patch's options.
     """
-    outer = None if _ACTIVE is None else (_ACTIVE.inference, _ACTIVE.chunk_size)
-    modules = patch(inference=inference, chunk_size=chunk_size)
+    outer = None if _ACTIVE is None else (_ACTIVE.inference, _ACTIVE.chunk_size, _ACTIVE.mixer)
+    modules = patch(inference=inference, chunk_size=chunk_size, mixer=mixer)
     try:
         yield modules
     finally:
         if outer is None:
             unpatch()
         elif _ACTIVE is not None:
-            _ACTIVE.inference, _ACTIVE.chunk_size = outer
+            _ACTIVE.inference, _ACTIVE.chunk_size, _ACTIVE.mixer = outer
 
 
 def is_patched() -> bool:
