@@ -240,29 +240,81 @@ def _routed_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
 # --------------------------------------------------------------------------- whole mixers
 
 
-def _mixer_inputs_qwen3_next(layer, inputs):
-    """``(mixed_qkv, z, b, a)`` of a Qwen3-Next layer (q, k, v, z interleaved per key head in
-    ``in_proj_qkvz``: mlx-lm's ``fix_query_key_value_ordering``)."""
-    B, S, _ = inputs.shape
-    q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(inputs),
-                                                         layer.in_proj_ba(inputs))
-    return mx.concatenate([t.reshape(B, S, -1) for t in (q, k, v)], axis=-1), z, b, a
+@dataclass(frozen=True)
+class _MixerLayer:
+    """How one mlx-lm layer class maps onto `gdngen.mlx.gated_delta_mixer`: ``arguments(layer,
+    x)`` its projections and parameters as the mixer's keywords (mixed_qkv, conv_weight, a, b,
+    z, Hk, Hv, Dk, Dv, A_log, dt_bias, norm_weight, norm_eps, norm_gate); ``conv_slots`` the
+    cache entries holding its conv state(s) ``[B, K-1, channels]``, concatenated along
+    channels in that order (equal widths); ``state_slot`` the recurrent state's entry;
+    ``output`` the name of its output projection."""
+
+    arguments: Callable
+    conv_slots: tuple[int, ...]
+    state_slot: int
+    output: str
 
 
-def _mixer_inputs_qwen3_5(layer, inputs):
-    """``(mixed_qkv, z, b, a)`` of a Qwen3.5 layer (separate projections)."""
-    B, S, _ = inputs.shape
-    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
-    return layer.in_proj_qkv(inputs), z, layer.in_proj_b(inputs), layer.in_proj_a(inputs)
+def _dims(Hk, Hv, Dk, Dv):
+    return {"Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv}
+
+
+def _qwen_norm(layer):
+    return {"A_log": layer.A_log, "dt_bias": layer.dt_bias, "norm_weight": layer.norm.weight,
+            "norm_eps": layer.norm.eps, "norm_gate": "silu",
+            "conv_weight": layer.conv1d.weight[..., 0],
+            **_dims(layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)}
+
+
+def _qwen3_next_arguments(layer, x):
+    """Qwen3-Next: q, k, v, z interleaved per key head in ``in_proj_qkvz`` (mlx-lm's
+    ``fix_query_key_value_ordering``)."""
+    B, S, _ = x.shape
+    q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x),
+                                                         layer.in_proj_ba(x))
+    mixed = mx.concatenate([t.reshape(B, S, -1) for t in (q, k, v)], axis=-1)
+    return {"mixed_qkv": mixed, "z": z, "b": b, "a": a, **_qwen_norm(layer)}
+
+
+def _qwen3_5_arguments(layer, x):
+    """Qwen3.5: separate projections."""
+    B, S, _ = x.shape
+    z = layer.in_proj_z(x).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    return {"mixed_qkv": layer.in_proj_qkv(x), "z": z, "b": layer.in_proj_b(x),
+            "a": layer.in_proj_a(x), **_qwen_norm(layer)}
+
+
+def _kimi_linear_arguments(layer, x):
+    """Kimi Linear: three depthwise convolutions (q_conv, k_conv, v_conv) are one over the
+    concatenated projections; per-channel gate ``a [B,T,H,D]`` with A_log ``[H, 1]`` and
+    dt_bias ``[H, D]``; output ``o_norm(y) * sigmoid(g)``."""
+    B, S, _ = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    mixed = mx.concatenate([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], axis=-1)
+    weight = mx.concatenate([c.conv.weight[..., 0] for c in
+                             (layer.q_conv, layer.k_conv, layer.v_conv)], axis=0)
+    return {"mixed_qkv": mixed, "conv_weight": weight,
+            "a": layer.f_b_proj(layer.f_a_proj(x)).reshape(B, S, H, D),
+            "b": layer.b_proj(x).reshape(B, S, H),
+            "z": layer.g_b_proj(layer.g_a_proj(x)).reshape(B, S, H, D),
+            "A_log": layer.A_log.reshape(H, 1), "dt_bias": layer.dt_bias.reshape(H, D),
+            "norm_weight": layer.o_norm.weight, "norm_eps": layer.o_norm.eps,
+            "norm_gate": "sigmoid", **_dims(H, H, D, D)}
 
 
 #: mlx-lm layer classes whose whole ``__call__`` `patch` routes through
-#: `gdngen.mlx.gated_delta_mixer`: ``(module, class name) -> projections``
-MIXER_LAYERS = {("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet"): _mixer_inputs_qwen3_next,
-                ("mlx_lm.models.qwen3_5", "GatedDeltaNet"): _mixer_inputs_qwen3_5}
+#: `gdngen.mlx.gated_delta_mixer`, by ``(module, class name)``
+MIXER_LAYERS = {
+    ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet"):
+        _MixerLayer(_qwen3_next_arguments, (0,), 1, "out_proj"),
+    ("mlx_lm.models.qwen3_5", "GatedDeltaNet"):
+        _MixerLayer(_qwen3_5_arguments, (0,), 1, "out_proj"),
+    ("mlx_lm.models.kimi_linear", "KimiDeltaAttention"):
+        _MixerLayer(_kimi_linear_arguments, (0, 1, 2), 3, "o_proj"),
+}
 
 
-def _takes_mixer(layer, cache) -> bool:
+def _takes_mixer(layer, cache, arguments) -> bool:
     """Whether the layer's call goes through the mixer: a patch with ``mixer=True`` taking this
     path (training, or ``inference=True``), head dims gdngen takes, no tensor-parallel sharding
     group, and a cache without per-row lengths (batched generation keeps mlx-lm's layer, which
@@ -274,52 +326,55 @@ def _takes_mixer(layer, cache) -> bool:
         return False
     if cache is not None and getattr(cache, "lengths", None) is not None:
         return False
-    return (MIN_HEAD_DIM <= layer.head_k_dim <= MAX_HEAD_DIM
-            and MIN_HEAD_DIM <= layer.head_v_dim <= MAX_HEAD_DIM)
+    return (MIN_HEAD_DIM <= arguments["Dk"] <= MAX_HEAD_DIM
+            and MIN_HEAD_DIM <= arguments["Dv"] <= MAX_HEAD_DIM)
 
 
-def _routed_mixer_call(projections, original):
+def _routed_mixer_call(family: _MixerLayer, original):
     """The ``__call__`` `patch` installs on a `MIXER_LAYERS` class."""
 
     def __call__(self, inputs, mask=None, cache=None):
-        if not _takes_mixer(self, cache):
+        if _ACTIVE is None or not _ACTIVE.mixer:
+            return original(self, inputs, mask, cache)
+        arguments = family.arguments(self, inputs)
+        if not _takes_mixer(self, cache, arguments):
             return original(self, inputs, mask, cache)
         B, S, _ = inputs.shape
-        mixed, z, b, a = projections(self, inputs)
         conv_state = state = None
-        if cache is not None and cache[0] is not None:
-            conv_state = mx.swapaxes(cache[0], 1, 2)  # mlx-lm keeps [B, K-1, C]
         if cache is not None:
-            state = cache[1]
+            convs = [cache[i] for i in family.conv_slots]
+            if all(c is not None for c in convs):  # mlx-lm keeps [B, K-1, channels]
+                conv_state = mx.swapaxes(mx.concatenate(convs, axis=-1), 1, 2)
+            state = cache[family.state_slot]
         if mask is not None and mask.dtype != mx.bool_:
             mask = mask.astype(mx.bool_)
-        dims = {"Hk": self.num_k_heads, "Hv": self.num_v_heads, "Dk": self.head_k_dim,
-                "Dv": self.head_v_dim}
         variant = None
         if self.training:
-            variant = _layer_training_variant(B, S, dims, mixed.dtype, _ACTIVE.chunk_size)
+            variant = _layer_training_variant(B, S, arguments, _ACTIVE.chunk_size)
         out, state, conv_state = gdngen_mlx.gated_delta_mixer(
-            mixed, self.conv1d.weight[..., 0], a, b, z, **dims, A_log=self.A_log,
-            dt_bias=self.dt_bias, norm_weight=self.norm.weight, conv_state=conv_state,
-            initial_state=state, mask=mask, norm_eps=self.norm.eps,
+            **arguments, conv_state=conv_state, initial_state=state, mask=mask,
             chunk_size=None if variant is not None else _ACTIVE.chunk_size, variant=variant)
         if cache is not None:
-            cache[0] = mx.swapaxes(conv_state, 1, 2)
-            cache[1] = state
+            parts = mx.split(mx.swapaxes(conv_state, 1, 2), len(family.conv_slots), axis=-1)
+            for slot, part in zip(family.conv_slots, parts):
+                cache[slot] = part
+            cache[family.state_slot] = state
             cache.advance(S)
-        return self.out_proj(out.reshape(B, S, -1))
+        return getattr(self, family.output)(out.reshape(B, S, -1))
 
     __call__.__gdngen_original__ = original
     return __call__
 
 
-def _layer_training_variant(B, T, dims, dtype, chunk_size):
-    """`_training_variant` of a layer's recurrence (per-head gate)."""
+def _layer_training_variant(B, T, arguments, chunk_size):
+    """`_training_variant` of a layer's recurrence."""
     from gdngen import dispatch
     from gdngen.problem import CallShape, dtype_name
 
-    shape = CallShape(B, T, dims["Hk"], dims["Hv"], dims["Dk"], dims["Dv"], False)
-    chosen = dispatch.resolve("mlx", shape, dtype_name(mx.zeros((), dtype)), None, chunk_size)
+    shape = CallShape(B, T, arguments["Hk"], arguments["Hv"], arguments["Dk"], arguments["Dv"],
+                      arguments["a"].ndim == 4)
+    chosen = dispatch.resolve("mlx", shape, dtype_name(arguments["mixed_qkv"]), None,
+                              chunk_size)
     if chosen.get("recurrent_below") is None:
         return None
     return chosen.replace(recurrent_below=0)
@@ -327,12 +382,12 @@ def _layer_training_variant(B, T, dims, dtype, chunk_size):
 
 def _patch_layers(active) -> None:
     """Install `_routed_mixer_call` on every `MIXER_LAYERS` class (once)."""
-    for (module_name, class_name), projections in MIXER_LAYERS.items():
+    for (module_name, class_name), family in MIXER_LAYERS.items():
         cls = getattr(importlib.import_module(module_name), class_name)
         if hasattr(cls.__call__, "__gdngen_original__"):
             continue
         original = cls.__call__
-        cls.__call__ = _routed_mixer_call(projections, original)
+        cls.__call__ = _routed_mixer_call(family, original)
         active.layers.append((cls, original))
 
 
