@@ -64,7 +64,7 @@ def losses(framework, dout, Hk, Hv, D):
             return y * r * w * jax.nn.silu(z)
     else:
         import mlx.core as ops
-        import mlx.nn as nn
+        from mlx import nn
 
         from gdngen.mlx import gated_delta, gated_delta_mixer
 

@@ -116,9 +116,9 @@ def _framework(framework):
     return mx, mx.checkpoint
 
 
-def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log,
-                      dt_bias, norm_weight, conv_state=None, initial_state=None, mask=None,
-                      cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
+def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk,
+                      Dv, A_log, dt_bias, norm_weight, conv_state=None, initial_state=None,
+                      mask=None, cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
                       lower_bound=None, norm_gate="silu", chunk_size=None, variant=None):
     """The mixer on ``framework``'s arrays (module docstring), its recurrence the framework's
     ``gated_delta``."""

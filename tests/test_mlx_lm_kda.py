@@ -197,8 +197,9 @@ def test_kimi_linear_layers_run_the_mixer_whole(monkeypatch):
     one over the concatenated projections, mlx-lm's ShortConv1d never called): loss and every
     gradient as unpatched, and a prefix then a suffix through the cache (three conv states and
     the recurrent one) as unpatched."""
-    import gdngen.mlx
     from spies import spy_calls
+
+    import gdngen.mlx
 
     model, batch = build_kimi_linear(), token_batch(B=2, T=37, seed=21)
     ref_loss, ref_grads = loss_and_grads(model, batch)

@@ -125,7 +125,7 @@ def reference_vjp(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_
     array argument: a per-row loop for the convolution, `gdngen.algebra.reference`'s
     recurrence and its BPTT, and the chain rule of every elementwise stage. Returns a dict:
     "out", "final_state", "conv_state" and "d<argument>" for each array argument."""
-    f = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+    f = lambda x: None if x is None else np.asarray(x, np.float64)
     x, w, a, bl, z = f(mixed_qkv), f(conv_weight), f(a), f(b), f(z)
     A_log, dt_bias, nw = f(A_log), f(dt_bias), f(norm_weight)
     conv_state, initial_state = f(conv_state), f(initial_state)

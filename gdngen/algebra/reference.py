@@ -214,7 +214,7 @@ def l2_normalize_vjp(x_hat, r, d_hat):
     return (d_hat - x_hat * (x_hat * d_hat).sum(axis=-1, keepdims=True)) / r
 
 
-def _sum_to(x, shape):
+def sum_to(x, shape):
     """A gate-shaped gradient ``[B,T,Hv(,Dk)]`` summed down to a parameter's ``shape``."""
     per_head = x.sum(axis=(0, 1))
     if per_head.shape == shape:
@@ -230,7 +230,7 @@ class LayerInputsVJP:
 
     def __init__(self, q, k, a, b, A_log, dt_bias, gate, lower_bound=None):
         vector = a.ndim == 4
-        as_param = lambda p: p.reshape(-1, 1) if vector and p.ndim == 1 else p  # noqa: E731
+        as_param = lambda p: p.reshape(-1, 1) if vector and p.ndim == 1 else p
         self.shapes = (A_log.shape, dt_bias.shape)
         (self.q, self.rq), (self.k, self.rk) = l2_normalize(q), l2_normalize(k)
         self.A, self.pre = as_param(A_log), a + as_param(dt_bias)
@@ -259,6 +259,6 @@ class LayerInputsVJP:
             d_pre, d_A = dz * np.exp(self.A), dz * self.zg
         return {"dq": l2_normalize_vjp(self.q, self.rq, out["dq"]),
                 "dk": l2_normalize_vjp(self.k, self.rk, out["dk"]),
-                "dg": d_pre, "dA_log": _sum_to(d_A, self.shapes[0]),
-                "ddt_bias": _sum_to(d_pre, self.shapes[1]),
+                "dg": d_pre, "dA_log": sum_to(d_A, self.shapes[0]),
+                "ddt_bias": sum_to(d_pre, self.shapes[1]),
                 "dbeta": out["dbeta"] * self.beta * (1.0 - self.beta)}

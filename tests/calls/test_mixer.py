@@ -115,7 +115,7 @@ class Framework:
             grads = self.jax.grad(loss, argnums=tuple(range(len(args))))(*args)
         else:
             grads = self.m.grad(loss, argnums=list(range(len(args))))(*args)
-        read = lambda a: np.asarray(a.astype(self.m.float32), np.float64)  # noqa: E731
+        read = lambda a: np.asarray(a.astype(self.m.float32), np.float64)
         out = dict(zip(("out", "final_state", "conv_state"), map(read, values)))
         out.update({f"d{n}": read(g) for n, g in zip(names, grads)})
         return out
@@ -190,7 +190,7 @@ def test_decode_continues_a_prefill_through_both_states(framework):
     """A prefill of 29 steps, then 8 decode calls of T=1 carrying (final_state, conv_state),
     equal one call over all 37 steps."""
     fw = Framework(framework)
-    x, options = inputs("scalar", seed=11, mask=False)
+    x, _ = inputs("scalar", seed=11, mask=False)
     x.pop("conv_state"), x.pop("initial_state")
     a = {n: fw.array(v) for n, v in x.items()}
     whole = fw.mixer(**a, **DIMS)
