@@ -16,7 +16,8 @@ gdngen's per-channel default 32 for kimi_linear); the warm-up step checks that e
 called gdngen in that mode and none did without it. Reports the median step time and the peak
 memory (``mx.get_peak_memory``) per length. Run from the repo root: ``python
 benchmarks/bench_mlx_lm_training.py [--model qwen3_5|kimi_linear] [--seq-lens 512,1024]
-[--repeats 3] [--compile] [--json]``.
+[--repeats 3] [--compile] [--no-mixer] [--json]`` (``--no-mixer``: the patch routes only
+``gated_delta_update``, mlx-lm's conv and norm stay).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class Trainer:
     """One model, optimizer and step function for a mode; ``run`` times one step."""
 
     def __init__(self, mode, T, args):
-        self.mode, self.chunk_size = mode, args.chunk_size
+        self.mode, self.chunk_size, self.mixer = mode, args.chunk_size, args.mixer
         if args.model == "kimi_linear":
             self.model = build_kimi_linear(hidden=args.hidden, layers=args.layers,
                                            interval=args.interval, heads=args.hv,
@@ -146,7 +147,7 @@ class Trainer:
     def run(self):
         """``(seconds, peak bytes)`` of one step; the patch is on only for mode "gdngen"."""
         if self.mode == "gdngen":
-            integration.patch(chunk_size=self.chunk_size)
+            integration.patch(chunk_size=self.chunk_size, mixer=self.mixer)
         try:
             mx.clear_cache()
             mx.reset_peak_memory()
@@ -237,6 +238,7 @@ def print_table(rows, args):
           f"({args.layers - args.layers // args.interval} {LINEAR_LAYER[args.model]}), "
           f"Hk={args.hk} Hv={args.hv} Dk={args.dk} Dv={args.dv}, B={args.batch}, "
           f"chunk {args.chunk_size}, {'compiled' if args.compile else 'eager'} step, "
+          f"patch(mixer={args.mixer}), "
           f"median of {args.repeats}")
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           f"CPUs (other processes slow both modes alike: their steps alternate)")
@@ -265,6 +267,9 @@ def main(argv=None) -> None:
                           ("dk", None), ("dv", None), ("vocab", 1024), ("chunk_size", None),
                           ("repeats", 3)):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    p.add_argument("--mixer", action=argparse.BooleanOptionalAction, default=True,
+                   help="patch(mixer=...): whole layers through gated_delta_mixer (default), "
+                        "or only gated_delta_update")
     p.add_argument("--compile", action="store_true",
                    help="mx.compile the step like mlx_lm.tuner.trainer (slow to trace unpatched)")
     p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from gdngen import call as calls
-from gdngen import sharding, state_pool
+from gdngen import mixer, sharding, state_pool
 from gdngen.algebra import layer_inputs
 from gdngen.call import Operands
 from gdngen.dispatch import run
 
-__all__ = ["gated_delta"]
+__all__ = ["gated_delta", "gated_delta_mixer"]
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
@@ -98,3 +98,18 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     arrays = {name: getattr(operands, name) for name in
               ("q", "k", "v", "g", "beta", "initial_state", "mask", *sharding.PARAMETERS)}
     return sharding.run(one_call, arrays, checked.shape, context_axis=context_axis)
+
+
+def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,
+                      norm_weight, conv_state=None, initial_state=None, mask=None,
+                      cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
+                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None):
+    """The whole gated-delta mixer (`gdngen.mixer`): causal short conv + SiLU, q/k L2 norm,
+    gates, the recurrence, gated RMSNorm; returns ``(out [B,T,Hv,Dv], final_state,
+    conv_state [B,C,K-1])``. Differentiable in every array argument."""
+    return mixer.gated_delta_mixer(
+        "jax", gated_delta, mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv,
+        A_log=A_log, dt_bias=dt_bias, norm_weight=norm_weight, conv_state=conv_state,
+        initial_state=initial_state, mask=mask, cu_seqlens=cu_seqlens, norm_eps=norm_eps,
+        scale=scale, gate=gate, lower_bound=lower_bound, norm_gate=norm_gate,
+        chunk_size=chunk_size, variant=variant)

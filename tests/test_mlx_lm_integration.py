@@ -210,6 +210,28 @@ def test_training_forward_runs_gdngen_and_never_the_per_token_loop(calls):
     assert calls == {"gdngen": len(linear_attention_layers(model)), "ops": 0}
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("mixer", [True, False], ids=["mixer", "update_only"])
+def test_whole_layers_run_the_mixer_and_match_unpatched(monkeypatch, name, mixer):
+    """Qwen3.5 / Qwen3-Next linear-attention layers run gdngen.mlx.gated_delta_mixer whole
+    (``patch(mixer=True)``, the default; mlx-lm's conv1d and RMSNormGated never run), loss and
+    every gradient as unpatched; ``mixer=False`` routes gated_delta_update alone."""
+    import gdngen.mlx
+
+    model, batch = BUILDERS[name](), token_batch()
+    ref_loss, ref_grads = loss_and_grads(model, batch)
+    ran = spy_calls(monkeypatch, gdngen.mlx, ["gated_delta_mixer"])
+    convs = spy_calls(monkeypatch, nn.Conv1d, ["__call__"])
+    with integration.patched(chunk_size=CHUNK, mixer=mixer):
+        loss, grads = loss_and_grads(model, batch)
+    layers = len(linear_attention_layers(model))
+    assert len(ran) == (layers if mixer else 0)
+    assert len(convs) == (0 if mixer else layers)
+    worst = worst_relative_error(ref_grads, grads)
+    assert relative_error(ref_loss, loss) < GRAD_RTOL
+    assert worst[1] < GRAD_RTOL, worst
+
+
 def test_inference_keeps_mlx_lm_unless_asked(calls):
     model, inputs = build_qwen3_5(), token_batch()[:, :-1]
     model.eval()  # use_kernel=True: mlx-lm's kernel on Metal, its ops loop on CPU
@@ -554,7 +576,7 @@ def greedy_tokens(model, prompt, steps):
     return tokens, mx.concatenate(every)
 
 
-def test_generation_with_patched_inference_gives_the_same_tokens(calls):
+def test_generation_with_patched_inference_gives_the_same_tokens(monkeypatch, calls):
     """A tiny Qwen3.5 generating 64 tokens: patched (prefill and T=1 decode through gdngen, the
     decode steps on its recurrent kernel) the same tokens and logits as mlx-lm's own path."""
     model = build_qwen3_5()
@@ -562,8 +584,12 @@ def test_generation_with_patched_inference_gives_the_same_tokens(calls):
     prompt = token_batch(B=1, T=11)[0]
     reference, reference_logits = greedy_tokens(model, prompt, 64)
     assert calls["gdngen"] == 0
+    import gdngen.mlx
+
+    mixers = spy_calls(monkeypatch, gdngen.mlx, ["gated_delta_mixer"])
     with integration.patched(inference=True):
         tokens, logits = greedy_tokens(model, prompt, 64)
     assert calls["gdngen"] == 65 * len(linear_attention_layers(model))  # prefill + 64 decodes
+    assert len(mixers) == calls["gdngen"]  # whole layers, conv and norm states in the cache
     assert tokens == reference
     assert relative_error(reference_logits, logits) < GRAD_RTOL

@@ -192,6 +192,47 @@ def test_incoming_cache_state_continues_the_sequence():
         assert relative_error(ref, got) < 1e-5
 
 
+def test_kimi_linear_layers_run_the_mixer_whole(monkeypatch):
+    """Kimi Linear's KDA layers run gdngen.mlx.gated_delta_mixer (its three convolutions as
+    one over the concatenated projections, mlx-lm's ShortConv1d never called): loss and every
+    gradient as unpatched, and a prefix then a suffix through the cache (three conv states and
+    the recurrent one) as unpatched."""
+    from spies import spy_calls
+
+    import gdngen.mlx
+
+    model, batch = build_kimi_linear(), token_batch(B=2, T=37, seed=21)
+    ref_loss, ref_grads = loss_and_grads(model, batch)
+    tokens = batch[:, :-1]
+
+    def continue_from_prefix():
+        cache = model.make_cache()
+        model(tokens[:, :13], cache=cache)
+        logits = model(tokens[:, 13:], cache=cache)
+        states = [c[i] for c in cache if c.__class__.__name__ == "ArraysCache"
+                  for i in range(4)]
+        mx.eval(logits, states)
+        return logits, states
+
+    model.eval()
+    ref_logits, ref_states = continue_from_prefix()
+    model.train()
+    mixers = spy_calls(monkeypatch, gdngen.mlx, ["gated_delta_mixer"])
+    convs = spy_calls(monkeypatch, kimi_linear.ShortConv1d, ["__call__"])
+    with integration.patched(chunk_size=CHUNK, inference=True):
+        loss, grads = loss_and_grads(model, batch)
+        model.eval()
+        logits, states = continue_from_prefix()
+    assert len(mixers) == 3 * len(kda_layers(model)) and not convs
+    worst = worst_relative_error(ref_grads, grads)
+    assert relative_error(ref_loss, loss) < GRAD_RTOL
+    assert worst[1] < GRAD_RTOL, worst
+    assert relative_error(ref_logits, logits) < 1e-5
+    assert len(states) == len(ref_states) == 4 * len(kda_layers(model))
+    for ref, got in zip(ref_states, states):
+        assert relative_error(ref, got) < 1e-5
+
+
 # --------------------------------------------------------------------------- what stays on mlx-lm
 
 

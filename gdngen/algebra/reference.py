@@ -192,3 +192,73 @@ def packed_vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, cu_seqlens, *,
         out["final_state"][n] = part["final_state"][0]
         out["dinitial_state"][n] = part["dinitial_state"][0]
     return out
+
+
+# ------------------------------------------------------------------------ layer inputs
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x)) in float64, written so that neither tail cancels or overflows."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def l2_normalize(x, eps=1e-6):
+    """``(x / r, r)`` with ``r = sqrt(sum_D x^2 + eps)`` (`gdngen.algebra.layer_inputs`)."""
+    r = np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+    return x / r, r
+
+
+def l2_normalize_vjp(x_hat, r, d_hat):
+    """d/dx of <x / r, d_hat>: ``(d_hat - x_hat (x_hat . d_hat)) / r``."""
+    return (d_hat - x_hat * (x_hat * d_hat).sum(axis=-1, keepdims=True)) / r
+
+
+def sum_to(x, shape):
+    """A gate-shaped gradient ``[B,T,Hv(,Dk)]`` summed down to a parameter's ``shape``."""
+    per_head = x.sum(axis=(0, 1))
+    if per_head.shape == shape:
+        return per_head
+    return per_head.sum(axis=-1).reshape(shape)
+
+
+class LayerInputsVJP:
+    """Float64 layer inputs of a GatedDeltaNet / KDA layer (`gdngen.algebra.layer_inputs`):
+    q, k L2-normalised, ``log g`` from the raw projection ``a`` (gate "softplus" or
+    "sigmoid_bound" with ``A_log``, ``dt_bias``, ``lower_bound``), ``beta = sigmoid(b)``; and
+    the chain rule from the recurrence's gradients (`vjp`'s dict) back to the raw arrays."""
+
+    def __init__(self, q, k, a, b, A_log, dt_bias, gate, lower_bound=None):
+        vector = a.ndim == 4
+        as_param = lambda p: p.reshape(-1, 1) if vector and p.ndim == 1 else p
+        self.shapes = (A_log.shape, dt_bias.shape)
+        (self.q, self.rq), (self.k, self.rk) = l2_normalize(q), l2_normalize(k)
+        self.A, self.pre = as_param(A_log), a + as_param(dt_bias)
+        self.gate, self.lower_bound = gate, lower_bound
+        if gate == "softplus":
+            self.log_g = -np.exp(self.A) * np.logaddexp(self.pre, 0.0)
+        elif gate == "sigmoid_bound":
+            self.zg = np.exp(self.A) * self.pre
+            self.log_g = lower_bound * sigmoid(self.zg)
+        else:
+            raise ValueError(f"gate must be 'softplus' or 'sigmoid_bound', got {gate!r}")
+        self.beta = sigmoid(b)
+
+    def values(self):
+        """``(q, k, log_g, beta)`` the recurrence takes."""
+        return self.q, self.k, self.log_g, self.beta
+
+    def grads(self, out):
+        """``dq, dk`` (raw), ``dg`` (d/da), ``dA_log``, ``ddt_bias``, ``dbeta`` (d/db)."""
+        if self.gate == "softplus":  # d log g/d pre = -exp(A) sigmoid(pre), d log g/dA = log g
+            d_pre = out["dg"] * -np.exp(self.A) * sigmoid(self.pre)
+            d_A = out["dg"] * self.log_g
+        else:  # d log g / dz = lb s (1 - s), dz / d pre = exp(A), dz / dA = z
+            s = sigmoid(self.zg)
+            dz = out["dg"] * self.lower_bound * s * (1.0 - s)
+            d_pre, d_A = dz * np.exp(self.A), dz * self.zg
+        return {"dq": l2_normalize_vjp(self.q, self.rq, out["dq"]),
+                "dk": l2_normalize_vjp(self.k, self.rk, out["dk"]),
+                "dg": d_pre, "dA_log": sum_to(d_A, self.shapes[0]),
+                "ddt_bias": sum_to(d_pre, self.shapes[1]),
+                "dbeta": out["dbeta"] * self.beta * (1.0 - self.beta)}

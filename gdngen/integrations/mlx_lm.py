@@ -208,7 +208,9 @@ class _Patch:
     original: Callable
     inference: bool
     chunk_size: int | None
+    mixer: bool = True
     replaced: list[tuple[ModuleType, str]] = field(default_factory=list)
+    layers: list[tuple[type, Callable]] = field(default_factory=list)
 
 
 _ACTIVE: _Patch | None = None
@@ -233,6 +235,160 @@ def _routed_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
                                      use_kernel=use_kernel, lower_bound=lower_bound,
                                      allow_neg_eigval=allow_neg_eigval,
                                      chunk_size=active.chunk_size)
+
+
+# --------------------------------------------------------------------------- whole mixers
+
+
+@dataclass(frozen=True)
+class _MixerLayer:
+    """How one mlx-lm layer class maps onto `gdngen.mlx.gated_delta_mixer`: ``arguments(layer,
+    x)`` its projections and parameters as the mixer's keywords (mixed_qkv, conv_weight, a, b,
+    z, Hk, Hv, Dk, Dv, A_log, dt_bias, norm_weight, norm_eps, norm_gate); ``conv_slots`` the
+    cache entries holding its conv state(s) ``[B, K-1, channels]``, concatenated along
+    channels in that order (equal widths); ``state_slot`` the recurrent state's entry;
+    ``output`` the name of its output projection."""
+
+    arguments: Callable
+    conv_slots: tuple[int, ...]
+    state_slot: int
+    output: str
+
+
+def _dims(Hk, Hv, Dk, Dv):
+    return {"Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv}
+
+
+def _qwen_norm(layer):
+    return {"A_log": layer.A_log, "dt_bias": layer.dt_bias, "norm_weight": layer.norm.weight,
+            "norm_eps": layer.norm.eps, "norm_gate": "silu",
+            "conv_weight": layer.conv1d.weight[..., 0],
+            **_dims(layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)}
+
+
+def _qwen3_next_arguments(layer, x):
+    """Qwen3-Next: q, k, v, z interleaved per key head in ``in_proj_qkvz`` (mlx-lm's
+    ``fix_query_key_value_ordering``)."""
+    B, S, _ = x.shape
+    q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x),
+                                                         layer.in_proj_ba(x))
+    mixed = mx.concatenate([t.reshape(B, S, -1) for t in (q, k, v)], axis=-1)
+    return {"mixed_qkv": mixed, "z": z, "b": b, "a": a, **_qwen_norm(layer)}
+
+
+def _qwen3_5_arguments(layer, x):
+    """Qwen3.5: separate projections."""
+    B, S, _ = x.shape
+    z = layer.in_proj_z(x).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    return {"mixed_qkv": layer.in_proj_qkv(x), "z": z, "b": layer.in_proj_b(x),
+            "a": layer.in_proj_a(x), **_qwen_norm(layer)}
+
+
+def _kimi_linear_arguments(layer, x):
+    """Kimi Linear: three depthwise convolutions (q_conv, k_conv, v_conv) are one over the
+    concatenated projections; per-channel gate ``a [B,T,H,D]`` with A_log ``[H, 1]`` and
+    dt_bias ``[H, D]``; output ``o_norm(y) * sigmoid(g)``."""
+    B, S, _ = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    mixed = mx.concatenate([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], axis=-1)
+    weight = mx.concatenate([c.conv.weight[..., 0] for c in
+                             (layer.q_conv, layer.k_conv, layer.v_conv)], axis=0)
+    return {"mixed_qkv": mixed, "conv_weight": weight,
+            "a": layer.f_b_proj(layer.f_a_proj(x)).reshape(B, S, H, D),
+            "b": layer.b_proj(x).reshape(B, S, H),
+            "z": layer.g_b_proj(layer.g_a_proj(x)).reshape(B, S, H, D),
+            "A_log": layer.A_log.reshape(H, 1), "dt_bias": layer.dt_bias.reshape(H, D),
+            "norm_weight": layer.o_norm.weight, "norm_eps": layer.o_norm.eps,
+            "norm_gate": "sigmoid", **_dims(H, H, D, D)}
+
+
+#: mlx-lm layer classes whose whole ``__call__`` `patch` routes through
+#: `gdngen.mlx.gated_delta_mixer`, by ``(module, class name)``
+MIXER_LAYERS = {
+    ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet"):
+        _MixerLayer(_qwen3_next_arguments, (0,), 1, "out_proj"),
+    ("mlx_lm.models.qwen3_5", "GatedDeltaNet"):
+        _MixerLayer(_qwen3_5_arguments, (0,), 1, "out_proj"),
+    ("mlx_lm.models.kimi_linear", "KimiDeltaAttention"):
+        _MixerLayer(_kimi_linear_arguments, (0, 1, 2), 3, "o_proj"),
+}
+
+
+def _takes_mixer(layer, cache, arguments) -> bool:
+    """Whether the layer's call goes through the mixer: a patch with ``mixer=True`` taking this
+    path (training, or ``inference=True``), head dims gdngen takes, no tensor-parallel sharding
+    group, and a cache without per-row lengths (batched generation keeps mlx-lm's layer, which
+    reads the conv state at each row's length)."""
+    active = _ACTIVE
+    if active is None or not active.mixer or (not layer.training and not active.inference):
+        return False
+    if getattr(layer, "sharding_group", None) is not None:
+        return False
+    if cache is not None and getattr(cache, "lengths", None) is not None:
+        return False
+    return (MIN_HEAD_DIM <= arguments["Dk"] <= MAX_HEAD_DIM
+            and MIN_HEAD_DIM <= arguments["Dv"] <= MAX_HEAD_DIM)
+
+
+def _routed_mixer_call(family: _MixerLayer, original):
+    """The ``__call__`` `patch` installs on a `MIXER_LAYERS` class."""
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if _ACTIVE is None or not _ACTIVE.mixer:
+            return original(self, inputs, mask, cache)
+        arguments = family.arguments(self, inputs)
+        if not _takes_mixer(self, cache, arguments):
+            return original(self, inputs, mask, cache)
+        B, S, _ = inputs.shape
+        conv_state = state = None
+        if cache is not None:
+            convs = [cache[i] for i in family.conv_slots]
+            if all(c is not None for c in convs):  # mlx-lm keeps [B, K-1, channels]
+                conv_state = mx.swapaxes(mx.concatenate(convs, axis=-1), 1, 2)
+            state = cache[family.state_slot]
+        if mask is not None and mask.dtype != mx.bool_:
+            mask = mask.astype(mx.bool_)
+        variant = None
+        if self.training:
+            variant = _layer_training_variant(B, S, arguments, _ACTIVE.chunk_size)
+        out, state, conv_state = gdngen_mlx.gated_delta_mixer(
+            **arguments, conv_state=conv_state, initial_state=state, mask=mask,
+            chunk_size=None if variant is not None else _ACTIVE.chunk_size, variant=variant)
+        if cache is not None:
+            parts = mx.split(mx.swapaxes(conv_state, 1, 2), len(family.conv_slots), axis=-1)
+            for slot, part in zip(family.conv_slots, parts):
+                cache[slot] = part
+            cache[family.state_slot] = state
+            cache.advance(S)
+        return getattr(self, family.output)(out.reshape(B, S, -1))
+
+    __call__.__gdngen_original__ = original
+    return __call__
+
+
+def _layer_training_variant(B, T, arguments, chunk_size):
+    """`_training_variant` of a layer's recurrence."""
+    from gdngen import dispatch
+    from gdngen.problem import CallShape, dtype_name
+
+    shape = CallShape(B, T, arguments["Hk"], arguments["Hv"], arguments["Dk"], arguments["Dv"],
+                      arguments["a"].ndim == 4)
+    chosen = dispatch.resolve("mlx", shape, dtype_name(arguments["mixed_qkv"]), None,
+                              chunk_size)
+    if chosen.get("recurrent_below") is None:
+        return None
+    return chosen.replace(recurrent_below=0)
+
+
+def _patch_layers(active) -> None:
+    """Install `_routed_mixer_call` on every `MIXER_LAYERS` class (once)."""
+    for (module_name, class_name), family in MIXER_LAYERS.items():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        if hasattr(cls.__call__, "__gdngen_original__"):
+            continue
+        original = cls.__call__
+        cls.__call__ = _routed_mixer_call(family, original)
+        active.layers.append((cls, original))
 
 
 # --------------------------------------------------------------------------- version / discovery
@@ -297,7 +453,8 @@ def _modules_to_scan() -> list[ModuleType]:
 # --------------------------------------------------------------------------- public API
 
 
-def patch(*, inference: bool = False, chunk_size: int | None = None) -> tuple[str, ...]:
+def patch(*, inference: bool = False, chunk_size: int | None = None,
+          mixer: bool = True) -> tuple[str, ...]:
     """Route mlx-lm's ``gated_delta_update`` training calls to gdngen; return the patched modules.
 
     Every global of an mlx_lm module bound to mlx-lm's original function is replaced (aliases
@@ -307,6 +464,11 @@ def patch(*, inference: bool = False, chunk_size: int | None = None) -> tuple[st
     ``chunk_size`` None: each call runs the tuned variant of its shape class and length, else
     the default (`gdngen.dispatch`; decode-length calls take the recurrent kernel below the
     crossover); an int forces that chunk on the default variant.
+    ``mixer`` (default): the whole linear-attention layer of the `MIXER_LAYERS` families
+    (Qwen3-Next, Qwen3.5) runs `gdngen.mlx.gated_delta_mixer` between its projections (the
+    short convolution, norms, gates, recurrence and gated RMSNorm in one call; the conv and
+    recurrent states carried in the layer's cache); ``mixer=False`` routes only
+    ``gated_delta_update``, as for the other families.
     Raises ``RuntimeError`` for an unsupported mlx-lm (before changing anything).
     """
     global _ACTIVE, _ORIGINAL
@@ -327,6 +489,8 @@ def patch(*, inference: bool = False, chunk_size: int | None = None) -> tuple[st
     if _ACTIVE is None:
         _ACTIVE = _Patch(original, inference, chunk_size)
     _ACTIVE.inference, _ACTIVE.chunk_size = bool(inference), chunk_size
+    _ACTIVE.mixer = bool(mixer)
+    _patch_layers(_ACTIVE)
     for module in _modules_to_scan():
         for name, value in list(vars(module).items()):
             if value is original:
@@ -342,25 +506,27 @@ def unpatch() -> None:
         return
     for module, name in _ACTIVE.replaced:
         setattr(module, name, _ACTIVE.original)
+    for cls, original in _ACTIVE.layers:
+        cls.__call__ = original
     _ACTIVE = None
 
 
 @contextlib.contextmanager
-def patched(*, inference: bool = False,
-            chunk_size: int | None = None) -> Iterator[tuple[str, ...]]:
+def patched(*, inference: bool = False, chunk_size: int | None = None,
+            mixer: bool = True) -> Iterator[tuple[str, ...]]:
     """`patch` for the duration of a ``with`` block, yielding the patched module names.
 
     On exit the previous state returns: unpatched if it was, else the outer patch's options.
     """
-    outer = None if _ACTIVE is None else (_ACTIVE.inference, _ACTIVE.chunk_size)
-    modules = patch(inference=inference, chunk_size=chunk_size)
+    outer = None if _ACTIVE is None else (_ACTIVE.inference, _ACTIVE.chunk_size, _ACTIVE.mixer)
+    modules = patch(inference=inference, chunk_size=chunk_size, mixer=mixer)
     try:
         yield modules
     finally:
         if outer is None:
             unpatch()
         elif _ACTIVE is not None:
-            _ACTIVE.inference, _ACTIVE.chunk_size = outer
+            _ACTIVE.inference, _ACTIVE.chunk_size, _ACTIVE.mixer = outer
 
 
 def is_patched() -> bool:

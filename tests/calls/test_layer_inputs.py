@@ -30,25 +30,12 @@ GRAD_NAMES = ("q", "k", "g", "A_log", "dt_bias", "beta")
 # --------------------------------------------------------------------------- float64 reference
 
 
-def _sigmoid(x):
-    """1 / (1 + exp(-x)), written so that neither tail cancels or overflows."""
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+_sigmoid, _l2_normalize, _l2_normalize_vjp = (reference.sigmoid, reference.l2_normalize,
+                                              reference.l2_normalize_vjp)
 
 
 def _softplus(x):
     return np.logaddexp(x, 0.0)
-
-
-def _l2_normalize(x, eps=1e-6):
-    """``x / r`` with ``r = sqrt(sum_D x^2 + eps)``; returns both."""
-    r = np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
-    return x / r, r
-
-
-def _l2_normalize_vjp(x_hat, r, d_hat):
-    """d/dx of <x / r, d_hat>: ``(d_hat - x_hat (x_hat . d_hat)) / r``."""
-    return (d_hat - x_hat * (x_hat * d_hat).sum(axis=-1, keepdims=True)) / r
 
 
 def _as_gate_parameter(p, vector_gate):
@@ -56,12 +43,7 @@ def _as_gate_parameter(p, vector_gate):
     return p.reshape(-1, 1) if vector_gate and p.ndim == 1 else p
 
 
-def _sum_to(x, shape):
-    """Sum a gate-shaped gradient ``[B,T,Hv(,Dk)]`` down to a parameter's ``shape``."""
-    per_head = x.sum(axis=(0, 1))
-    if per_head.shape == shape:
-        return per_head
-    return per_head.sum(axis=-1).reshape(shape)
+_sum_to = reference.sum_to
 
 
 @dataclass

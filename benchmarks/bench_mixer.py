@@ -1,0 +1,240 @@
+"""The mixer call (`gdngen.mixer`) against the unfused composition a user writes today: the
+framework's own depthwise conv (``jax.lax.conv_general_dilated`` / ``mx.conv1d`` with one group
+per channel) + SiLU, ``gated_delta(..., qk_norm=True, gate="softplus",
+beta_activation="sigmoid")``, then the gated RMSNorm as plain array ops (MLX:
+``mx.fast.rms_norm``). Both at once on the same inputs.
+
+* ``train``: forward+backward of ``sum(out * dout) + sum(final_state)`` w.r.t. every array
+  (mixed_qkv, conv_weight, a, b, z, A_log, dt_bias, norm_weight). Memory: MLX
+  ``mx.get_peak_memory()`` of one fwd+bwd (after ``mx.clear_cache()``, inputs and gradients
+  included); JAX the residuals ``jax.vjp`` keeps for the backward, and the jitted gradient's
+  temporaries plus outputs (``compiled.memory_analysis()``). Time: median of ``--repeats``
+  interleaved runs after a warm-up.
+* ``decode`` (MLX): per-token time of mlx-lm's ``Qwen3NextGatedDeltaNet`` layer with its
+  cache, against the same layer's projections around ``gdngen.mlx.gated_delta_mixer``
+  carrying (final_state, conv_state); median of ``--repeats`` runs of ``--tokens`` tokens.
+
+Ratios are ``unfused / mixer`` (>= 1: the mixer is smaller / faster). Run from the repo root::
+
+    python benchmarks/bench_mixer.py [--modes train,decode] [--frameworks jax,mlx]
+        [--seq-lens jax=4096,mlx=2048] [--heads 16,32] [--dim 128] [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+ARGS = ("mixed_qkv", "conv_weight", "a", "b", "z", "A_log", "dt_bias", "norm_weight")
+
+
+def make_inputs(T, Hk, Hv, D, K=4, seed=0):
+    rng = np.random.default_rng(seed)
+    C = 2 * Hk * D + Hv * D
+    return {"mixed_qkv": rng.standard_normal((1, T, C)), "conv_weight": rng.standard_normal(
+        (C, K)) * 0.5, "a": rng.standard_normal((1, T, Hv)), "b": rng.standard_normal(
+        (1, T, Hv)), "z": rng.standard_normal((1, T, Hv, D)),
+        "A_log": rng.standard_normal(Hv) * 0.5, "dt_bias": rng.standard_normal(Hv) * 0.5,
+        "norm_weight": 1.0 + 0.1 * rng.standard_normal(D),
+        "dout": rng.standard_normal((1, T, Hv, D))}
+
+
+def losses(framework, dout, Hk, Hv, D):
+    """``{"mixer", "unfused"}``: the loss of each over ``ARGS``."""
+    dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
+    kd = Hk * D
+    if framework == "jax":
+        import jax
+        import jax.numpy as ops
+
+        from gdngen.jax import gated_delta, gated_delta_mixer
+
+        def conv(x, w):
+            C, K = w.shape
+            out = jax.lax.conv_general_dilated(
+                ops.pad(x, ((0, 0), (K - 1, 0), (0, 0))), w.T[:, None, :], (1,), "VALID",
+                dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=C)
+            return jax.nn.silu(out)
+
+        def norm(y, z, w):
+            r = jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-6)
+            return y * r * w * jax.nn.silu(z)
+    else:
+        import mlx.core as ops
+        from mlx import nn
+
+        from gdngen.mlx import gated_delta, gated_delta_mixer
+
+        def conv(x, w):
+            C, K = w.shape
+            out = ops.conv1d(ops.pad(x, [(0, 0), (K - 1, 0), (0, 0)]), w[..., None], groups=C)
+            return nn.silu(out)
+
+        def norm(y, z, w):
+            return ops.fast.rms_norm(y, w, 1e-6) * nn.silu(z)
+
+    def loss(out, s):
+        return ops.sum(out * dout) + ops.sum(s)
+
+    def mixer(x, w, a, b, z, A_log, dt_bias, nw):
+        out, s, _ = gated_delta_mixer(x, w, a, b, z, **dims, A_log=A_log, dt_bias=dt_bias,
+                                      norm_weight=nw)
+        return loss(out, s)
+
+    def unfused(x, w, a, b, z, A_log, dt_bias, nw):
+        h = conv(x, w)
+        B, T, _ = x.shape
+        q = h[..., :kd].reshape(B, T, Hk, D)
+        k = h[..., kd:2 * kd].reshape(B, T, Hk, D)
+        v = h[..., 2 * kd:].reshape(B, T, Hv, D)
+        y, s = gated_delta(q, k, v, a, b, scale=D ** -0.5, qk_norm=True, gate="softplus",
+                           A_log=A_log, dt_bias=dt_bias, beta_activation="sigmoid")
+        return loss(norm(y, z, nw), s)
+
+    return {"mixer": mixer, "unfused": unfused}
+
+
+def train(framework, T, Hk, Hv, D, repeats):
+    from gdngen.tools import timing
+
+    inputs = make_inputs(T, Hk, Hv, D)
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        a = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
+        args = [a[n] for n in ARGS]
+        calls, memory = {}, {}
+        for name, loss in losses("jax", a["dout"], Hk, Hv, D).items():
+            grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+            stats = grad.lower(*args).compile().memory_analysis()
+            _, pullback = jax.vjp(loss, *args)
+            memory[name] = {"residual_bytes": sum(int(x.nbytes)
+                                                  for x in jax.tree.leaves(pullback)),
+                            "temp_and_output_bytes": int(stats.temp_size_in_bytes
+                                                         + stats.output_size_in_bytes)}
+            del pullback
+            calls[name] = lambda grad=grad: grad(*args)
+        timings = timing._interleaved(calls, jax.block_until_ready, repeats, 1, True)
+    else:
+        import mlx.core as mx
+
+        a = {n: mx.array(x.astype("float32")) for n, x in inputs.items()}
+        mx.eval(list(a.values()))
+        args = [a[n] for n in ARGS]
+        argnums = list(range(len(args)))
+        calls = {name: (lambda fn=fn: mx.grad(fn, argnums=argnums)(*args))
+                 for name, fn in losses("mlx", a["dout"], Hk, Hv, D).items()}
+        timings = timing._interleaved(calls, mx.eval, repeats, 1, True)
+        memory = {n: {"peak_bytes": m["peak_bytes"]}
+                  for n, m in timing.mlx_peak_memory(calls).items()}
+    ms = {n: t.median_s * 1e3 for n, t in timings.items()}
+    return {"mode": "train", "framework": framework, "T": T, "Hk": Hk, "Hv": Hv, "D": D,
+            "ms": ms, "spread": {n: max(t.times_s) / min(t.times_s) for n, t in timings.items()},
+            "memory": memory, "time_ratio": ms["unfused"] / ms["mixer"],
+            "memory_ratios": {k: memory["unfused"][k] / memory["mixer"][k]
+                              for k in memory["mixer"]}}
+
+
+def decode(Hk, Hv, D, tokens, repeats):
+    """Per-token ms of mlx-lm's layer and of the layer's projections around the mixer."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models import qwen3_next
+    from mlx_lm.models.cache import ArraysCache
+
+    from gdngen.mlx import gated_delta_mixer
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=2048, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+        vocab_size=32, rope_theta=1e4, partial_rotary_factor=0.25, max_position_embeddings=64,
+        linear_num_value_heads=Hv, linear_num_key_heads=Hk, linear_key_head_dim=D,
+        linear_value_head_dim=D, linear_conv_kernel_dim=4, num_experts=1,
+        num_experts_per_tok=1, decoder_sparse_step=1, shared_expert_intermediate_size=64,
+        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[])
+    layer = qwen3_next.Qwen3NextGatedDeltaNet(args)
+    layer.eval()
+    mx.eval(layer.parameters())
+    dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
+    xs = [mx.random.normal((1, 1, args.hidden_size)) for _ in range(tokens)]
+    mx.eval(xs)
+    weight = layer.conv1d.weight[..., 0]
+
+    def mlx_lm_run():
+        cache = ArraysCache(size=2)
+        for x in xs:
+            mx.eval(layer(x, cache=cache))
+
+    def mixer_run():
+        state = conv = None
+        for x in xs:
+            q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x),
+                                                                 layer.in_proj_ba(x))
+            mixed = mx.concatenate([t.reshape(1, 1, -1) for t in (q, k, v)], axis=-1)
+            out, state, conv = gated_delta_mixer(
+                mixed, weight, a, b, z, **dims, A_log=layer.A_log, dt_bias=layer.dt_bias,
+                norm_weight=layer.norm.weight, conv_state=conv, initial_state=state)
+            mx.eval(layer.out_proj(out.reshape(1, 1, -1)), state, conv)
+
+    runs = {"mlx_lm": mlx_lm_run, "mixer": mixer_run}
+    times = {n: [] for n in runs}
+    for fn in runs.values():
+        fn()
+    for r in range(repeats):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append((time.perf_counter() - t0) / tokens * 1e3)
+    ms = {n: float(np.median(t)) for n, t in times.items()}
+    return {"mode": "decode", "framework": "mlx", "Hk": Hk, "Hv": Hv, "D": D,
+            "tokens": tokens, "ms_per_token": ms, "time_ratio": ms["mlx_lm"] / ms["mixer"],
+            "spread": {n: max(t) / min(t) for n, t in times.items()}}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default="train,decode")
+    p.add_argument("--frameworks", default="jax,mlx")
+    p.add_argument("--seq-lens", default="jax=4096,mlx=2048")
+    p.add_argument("--heads", default="16,32", help="Hk,Hv")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    Hk, Hv = (int(h) for h in args.heads.split(","))
+    seq = dict(item.split("=") for item in args.seq_lens.split(","))
+    rows = []
+    modes = args.modes.split(",")
+    if "train" in modes:
+        rows += [train(fw, int(seq[fw]), Hk, Hv, args.dim, args.repeats)
+                 for fw in args.frameworks.split(",")]
+    if "decode" in modes:
+        rows.append(decode(Hk, Hv, args.dim, args.tokens, args.repeats))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"mixer vs unfused composition; Hk={Hk} Hv={Hv} D={args.dim} float32; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for r in rows:
+        if r["mode"] == "train":
+            mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
+                            f"{r['memory']['unfused'][k] / 2**20:.0f} MiB "
+                            f"({r['memory_ratios'][k]:.2f}x)" for k in r["memory"]["mixer"])
+            print(f"train {r['framework']} T={r['T']}: mixer {r['ms']['mixer']:.0f} ms, "
+                  f"unfused {r['ms']['unfused']:.0f} ms ({r['time_ratio']:.2f}x); {mem}; "
+                  f"spread {max(r['spread'].values()):.2f}")
+        else:
+            ms = r["ms_per_token"]
+            print(f"decode mlx, {r['tokens']} tokens: mixer {ms['mixer']:.2f} ms/token, "
+                  f"mlx-lm layer {ms['mlx_lm']:.2f} ms/token ({r['time_ratio']:.2f}x); "
+                  f"spread {max(r['spread'].values()):.2f}")
+
+
+if __name__ == "__main__":
+    main()

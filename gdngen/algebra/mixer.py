@@ -1,0 +1,216 @@
+"""The gated-delta mixer's two array stages around the recurrence, on any array module ``m``
+(``jax.numpy`` or ``mlx.core``), and their float64 NumPy reference with its hand-derived VJP.
+
+Stage 1, the causal depthwise short convolution over ``x [B, T, C]`` (``C = 2 Hk Dk + Hv Dv``,
+q, k, v concatenated in that order) with ``w [C, K]`` and the last K-1 inputs before the row,
+``conv_state [B, C, K-1]`` (zeros when None)::
+
+    window = [conv_state^T ; x]          # [B, K-1+T, C]
+    pre[t, c] = sum_j w[c, j] window[t + j, c]      (mlx-lm's / HF's Conv1d, groups = C)
+    h = silu(pre)
+
+and the new conv state, the window's last K-1 rows. A packed row (``cu_seqlens``, B = 1)
+runs one window per sequence: steps before a sequence's start read that sequence's own
+``conv_state [N, C, K-1]``, never the previous sequence's inputs, and each sequence returns the
+last K-1 rows of its own window (its state again if it is empty).
+
+Stage 2, the gated RMSNorm per value head of ``y [B, T, Hv, Dv]`` with ``z`` of y's shape and
+``weight [Dv]``: ``rmsnorm(y) * weight * act(z)``, ``rmsnorm(y) = y * rsqrt(mean_Dv(y^2) +
+eps)``, ``act`` SiLU (Qwen3-Next / Qwen3.5) or sigmoid (Kimi Linear's ``o_norm(y) *
+sigmoid(g)``). Both stages compute in float32 and return their input's dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gdngen.algebra import reference
+
+#: the output gate's activation of the gated RMSNorm
+NORM_GATES = ("silu", "sigmoid")
+
+
+# ------------------------------------------------------------------------ framework arrays
+
+
+def _sigmoid(m, x):
+    return 1.0 / (1.0 + m.exp(-x))
+
+
+def conv_dense(m, x, w, conv_state):
+    """``(silu(pre) [B, T, C], new conv_state [B, C, K-1])``, both in x's dtype."""
+    B, T, C = x.shape
+    K = w.shape[1]
+    f32 = m.float32
+    prev = m.zeros((B, K - 1, C), f32) if conv_state is None else \
+        m.swapaxes(conv_state.astype(f32), 1, 2)
+    window = m.concatenate([prev, x.astype(f32)], axis=1)  # [B, K-1+T, C]
+    wf = w.astype(f32)
+    pre = window[:, 0:T] * wf[:, 0]
+    for j in range(1, K):
+        pre = pre + window[:, j:j + T] * wf[:, j]
+    return (pre * _sigmoid(m, pre)).astype(x.dtype), \
+        m.swapaxes(window[:, T:], 1, 2).astype(x.dtype)
+
+
+def _packed_index(m, position, seq, starts, T, K):
+    """Row of the extended ``[x[0]; conv states]`` array each ``position`` reads: itself
+    inside its sequence, else the sequence's conv state (``T + seq (K-1) + K-1 - (s -
+    position)``)."""
+    s = m.take(starts, seq, axis=0)
+    inside = position >= s
+    from_state = T + seq * (K - 1) + (K - 1) - (s - position)
+    return m.where(inside, position, from_state)
+
+
+def conv_packed(m, x, w, conv_state, cu_seqlens):
+    """Packed row ``x [1, T, C]``, ``conv_state [N, C, K-1]`` or None, ``cu_seqlens [N+1]``:
+    ``(silu(pre) [1, T, C], new conv_state [N, C, K-1])``, both in x's dtype."""
+    _, T, C = x.shape
+    K = w.shape[1]
+    f32, i32 = m.float32, m.int32
+    offsets = cu_seqlens.astype(i32)
+    starts, ends = offsets[:-1], offsets[1:]
+    N = int(starts.shape[0])
+    states = m.zeros((N, K - 1, C), f32) if conv_state is None else \
+        m.swapaxes(conv_state.astype(f32), 1, 2)
+    rows = m.concatenate([x[0].astype(f32), states.reshape((N * (K - 1), C))], axis=0)
+    t = m.arange(T).astype(i32)
+    seq = (ends[None, :] <= t[:, None]).astype(i32).sum(axis=1)  # [T]
+    lags = (K - 1) - m.arange(K).astype(i32)  # tap j reads step t - (K-1-j)
+    index = _packed_index(m, t[:, None] - lags[None, :], seq[:, None], starts, T, K)  # [T, K]
+    taps = m.take(rows, index.reshape(-1), axis=0).reshape((T, K, C))
+    pre = (taps * m.swapaxes(w.astype(f32), 0, 1)[None]).sum(axis=1)  # [T, C]
+    n = m.arange(N).astype(i32)
+    last = ends[:, None] - (K - 1) + m.arange(K - 1).astype(i32)[None, :]  # [N, K-1]
+    kept = m.take(rows, _packed_index(m, last, n[:, None], starts, T, K).reshape(-1), axis=0)
+    new_state = m.swapaxes(kept.reshape((N, K - 1, C)), 1, 2).astype(x.dtype)
+    return (pre * _sigmoid(m, pre)).astype(x.dtype)[None], new_state
+
+
+def gated_norm(m, y, z, weight, eps, activation):
+    """``rmsnorm(y) * weight * act(z)`` per value head, float32 inside, y's dtype out."""
+    yf, zf = y.astype(m.float32), z.astype(m.float32)
+    r = 1.0 / m.sqrt((yf * yf).mean(axis=-1, keepdims=True) + eps)
+    gate = _sigmoid(m, zf)
+    if activation == "silu":
+        gate = zf * gate
+    return (yf * r * weight.astype(m.float32) * gate).astype(y.dtype)
+
+
+# ------------------------------------------------------------------------ float64 reference
+
+
+def _windows(x, conv_state, K, cu_seqlens):
+    """Per window of the reference: ``(row, state index, steps slice, window [K-1+len, C])``
+    in float64 (a row each, or a sequence each of the packed row 0)."""
+    B, T, C = x.shape
+    if cu_seqlens is None:
+        for b in range(B):
+            prev = np.zeros((K - 1, C)) if conv_state is None else conv_state[b].T
+            yield b, b, slice(0, T), np.concatenate([prev, x[b]])
+        return
+    for n in range(len(cu_seqlens) - 1):
+        s, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        prev = np.zeros((K - 1, C)) if conv_state is None else conv_state[n].T
+        yield 0, n, slice(s, e), np.concatenate([prev, x[0, s:e]])
+
+
+def reference_vjp(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,
+                  norm_weight, conv_state=None, initial_state=None, mask=None, cu_seqlens=None,
+                  norm_eps=1e-6, scale=None, gate="softplus", lower_bound=None,
+                  norm_gate="silu", dout=None, dfinal_state=None, dconv_state=None):
+    """The whole mixer in float64 with the gradients of ``<out, dout> + <final_state,
+    dfinal_state> + <conv_state_out, dconv_state>`` (None cotangents are zeros) w.r.t. every
+    array argument: a per-row loop for the convolution, `gdngen.algebra.reference`'s
+    recurrence and its BPTT, and the chain rule of every elementwise stage. Returns a dict:
+    "out", "final_state", "conv_state" and "d<argument>" for each array argument."""
+    f = lambda x: None if x is None else np.asarray(x, np.float64)
+    x, w, a, bl, z = f(mixed_qkv), f(conv_weight), f(a), f(b), f(z)
+    A_log, dt_bias, nw = f(A_log), f(dt_bias), f(norm_weight)
+    conv_state, initial_state = f(conv_state), f(initial_state)
+    B, T, C = x.shape
+    K = w.shape[1]
+    scale = Dk ** -0.5 if scale is None else scale
+    if mask is not None:
+        x = np.where(np.asarray(mask)[..., None], x, 0.0)
+    pre = np.zeros_like(x)
+    rows = list(_windows(x, conv_state, K, cu_seqlens))
+    new_state = []
+    for r, _, steps, window in rows:
+        n = steps.stop - steps.start
+        for j in range(K):
+            pre[r, steps] += w[:, j] * window[j:j + n]
+        new_state.append(window[-(K - 1):].T if K > 1 else np.zeros((C, 0)))
+    sig = reference.sigmoid(pre)
+    h = pre * sig
+    kd = Hk * Dk
+    q = h[..., :kd].reshape(B, T, Hk, Dk)
+    k = h[..., kd:2 * kd].reshape(B, T, Hk, Dk)
+    v = h[..., 2 * kd:].reshape(B, T, Hv, Dv)
+    inputs = reference.LayerInputsVJP(q, k, a, bl, A_log, dt_bias, gate, lower_bound)
+    cot_y = None
+    if dout is not None:  # the gated norm's backward needs y first: forward, then the VJP
+        y0, _ = _recurrence(inputs, v, initial_state, mask, cu_seqlens, scale, None, None)
+        cot_y, norm_grads = _gated_norm_vjp(y0, z, nw, norm_eps, norm_gate, f(dout))
+    out = _recurrence(inputs, v, initial_state, mask, cu_seqlens, scale, cot_y,
+                      f(dfinal_state), full=True)
+    y = out["y"]
+    result = {"out": _gated_norm_vjp(y, z, nw, norm_eps, norm_gate, None)[0],
+              "final_state": out["final_state"], "conv_state": np.stack(new_state)}
+    grads = inputs.grads(out)
+    dh = np.concatenate([grads["dq"].reshape(B, T, kd), grads["dk"].reshape(B, T, kd),
+                         out["dv"].reshape(B, T, Hv * Dv)], axis=-1)
+    dpre = dh * (sig * (1.0 + pre * (1.0 - sig)))
+    dw = np.zeros_like(w)
+    dx = np.zeros_like(x)
+    dstate = np.zeros((len(rows), C, K - 1))
+    dcs = None if dconv_state is None else f(dconv_state)
+    for r, i, steps, window in rows:
+        n = steps.stop - steps.start
+        dwindow = np.zeros_like(window)
+        for j in range(K):
+            dw[:, j] += (dpre[r, steps] * window[j:j + n]).sum(axis=0)
+            dwindow[j:j + n] += dpre[r, steps] * w[:, j]
+        if dcs is not None and K > 1:
+            dwindow[-(K - 1):] += dcs[i].T
+        dx[r, steps] = dwindow[K - 1:]
+        dstate[i] = dwindow[:K - 1].T
+    if mask is not None:
+        dx = np.where(np.asarray(mask)[..., None], dx, 0.0)
+    result.update({"dmixed_qkv": dx, "dconv_weight": dw, "da": grads["dg"],
+                   "db": grads["dbeta"], "dA_log": grads["dA_log"],
+                   "ddt_bias": grads["ddt_bias"], "dconv_state": dstate,
+                   "dinitial_state": out["dinitial_state"]})
+    if dout is not None:
+        result.update(norm_grads)
+    else:
+        result.update({"dz": np.zeros_like(z), "dnorm_weight": np.zeros_like(nw)})
+    return result
+
+
+def _recurrence(inputs, v, initial_state, mask, cu_seqlens, scale, dy, dfinal, full=False):
+    """`gdngen.algebra.reference` (packed or dense) on the layer inputs' q, k, log g, beta."""
+    q, k, log_g, beta = inputs.values()
+    if cu_seqlens is None:
+        out = reference.vjp(q, k, v, log_g, beta, initial_state, dy, dfinal, mask=mask,
+                            scale=scale, gate="log")
+    else:
+        out = reference.packed_vjp(q, k, v, log_g, beta, initial_state, dy, dfinal,
+                                   np.asarray(cu_seqlens), mask=mask, scale=scale, gate="log")
+    return out if full else (out["y"], out["final_state"])
+
+
+def _gated_norm_vjp(y, z, weight, eps, activation, dout):
+    """Float64 ``(out, grads)`` of `gated_norm`; with ``dout`` None, ``(out, None)``; else
+    ``(dy, {"dz", "dnorm_weight"})``."""
+    D = y.shape[-1]
+    r = 1.0 / np.sqrt((y * y).mean(axis=-1, keepdims=True) + eps)
+    s = reference.sigmoid(z)
+    act, dact = (z * s, s * (1.0 + z * (1.0 - s))) if activation == "silu" else (s, s * (1 - s))
+    if dout is None:
+        return y * r * weight * act, None
+    u = dout * act * weight
+    dy = r * u - y * r ** 3 * (u * y).sum(axis=-1, keepdims=True) / D
+    return dy, {"dz": dout * weight * y * r * dact,
+                "dnorm_weight": (dout * act * y * r).reshape(-1, D).sum(axis=0)}

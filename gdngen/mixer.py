@@ -1,0 +1,156 @@
+"""The gated-delta mixer as one call (``gdngen.jax.gated_delta_mixer``,
+``gdngen.mlx.gated_delta_mixer``): causal short convolution + SiLU, q/k L2 norm, gates from
+their parameters, the recurrence, gated RMSNorm.
+
+    out, final_state, conv_state = gated_delta_mixer(
+        mixed_qkv,    # [B, T, C], C = 2 Hk Dk + Hv Dv: q, k, v concatenated in that order
+        conv_weight,  # [C, K]: depthwise, causal (mlx-lm's conv1d.weight[..., 0])
+        a,            # [B, T, Hv] (per-head gate) or [B, T, Hv, Dk] (per-channel, KDA)
+        b,            # [B, T, Hv]: beta logits, beta = sigmoid(b)
+        z,            # [B, T, Hv, Dv]: the output gate
+        Hk=, Hv=, Dk=, Dv=, A_log=, dt_bias=, norm_weight=[Dv],
+        conv_state=None,     # [B, C, K-1]: the last K-1 inputs ([N, C, K-1] with cu_seqlens)
+        initial_state=None,  # [B, Hv, Dv, Dk] ([N, ...] with cu_seqlens)
+        mask=None, cu_seqlens=None, norm_eps=1e-6, scale=Dk**-0.5,
+        gate="softplus",     # or "sigmoid_bound" with lower_bound (Kimi K3, Bailing V3)
+        norm_gate="silu")    # or "sigmoid" (Kimi Linear: o_norm(y) * sigmoid(g))
+
+Stages (`gdngen.algebra.mixer`): ``h = silu(causal_conv(mixed_qkv))`` with the conv state in
+front of the row (masked steps' inputs are zeros, as in mlx-lm); q, k, v split from h; then
+``gated_delta(q, k, v, a, b, initial_state, qk_norm=True, gate=gate, A_log, dt_bias,
+beta_activation="sigmoid", scale)`` (the core computes the norm and the gate in its loads);
+``out = rmsnorm(y) * norm_weight * act(z)``, in y's dtype. ``scale`` defaults to Dk**-0.5
+(mlx-lm's ``normalize_qk`` puts it on q). Returns ``out [B, T, Hv, Dv]``, the final state (as
+``gated_delta``: float32) and the new conv state ``[B, C, K-1]`` (mixed_qkv's dtype).
+
+Kimi Linear's three convolutions (``q_conv``, ``k_conv``, ``v_conv``, each depthwise) are one
+depthwise convolution over the concatenation: pass ``[q_proj; k_proj; v_proj]`` as mixed_qkv,
+the three weights concatenated along channels, and the three conv states likewise.
+
+Packed rows (``cu_seqlens``, B = 1) restart the convolution window at every sequence start as
+the state: a sequence's first K-1 steps read its own conv state (zeros when None), and each
+sequence returns its own.
+
+Memory: the convolution and the gated norm run under the framework's rematerialisation
+(``jax.checkpoint``, ``mx.checkpoint``), so their activations (the pre-activation, SiLU
+output's copy, rsqrt, the normalised y) are recomputed in the backward from the raw inputs;
+the recurrence's custom VJP keeps what it keeps for a plain call (its q, k, v inputs).
+"""
+
+from __future__ import annotations
+
+from gdngen.algebra import layer_inputs
+from gdngen.algebra import mixer as stages
+from gdngen.problem import FLOAT_DTYPES, check_framework, dtype_name
+
+__all__ = ["gated_delta_mixer"]
+
+#: gates the mixer takes: both parameterised gates of `gdngen.algebra.layer_inputs`
+MIXER_GATES = layer_inputs.PARAMETER_GATES
+
+
+def _shape(x):
+    return tuple(int(n) for n in x.shape)
+
+
+def _expect(name, x, shape, what):
+    if x is None:
+        raise ValueError(f"{name} is required, expected {what}")
+    if _shape(x) != tuple(shape):
+        raise ValueError(f"{name} has shape {_shape(x)}, expected {what} = {tuple(shape)}")
+    if dtype_name(x) not in FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of {FLOAT_DTYPES}")
+
+
+def check(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, norm_weight, conv_state,
+          cu_seqlens, norm_eps, gate, norm_gate) -> int:
+    """The mixer's own argument checks (the recurrence's arguments are checked by
+    ``gated_delta``). Returns the kernel size K."""
+    for name, n in (("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if gate not in MIXER_GATES:
+        raise ValueError(f"gate must be one of {MIXER_GATES} (the mixer takes the raw gate "
+                         f"projection a), got {gate!r}")
+    if norm_gate not in stages.NORM_GATES:
+        raise ValueError(f"norm_gate must be one of {stages.NORM_GATES}, got {norm_gate!r}")
+    if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
+        raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
+    C = 2 * Hk * Dk + Hv * Dv
+    if getattr(mixed_qkv, "ndim", None) != 3:
+        raise ValueError(f"mixed_qkv must be [B, T, 2*Hk*Dk + Hv*Dv] = [B, T, {C}], got shape "
+                         f"{_shape(mixed_qkv) if hasattr(mixed_qkv, 'shape') else mixed_qkv!r}")
+    B, T, _ = _shape(mixed_qkv)
+    _expect("mixed_qkv", mixed_qkv, (B, T, C), "[B, T, 2*Hk*Dk + Hv*Dv]")
+    if getattr(conv_weight, "ndim", None) != 2 or _shape(conv_weight)[0] != C:
+        raise ValueError(f"conv_weight must be [C, K] = [{C}, K] (one causal filter per channel;"
+                         f" mlx-lm's conv1d.weight[..., 0]), got shape "
+                         f"{_shape(conv_weight) if hasattr(conv_weight, 'shape') else None}")
+    K = _shape(conv_weight)[1]
+    if K < 1:
+        raise ValueError(f"conv_weight's kernel size must be >= 1, got {K}")
+    _expect("conv_weight", conv_weight, (C, K), "[2*Hk*Dk + Hv*Dv, K]")
+    _expect("z", z, (B, T, Hv, Dv), "[B, T, Hv, Dv]")
+    _expect("norm_weight", norm_weight, (Dv,), "[Dv]")
+    _expect("b", b, (B, T, Hv), "[B, T, Hv]")
+    if a is None or _shape(a) not in ((B, T, Hv), (B, T, Hv, Dk)):
+        raise ValueError(f"a has shape {None if a is None else _shape(a)}, expected [B, T, Hv] "
+                         f"= {(B, T, Hv)} (per-head gate) or [B, T, Hv, Dk] = {(B, T, Hv, Dk)}")
+    if conv_state is not None:
+        rows = B if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
+        what = "[B, C, K-1]" if cu_seqlens is None else "[N, C, K-1] (one per sequence)"
+        _expect("conv_state", conv_state, (rows, C, K - 1), what)
+    return K
+
+
+def _framework(framework):
+    """``(array module, rematerialise)`` of ``framework``."""
+    check_framework(framework)
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        return jnp, jax.checkpoint
+    import mlx.core as mx
+
+    return mx, mx.checkpoint
+
+
+def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk,
+                      Dv, A_log, dt_bias, norm_weight, conv_state=None, initial_state=None,
+                      mask=None, cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
+                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None):
+    """The mixer on ``framework``'s arrays (module docstring), its recurrence the framework's
+    ``gated_delta``."""
+    check(mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, norm_weight=norm_weight,
+          conv_state=conv_state, cu_seqlens=cu_seqlens, norm_eps=norm_eps, gate=gate,
+          norm_gate=norm_gate)
+    m, remat = _framework(framework)
+    B, T, _ = _shape(mixed_qkv)
+    if mask is not None:
+        if _shape(mask) != (B, T):
+            raise ValueError(f"mask has shape {_shape(mask)}, expected [B, T] = {(B, T)}")
+        mixed_qkv = m.where(mask[..., None], mixed_qkv, 0)
+
+    def conv(x, w, *state):
+        state = state[0] if state else None
+        if cu_seqlens is None:
+            return stages.conv_dense(m, x, w, state)
+        return stages.conv_packed(m, x, w, state, cu_seqlens)
+
+    h, new_conv_state = remat(conv)(mixed_qkv, conv_weight,
+                                    *(() if conv_state is None else (conv_state,)))
+    kd = Hk * Dk
+    q = h[..., :kd].reshape((B, T, Hk, Dk))
+    k = h[..., kd:2 * kd].reshape((B, T, Hk, Dk))
+    v = h[..., 2 * kd:].reshape((B, T, Hv, Dv))
+    y, final_state = gated_delta(
+        q, k, v, a, b, initial_state, mask=mask, scale=Dk ** -0.5 if scale is None else scale,
+        gate=gate, qk_norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        beta_activation="sigmoid", cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        variant=variant)
+
+    def norm(y, z, weight):
+        return stages.gated_norm(m, y, z, weight, float(norm_eps), norm_gate)
+
+    return remat(norm)(y, z, norm_weight), final_state, new_conv_state

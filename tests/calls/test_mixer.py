@@ -1,0 +1,271 @@
+"""The mixer call kind (`gdngen.mixer`): ``gated_delta_mixer`` on every registered backend
+against the float64 composition (`gdngen.algebra.mixer.reference_vjp`: a per-row convolution
+loop, the float64 recurrence and its BPTT, the chain rule of every elementwise stage, checked
+here against central differences), every gradient, outputs poisoned; packed rows; decode
+continuing a prefill through the conv and recurrent states; mlx-lm's own layer; bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+
+import numpy as np
+import pytest
+
+from gdngen import registry, settings
+from gdngen.algebra import mixer as stages
+from gdngen.validate import relative_error
+from gdngen.variant import Problem
+
+#: B, T, Hk, Hv, Dk, Dv, K: GVA 2x, Dk != Dv (metal: multiples of 32), T not a multiple of
+#: the chunk
+B, T, Hk, Hv, Dk, Dv, K = 2, 37, 1, 2, 32, 64, 4
+C = 2 * Hk * Dk + Hv * Dv
+DIMS = {"Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv}
+RTOL = 2e-5
+#: Qwen3-Next's form and Kimi's (per-channel gate, [Hv, 1] / [Hv, Dk] parameters, the
+#: sigmoid-bounded gate of Kimi K3 / Bailing V3, the sigmoid output gate)
+FORMS = {"scalar": {}, "vector": {"gate": "sigmoid_bound", "lower_bound": -5.0,
+                                  "norm_gate": "sigmoid"}}
+#: (backend, form) pairs behind the slow marker: JAX per-channel chunk VJPs compile for minutes
+#: here; the per-channel mixer keeps its make-test case on mlx and metal (the same mixer code,
+#: the recurrence's per-channel path checked per backend in test_recurrent / test_conformance)
+SLOW = {("xla", "vector"), ("ffi_cpu", "vector"), ("pallas_tpu", "vector"),
+        ("pallas_gpu", "vector")}
+ARGS = ("mixed_qkv", "conv_weight", "a", "b", "z", "A_log", "dt_bias", "norm_weight",
+        "conv_state", "initial_state")
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_outputs(monkeypatch):
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+
+
+def inputs(form: str, seed: int, *, rows=B, steps=T, mask=True):
+    """Fresh float64 arguments of one mixer call (gates from mild to strong decay, a padding
+    mask on the last row)."""
+    rng = np.random.default_rng(seed)
+    vector = form == "vector"
+    x = {"mixed_qkv": rng.standard_normal((rows, steps, C)),
+         "conv_weight": 0.5 * rng.standard_normal((C, K)),
+         "a": rng.standard_normal((rows, steps, Hv) + ((Dk,) if vector else ())),
+         "b": rng.standard_normal((rows, steps, Hv)),
+         "z": rng.standard_normal((rows, steps, Hv, Dv)),
+         "A_log": 0.5 * rng.standard_normal((Hv, 1) if vector else (Hv,)),
+         "dt_bias": 0.5 * rng.standard_normal((Hv, Dk) if vector else (Hv,)),
+         "norm_weight": 1.0 + 0.1 * rng.standard_normal(Dv),
+         "conv_state": rng.standard_normal((rows, C, K - 1)),
+         "initial_state": 0.1 * rng.standard_normal((rows, Hv, Dv, Dk))}
+    options = dict(FORMS[form])
+    if mask:
+        m = np.ones((rows, steps), bool)
+        m[-1, : steps // 5] = False  # left padding, as mlx-lm's batched prompts
+        options["mask"] = m
+    return x, options
+
+
+def cotangents(seed, rows=B, steps=T):
+    rng = np.random.default_rng(seed + 1000)
+    return {"dout": rng.standard_normal((rows, steps, Hv, Dv)),
+            "dfinal_state": rng.standard_normal((rows, Hv, Dv, Dk)),
+            "dconv_state": rng.standard_normal((rows, C, K - 1))}
+
+
+class Framework:
+    """One framework's mixer, arrays and gradients."""
+
+    def __init__(self, name):
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"{name} is not installed")
+        self.name = name
+        if name == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            from gdngen.jax import gated_delta_mixer
+
+            self.jax, self.m = jax, jnp
+        else:
+            import mlx.core as mx
+
+            from gdngen.mlx import gated_delta_mixer
+
+            self.m = mx
+        self.mixer = gated_delta_mixer
+
+    def array(self, x):
+        if x.dtype.kind == "f":
+            x = np.asarray(x, np.float32)
+        return self.m.array(x) if self.name == "mlx" else self.m.asarray(x)
+
+    def values_and_grads(self, x, options, cots, **extra):
+        names = [n for n in ARGS if x.get(n) is not None]
+        args = [self.array(x[n]) for n in names]
+        opts = {n: self.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+        cot = [self.array(cots[n]) for n in ("dout", "dfinal_state", "dconv_state")]
+
+        def outputs(*args):
+            return self.mixer(**dict(zip(names, args)), **DIMS, **opts, **extra)
+
+        def loss(*args):
+            return sum((o * c).sum() for o, c in zip(outputs(*args), cot))
+
+        values = outputs(*args)
+        if self.name == "jax":
+            grads = self.jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+        else:
+            grads = self.m.grad(loss, argnums=list(range(len(args))))(*args)
+        read = lambda a: np.asarray(a.astype(self.m.float32), np.float64)
+        out = dict(zip(("out", "final_state", "conv_state"), map(read, values)))
+        out.update({f"d{n}": read(g) for n, g in zip(names, grads)})
+        return out
+
+
+def check_against_reference(fw, x, options, cots, **extra):
+    ref = stages.reference_vjp(**x, **DIMS, **options, **cots,
+                               cu_seqlens=extra.get("cu_seqlens"))
+    got = fw.values_and_grads(x, options, cots, **extra)
+    errors = {n: relative_error(got[n], ref[n]) for n in got}
+    assert len(errors) == 3 + sum(x[n] is not None for n in ARGS)
+    worst = max(errors.items(), key=lambda item: item[1])
+    assert worst[1] <= RTOL, (worst, errors)
+    return errors
+
+
+def test_the_float64_composition_agrees_with_central_differences():
+    x, options = inputs("vector", seed=3, rows=2, steps=11)
+    cots = cotangents(3, rows=2, steps=11)
+    ref = stages.reference_vjp(**x, **DIMS, **options, **cots)
+    rng = np.random.default_rng(4)
+
+    def loss(arrays):
+        r = stages.reference_vjp(**arrays, **DIMS, **options)
+        return sum((r[o] * cots[c]).sum() for o, c in (("out", "dout"), (
+            "final_state", "dfinal_state"), ("conv_state", "dconv_state")))
+
+    h = 1e-6
+    for name in ARGS:
+        direction = rng.standard_normal(x[name].shape)
+        plus, minus = dict(x), dict(x)
+        plus[name], minus[name] = x[name] + h * direction, x[name] - h * direction
+        numeric = (loss(plus) - loss(minus)) / (2 * h)
+        analytic = (ref[f"d{name}"] * direction).sum()
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), name
+
+
+@pytest.mark.parametrize("backend, form", [
+    pytest.param(b, f, marks=[pytest.mark.slow] if (b, f) in SLOW else [])
+    for b in registry.names() for f in sorted(FORMS)])
+def test_mixer_matches_the_float64_composition(backend, form):
+    spec = registry.get(backend)
+    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
+    fw = Framework(spec.framework)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    x, options = inputs(form, seed=zlib.crc32(f"{backend}-{form}".encode()) % 1000)
+    errors = check_against_reference(fw, x, options, cotangents(7),
+                                     variant=registry.default_variant(backend, problem))
+    print(backend, form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_packed_rows_restart_the_window_at_every_sequence(framework):
+    """cu_seqlens: each sequence's first K-1 steps read its own conv state (one sequence
+    shorter than K-1, one empty), and each returns its own."""
+    fw = Framework(framework)
+    cu = np.array([0, 2, 2, 19, 40], np.int32)
+    N, steps = len(cu) - 1, int(cu[-1])
+    x, options = inputs("scalar", seed=5, rows=1, steps=steps, mask=False)
+    x["conv_state"] = np.random.default_rng(6).standard_normal((N, C, K - 1))
+    x["initial_state"] = 0.1 * np.random.default_rng(7).standard_normal((N, Hv, Dv, Dk))
+    cots = cotangents(8, rows=1, steps=steps)
+    cots["dfinal_state"] = np.random.default_rng(9).standard_normal((N, Hv, Dv, Dk))
+    cots["dconv_state"] = np.random.default_rng(10).standard_normal((N, C, K - 1))
+    check_against_reference(fw, x, options, cots, cu_seqlens=fw.array(cu))
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_decode_continues_a_prefill_through_both_states(framework):
+    """A prefill of 29 steps, then 8 decode calls of T=1 carrying (final_state, conv_state),
+    equal one call over all 37 steps."""
+    fw = Framework(framework)
+    x, _ = inputs("scalar", seed=11, mask=False)
+    x.pop("conv_state"), x.pop("initial_state")
+    a = {n: fw.array(v) for n, v in x.items()}
+    whole = fw.mixer(**a, **DIMS)
+    split, state, conv = [], None, None
+    for lo, hi in [(0, 29)] + [(t, t + 1) for t in range(29, T)]:
+        part = {n: v[:, lo:hi] if n in ("mixed_qkv", "a", "b", "z") else v
+                for n, v in a.items()}
+        out, state, conv = fw.mixer(**part, **DIMS, initial_state=state, conv_state=conv)
+        split.append(np.asarray(out, np.float64))
+    assert relative_error(np.concatenate(split, axis=1), np.asarray(whole[0])) <= RTOL
+    assert relative_error(np.asarray(state), np.asarray(whole[1])) <= RTOL
+    assert relative_error(np.asarray(conv), np.asarray(whole[2])) == 0.0
+
+
+def test_matches_mlx_lm_qwen3_next_layer():
+    """The layout conventions: mlx-lm's Qwen3NextGatedDeltaNet (conv1d, normalize_qk,
+    gated_delta_update, RMSNormGated) on the same weights, with a cache carried over a
+    prefill and a decode step, gives the mixer's outputs and states."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm.models import qwen3_next
+    from mlx_lm.models.cache import ArraysCache
+
+    from gdngen.mlx import gated_delta_mixer
+
+    del mlx_lm
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=32, rope_theta=1e4, partial_rotary_factor=0.25, max_position_embeddings=64,
+        linear_num_value_heads=Hv, linear_num_key_heads=Hk, linear_key_head_dim=Dk,
+        linear_value_head_dim=Dv, linear_conv_kernel_dim=K, num_experts=1,
+        num_experts_per_tok=1, decoder_sparse_step=1, shared_expert_intermediate_size=64,
+        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[])
+    mx.random.seed(0)
+    layer = qwen3_next.Qwen3NextGatedDeltaNet(args)
+    layer.eval()
+    layer.norm.weight = 1.0 + 0.1 * mx.random.normal((Dv,))
+    cache = ArraysCache(size=2)
+    conv, state = None, None
+    for steps in (19, 1):
+        h = mx.random.normal((1, steps, args.hidden_size))
+        want = layer(h, cache=cache)
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(h),
+                                                             layer.in_proj_ba(h))
+        mixed = mx.concatenate([t.reshape(1, steps, -1) for t in (q, k, v)], axis=-1)
+        out, state, conv = gated_delta_mixer(
+            mixed, layer.conv1d.weight[..., 0], a, b, z, **DIMS, A_log=layer.A_log,
+            dt_bias=layer.dt_bias, norm_weight=layer.norm.weight, conv_state=conv,
+            initial_state=state, norm_eps=args.rms_norm_eps)
+        got = layer.out_proj(out.reshape(1, steps, -1))
+        assert relative_error(np.array(got), np.array(want)) <= 1e-5
+        assert relative_error(np.array(conv), np.array(mx.swapaxes(cache[0], 1, 2))) == 0.0
+        assert relative_error(np.array(state), np.array(cache[1])) <= 1e-5
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mixed_qkv": np.zeros((B, T, C + 1))}, "mixed_qkv has shape"),
+    ({"conv_weight": np.zeros((C, K, 1))}, "conv_weight must be [C, K]"),
+    ({"conv_state": np.zeros((B, K - 1, C))}, "conv_state has shape"),
+    ({"z": np.zeros((B, T, Hv, Dk))}, "z has shape"),
+    ({"norm_weight": np.zeros(Dk)}, "norm_weight has shape"),
+    ({"a": np.zeros((B, T, Hk))}, "a has shape"),
+    ({"b": np.zeros((B, T))}, "b has shape"),
+    ({"gate": "log"}, "gate must be one of"),
+    ({"norm_gate": "relu"}, "norm_gate must be one of"),
+    ({"norm_eps": 0.0}, "norm_eps must be a positive float"),
+    ({"Hk": 0}, "Hk must be a positive int"),
+])
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_bad_arguments_name_the_argument(framework, change, message):
+    fw = Framework(framework)
+    x, options = inputs("scalar", seed=12, mask=False)
+    kwargs = {**{n: fw.array(v) for n, v in x.items()}, **DIMS, **options}
+    kwargs.update({n: fw.array(v) if isinstance(v, np.ndarray) else v
+                   for n, v in change.items()})
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        fw.mixer(**kwargs)
