@@ -27,9 +27,12 @@ postgres-server:
 	fi
 
 # `make test`: every backend x feature with at least one real case; `make test-all` adds the
-# long sweeps marked slow (whole batteries in interpret mode / the Metal simulator).
+# long sweeps marked slow (whole batteries in interpret mode / the Metal simulator). Test files
+# run in TEST_WORKERS processes (pytest-xdist, a file per process at a time: module fixtures
+# are built once).
+TEST_WORKERS ?= 2
 test: install postgres-server
-	$(BIN)/python -m pytest -q -rs -m "not slow" --durations=15
+	$(BIN)/python -m pytest -q -rs -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # `make test-all` also installs the NVIDIA compiler (the `cuda` extra, ~550 MB: jax's CUDA plugin
 # and ptxas) for tests/test_real_compile_gpu.py; `make test` leaves it out (those tests skip).
@@ -40,7 +43,7 @@ $(CUDA_STAMP): $(STAMP)
 	touch $@
 
 test-all: install postgres-server $(CUDA_STAMP)
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(BIN)/gdngen bench

@@ -7,6 +7,52 @@ import sys
 
 import pytest
 
+#: cases `make test` leaves to `make test-all` (the ``slow`` marker) to stay under its time
+#: budget, each with the case that keeps its backend x feature in `make test`
+SLOW_CASES = {
+    "tests/calls/test_sharding.py::test_layer_inputs_on_a_many_device_host[xla]":
+        "layer inputs on many devices: [ffi_cpu]",
+    "tests/calls/test_sharding.py::test_sharded_jit_runs_per_shard_without_collectives"
+    "[pallas_tpu-jit]": "pallas_tpu sharded: test_shard_map_over_data_and_heads[pallas_tpu]",
+    "tests/calls/test_sharding.py::test_sharded_jit_runs_per_shard_without_collectives"
+    "[pallas_gpu-jit]": "pallas_gpu sharded: test_shard_map_over_data_and_heads[pallas_gpu]",
+    "tests/calls/test_sharding.py::test_shard_map_over_data_and_heads_matches_reference[xla]":
+        "xla sharded: test_sharded_jit_runs_per_shard_without_collectives[xla-jit]",
+    "tests/calls/test_sharding.py::test_context_parallel_matches_reference[pallas_gpu]":
+        "context parallelism: [ffi_cpu] and test_context_parallel_composes_with_head_sharding",
+    "tests/backends/pallas/test_pallas_tpu.py::test_default_variant_on_grouped_heads":
+        "GVA on pallas_tpu: the gva3 battery case (test_conformance hard cases)",
+    "tests/backends/pallas/test_pallas_tpu.py::test_variants_on_adversarial_cases"
+    "[recompute-gva]": "pallas_tpu variants: [tf32], [bf16-policy]",
+    "tests/backends/pallas/test_pallas_tpu.py::test_dv_tiles[False]": "Dv tiles: [True]",
+    "tests/calls/test_chunkwise_channel.py::test_backward_by_chunk_groups_is_the_whole_backward"
+    "[log]": "chunk-group backward: [linear]",
+    "tests/calls/test_layer_inputs.py::test_fused_gate_keeps_no_log_gate_for_the_backward"
+    "[portable-per_channel]": "per-channel fused gate residuals: [pallas_tpu-per_channel]",
+    "tests/calls/test_layer_inputs.py::test_fused_gate_keeps_no_log_gate_for_the_backward"
+    "[pallas_gpu-per_channel]": "per-channel fused gate residuals: [pallas_tpu-per_channel]",
+    **{f"tests/calls/test_layer_inputs.py::test_layer_inputs_fused_into_the_chunk_core"
+       f"[softplus_per_channel_kimi-{path}-jax-{backend}]":
+       "Kimi's fused inputs on Pallas: tests/backends/pallas/test_pallas_fused_inputs.py"
+       for path in ("chunkwise", "recurrent") for backend in ("pallas_tpu", "pallas_gpu")},
+    "tests/calls/test_returned_states.py::test_chunk_boundary_states_match_the_float64_"
+    "recurrence[ffi_cpu-vector]": "chunk-boundary states (the portable walk on every backend): "
+                                  "[ffi_cpu-scalar] and the other backends' [*-vector]",
+    "tests/backends/pallas/test_pallas_gpu.py::test_benchmark_script_dry_run":
+        "benchmark scripts: tests/test_bench.py",
+    "tests/calls/test_gated_delta.py::test_chunk_sizes[jax-16]": "chunk sizes: [jax-32], mlx",
+    "tests/calls/test_gated_delta.py::test_chunk_sizes[jax-128]": "chunk sizes: [jax-32], mlx",
+    "tests/test_shared_study.py::test_three_workers_one_journal_study_survive_a_sigkill":
+        "shared studies: the PostgreSQL one",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`SLOW_CASES` get the ``slow`` marker."""
+    for item in items:
+        if item.nodeid in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_executables():
