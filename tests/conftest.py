@@ -44,6 +44,30 @@ SLOW_CASES = {
     "tests/calls/test_gated_delta.py::test_chunk_sizes[jax-128]": "chunk sizes: [jax-32], mlx",
     "tests/test_shared_study.py::test_three_workers_one_journal_study_survive_a_sigkill":
         "shared studies: the PostgreSQL one",
+    "tests/calls/test_gated_delta.py::test_chunk_sizes[jax-32]":
+        "chunk 32 on xla: test_recurrent's short_masked; chunk sizes: mlx",
+    "tests/calls/test_sharding.py::test_shard_map_over_data_and_heads_matches_reference"
+    "[pallas_gpu]": "pallas_gpu sharded: test_pallas_gpu_lowers_under_checked_shard_map",
+    "tests/calls/test_layer_inputs.py::test_fused_gate_keeps_no_log_gate_for_the_backward"
+    "[pallas_tpu-per_channel]": "per-channel fused gate residuals: [ffi_cpu-per_channel]",
+    "tests/calls/test_packed.py::test_packed_case_passes[xla-scalar]":
+        "the portable packed path: [mlx-scalar]; xla packed rows: test_vmap_over_rows",
+    "tests/calls/test_layer_inputs.py::test_layer_inputs_fused_into_the_chunk_core"
+    "[softplus_per_channel_kimi-recurrent-jax-portable]": "[...-chunkwise-jax-portable]",
+    "tests/test_bench.py::test_vector_gate_bench_smoke": "benchmark scripts: the other smokes",
+    **{"tests/calls/test_returned_states.py::test_chunk_boundary_states_match_the_float64_"
+       f"recurrence[{b}-vector]": "chunk-boundary states run the portable walk on every "
+                                 "backend: [xla-vector], [mlx-vector]"
+       for b in ("pallas_tpu", "pallas_gpu")},
+    "tests/backends/pallas/test_pallas_gpu.py::test_every_variant_renders_distinct_sources":
+        "an every-variant sweep; pallas_gpu renders: its sha256 and lowering tests",
+    "tests/backends/pallas/test_pallas_tpu.py::test_variants_on_adversarial_cases[tf32]":
+        "pallas_tpu precision policies: [bf16-policy]",
+    **{"tests/calls/test_layer_inputs.py::test_layer_inputs_fused_into_the_chunk_core"
+       f"[{name}-{path}-jax-{backend}]": "fused inputs on Pallas: [softplus_per_head-*] and "
+                                        "tests/backends/pallas/test_pallas_fused_inputs.py"
+       for name in ("qk_norm_only", "sigmoid_bound_per_head")
+       for path in ("chunkwise", "recurrent") for backend in ("pallas_tpu", "pallas_gpu")},
 }
 
 

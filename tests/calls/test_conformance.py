@@ -31,6 +31,10 @@ PROBLEM = Problem(2, 4, 64, 64)
 #: except on mlx (eager: no compile per shape)
 HARD_CASES = ("ragged", "identical_keys", "gates_exact_one_and_zero", "padding_mask",
               "vector_t1")
+#: a backend's share of HARD_CASES in `make test` where not all (pallas_tpu's Mosaic interpreter
+#: takes ~40 s a case here; its ragged and padded calls run in test_recurrent's short_masked, T =
+#: 37 at chunk 32 with a padding mask, and test_packed; the whole battery behind slow)
+HARD_CASES_HERE = {"pallas_tpu": ("identical_keys", "gates_exact_one_and_zero")}
 FAST_FULL_BATTERY = {"mlx"}
 #: backends whose battery `make test` runs elsewhere: xla's in test_gated_delta (its FAST_HERE
 #: hard cases; mlx's whole battery below covers every case), so no hard cases here
@@ -132,7 +136,8 @@ def test_default_variant_passes_hard_cases(name):
     _skip_unrunnable(name)
     variant = registry.default_variant(name, PROBLEM)
     vector = "vector" in _spec(name).gates and name not in VECTOR_ELSEWHERE
-    cases = [c for c in HARD_CASES if vector or not get_case(c).vector_gate]
+    cases = [c for c in HARD_CASES if (vector or not get_case(c).vector_gate)
+             and c in HARD_CASES_HERE.get(name, HARD_CASES)]
     results = validate.run_battery(None, variant=variant, cases=cases)
     assert [r.case for r in results] == cases
     _check(results, variant)
