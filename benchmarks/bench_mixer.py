@@ -47,6 +47,7 @@ def make_inputs(T, Hk, Hv, D, K=4, seed=0):
 
 def losses(framework, dout, Hk, Hv, D):
     """``{"mixer", "unfused"}``: the loss of each over ``ARGS``."""
+    from gdngen.algebra import layer_inputs
     from gdngen.algebra import mixer as stages
 
     dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
@@ -99,11 +100,13 @@ def losses(framework, dout, Hk, Hv, D):
                            A_log=A_log, dt_bias=dt_bias, beta_activation="sigmoid")
         return loss(norm(y, z, nw), s)
 
+    xp = layer_inputs.namespace(framework)
+
     def shift_conv(x, w):  # the mixer's own conv (shifted multiply-adds), no rematerialisation
-        return stages.conv_dense(ops, x, w, None)[0]
+        return stages.conv_dense(xp, x, w, None)[0]
 
     def plain_norm(y, z, w):
-        return stages.gated_norm(ops, y, z, w, 1e-6, "silu")
+        return stages.gated_norm(xp, y, z, w, 1e-6, "silu")
 
     def unfused_shift(*args):
         return unfused(*args, conv=shift_conv, norm=plain_norm)

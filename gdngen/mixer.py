@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from gdngen.algebra import layer_inputs
 from gdngen.algebra import mixer as stages
-from gdngen.problem import FLOAT_DTYPES, check_framework, dtype_name
+from gdngen.problem import FLOAT_DTYPES, dtype_name
 
 __all__ = ["gated_delta_mixer"]
 
@@ -104,16 +104,15 @@ def check(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, norm_weight, conv_
 
 
 def _framework(framework):
-    """``(array module, rematerialise)`` of ``framework``."""
-    check_framework(framework)
+    """``(xp namespace, rematerialise)`` of ``framework``."""
+    xp = layer_inputs.namespace(framework)
     if framework == "jax":
         import jax
-        import jax.numpy as jnp
 
-        return jnp, jax.checkpoint
+        return xp, jax.checkpoint
     import mlx.core as mx
 
-    return mx, mx.checkpoint
+    return xp, mx.checkpoint
 
 
 def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk,
@@ -125,7 +124,8 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
     check(mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, norm_weight=norm_weight,
           conv_state=conv_state, cu_seqlens=cu_seqlens, norm_eps=norm_eps, gate=gate,
           norm_gate=norm_gate)
-    m, remat = _framework(framework)
+    xp, remat = _framework(framework)
+    m = xp.module
     B, T, _ = _shape(mixed_qkv)
     if mask is not None:
         if _shape(mask) != (B, T):
@@ -135,8 +135,8 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
     def conv(x, w, *state):
         state = state[0] if state else None
         if cu_seqlens is None:
-            return stages.conv_dense(m, x, w, state)
-        return stages.conv_packed(m, x, w, state, cu_seqlens)
+            return stages.conv_dense(xp, x, w, state)
+        return stages.conv_packed(xp, x, w, state, cu_seqlens)
 
     h, new_conv_state = remat(conv)(mixed_qkv, conv_weight,
                                     *(() if conv_state is None else (conv_state,)))
@@ -151,6 +151,6 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
         variant=variant)
 
     def norm(y, z, weight):
-        return stages.gated_norm(m, y, z, weight, float(norm_eps), norm_gate)
+        return stages.gated_norm(xp, y, z, weight, float(norm_eps), norm_gate)
 
     return remat(norm)(y, z, norm_weight), final_state, new_conv_state

@@ -1,5 +1,6 @@
-"""The gated-delta mixer's two array stages around the recurrence, on any array module ``m``
-(``jax.numpy`` or ``mlx.core``), and their float64 NumPy reference with its hand-derived VJP.
+"""The gated-delta mixer's two array stages around the recurrence, on a framework's ``xp``
+namespace (`gdngen.algebra.layer_inputs.namespace`: its array module ``xp.module``, its stable
+``xp.sigmoid`` and ``xp.rsqrt``), and their float64 NumPy reference with its hand-derived VJP.
 
 Stage 1, the causal depthwise short convolution over ``x [B, T, C]`` (``C = 2 Hk Dk + Hv Dv``,
 q, k, v concatenated in that order) with ``w [C, K]`` and the last K-1 inputs before the row,
@@ -33,12 +34,9 @@ NORM_GATES = ("silu", "sigmoid")
 # ------------------------------------------------------------------------ framework arrays
 
 
-def _sigmoid(m, x):
-    return 1.0 / (1.0 + m.exp(-x))
-
-
-def conv_dense(m, x, w, conv_state):
+def conv_dense(xp, x, w, conv_state):
     """``(silu(pre) [B, T, C], new conv_state [B, C, K-1])``, both in x's dtype."""
+    m = xp.module
     B, T, C = x.shape
     K = w.shape[1]
     f32 = m.float32
@@ -49,7 +47,7 @@ def conv_dense(m, x, w, conv_state):
     pre = window[:, 0:T] * wf[:, 0]
     for j in range(1, K):
         pre = pre + window[:, j:j + T] * wf[:, j]
-    return (pre * _sigmoid(m, pre)).astype(x.dtype), \
+    return (pre * xp.sigmoid(pre)).astype(x.dtype), \
         m.swapaxes(window[:, T:], 1, 2).astype(x.dtype)
 
 
@@ -63,9 +61,10 @@ def _packed_index(m, position, seq, starts, T, K):
     return m.where(inside, position, from_state)
 
 
-def conv_packed(m, x, w, conv_state, cu_seqlens):
+def conv_packed(xp, x, w, conv_state, cu_seqlens):
     """Packed row ``x [1, T, C]``, ``conv_state [N, C, K-1]`` or None, ``cu_seqlens [N+1]``:
     ``(silu(pre) [1, T, C], new conv_state [N, C, K-1])``, both in x's dtype."""
+    m = xp.module
     _, T, C = x.shape
     K = w.shape[1]
     f32, i32 = m.float32, m.int32
@@ -85,17 +84,18 @@ def conv_packed(m, x, w, conv_state, cu_seqlens):
     last = ends[:, None] - (K - 1) + m.arange(K - 1).astype(i32)[None, :]  # [N, K-1]
     kept = m.take(rows, _packed_index(m, last, n[:, None], starts, T, K).reshape(-1), axis=0)
     new_state = m.swapaxes(kept.reshape((N, K - 1, C)), 1, 2).astype(x.dtype)
-    return (pre * _sigmoid(m, pre)).astype(x.dtype)[None], new_state
+    return (pre * xp.sigmoid(pre)).astype(x.dtype)[None], new_state
 
 
-def gated_norm(m, y, z, weight, eps, activation):
+def gated_norm(xp, y, z, weight, eps, activation):
     """``rmsnorm(y) * weight * act(z)`` per value head, float32 inside, y's dtype out."""
-    yf, zf = y.astype(m.float32), z.astype(m.float32)
-    r = 1.0 / m.sqrt((yf * yf).mean(axis=-1, keepdims=True) + eps)
-    gate = _sigmoid(m, zf)
+    f32 = xp.module.float32
+    yf, zf = y.astype(f32), z.astype(f32)
+    r = xp.rsqrt((yf * yf).mean(axis=-1, keepdims=True) + eps)
+    gate = xp.sigmoid(zf)
     if activation == "silu":
         gate = zf * gate
-    return (yf * r * weight.astype(m.float32) * gate).astype(y.dtype)
+    return (yf * r * weight.astype(f32) * gate).astype(y.dtype)
 
 
 # ------------------------------------------------------------------------ float64 reference

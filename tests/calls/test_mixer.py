@@ -247,6 +247,20 @@ def test_matches_mlx_lm_qwen3_next_layer():
         assert relative_error(np.array(state), np.array(cache[1])) <= 1e-5
 
 
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_saturated_activations_have_finite_gradients(framework):
+    """Conv pre-activations and output gates of +-200 (SiLU and sigmoid saturated both ways):
+    every gradient finite (a sigmoid written as 1 / (1 + exp(-x)) differentiates to inf / inf
+    at -200 in float32)."""
+    fw = Framework(framework)
+    x, options = inputs("vector", seed=13, mask=False)
+    x["mixed_qkv"] = 200.0 * np.sign(x["mixed_qkv"])
+    x["z"] = 200.0 * np.sign(x["z"])
+    got = fw.values_and_grads(x, options, cotangents(13))
+    assert all(np.isfinite(v).all() for v in got.values()), \
+        [n for n, v in got.items() if not np.isfinite(v).all()]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"mixed_qkv": np.zeros((B, T, C + 1))}, "mixed_qkv has shape"),
     ({"conv_weight": np.zeros((C, K, 1))}, "conv_weight must be [C, K]"),
