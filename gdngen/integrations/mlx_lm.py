@@ -57,7 +57,7 @@ import numpy as np
 
 from gdngen import mlx as gdngen_mlx
 from gdngen.algebra import layer_inputs
-from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM
+from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM, CallShape, dtype_name
 
 __all__ = [
     "SUPPORTED_MLX_LM",
@@ -119,7 +119,11 @@ def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=No
     A_log, dt_bias = (_onto_gate_axes(p, a.shape[2:]) for p in (A_log, dt_bias))
     if mask is not None and mask.dtype != mx.bool_:
         mask = mask.astype(mx.bool_)
-    variant = None if use_kernel else _training_variant(q, k, v, a, chunk_size)
+    variant = None
+    if not use_kernel:
+        B, T, Hk, Dk = q.shape
+        shape = CallShape(B, T, Hk, v.shape[2], Dk, v.shape[3], a.ndim == 4)
+        variant = _training_variant(shape, dtype_name(q), chunk_size)
     return gdngen_mlx.gated_delta(
         q, k, v, a, beta, state, mask=mask, scale=1.0,
         gate="softplus" if lower_bound is None else "sigmoid_bound", A_log=A_log,
@@ -127,18 +131,15 @@ def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=No
         chunk_size=None if variant is not None else chunk_size, variant=variant)
 
 
-def _training_variant(q, k, v, a, chunk_size):
-    """The variant a plain call would run, with its recurrent switch off: mlx-lm's training
-    path (``use_kernel=False``) is differentiated, and a differentiated call's VJP runs the
-    chunk path's forward anyway (`gdngen.config.recurrent_switch`), so a forward through the
-    step loop below the crossover would be paid on top. None for a backend without a switch."""
+def _training_variant(shape: CallShape, dtype: str, chunk_size):
+    """The variant a plain call of ``shape`` would run, with its recurrent switch off:
+    mlx-lm's training path (``use_kernel=False``) is differentiated, and a differentiated
+    call's VJP runs the chunk path's forward anyway (`gdngen.config.recurrent_switch`), so a
+    forward through the step loop below the crossover would be paid on top. None for a backend
+    without a switch."""
     from gdngen import dispatch
-    from gdngen.problem import CallShape, dtype_name
 
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    shape = CallShape(B, T, Hk, Hv, Dk, Dv, a.ndim == 4)
-    chosen = dispatch.resolve("mlx", shape, dtype_name(q), None, chunk_size)
+    chosen = dispatch.resolve("mlx", shape, dtype, None, chunk_size)
     if chosen.get("recurrent_below") is None:
         return None
     return chosen.replace(recurrent_below=0)
@@ -314,30 +315,28 @@ MIXER_LAYERS = {
 }
 
 
-def _takes_mixer(layer, cache, arguments) -> bool:
-    """Whether the layer's call goes through the mixer: a patch with ``mixer=True`` taking this
-    path (training, or ``inference=True``), head dims gdngen takes, no tensor-parallel sharding
-    group, and a cache without per-row lengths (batched generation keeps mlx-lm's layer, which
-    reads the conv state at each row's length)."""
+def _takes_mixer(layer, cache) -> bool:
+    """Whether the layer's call may go through the mixer (its head dims checked after): a patch
+    with ``mixer=True`` taking this path (training, or ``inference=True``), no tensor-parallel
+    sharding group, and a cache without per-row lengths (batched generation keeps mlx-lm's
+    layer, which reads the conv state at each row's length)."""
     active = _ACTIVE
     if active is None or not active.mixer or (not layer.training and not active.inference):
         return False
     if getattr(layer, "sharding_group", None) is not None:
         return False
-    if cache is not None and getattr(cache, "lengths", None) is not None:
-        return False
-    return (MIN_HEAD_DIM <= arguments["Dk"] <= MAX_HEAD_DIM
-            and MIN_HEAD_DIM <= arguments["Dv"] <= MAX_HEAD_DIM)
+    return cache is None or getattr(cache, "lengths", None) is None
 
 
 def _routed_mixer_call(family: _MixerLayer, original):
     """The ``__call__`` `patch` installs on a `MIXER_LAYERS` class."""
 
     def __call__(self, inputs, mask=None, cache=None):
-        if _ACTIVE is None or not _ACTIVE.mixer:
+        if not _takes_mixer(self, cache):
             return original(self, inputs, mask, cache)
         arguments = family.arguments(self, inputs)
-        if not _takes_mixer(self, cache, arguments):
+        if not (MIN_HEAD_DIM <= arguments["Dk"] <= MAX_HEAD_DIM
+                and MIN_HEAD_DIM <= arguments["Dv"] <= MAX_HEAD_DIM):
             return original(self, inputs, mask, cache)
         B, S, _ = inputs.shape
         conv_state = state = None
@@ -350,7 +349,10 @@ def _routed_mixer_call(family: _MixerLayer, original):
             mask = mask.astype(mx.bool_)
         variant = None
         if self.training:
-            variant = _layer_training_variant(B, S, arguments, _ACTIVE.chunk_size)
+            shape = CallShape(B, S, *(arguments[n] for n in ("Hk", "Hv", "Dk", "Dv")),
+                              arguments["a"].ndim == 4)
+            variant = _training_variant(shape, dtype_name(arguments["mixed_qkv"]),
+                                        _ACTIVE.chunk_size)
         out, state, conv_state = gdngen_mlx.gated_delta_mixer(
             **arguments, conv_state=conv_state, initial_state=state, mask=mask,
             chunk_size=None if variant is not None else _ACTIVE.chunk_size, variant=variant)
@@ -364,20 +366,6 @@ def _routed_mixer_call(family: _MixerLayer, original):
 
     __call__.__gdngen_original__ = original
     return __call__
-
-
-def _layer_training_variant(B, T, arguments, chunk_size):
-    """`_training_variant` of a layer's recurrence."""
-    from gdngen import dispatch
-    from gdngen.problem import CallShape, dtype_name
-
-    shape = CallShape(B, T, arguments["Hk"], arguments["Hv"], arguments["Dk"], arguments["Dv"],
-                      arguments["a"].ndim == 4)
-    chosen = dispatch.resolve("mlx", shape, dtype_name(arguments["mixed_qkv"]), None,
-                              chunk_size)
-    if chosen.get("recurrent_below") is None:
-        return None
-    return chosen.replace(recurrent_below=0)
 
 
 def _patch_layers(active) -> None:
