@@ -30,10 +30,6 @@ GRAD_NAMES = ("q", "k", "g", "A_log", "dt_bias", "beta")
 # --------------------------------------------------------------------------- float64 reference
 
 
-_sigmoid, _l2_normalize, _l2_normalize_vjp = (reference.sigmoid, reference.l2_normalize,
-                                              reference.l2_normalize_vjp)
-
-
 def _softplus(x):
     return np.logaddexp(x, 0.0)
 
@@ -41,9 +37,6 @@ def _softplus(x):
 def _as_gate_parameter(p, vector_gate):
     """A per-head parameter ``[Hv]`` as ``[Hv, 1]`` against a per-channel gate."""
     return p.reshape(-1, 1) if vector_gate and p.ndim == 1 else p
-
-
-_sum_to = reference.sum_to
 
 
 @dataclass
@@ -65,7 +58,7 @@ def reference_forward_and_grads(setup: Setup, dy, dstate):
     x, opt = setup.arrays, setup.options
     q, k, g, beta = x["q"], x["k"], x["g"], x["beta"]
     if opt.get("qk_norm"):
-        (q, rq), (k, rk) = _l2_normalize(q), _l2_normalize(k)
+        (q, rq), (k, rk) = reference.l2_normalize(q), reference.l2_normalize(k)
     gate = opt.get("gate", "log")
     if gate != "log":
         A = _as_gate_parameter(x["A_log"], setup.vector_gate)
@@ -75,28 +68,28 @@ def reference_forward_and_grads(setup: Setup, dy, dstate):
             log_g = -np.exp(A) * _softplus(pre)
         else:
             z = np.exp(A) * pre
-            log_g = opt["lower_bound"] * _sigmoid(z)
+            log_g = opt["lower_bound"] * reference.sigmoid(z)
     else:
         log_g = g
     if opt.get("beta_activation") == "sigmoid":
-        beta = _sigmoid(beta)
+        beta = reference.sigmoid(beta)
 
     out = reference.vjp(q, k, x["v"], log_g, beta, None, dy, dstate, scale=SCALE, gate="log")
     grads = {"dq": out["dq"], "dk": out["dk"], "dg": out["dg"], "dbeta": out["dbeta"]}
     if opt.get("qk_norm"):
-        grads["dq"] = _l2_normalize_vjp(q, rq, out["dq"])
-        grads["dk"] = _l2_normalize_vjp(k, rk, out["dk"])
+        grads["dq"] = reference.l2_normalize_vjp(q, rq, out["dq"])
+        grads["dk"] = reference.l2_normalize_vjp(k, rk, out["dk"])
     if gate == "softplus":  # d log g / d pre = -exp(A) sigmoid(pre), d log g / d A = log g
-        d_pre = out["dg"] * -np.exp(A) * _sigmoid(pre)
+        d_pre = out["dg"] * -np.exp(A) * reference.sigmoid(pre)
         d_A = out["dg"] * log_g
     elif gate == "sigmoid_bound":  # d log g / dz = lb s (1 - s), dz / d pre = exp(A), dz/dA = z
-        s = _sigmoid(z)
+        s = reference.sigmoid(z)
         dz = out["dg"] * opt["lower_bound"] * s * (1.0 - s)
         d_pre, d_A = dz * np.exp(A), dz * z
     if gate != "log":
         grads["dg"] = d_pre
-        grads["dA_log"] = _sum_to(d_A, x["A_log"].shape)
-        grads["ddt_bias"] = _sum_to(d_pre, x["dt_bias"].shape)
+        grads["dA_log"] = reference.sum_to(d_A, x["A_log"].shape)
+        grads["ddt_bias"] = reference.sum_to(d_pre, x["dt_bias"].shape)
     if opt.get("beta_activation") == "sigmoid":
         grads["dbeta"] = out["dbeta"] * beta * (1.0 - beta)
     return out["y"], out["final_state"], grads, log_g
@@ -291,7 +284,7 @@ def test_log_gate_is_stable_at_extreme_projections(fw):
         return layer_inputs.log_gate(xp, a, fw.array(A_log), fw.array([0.0])).sum()
 
     (grad,) = fw.grads(total, [fw.array(pre)])
-    want_grad = -np.exp(A_log) * _sigmoid(pre)
+    want_grad = -np.exp(A_log) * reference.sigmoid(pre)
     assert np.all(np.abs(fw.numpy(grad) - want_grad) <= 4e-6 * np.abs(want_grad))
 
 
@@ -310,12 +303,12 @@ def test_chunk_core_gate_vjp_at_extreme_projections(fw, lower_bound):
     rate, x = np.exp(A_log), np.where(live, a + dt_bias, 0.0)
     if lower_bound is None:
         want = -rate * _softplus(x)
-        want_da = -rate * _sigmoid(x) * dlog_g
+        want_da = -rate * reference.sigmoid(x) * dlog_g
         want_dlog_rate = want * dlog_g
     else:
         z = rate * x
-        want = lower_bound * _sigmoid(z)
-        want_da = lower_bound * _sigmoid(z) * _sigmoid(-z) * rate * dlog_g
+        want = lower_bound * reference.sigmoid(z)
+        want_da = lower_bound * reference.sigmoid(z) * reference.sigmoid(-z) * rate * dlog_g
         want_dlog_rate = want_da * x
     want, want_da, want_dlog_rate = (np.where(live, w, 0.0) for w in
                                      (want, want_da, want_dlog_rate))
@@ -570,9 +563,9 @@ def test_metal_fuses_layer_inputs(path, vector, gate):
         ref[f"d{n}"] = (d - xn * (xn * d).sum(-1, keepdims=True)) / norm
     if gate == "softplus":  # chain rule through log g = -exp(A_log) softplus(a + dt_bias)
         dlog_g = ref["dg"]
-        ref["dg"] = -np.exp(x["A_log"]) * _sigmoid(pre) * dlog_g
-        ref["dA_log"] = _sum_to(dlog_g * log_g, x["A_log"].shape)
-        ref["ddt_bias"] = _sum_to(ref["dg"], x["dt_bias"].shape)
+        ref["dg"] = -np.exp(x["A_log"]) * reference.sigmoid(pre) * dlog_g
+        ref["dA_log"] = reference.sum_to(dlog_g * log_g, x["A_log"].shape)
+        ref["ddt_bias"] = reference.sum_to(ref["dg"], x["dt_bias"].shape)
     errors = {n: relative_error(np.array(gr), ref[f"d{n}"]) for n, gr in zip(names, grads)}
     y, _ = run(*args)
     errors["y"] = relative_error(np.array(y), ref["y"])
