@@ -20,7 +20,11 @@ import sys
 import time
 
 
-def build(layers: int, hk: int, hv: int, dim: int, vocab: int, seed: int):
+def build(layers: int, hk: int, hv: int, dim: int, vocab: int, seed: int,
+          interval: int | None = None):
+    """A random Qwen3.5 model of mlx-lm's classes: ``layers`` layers, a full-attention layer
+    every ``interval`` (default: the last only), linear-attention heads ``hk``, ``hv`` of
+    ``dim``."""
     import mlx.core as mx
     from mlx_lm.models import qwen3_5
 
@@ -30,7 +34,7 @@ def build(layers: int, hk: int, hv: int, dim: int, vocab: int, seed: int):
             "head_dim": 64, "vocab_size": vocab, "linear_num_value_heads": hv,
             "linear_num_key_heads": hk, "linear_key_head_dim": dim,
             "linear_value_head_dim": dim, "linear_conv_kernel_dim": 4,
-            "full_attention_interval": layers}
+            "full_attention_interval": layers if interval is None else interval}
     model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
     mx.eval(model.parameters())
     model.eval()

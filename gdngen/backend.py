@@ -58,6 +58,10 @@ class Backend:
     #: gate kinds whose per-step states (``return_states="steps"``) its recurrent kernels write
     #: (the ``steps`` hook); the others run `gdngen.algebra.states.run_steps_portable`
     step_states: tuple = ()
+    #: gate kinds whose chunk forward kernel gives the chunk-boundary states
+    #: (``return_states="chunks"``, the ``chunks`` hook); the others run
+    #: `gdngen.algebra.states.run_chunks_portable`
+    chunk_states: tuple = ()
     #: optional hooks (None: the backend has none): ``render_plan(variant, problem)``,
     #: ``lower_check(variant, problem)``, ``clear_cache()``, ``footprint(variant, problem)``
     render_plan = None
@@ -197,6 +201,8 @@ class Backend:
 
             call, operands = layer_inputs.computed(call, operands)
             if call.return_states == "chunks":
+                if call.problem.gate in self.chunk_states:
+                    return self.chunks(call, operands, variant, **options)
                 return states.run_chunks_portable(
                     call, operands, packed.chunk_params(self, variant, call.vector_gate))
             if call.problem.gate in self.step_states:
@@ -230,6 +236,11 @@ class Backend:
     def steps(self, call, operands, variant: Variant, **options):
         """A ``return_states="steps"`` call (gate kinds of `step_states`): ``(y in q's dtype,
         states [B,T,Hv,Dv,Dk] float32)``."""
+        raise NotImplementedError
+
+    def chunks(self, call, operands, variant: Variant, **options):
+        """A ``return_states="chunks"`` call (gate kinds of `chunk_states`): ``(y in q's dtype,
+        states [B, ceil(T/N), Hv, Dv, Dk] float32)`` from the chunk walk of its kernels."""
         raise NotImplementedError
 
     def packed(self, call, operands, variant: Variant, **options):

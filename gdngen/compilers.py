@@ -16,7 +16,10 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
 * ``packed_fwd_bwd`` (scalar gates): a packed row of two sequences (``cu_seqlens``) and its
   gradient (the packed build);
 * ``fused_fwd_bwd`` / ``fused_recurrent_forward``: ``qk_norm=True``, ``gate="softplus"`` with
-  ``A_log``, ``dt_bias`` (the fused-input build) at ``T`` and at the recurrent length.
+  ``A_log``, ``dt_bias`` (the fused-input build) at ``T`` and at the recurrent length;
+* ``steps_forward`` (backends whose recurrent kernels write the per-step states,
+  `gdngen.backend.Backend.step_states`): a ``return_states="steps"`` verify window of
+  `STEPS_T` steps (the per-step-states build).
 
 NVIDIA (``compiler="xla-gpu"``): with jax's CUDA plugin and ptxas/libdevice installed
 (``gdngen[cuda]``; no GPU or driver needed), ``get_topology_desc(platform="cuda",
@@ -308,6 +311,10 @@ def topology_devices(device: str | Device, backend: str | None = None) -> list:
 # ------------------------------------------------------------------------------ programs
 
 
+#: the verify window of the ``steps_forward`` program (speculative decoding's longest draft)
+STEPS_T = 16
+
+
 def recurrent_length(variant: Variant) -> int:
     """The longest call the recurrent kernel runs (0: none does)."""
     return max(0, int(variant.get("recurrent_below") or 0) - 1)
@@ -319,7 +326,8 @@ def programs(variant: Variant, problem: Problem, T: int = DEFAULT_T) -> list[tup
 
     if T < 1:
         raise ValueError(f"T must be a positive number of steps, got {T}")
-    check = registry.get(variant.backend).parse(variant)
+    spec = registry.get(variant.backend)
+    check = spec.parse(variant)
     chunk_T = max(T, int(getattr(check, "recurrent_below", 0) or 0))
     short = recurrent_length(variant)
     out = [("chunk_fwd_bwd", chunk_T)]
@@ -330,6 +338,8 @@ def programs(variant: Variant, problem: Problem, T: int = DEFAULT_T) -> list[tup
     out.append(("fused_fwd_bwd", chunk_T))
     if short:
         out.append(("fused_recurrent_forward", short))
+    if problem.gate in spec.step_states:
+        out.append(("steps_forward", STEPS_T))
     return out
 
 
@@ -345,6 +355,7 @@ def _program_fn(name: str, variant: Variant, problem: Problem, T: int, sharding)
     vector = problem.gate == "vector"
     fused = name.startswith("fused")
     packed = name.startswith("packed")
+    steps = name.startswith("steps")
 
     def spec(shape, dt=f32):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
@@ -364,6 +375,8 @@ def _program_fn(name: str, variant: Variant, problem: Problem, T: int, sharding)
             extra.update(qk_norm=True, gate="softplus", A_log=rest[0], dt_bias=rest[1])
         if packed:
             extra["cu_seqlens"] = rest[-1]
+        if steps:
+            extra["return_states"] = "steps"
         y, state = gj.gated_delta(q, k, v, g, beta, **extra)
         return jnp.sum(y.astype(f32) ** 2) + jnp.sum(state ** 2)
 
@@ -536,8 +549,8 @@ def _memo_path():
 
 def verdict_key(variant: Variant, problem: Problem, device: Device, T: int) -> str:
     """The memo key of a compile verdict: the variant's render sha256 (its templates), params,
-    problem, target (for a GPU, its `gpu_target_config` text's sha256), T and the compiler's
-    versions."""
+    problem, target (for a GPU, its `gpu_target_config` text's sha256), T, the programs
+    compiled (`programs`) and the compiler's versions."""
     import hashlib
 
     from gdngen import cache
@@ -549,6 +562,7 @@ def verdict_key(variant: Variant, problem: Problem, device: Device, T: int) -> s
         target += ":" + hashlib.sha256(config).hexdigest()[:16]
     return "|".join([cache.variant_sha256(variant, problem), dumps(variant), dumps(problem),
                      device.name, target, f"T{T}",
+                     ",".join(name for name, _ in programs(variant, problem, T)),
                      json.dumps(compiler_versions(compiler), sort_keys=True)])
 
 

@@ -215,6 +215,37 @@ def run(call, operands, *, variant=None, device=None, precision="ieee"):
     return registry.get(chosen.backend).run(call, operands, chosen)
 
 
+def eager_variant(framework: str, arrays: dict, options: dict, variant=None, *,
+                  device: str | None = None, precision: str = "ieee") -> Variant:
+    """Check a concrete call before `gdngen.eager` compiles it, and return the variant it runs.
+
+    ``arrays`` / ``options``: the call's arrays (`gdngen.eager.ARRAYS`) and Python options. The
+    checks a traced call cannot make run here: ``cu_seqlens``' values (`gdngen.call.check`) and
+    ``state_indices``' (`gdngen.state_pool.check_pool`); the rest run again, memoised, in the
+    compiled body. The variant: ``variant`` if given, else as `resolve` picks it."""
+    from gdngen import call as calls
+    from gdngen import state_pool
+
+    a = arrays
+    pooled = a["state_indices"] is not None
+    checked, _ = calls.check(
+        framework, a["q"], a["k"], a["v"], a["g"], a["beta"],
+        None if pooled else a["initial_state"], a["mask"], A_log=a["A_log"],
+        dt_bias=a["dt_bias"], cu_seqlens=a["cu_seqlens"],
+        **{n: options[n] for n in ("scale", "gate", "chunk_size", "qk_norm", "lower_bound",
+                                   "beta_activation", "return_states", "checkpoint_every")})
+    shape = checked.shape
+    if pooled:
+        state_pool.check_state_dtype(options["state_dtype"], a["initial_state"])
+        rows = shape.B if shape.sequences is None else shape.sequences
+        state_pool.check_pool(framework, a["initial_state"], a["state_indices"], rows,
+                              (shape.Hv, shape.Dv, shape.Dk))
+    if variant is not None:
+        return variant
+    return resolve(framework, shape, checked.dtype, None, options["chunk_size"], device=device,
+                   precision=precision)
+
+
 # ------------------------------------------------------------------------------ load_tuned
 
 
@@ -254,17 +285,38 @@ class TunedGatedDelta:
                  beta_activation=None, cu_seqlens=None, state_indices=None,
                  state_dtype="float32", return_states="final", checkpoint_every=None):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
+        from gdngen import eager
+        from gdngen.precision import precision_context
+
+        arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+                  "mask": mask, "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu_seqlens,
+                  "state_indices": state_indices}
+        options = {"scale": scale, "gate": gate, "qk_norm": qk_norm, "lower_bound": lower_bound,
+                   "beta_activation": beta_activation, "state_dtype": state_dtype,
+                   "return_states": return_states, "checkpoint_every": checkpoint_every}
+        if self.framework == "jax" and eager.is_eager(arrays.values()):
+            chosen = eager_variant("jax", arrays, {**options, "chunk_size": None},
+                                   device=self.device, precision=self.precision)
+            with precision_context(self.framework, self.precision):
+                return eager.run(self._call, arrays, {**options, "variant": chosen})
+        return self._call(**arrays, **options)
+
+    def _call(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+              qk_norm=False, A_log=None, dt_bias=None, lower_bound=None, beta_activation=None,
+              cu_seqlens=None, state_indices=None, state_dtype="float32",
+              return_states="final", checkpoint_every=None, variant=None):
+        """`__call__`'s body: ``variant`` None runs the tuned choice (`run`)."""
         from gdngen import call as calls
         from gdngen import state_pool
         from gdngen.precision import precision_context
 
         if state_indices is not None or state_dtype != "float32":
             return state_pool.stored(
-                self.framework, self, q, k, v, g, beta, initial_state, state_indices,
+                self.framework, self._call, q, k, v, g, beta, initial_state, state_indices,
                 state_dtype, mask=mask, scale=scale, gate=gate, qk_norm=qk_norm, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation,
                 cu_seqlens=cu_seqlens, return_states=return_states,
-                checkpoint_every=checkpoint_every)
+                checkpoint_every=checkpoint_every, variant=variant)
 
         checked, operands = calls.check(
             self.framework, q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
@@ -273,7 +325,8 @@ class TunedGatedDelta:
             checkpoint_every=checkpoint_every)
         checked, operands = layer_inputs.prepared(checked, operands)
         with precision_context(self.framework, self.precision):
-            return run(checked, operands, device=self.device, precision=self.precision)
+            return run(checked, operands, variant=variant, device=self.device,
+                       precision=self.precision)
 
 
 def load_tuned(framework: str = "jax", device: str | None = None,

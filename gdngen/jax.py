@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gdngen import call as calls
-from gdngen import mixer, sharding, state_pool
+from gdngen import eager, mixer, sharding, state_pool
 from gdngen.algebra import layer_inputs
 from gdngen.call import Operands
-from gdngen.dispatch import run
+from gdngen.dispatch import eager_variant, run
 
 __all__ = ["gated_delta", "gated_delta_mixer"]
 
@@ -68,10 +68,32 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     every step, ``[B,T,Hv,Dv,Dk]``, in place of the final state; ``"chunks"`` with
     ``checkpoint_every=N`` (prefix caching; N a multiple of the chunk size): the states at
     t = N, 2N, ... before T and the final one, ``[B,ceil(T/N),Hv,Dv,Dk]``. Dense rows, no pool.
+
+    Called eagerly (no argument traced, no ``context_axis``), the call runs as one compiled step
+    (`gdngen.eager`): checked and dispatched in Python as always, then one cached ``jax.jit``.
     """
+    arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+              "mask": mask, "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu_seqlens,
+              "state_indices": state_indices}
+    options = {"scale": scale, "gate": gate, "chunk_size": chunk_size, "qk_norm": qk_norm,
+               "lower_bound": lower_bound, "beta_activation": beta_activation,
+               "state_dtype": state_dtype, "return_states": return_states,
+               "checkpoint_every": checkpoint_every}
+    if context_axis is None and eager.is_eager(arrays.values()):
+        chosen = eager_variant("jax", arrays, options, variant)
+        return eager.run(_gated_delta, arrays, {**options, "variant": chosen})
+    return _gated_delta(**arrays, **options, variant=variant, context_axis=context_axis)
+
+
+def _gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+                 chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
+                 dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None,
+                 state_indices=None, state_dtype="float32", return_states="final",
+                 checkpoint_every=None):
+    """`gated_delta`'s body (traced by the caller's transformation, or by `gdngen.eager`)."""
     if state_indices is not None or state_dtype != "float32":
         return state_pool.stored(
-            "jax", gated_delta, q, k, v, g, beta, initial_state, state_indices, state_dtype,
+            "jax", _gated_delta, q, k, v, g, beta, initial_state, state_indices, state_dtype,
             mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant,
             context_axis=context_axis, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
@@ -103,13 +125,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,
                       norm_weight, conv_state=None, initial_state=None, mask=None,
                       cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
-                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None):
+                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None,
+                      return_states="final"):
     """The whole gated-delta mixer (`gdngen.mixer`): causal short conv + SiLU, q/k L2 norm,
     gates, the recurrence, gated RMSNorm; returns ``(out [B,T,Hv,Dv], final_state,
-    conv_state [B,C,K-1])``. Differentiable in every array argument."""
+    conv_state [B,C,K-1])`` (``return_states="steps"``: every step's state
+    ``[B,T,Hv,Dv,Dk]`` in place of the final one). Differentiable in every array argument."""
     return mixer.gated_delta_mixer(
         "jax", gated_delta, mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv,
         A_log=A_log, dt_bias=dt_bias, norm_weight=norm_weight, conv_state=conv_state,
         initial_state=initial_state, mask=mask, cu_seqlens=cu_seqlens, norm_eps=norm_eps,
         scale=scale, gate=gate, lower_bound=lower_bound, norm_gate=norm_gate,
-        chunk_size=chunk_size, variant=variant)
+        chunk_size=chunk_size, variant=variant, return_states=return_states)

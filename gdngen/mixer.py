@@ -27,6 +27,11 @@ Kimi Linear's three convolutions (``q_conv``, ``k_conv``, ``v_conv``, each depth
 depthwise convolution over the concatenation: pass ``[q_proj; k_proj; v_proj]`` as mixed_qkv,
 the three weights concatenated along channels, and the three conv states likewise.
 
+Speculative verify (``return_states="steps"``, dense rows): the second output is the state after
+every step, ``[B, T, Hv, Dv, Dk]``, as ``gated_delta`` returns it; the conv state returned stays
+the final one (the window after step t is the last K-1 of ``[conv_state; mixed_qkv]`` up to t,
+which the caller has: `gdngen.integrations.mlx_lm`'s rewindable cache keeps it).
+
 Packed rows (``cu_seqlens``, B = 1) restart the convolution window at every sequence start as
 the state: a sequence's first K-1 steps read its own conv state (zeros when None), and each
 sequence returns its own.
@@ -118,12 +123,16 @@ def _framework(framework):
 def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk,
                       Dv, A_log, dt_bias, norm_weight, conv_state=None, initial_state=None,
                       mask=None, cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
-                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None):
+                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None,
+                      return_states="final"):
     """The mixer on ``framework``'s arrays (module docstring), its recurrence the framework's
-    ``gated_delta``."""
+    ``gated_delta`` (``return_states`` "final" or "steps")."""
     check(mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, norm_weight=norm_weight,
           conv_state=conv_state, cu_seqlens=cu_seqlens, norm_eps=norm_eps, gate=gate,
           norm_gate=norm_gate)
+    if return_states not in ("final", "steps"):
+        raise ValueError(f"return_states must be 'final' or 'steps' for the mixer, got "
+                         f"{return_states!r}")
     xp, remat = _framework(framework)
     m = xp.module
     B, T, _ = _shape(mixed_qkv)
@@ -148,7 +157,7 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
         q, k, v, a, b, initial_state, mask=mask, scale=Dk ** -0.5 if scale is None else scale,
         gate=gate, qk_norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         beta_activation="sigmoid", cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        variant=variant)
+        variant=variant, return_states=return_states)
 
     def norm(y, z, weight):
         return stages.gated_norm(xp, y, z, weight, float(norm_eps), norm_gate)

@@ -60,13 +60,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,
                       norm_weight, conv_state=None, initial_state=None, mask=None,
                       cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
-                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None):
+                      lower_bound=None, norm_gate="silu", chunk_size=None, variant=None,
+                      return_states="final"):
     """The whole gated-delta mixer (`gdngen.mixer`): causal short conv + SiLU, q/k L2 norm,
     gates, the recurrence, gated RMSNorm; returns ``(out [B,T,Hv,Dv], final_state,
-    conv_state [B,C,K-1])``. Differentiable in every array argument."""
+    conv_state [B,C,K-1])`` (``return_states="steps"``: every step's state
+    ``[B,T,Hv,Dv,Dk]`` in place of the final one). Differentiable in every array argument."""
     return mixer.gated_delta_mixer(
         "mlx", gated_delta, mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv,
         A_log=A_log, dt_bias=dt_bias, norm_weight=norm_weight, conv_state=conv_state,
         initial_state=initial_state, mask=mask, cu_seqlens=cu_seqlens, norm_eps=norm_eps,
         scale=scale, gate=gate, lower_bound=lower_bound, norm_gate=norm_gate,
-        chunk_size=chunk_size, variant=variant)
+        chunk_size=chunk_size, variant=variant, return_states=return_states)

@@ -13,6 +13,11 @@ quantity in `QUANTITIES`:
   T: the recurrent kernel when the call ran chunkwise, the chunk kernels when its forward ran
   recurrent (its VJP is the chunk path's either way). So both forward paths meet the reference
   on every case, whatever the variant's crossover.
+* step_states, chunk_states (max over both runs, dense cases, when the runner returns them):
+  the states of forward-only calls with ``return_states="steps"`` over the case's first
+  `STEP_WINDOW` steps (a draft window) and ``return_states="chunks"`` with
+  ``checkpoint_every`` the variant's chunk (the runner returns the stride it used), against
+  the reference's state after each step and at each boundary.
 
 A case passes when every error is <= its tolerance: `gdngen.tolerance.allowed_error` of the
 variant under test (the dtype's battery tolerance `tolerance(dtype)` without one).
@@ -41,6 +46,8 @@ from gdngen.tolerance import DTYPE_TOLERANCES, allowed_error, dtype_tolerance
 __all__ = [
     "OTHER_PATH_QUANTITIES",
     "QUANTITIES",
+    "STATE_QUANTITIES",
+    "STEP_WINDOW",
     "TOLERANCES",
     "CaseResult",
     "check_case",
@@ -56,6 +63,10 @@ __all__ = [
 QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dg_linear")
 #: recorded when the runner returns them (every registered backend's runner, `runner_for`)
 OTHER_PATH_QUANTITIES = ("y_other_path", "final_state_other_path")
+#: the returned states of a dense case (`gdngen.algebra.states`), when the runner gives them
+STATE_QUANTITIES = ("step_states", "chunk_states")
+#: the draft window a runner's ``return_states="steps"`` call covers: a case's first steps
+STEP_WINDOW = 16
 TOLERANCES = DTYPE_TOLERANCES
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
                  "float64": np.float64}
@@ -195,7 +206,29 @@ def _jax_runner(inputs, *, gate, dtype, scale, variant, other_path):
     if other_path is not None:
         out["y_other_path"], out["final_state_other_path"] = gated_delta(
             *args, S0, mask=mask, scale=scale, gate=gate, variant=other_path)
-    return {n: np.asarray(x, np.float64) for n, x in out.items()}
+    if not packed:
+        out.update(_returned_states(gated_delta, args, S0, mask, scale=scale, gate=gate,
+                                    variant=variant))
+    return _float64(out, lambda x: np.asarray(x, np.float64))
+
+
+def _returned_states(gated_delta, args, S0, mask, *, scale, gate, variant) -> dict:
+    """``step_states`` of a ``return_states="steps"`` call over the first `STEP_WINDOW` steps
+    and ``chunk_states`` of a ``return_states="chunks"`` call at ``checkpoint_every`` the
+    variant's chunk (also returned), forward only."""
+    W = min(int(args[0].shape[1]), STEP_WINDOW)
+    every = int(variant.get("chunk_size", 64))
+    window = None if mask is None else mask[:, :W]
+    _, steps = gated_delta(*(a[:, :W] for a in args), S0, mask=window, scale=scale, gate=gate,
+                           variant=variant, return_states="steps")
+    _, chunks = gated_delta(*args, S0, mask=mask, scale=scale, gate=gate, variant=variant,
+                            return_states="chunks", checkpoint_every=every)
+    return {"step_states": steps, "chunk_states": chunks, "checkpoint_every": every}
+
+
+def _float64(out: dict, convert) -> dict:
+    """A runner's outputs as float64 NumPy arrays (``checkpoint_every`` stays an int)."""
+    return {n: x if n == "checkpoint_every" else convert(x) for n, x in out.items()}
 
 
 def _mlx_runner(inputs, *, gate, dtype, scale, variant, other_path):
@@ -222,7 +255,10 @@ def _mlx_runner(inputs, *, gate, dtype, scale, variant, other_path):
     if other_path is not None:
         out["y_other_path"], out["final_state_other_path"] = gated_delta(
             *args, S0, mask=mask, scale=scale, gate=gate, variant=other_path)
-    return {n: np.asarray(x.astype(mx.float32), np.float64) for n, x in out.items()}
+    if not packed:
+        out.update(_returned_states(gated_delta, args, S0, mask, scale=scale, gate=gate,
+                                    variant=variant))
+    return _float64(out, lambda x: np.asarray(x.astype(mx.float32), np.float64))
 
 
 def _other_path(variant, T: int):
@@ -294,13 +330,16 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
         arrays = (base["q"], base["k"], base["v"], g, base["beta"], base["initial_state"],
                   base["dy"], base["dfinal_state"])
         if base["cu_seqlens"] is None:
-            ref = reference.vjp(*arrays, mask=base["mask"], scale=case.scale, gate=gate)
+            ref = reference.vjp(*arrays, mask=base["mask"], scale=case.scale, gate=gate,
+                                steps=True)
         else:
             ref = reference.packed_vjp(*arrays, base["cu_seqlens"], mask=base["mask"],
                                        scale=case.scale, gate=gate)
         extra = {} if variant is None else {"variant": variant}
         out = runner(_copy_inputs(dict(base, g=g)), gate=gate, dtype=dtype,
                      chunk_size=chunk_size or case.chunk_size, scale=case.scale, **extra)
+        if base["cu_seqlens"] is None:
+            ref.update(_reference_states(ref.pop("states"), out))
         errors = {}
         for name in _SHARED + ("dg",):
             if (name == "dinitial_state" and base["initial_state"] is None
@@ -310,10 +349,13 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
         for name, of in _OTHER_PATH.items():
             if name in out:
                 errors[name] = relative_error(out[name], ref[of])
+        for name in STATE_QUANTITIES:
+            if name in out:
+                errors[name] = relative_error(out[name], ref[name])
         per_gate[gate] = errors
 
     errors = {}
-    for name in QUANTITIES + OTHER_PATH_QUANTITIES:
+    for name in QUANTITIES + OTHER_PATH_QUANTITIES + STATE_QUANTITIES:
         if name == "dg":
             values = [per_gate["log"].get("dg")]
         elif name == "dg_linear":
@@ -324,6 +366,20 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
         if values:
             errors[name] = max(values, key=_error_rank)
     return CaseResult(case=case.name, dtype=dtype, errors=errors, tolerance=tol)
+
+
+def _reference_states(steps, out: dict) -> dict:
+    """The float64 states the runner's ``step_states`` (its first steps) and ``chunk_states``
+    (at ``out["checkpoint_every"]``, then the final one) stand for, from the reference's state
+    after every step ``steps`` [B,T,Hv,Dv,Dk]."""
+    T = steps.shape[1]
+    refs = {}
+    if "step_states" in out:
+        refs["step_states"] = steps[:, :np.shape(out["step_states"])[1]]
+    if "chunk_states" in out:
+        every = int(out["checkpoint_every"])
+        refs["chunk_states"] = steps[:, [t - 1 for t in range(every, T, every)] + [T - 1]]
+    return refs
 
 
 def run_battery(runner, *, dtype="float32", cases=None, seed=None, chunk_size=None,

@@ -24,6 +24,7 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlx_lm.models import gated_delta as mlx_gated_delta
 from mlx_lm.models import olmo_hybrid, qwen3_5, qwen3_next
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.tuner.callbacks import TrainingCallback
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, train
 from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -420,7 +421,7 @@ def test_incoming_cache_state_continues_the_sequence():
         cache = model.make_cache()
         model(prefix, cache=cache)  # training mode: the state comes from the use_kernel=False path
         logits = model(suffix, cache=cache)
-        states = [c[1] for c in cache if c.__class__.__name__ == "ArraysCache"]
+        states = [c[1] for c in cache if isinstance(c, ArraysCache)]
         mx.eval(logits, states)
         return logits, states
 

@@ -19,6 +19,7 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlx_lm.models import bailing_moe_v3, kimi_k3, kimi_linear
 from mlx_lm.models import gated_delta as mlx_gated_delta
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.tuner.trainer import TrainingArgs, train
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from test_mlx_lm_integration import (
@@ -178,7 +179,7 @@ def test_incoming_cache_state_continues_the_sequence():
         cache = model.make_cache()
         model(prefix, cache=cache)
         logits = model(suffix, cache=cache)
-        states = [c[3] for c in cache if c.__class__.__name__ == "ArraysCache"]
+        states = [c[3] for c in cache if isinstance(c, ArraysCache)]
         mx.eval(logits, states)
         return logits, states
 
@@ -209,7 +210,7 @@ def test_kimi_linear_layers_run_the_mixer_whole(monkeypatch):
         cache = model.make_cache()
         model(tokens[:, :13], cache=cache)
         logits = model(tokens[:, 13:], cache=cache)
-        states = [c[i] for c in cache if c.__class__.__name__ == "ArraysCache"
+        states = [c[i] for c in cache if isinstance(c, ArraysCache)
                   for i in range(4)]
         mx.eval(logits, states)
         return logits, states

@@ -112,7 +112,7 @@ def test_build_compile_records_the_compile(tmp_path):
     assert 0 < record["shared_memory_used"] <= 227 * 1024
     assert [p["name"] for p in record["programs"]] == [
         "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
-        "fused_recurrent_forward"]
+        "fused_recurrent_forward", "steps_forward"]
 
 
 def test_tune_space_drops_what_does_not_compile_for_a_gpu(tmp_path, monkeypatch):

@@ -64,7 +64,8 @@ def test_every_program_of_a_call_compiles(gate):
     variant = registry.default_variant("pallas_tpu", problem, "tpu-v5e")
     report = compilers.compile_variant(variant, problem, "tpu-v5e", T=64)
     _check_report(report, "tpu-v5e")
-    expected = {"chunk_fwd_bwd", "recurrent_forward", "fused_fwd_bwd", "fused_recurrent_forward"}
+    expected = {"chunk_fwd_bwd", "recurrent_forward", "fused_fwd_bwd", "fused_recurrent_forward",
+                "steps_forward"}
     assert {p.name for p in report.programs} == expected | (
         {"packed_fwd_bwd"} if gate == "scalar" else set())
     assert json.loads(json.dumps(report.to_json()))["ok"] is True
@@ -253,7 +254,7 @@ def test_build_compile_records_the_compile(tmp_path):
     assert entry["code_bytes"] > 0 and entry["temp_bytes"] >= 0
     assert [p["name"] for p in entry["programs"]] == [
         "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
-        "fused_recurrent_forward"]
+        "fused_recurrent_forward", "steps_forward"]
 
 
 def test_build_compile_fails_when_mosaic_rejects_a_kernel(tmp_path):
@@ -273,7 +274,7 @@ def test_build_compile_fails_when_mosaic_rejects_a_kernel(tmp_path):
     entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["variants"][0]
     assert entry["status"] == "failed" and entry["compile"]["ok"] is False
     failed = {p["name"] for p in entry["compile"]["programs"] if not p["ok"]}
-    assert failed == {"recurrent_forward", "fused_recurrent_forward"}
+    assert failed == {"recurrent_forward", "fused_recurrent_forward", "steps_forward"}
     assert entry["compile"]["error"].startswith("recurrent_forward: ")
 
 

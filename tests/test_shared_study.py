@@ -184,6 +184,19 @@ def run_killed_study(storage_arg: str, storage, env, tmp_path) -> dict:
             "study": _study(storage), "wall": wall}
 
 
+def _runner(trials, retry):
+    """The trial that evaluated ``retry``'s variant: ``retry`` itself, or the trial it yielded
+    to (``duplicate_of``, same variant, evaluated); None if neither."""
+    if retry.state.name == "COMPLETE":
+        return retry
+    other = retry.user_attrs.get("duplicate_of")
+    if retry.state.name != "PRUNED" or other is None:
+        return None
+    other = trials[other]
+    same = other.user_attrs.get("variant") == retry.user_attrs.get("variant")
+    return other if same and other.user_attrs.get("evaluated") else None
+
+
 def check_killed_study(result, env, tmp_path, fate: dict) -> None:
     """The guarantees both storages give; ``fate``: user attrs the killed trial ends with."""
     study, victim = result["study"], result["victim"]
@@ -195,16 +208,21 @@ def check_killed_study(result, env, tmp_path, fate: dict) -> None:
     assert BUDGET <= len(done) <= BUDGET + 2
     assert all(t.state.name == "COMPLETE" for t in done), \
         [(t.number, t.state.name, t.user_attrs) for t in trials]
-    assert not [t for t in trials if t.state.name == "RUNNING"]  # nothing left in flight
-    # nothing lost: every re-queued trial ran (others may stay WAITING: spare suggestions)
-    assert all(t.state.name == "COMPLETE" for t in trials if "retry_of" in t.user_attrs)
+    table = [(t.number, t.state.name, t.user_attrs) for t in trials]
+    assert not [t for t in trials if t.state.name == "RUNNING"], table  # nothing in flight
+    # nothing lost: every re-queued trial ran, or yielded to a fresh trial that claimed its
+    # variant between the failure and the re-queue and evaluated it (others may stay
+    # WAITING: spare suggestions)
+    retries = {t.number: _runner(trials, t) for t in trials if "retry_of" in t.user_attrs}
+    assert all(r is not None and r.state.name == "COMPLETE" for r in retries.values()), table
     killed = trials[victim.number]
     assert killed.state.name == "FAIL" and not killed.user_attrs.get("evaluated")
     assert {k: killed.user_attrs.get(k) for k in fate} == fate
     [retry] = [t for t in trials if t.user_attrs.get("retry_of") == victim.number]
     assert retry.user_attrs["retry_reason"] == "heartbeat"  # another "host": no pid check
-    assert retry.user_attrs["variant"] == victim.user_attrs["variant"]
-    assert retry.user_attrs["evaluated"] and retry.user_attrs["host"] != \
+    runner = retries[retry.number]
+    assert runner.user_attrs["variant"] == victim.user_attrs["variant"]
+    assert runner.user_attrs["evaluated"] and runner.user_attrs["host"] != \
         victim.user_attrs["host"]
     assert names.count(victim.user_attrs["variant"]) == 1  # the killed variant: exactly once
     for summary in result["summaries"].values():  # every survivor ended on the whole study

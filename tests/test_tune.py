@@ -114,7 +114,12 @@ def gdngen_cli(*args, env, timeout=300):
 
 
 def evaluated(study):
-    return [t for t in study.get_trials() if t.user_attrs.get("evaluated")]
+    """Trials that hold their variant's result: COMPLETE, or FAIL with the failure recorded.
+    A tuner killed between recording a trial's result and telling the study leaves it RUNNING
+    with ``evaluated`` set; it holds nothing, and its re-queued copy runs the variant again."""
+    return [t for t in study.get_trials() if t.user_attrs.get("evaluated")
+            and (t.state.name == "COMPLETE"
+                 or (t.state.name == "FAIL" and "failure" in t.user_attrs))]
 
 
 def test_select_best_never_picks_an_infeasible_variant():

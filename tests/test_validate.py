@@ -186,8 +186,9 @@ def test_runner_checks_the_path_the_call_did_not_take(monkeypatch, recurrent_bel
     assert res.passed and {"y_other_path", "final_state_other_path"} <= set(res.errors)
     assert res.errors["y_other_path"] <= 5e-5 and res.errors["final_state_other_path"] <= 5e-5
     # per gate convention: recurrent forward + chunk VJP, plus the chunk forward alone (64);
-    # chunk forward + VJP, plus the recurrent forward alone (0)
-    assert calls.count("recurrent_gated_delta") == 2
+    # chunk forward + VJP, plus the recurrent forward alone (0); and either way the step loop
+    # of the return_states="steps" window (the "chunks" call walks the portable chunk stages)
+    assert calls.count("recurrent_gated_delta") == 4
     assert calls.count("chunkwise_gated_delta") == (4 if recurrent_below else 2)
 
 
@@ -248,3 +249,34 @@ def test_case_result_properties():
     assert not res.passed and res.worst == ("dk", 6e-5)
     res.errors["dv"] = math.nan
     assert not res.passed and res.worst[0] == "dv"
+
+
+@pytest.mark.parametrize("broken", ["step_states", "chunk_states"])
+def test_wrong_returned_states_fail_the_case(monkeypatch, broken):
+    """A backend whose returned states are off by one (the "steps" loop's states a step late,
+    the checkpoints a chunk early) passes on y and every gradient, and fails the case on that
+    quantity: the battery validates the returned states too."""
+    from gdngen.algebra import states
+    from gdngen.backends.portable import mlx_chunkwise
+
+    if broken == "step_states":
+        loop = mlx_chunkwise.recurrent_gated_delta
+
+        def late(*args, steps=False, **kwargs):
+            y, s = loop(*args, steps=steps, **kwargs)
+            if steps:  # each step's slot holds the state before it
+                import mlx.core as mx
+
+                s = mx.concatenate([args[5][:, None], s[:, :-1]], axis=1)
+            return y, s
+
+        monkeypatch.setattr(mlx_chunkwise, "recurrent_gated_delta", late)
+    else:
+        boundary = states.boundary_states
+        monkeypatch.setattr(states, "boundary_states",
+                            lambda xp, entering, final, m: boundary(
+                                xp, xp.module.concatenate([entering[:, :1], entering[:, :-1]],
+                                                          axis=1), final, m))
+    result = validate.check_case("mlx", "ragged", seed=0)
+    assert not result.passed and result.worst[0] == broken, result.errors
+    assert all(err <= 5e-5 for name, err in result.errors.items() if name != broken)

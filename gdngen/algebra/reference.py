@@ -90,13 +90,14 @@ def forward(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate=
 
 
 def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1.0,
-        gate="log"):
+        gate="log", steps=False):
     """Forward plus vector-Jacobian product of the loss <y, dy> + <final_state, dfinal_state>.
 
     ``initial_state`` None means zeros (``dinitial_state`` is still returned); ``dy`` or
     ``dfinal_state`` None means zeros. Returns a dict with "y", "final_state" and the gradients
     "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", each with its input's shape; "dg" is in
-    the gate's own convention (gate="log": d/d g_log, exactly 0 where g = -inf).
+    the gate's own convention (gate="log": d/d g_log, exactly 0 where g = -inf). ``steps``:
+    also "states", the state after every step [B,T,Hv,Dv,Dk].
     """
     shape, qh, kh, v, _, a, beta, s0, m = _prepare(q, k, v, g, beta, initial_state, mask,
                                                    scale, gate)
@@ -148,7 +149,9 @@ def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1
 
     # d/d g_log = da * exp(g_log) = da * a: exactly 0 where a == 0, never a division.
     dg = da * a if gate == "log" else da
+    extra = {"states": np.moveaxis(states[1:], 0, 1)} if steps else {}
     return {
+        **extra,
         "y": y,
         "final_state": states[-1],
         "dq": _fold_heads(dqh, shape),

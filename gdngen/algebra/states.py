@@ -10,11 +10,15 @@
   t = N, 2N, ... before T and the final one, ``[B, ceil(T/N), Hv, Dv, Dk]`` (prefix caching
   keeps a state per N tokens of a prompt). They are the chunk walk's own entering states
   (`gdngen.algebra.chunkwise.forward`'s first residual; per-channel gates likewise), read from
-  the forward, not recomputed: `run_chunks_portable`, on the portable chunk path of the
-  call's framework at the chunk the backend's variant runs (`gdngen.algebra.packed.chunk_params`).
+  the forward, not recomputed. A backend whose chunk kernels give them lists the gate kinds in
+  `gdngen.backend.Backend.chunk_states` (its ``chunks`` hook,
+  `gdngen.backends.generated.kernel_chunks`); every other call runs `run_chunks_portable`, on
+  the portable chunk path of the call's framework at the chunk the backend's variant runs
+  (`gdngen.algebra.packed.chunk_params`).
 
-Both are differentiable by the framework's autodiff (plain array ops, no custom VJP). A
-masked step leaves the state as it was and gives y = 0.
+The portable ones are differentiable by the framework's autodiff (plain array ops, no custom
+VJP); a kernel's take the portable path's VJP. A masked step leaves the state as it was and
+gives y = 0.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import importlib
 from gdngen.algebra import chunkwise
 from gdngen.algebra.packed import PORTABLE_OPS
 
-__all__ = ["RETURN_STATES", "run_chunks_portable", "run_steps_portable"]
+__all__ = ["RETURN_STATES", "boundary_states", "checkpoint_stride", "entering_core",
+           "run_chunks_portable", "run_steps_portable"]
 
 #: the values of ``return_states``
 RETURN_STATES = ("final", "steps", "chunks")
@@ -60,25 +65,46 @@ def run_chunks_portable(call, operands, params):
     chunk path of its framework with chunk ``params`` (``chunk_size``, optionally
     ``solve_block``); ValueError unless ``call.checkpoint_every`` is a multiple of the chunk.
     Returns ``(y in q's dtype, states [B, ceil(T/N), Hv, Dv, Dk] float32)``."""
-    from gdngen.algebra import chunkwise_channel
-
-    C, every = int(params["chunk_size"]), call.checkpoint_every
-    if every % C:
-        raise ValueError(f"checkpoint_every={every} must be a multiple of the chunk size {C} "
-                         "the call runs at (the states are the chunk walk's)")
+    C = int(params["chunk_size"])
+    m = checkpoint_stride(call.checkpoint_every, C)
     ops, q, k, v, g, beta, initial_state, mask = _float32(call, operands)
-    solve_block = int(params.get("solve_block", 8))
-
-    def core(q, k, v, gates, beta, S0):
-        Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
-            ops.XP, q, k, v, gates, beta, S0, gate=call.gate, solve_block=solve_block)
-        return Y, S_final, residuals[0]
-
+    core = entering_core(ops.XP, call.gate, solve_block=int(params.get("solve_block", 8)))
     with ops.FLOAT32_MATMULS:
         y, final, entering = chunkwise.gated_delta(
             ops.XP, core, q, k, v, g, beta, initial_state, mask, scale=call.scale,
             gate=call.gate, chunk_size=C, entering=True)
-    m = every // C
-    states = ops.XP.module.concatenate([entering[:, m::m], final[:, None]], axis=1) if \
-        entering.shape[1] > m else final[:, None]
-    return y.astype(operands.q.dtype), states
+    return y.astype(operands.q.dtype), boundary_states(ops.XP, entering, final, m)
+
+
+def entering_core(xp, gate: str, *, solve_block: int = 8, walk=None):
+    """``core(q, k, v, gates, beta, S0) -> (Y, S_final, S_in)`` in chunk layout (the
+    ``entering`` core of `gdngen.algebra.chunkwise.gated_delta`): the chunk stages of the gates'
+    kind (`gdngen.algebra.chunkwise_channel.stages`), ``S_in`` their first residual. ``walk``
+    (per-channel gates only): a backend's kernel in place of the sequential stage
+    (`gdngen.algebra.chunkwise_channel.walk_forward`'s contract)."""
+    from gdngen.algebra import chunkwise_channel
+
+    def core(q, k, v, gates, beta, S0):
+        extra = {} if walk is None else {"walk": walk}
+        Y, S_final, residuals = chunkwise_channel.stages(gates).forward(
+            xp, q, k, v, gates, beta, S0, gate=gate, solve_block=solve_block, **extra)
+        return Y, S_final, residuals[0]
+
+    return core
+
+
+def checkpoint_stride(every: int, C: int) -> int:
+    """Chunks per checkpoint: ``every // C``; ValueError unless ``checkpoint_every`` is a
+    multiple of the chunk size ``C`` the call runs at."""
+    if every % C:
+        raise ValueError(f"checkpoint_every={every} must be a multiple of the chunk size {C} "
+                         "the call runs at (the states are the chunk walk's)")
+    return every // C
+
+
+def boundary_states(xp, entering, final, m: int):
+    """``[B, ceil(T/N), Hv, Dv, Dk]``: the states entering chunks m, 2m, ... (``entering``
+    ``[B, n_chunks, Hv, Dv, Dk]``, the chunk walk's) and the ``final`` one."""
+    if entering.shape[1] <= m:
+        return final[:, None]
+    return xp.module.concatenate([entering[:, m::m], final[:, None]], axis=1)

@@ -1,12 +1,17 @@
-"""What the generated JAX backends (`ffi_cpu`, `pallas_tpu`, `pallas_gpu`) share: the custom-VJP
-core of their chunk kernels (`custom_vjp_core`, with the q/k norm and a parameterised gate
-computed in it), the result types of their kernel calls under ``jax.shard_map``, and the guard of
-the per-channel walks (`refuse_injection`, Metal's too). The Pallas orchestration is
+"""What the generated backends share: for the JAX ones (`ffi_cpu`, `pallas_tpu`, `pallas_gpu`)
+the custom-VJP core of their chunk kernels (`custom_vjp_core`, with the q/k norm and a
+parameterised gate computed in it) and the result types of their kernel calls under
+``jax.shard_map``; for all four (Metal too) the guard of the per-channel walks
+(`refuse_injection`) and the returned-states calls on their kernels (`kernel_steps`,
+`kernel_chunks`: the kernel's values, the portable path's VJP). The Pallas orchestration is
 `gdngen.backends.pallas.core`."""
 
 from __future__ import annotations
 
+import importlib
+
 from gdngen.algebra import chunkwise
+from gdngen.algebra.packed import PORTABLE_OPS
 
 # ------------------------------------------------------------------------------ checks
 
@@ -21,6 +26,101 @@ def refuse_injection(backend: str, injected) -> None:
 
 
 # ------------------------------------------------------------------------------ calling
+
+
+def _kernel_valued(call, operands, kernel, portable):
+    """``(y in q's dtype, states)`` of ``kernel(q, k, v, g, beta, S0)`` with the VJP of
+    ``portable`` (same arguments: float32, masks folded into g and beta, a zero S0 when there is
+    none; the ``recurrent_or_chunkwise`` of the call's framework,
+    `gdngen.backends.portable.jax_chunkwise` or `gdngen.backends.portable.mlx_chunkwise`); masked
+    steps give y = 0."""
+    ops = importlib.import_module(PORTABLE_OPS[call.framework])
+    shape, f32 = call.shape, ops.FLOAT32
+    q, k, v, g, beta, initial_state, mask = operands[:7]
+    if initial_state is None:
+        initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    g, beta = chunkwise.fold_mask(ops.XP, chunkwise.cast_gates(g, f32), beta.astype(f32), mask,
+                                  call.gate)
+    y, states = ops.recurrent_or_chunkwise(kernel, portable)(
+        q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
+    if mask is not None:
+        y = ops.XP.where(mask[..., None, None], y, 0.0)
+    return y.astype(q.dtype), states
+
+
+def kernel_chunks(call, operands, chunk_size: int, chunk_forward):
+    """A ``return_states="chunks"`` `gdngen.call.Call` (layer inputs computed) through a
+    backend's chunk forward kernel: ``chunk_forward(q, k, v, log_g, beta, S0) -> (y [B,T,Hv,Dv],
+    final [B,Hv,Dv,Dk], entering [B, ceil(T/C), Hv, Dv, Dk])`` on float32 arrays of the call's
+    framework, masks folded (log g 0, beta 0), q unscaled (``chunk_forward`` applies
+    ``call.scale``), ``entering`` the states the walk enters each chunk of ``chunk_size`` with
+    (`entering_forward` makes one from a chunk-layout core). The checkpoints are read from the
+    walk (`gdngen.algebra.states.boundary_states`), nothing recomputed; the VJP is the portable
+    chunk path's (`gdngen.algebra.states.run_chunks_portable`, run under the framework's vjp
+    only). Returns ``(y in q's dtype, states [B, ceil(T/N), Hv, Dv, Dk] float32)``."""
+    from gdngen.algebra import states
+
+    xp = importlib.import_module(PORTABLE_OPS[call.framework]).XP
+    m = states.checkpoint_stride(call.checkpoint_every, chunk_size)
+
+    def kernel(q, k, v, g, beta, S0):
+        log_g = g if call.gate == "log" else xp.module.log(g)
+        y, final, entering = chunk_forward(q, k, v, log_g, beta, S0)
+        return y, states.boundary_states(xp, entering, final, m)
+
+    def portable(q, k, v, g, beta, S0):  # the masks are folded into g and beta
+        plain = operands._replace(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0, mask=None)
+        return states.run_chunks_portable(call, plain, {"chunk_size": chunk_size})
+
+    return _kernel_valued(call, operands, kernel, portable)
+
+
+def entering_forward(call, chunk_size: int, core, *, core_scales: bool):
+    """A `kernel_chunks` ``chunk_forward`` from ``core(q, k, v, log_gates, beta, S0) -> (Y,
+    S_final, S_in)`` in the chunk layout of `gdngen.algebra.chunkwise.gated_delta` (its
+    ``entering`` core; S_in ``[N, B, Hk, r, Dv, Dk]``), which lays the call out in chunks
+    around it. ``core_scales``: the core's kernels apply ``call.scale`` themselves."""
+    ops = importlib.import_module(PORTABLE_OPS[call.framework])
+    scale = 1.0 if core_scales else call.scale
+
+    def chunk_forward(q, k, v, log_g, beta, S0):
+        with ops.FLOAT32_MATMULS:
+            return chunkwise.gated_delta(ops.XP, core, q, k, v, log_g, beta, S0, None,
+                                         scale=scale, gate="log", chunk_size=chunk_size,
+                                         entering=True)
+
+    return chunk_forward
+
+
+def walk_chunk_forward(call, chunk_size: int, walk):
+    """`entering_forward` of per-channel gates whose sequential stage is a backend's walk
+    kernel (``walk``: `gdngen.algebra.chunkwise_channel.walk_forward`'s contract): the entering
+    states are the ones the kernel's walk writes."""
+    from gdngen.algebra import states
+
+    xp = importlib.import_module(PORTABLE_OPS[call.framework]).XP
+    return entering_forward(call, chunk_size, states.entering_core(xp, "log", walk=walk),
+                            core_scales=False)
+
+
+def kernel_steps(call, operands, recurrent):
+    """A ``return_states="steps"`` `gdngen.call.Call` (layer inputs computed) through a
+    backend's recurrent kernel that writes every step's state: ``recurrent(q, k, v, decay,
+    beta, S0) -> (y [B,T,Hv,Dv], states [B,T,Hv,Dv,Dk])`` on float32 arrays of the call's
+    framework, masks folded (decay 1, beta 0), ``decay`` linear. Its value is the kernel's; its
+    VJP the portable step loop's (the framework's ``recurrent_gated_delta``, run under its vjp
+    only). Returns ``(y in q's dtype, states float32)``; masked steps give y = 0."""
+    ops = importlib.import_module(PORTABLE_OPS[call.framework])
+    gate, scale = call.gate, call.scale
+
+    def kernel(q, k, v, g, beta, S0):
+        return recurrent(q, k, v, chunkwise.linear_decay(ops.XP, g, gate), beta, S0)
+
+    def portable(q, k, v, g, beta, S0):
+        return ops.recurrent_gated_delta(q, k, v, g, beta, S0, scale=scale, gate=gate,
+                                         steps=True)
+
+    return _kernel_valued(call, operands, kernel, portable)
 
 
 def result_type(shape, dtype, like):

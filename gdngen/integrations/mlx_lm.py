@@ -212,6 +212,7 @@ class _Patch:
     mixer: bool = True
     replaced: list[tuple[ModuleType, str]] = field(default_factory=list)
     layers: list[tuple[type, Callable]] = field(default_factory=list)
+    caches: list[tuple[type, Callable]] = field(default_factory=list)
 
 
 _ACTIVE: _Patch | None = None
@@ -317,15 +318,13 @@ MIXER_LAYERS = {
 
 def _takes_mixer(layer, cache) -> bool:
     """Whether the layer's call may go through the mixer (its head dims checked after): a patch
-    with ``mixer=True`` taking this path (training, or ``inference=True``), no tensor-parallel
-    sharding group, and a cache without per-row lengths (batched generation keeps mlx-lm's
-    layer, which reads the conv state at each row's length)."""
+    with ``mixer=True`` taking this path (training, or ``inference=True``) and no
+    tensor-parallel sharding group. A cache with per-row lengths (batched generation) is
+    taken: each row's conv window is read at its length, as mlx-lm's layer reads it."""
     active = _ACTIVE
     if active is None or not active.mixer or (not layer.training and not active.inference):
         return False
-    if getattr(layer, "sharding_group", None) is not None:
-        return False
-    return cache is None or getattr(cache, "lengths", None) is None
+    return getattr(layer, "sharding_group", None) is None
 
 
 def _routed_mixer_call(family: _MixerLayer, original):
@@ -333,11 +332,11 @@ def _routed_mixer_call(family: _MixerLayer, original):
 
     def __call__(self, inputs, mask=None, cache=None):
         if not _takes_mixer(self, cache):
-            return original(self, inputs, mask, cache)
+            return _unrecorded(original(self, inputs, mask, cache), cache)
         arguments = family.arguments(self, inputs)
         if not (MIN_HEAD_DIM <= arguments["Dk"] <= MAX_HEAD_DIM
                 and MIN_HEAD_DIM <= arguments["Dv"] <= MAX_HEAD_DIM):
-            return original(self, inputs, mask, cache)
+            return _unrecorded(original(self, inputs, mask, cache), cache)
         B, S, _ = inputs.shape
         conv_state = state = None
         if cache is not None:
@@ -347,6 +346,10 @@ def _routed_mixer_call(family: _MixerLayer, original):
             state = cache[family.state_slot]
         if mask is not None and mask.dtype != mx.bool_:
             mask = mask.astype(mx.bool_)
+        rewind = (not self.training and isinstance(cache, _REWINDABLE or ())
+                  and cache.lengths is None)
+        steps = rewind and 1 < S <= cache.max_steps  # a verify window: keep every step's state
+        start_state, start_conv = state, conv_state
         variant = None
         if self.training:
             shape = CallShape(B, S, *(arguments[n] for n in ("Hk", "Hv", "Dk", "Dv")),
@@ -355,17 +358,214 @@ def _routed_mixer_call(family: _MixerLayer, original):
                                         _ACTIVE.chunk_size)
         out, state, conv_state = gdngen_mlx.gated_delta_mixer(
             **arguments, conv_state=conv_state, initial_state=state, mask=mask,
-            chunk_size=None if variant is not None else _ACTIVE.chunk_size, variant=variant)
+            chunk_size=None if variant is not None else _ACTIVE.chunk_size, variant=variant,
+            return_states="steps" if steps else "final")
         if cache is not None:
-            parts = mx.split(mx.swapaxes(conv_state, 1, 2), len(family.conv_slots), axis=-1)
+            lengths = getattr(cache, "lengths", None)
+            windows = mx.swapaxes(conv_state, 1, 2)  # [B, K-1, C], mlx-lm's layout
+            timeline = None
+            if rewind or lengths is not None:
+                timeline = _conv_timeline(arguments, mask, start_conv)
+            if lengths is not None:  # batched generation: each row's window ends at its length
+                ends = mx.clip(lengths, 0, S)
+                positions = ends[:, None] + mx.arange(windows.shape[1])
+                windows = mx.take_along_axis(timeline, positions[..., None], axis=1)
+            parts = mx.split(windows, len(family.conv_slots), axis=-1)
             for slot, part in zip(family.conv_slots, parts):
                 cache[slot] = part
-            cache[family.state_slot] = state
+            states = state if steps else (state[:, None] if S == 1 else None)
+            cache[family.state_slot] = state[:, -1] if steps else state
+            if rewind:
+                cache.record(family, start_state, start_conv, states, timeline)
             cache.advance(S)
         return getattr(self, family.output)(out.reshape(B, S, -1))
 
     __call__.__gdngen_original__ = original
     return __call__
+
+
+def _conv_timeline(arguments, mask, start_conv):
+    """``[B, K-1+T, C]``: the conv window before the call (``start_conv [B, C, K-1]``, zeros
+    when None) then the call's masked inputs; the window after p steps is
+    ``timeline[:, p:p+K-1]``."""
+    x = arguments["mixed_qkv"]
+    if mask is not None:
+        x = mx.where(mask[..., None], x, 0)
+    width = int(arguments["conv_weight"].shape[1]) - 1
+    window = (mx.zeros((x.shape[0], width, x.shape[2]), x.dtype) if start_conv is None
+              else mx.swapaxes(start_conv, 1, 2).astype(x.dtype))
+    return mx.concatenate([window, x], axis=1)
+
+
+def _unrecorded(out, cache):
+    """``out`` of mlx-lm's own layer, after which a rewindable ``cache`` cannot rewind."""
+    if isinstance(cache, _REWINDABLE or ()):
+        cache.forget()
+    return out
+
+
+# --------------------------------------------------------------------------- rewindable cache
+
+
+_REWINDABLE: type | None = None  # RewindableCache, built on first patch (it subclasses mlx-lm's)
+#: how many of the latest steps a rewindable cache can take back (`RewindableCache.max_steps`)
+MAX_REWIND = 16
+
+
+class _Segment:
+    """One recorded call of T steps: the state and conv window ``[B, K-1, C]`` before it (None:
+    zeros, as mlx-lm's layers take a missing entry), the state after each step ``[B, T, Hv, Dv,
+    Dk]`` and the conv window's timeline ``[B, K-1+T, C]`` (the window before, then the call's
+    masked inputs: the window after p steps is ``timeline[:, p:p+K-1]``)."""
+
+    __slots__ = ("start_conv", "start_state", "states", "timeline")
+
+    def __init__(self, start_state, start_conv, states, timeline):
+        self.start_state, self.start_conv = start_state, start_conv
+        self.states, self.timeline = states, timeline
+
+    @property
+    def steps(self) -> int:
+        return int(self.states.shape[1])
+
+
+def _rewindable_cache_class() -> type:
+    """`RewindableCache` (built once: it subclasses mlx-lm's ``ArraysCache``, and is put in
+    ``mlx_lm.models.cache``'s namespace so ``load_prompt_cache`` finds it by name)."""
+    global _REWINDABLE
+    if _REWINDABLE is not None:
+        return _REWINDABLE
+    from mlx_lm.models import cache as cache_module
+
+    class RewindableCache(cache_module.ArraysCache):
+        """mlx-lm's ``ArraysCache`` for a gated-delta layer, trimmable: speculative decoding
+        (``mlx_lm.generate.speculative_generate_step``) rewinds it after a verify window.
+
+        The layer's calls through `gdngen.mlx.gated_delta_mixer` record their steps: a call of
+        T <= `max_steps` tokens returns every step's state (``return_states="steps"``, the
+        verify window's states written as the recurrence walks) and the conv window's
+        timeline; a longer call (a prefill) is a barrier. ``trim(n)`` puts back the state and
+        conv window of n steps ago, across calls, up to `max_steps` steps; a trim past what is
+        recorded (or after a call that did not go through the mixer) is a ValueError rather
+        than a wrong state. Memory: up to `max_steps` states of the layer
+        (``max_steps * B * Hv * Dv * Dk * 4`` bytes) beyond mlx-lm's cache.
+        """
+
+        max_steps = MAX_REWIND
+
+        def is_trimmable(self):
+            return True
+
+        def forget(self):
+            """Drop the recorded steps: the cache cannot rewind past its current state."""
+            self._segments = []
+
+        def record(self, family, start_state, start_conv, states, timeline):
+            """A mixer call of ``family`` from ``start_state`` / ``start_conv`` (``[B, C,
+            K-1]``, as the mixer takes it) with the conv timeline ``[B, K-1+T, C]``
+            (`_conv_timeline`): ``states`` ``[B, T, Hv, Dv, Dk]``, None for a barrier."""
+            segments = getattr(self, "_segments", [])
+            self._family = family
+            if states is None or start_state is not getattr(self, "_head", None):
+                segments = []  # a barrier, or the state changed since the latest record
+            if states is not None:
+                segments.append(_Segment(start_state, start_conv, states, timeline))
+                while len(segments) > 1 and sum(g.steps for g in segments[1:]) >= self.max_steps:
+                    segments.pop(0)
+            self._segments = segments
+            self._head = self.cache[family.state_slot]
+
+        def trim(self, n):
+            n = int(n)
+            if n <= 0:
+                return 0
+            segments = getattr(self, "_segments", [])
+            family = getattr(self, "_family", None)
+            recorded = sum(g.steps for g in segments)
+            if family is None or self.cache[family.state_slot] is not self._head:
+                recorded = 0
+            if n > recorded:
+                raise ValueError(
+                    f"cannot trim {n} tokens from this gated-delta cache: it can take back the "
+                    f"last {recorded} (the steps of its latest calls of at most max_steps="
+                    f"{self.max_steps} tokens through gdngen's mixer; a recurrent state has no "
+                    "earlier positions to return to)")
+            left = n
+            while left:
+                last = segments[-1]
+                if left >= last.steps:
+                    segments.pop()
+                    left -= last.steps
+                    if not left:
+                        state, windows = last.start_state, last.start_conv
+                        if windows is not None:
+                            windows = mx.swapaxes(windows, 1, 2)
+                    continue
+                keep = last.steps - left
+                K1 = last.timeline.shape[1] - last.steps
+                last.states = last.states[:, :keep]
+                last.timeline = last.timeline[:, :keep + K1]
+                state, windows = last.states[:, -1], last.timeline[:, keep:keep + K1]
+                left = 0
+            self.cache[family.state_slot] = state
+            slots = family.conv_slots
+            parts = ([None] * len(slots) if windows is None
+                     else mx.split(windows, len(slots), axis=-1))
+            for slot, part in zip(slots, parts):
+                self.cache[slot] = part
+            self._head = state
+            self._segments = segments
+            if self.lengths is not None:
+                self.lengths = self.lengths + n
+            if self.left_padding is not None:
+                self.left_padding = self.left_padding + n
+            return n
+
+        @property
+        def state(self):
+            return self.cache, self.left_padding, self.lengths
+
+        @state.setter
+        def state(self, v):
+            self.cache, self.left_padding, self.lengths = v
+            self.forget()
+
+        def filter(self, batch_indices):
+            self.forget()
+            super().filter(batch_indices)
+
+        def extend(self, other):
+            self.forget()
+            super().extend(other)
+
+    RewindableCache.__module__ = cache_module.__name__
+    cache_module.RewindableCache = RewindableCache
+    _REWINDABLE = RewindableCache
+    return RewindableCache
+
+
+def _rewindable_make_cache(original):
+    """A model class's ``make_cache`` whose ``ArraysCache`` entries are rewindable
+    while a ``patch(inference=True)`` is active."""
+
+    def make_cache(self):
+        caches = original(self)
+        active = _ACTIVE
+        if active is None or not active.inference or not active.mixer:
+            return caches
+        rewindable = _rewindable_cache_class()
+        base = rewindable.__mro__[1]
+        out = []
+        for c in caches:
+            if type(c) is base:
+                r = rewindable(len(c.cache))
+                r.cache, r.left_padding, r.lengths = c.cache, c.left_padding, c.lengths
+                c = r
+            out.append(c)
+        return out
+
+    make_cache.__gdngen_original__ = original
+    return make_cache
 
 
 def _patch_layers(active) -> None:
@@ -377,6 +577,14 @@ def _patch_layers(active) -> None:
         original = cls.__call__
         cls.__call__ = _routed_mixer_call(family, original)
         active.layers.append((cls, original))
+    _rewindable_cache_class()
+    for module_name in sorted({m for m, _ in MIXER_LAYERS}):
+        for cls in list(vars(importlib.import_module(module_name)).values()):
+            method = vars(cls).get("make_cache") if isinstance(cls, type) else None
+            if method is None or hasattr(method, "__gdngen_original__"):
+                continue
+            cls.make_cache = _rewindable_make_cache(method)
+            active.caches.append((cls, method))
 
 
 # --------------------------------------------------------------------------- version / discovery
@@ -496,6 +704,8 @@ def unpatch() -> None:
         setattr(module, name, _ACTIVE.original)
     for cls, original in _ACTIVE.layers:
         cls.__call__ = original
+    for cls, original in _ACTIVE.caches:
+        cls.make_cache = original
     _ACTIVE = None
 
 

@@ -205,6 +205,29 @@ def test_decode_continues_a_prefill_through_both_states(framework):
     assert relative_error(np.asarray(conv), np.asarray(whole[2])) == 0.0
 
 
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_steps_are_the_states_after_every_step(framework):
+    """``return_states="steps"`` (a verify window of 6 with a padded step): the state after
+    step t is the float64 composition's final state over the first t steps; the output and conv
+    state are the final call's."""
+    fw = Framework(framework)
+    steps = 6
+    x, options = inputs("scalar", seed=13, steps=steps, mask=False)
+    m = np.ones((B, steps), bool)
+    m[0, 2] = False
+    options["mask"] = m
+    a = {n: fw.array(v) for n, v in x.items()}
+    out, states, conv = fw.mixer(**a, **DIMS, mask=fw.array(m), return_states="steps")
+    states = np.asarray(states, np.float64)
+    assert states.shape == (B, steps, Hv, Dv, Dk)
+    for t in range(1, steps + 1):
+        prefix = {n: v[:, :t] if n in ("mixed_qkv", "a", "b", "z") else v for n, v in x.items()}
+        ref = stages.reference_vjp(**prefix, **DIMS, **{**options, "mask": m[:, :t]})
+        assert relative_error(states[:, t - 1], ref["final_state"]) <= RTOL, t
+    assert relative_error(np.asarray(out, np.float64), ref["out"]) <= RTOL
+    assert relative_error(np.asarray(conv, np.float64), ref["conv_state"]) <= RTOL
+
+
 def test_matches_mlx_lm_qwen3_next_layer():
     """The layout conventions: mlx-lm's Qwen3NextGatedDeltaNet (conv1d, normalize_qk,
     gated_delta_update, RMSNormGated) on the same weights, with a cache carried over a
@@ -273,6 +296,7 @@ def test_saturated_activations_have_finite_gradients(framework):
     ({"norm_gate": "relu"}, "norm_gate must be one of"),
     ({"norm_eps": 0.0}, "norm_eps must be a positive float"),
     ({"Hk": 0}, "Hk must be a positive int"),
+    ({"return_states": "chunks"}, "return_states must be 'final' or 'steps'"),
 ])
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_bad_arguments_name_the_argument(framework, change, message):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from framework_arrays import dtype, entry
 
-from gdngen import registry
+from gdngen import registry, settings
 from gdngen.algebra import reference
 from gdngen.validate import relative_error
 from gdngen.variant import Problem
@@ -64,9 +64,17 @@ def _run(backend, gate, x, **options):
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 @pytest.mark.parametrize("backend", registry.names())
-def test_window_states_match_the_float64_recurrence(backend, gate):
+def test_window_states_match_the_float64_recurrence(backend, gate, monkeypatch):
+    """Outputs poisoned; a backend listing the gate kind in ``step_states`` runs its own
+    kernels' ``steps`` hook, every other the portable step loop."""
+    from spies import spy_calls
+
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    spec = registry.get(backend)
+    hooks = spy_calls(monkeypatch, type(spec), ["steps"])
     x = _inputs(1, vector=gate == "vector")
     y, states, numpy = _run(backend, gate, x, return_states="steps")
+    assert bool(hooks) == (gate in spec.step_states)
     y_ref, states_ref = _reference_steps(x, DK ** -0.5)
     states = numpy(states)
     assert states.shape == (B, T, HV, DV, DK) and states.dtype == np.float32
@@ -100,32 +108,56 @@ def test_layer_inputs_and_bfloat16_storage(framework):
     assert str(stored.dtype).endswith("bfloat16") and stored.shape == (B, T, HV, DV, DK)
 
 
-def test_gradients_through_the_steps_match_the_chunk_vjp():
-    """jax.grad of a loss on y and the last step's state, through the step loop, equals the
-    plain call's gradients (the chunk path's hand-derived VJP): two independent derivations."""
-    import jax
-    import jax.numpy as jnp
+#: (framework, backend): each framework's default call and every backend whose kernels write
+#: the steps (their VJP is the portable step loop's)
+GRADIENT_CASES = [("jax", None), ("mlx", None)] + [
+    (registry.get(n).framework, n) for n in registry.names() if registry.get(n).step_states]
 
-    from gdngen.jax import gated_delta
 
+def _grad(framework, f, arrays, jit=False):
+    """The gradient of ``f`` at ``arrays``; ``jit``: a JAX one compiled (one program instead
+    of hundreds of eager ops)."""
+    if framework == "jax":
+        import jax
+
+        grad = jax.grad(f, argnums=tuple(range(len(arrays))))
+        return (jax.jit(grad) if jit else grad)(*arrays)
+    import mlx.core as mx
+
+    return mx.grad(f, argnums=list(range(len(arrays))))(*arrays)
+
+
+@pytest.mark.parametrize("framework, backend", GRADIENT_CASES,
+                         ids=[f"{f}-{b or 'default'}" for f, b in GRADIENT_CASES])
+def test_gradients_through_the_steps_match_the_chunk_vjp(framework, backend):
+    """The gradient of a loss on y and the last step's state, through the steps (the default
+    call's step loop, or a backend's per-step-states kernel with its VJP), equals the plain
+    call's (the chunk path's hand-derived VJP): two independent derivations."""
+    gated_delta, array, numpy = entry(framework)
+    options = {}
+    if backend is not None:
+        problem = Problem(HK, HV, DK, DV)
+        ok, why = registry.get(backend).capability(problem)
+        if not ok:
+            pytest.skip(f"{backend} cannot run here: {why}")
+        options["variant"] = registry.default_variant(backend, problem)
     x = _inputs(4)
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    arrays = [jnp.asarray(x[n]) for n in names]
-    mask = jnp.asarray(x["mask"])
-    w = jnp.asarray(np.random.default_rng(5).standard_normal((B, HV, DV, DK)), jnp.float32)
+    arrays = [array(x[n]) for n in names]
+    mask = array(x["mask"])
+    w = array(np.random.default_rng(5).standard_normal((B, HV, DV, DK)).astype(np.float32))
 
     def loss(steps):
         def f(*xs):
             y, s = gated_delta(*xs, mask=mask, scale=0.3,
-                               return_states="steps" if steps else "final")
+                               return_states="steps" if steps else "final", **options)
             s = s[:, -1] if steps else s
-            return jnp.sum(y ** 2) + jnp.sum(w * s)
+            return (y ** 2).sum() + (w * s).sum()
         return f
 
-    got = jax.grad(loss(True), argnums=tuple(range(6)))(*arrays)
-    want = jax.grad(loss(False), argnums=tuple(range(6)))(*arrays)
+    got, want = _grad(framework, loss(True), arrays), _grad(framework, loss(False), arrays)
     for name, a, b in zip(names, got, want):
-        assert relative_error(np.asarray(a), np.asarray(b)) <= 1e-4, name
+        assert relative_error(numpy(a), numpy(b)) <= 1e-4, name
 
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
@@ -156,12 +188,19 @@ def _chunk_inputs(seed, vector=False):
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 @pytest.mark.parametrize("backend", registry.names())
-def test_chunk_boundary_states_match_the_float64_recurrence(backend, gate):
+def test_chunk_boundary_states_match_the_float64_recurrence(backend, gate, monkeypatch):
     """return_states="chunks", checkpoint_every=64 over T = 150: the states at t = 64, 128
-    and the final one (t = 150), each against the float64 recurrence of that prefix."""
+    and the final one (t = 150), each against the float64 recurrence of that prefix; outputs
+    poisoned; a backend listing the gate kind in ``chunk_states`` runs its ``chunks`` hook."""
+    from spies import spy_calls
+
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    spec = registry.get(backend)
+    hooks = spy_calls(monkeypatch, type(spec), ["chunks"])
     x = _chunk_inputs(11, vector=gate == "vector")
     names = ("q", "k", "v", "g", "beta", "initial_state")
     y, states, numpy = _run(backend, gate, x, return_states="chunks", checkpoint_every=EVERY)
+    assert bool(hooks) == (gate in spec.chunk_states)
     states = numpy(states)
     assert states.shape == (B, 3, HV, DV, DK) and states.dtype == np.float32
     y_ref, _ = reference.forward(*(x[n] for n in names), mask=x["mask"], scale=DK ** -0.5)
@@ -170,6 +209,44 @@ def test_chunk_boundary_states_match_the_float64_recurrence(backend, gate):
         _, s_ref = reference.forward(*(x[n][:, :t] for n in names[:5]), x["initial_state"],
                                      mask=x["mask"][:, :t], scale=DK ** -0.5)
         assert relative_error(states[:, j], s_ref) <= TOL, t
+
+
+#: (backend, gate kind) of every chunk forward kernel that gives the chunk-boundary states
+CHUNK_KERNELS = [(n, gate) for n in registry.names() for gate in registry.get(n).chunk_states]
+
+
+@pytest.mark.parametrize("backend, gate", CHUNK_KERNELS)
+def test_gradients_through_kernel_chunk_states(backend, gate):
+    """A loss on y and every checkpoint, through a backend's chunk-states kernel (its VJP the
+    portable chunk path's) and through the portable path itself: equal gradients."""
+    spec = registry.get(backend)
+    framework = spec.framework
+    gated_delta, array, numpy = entry(framework)
+    problem = Problem(HK, HV, DK, DV, gate=gate)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    x = _chunk_inputs(13, vector=gate == "vector")
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    arrays = [array(x[n]) for n in names]
+    mask = array(x["mask"])
+    w = array(np.random.default_rng(6).standard_normal((B, 3, HV, DV, DK)).astype(np.float32))
+    variant = registry.default_variant(backend, problem)
+    chunk = int(variant.get("chunk_size"))
+
+    def loss(**options):
+        def f(*xs):
+            y, s = gated_delta(*xs, mask=mask, scale=0.3, return_states="chunks",
+                               checkpoint_every=2 * chunk, **options)
+            return (y ** 2).sum() + (w[:, :s.shape[1]] * s).sum()
+        return f
+
+    # compiled where the kernels run natively; Pallas interpret mode compiles slower than it runs
+    jit = backend == "ffi_cpu"
+    got = _grad(framework, loss(variant=variant), arrays, jit=jit)
+    want = _grad(framework, loss(chunk_size=chunk), arrays, jit=jit)
+    for name, a, b in zip(names, got, want):
+        assert relative_error(numpy(a), numpy(b)) <= 1e-4, name
 
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])

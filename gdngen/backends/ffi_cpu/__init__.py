@@ -217,7 +217,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
     context = {"chunk": p["chunk_size"], "row_block": p["row_block"], "panel": p["panel"],
                "packed": False,
                "sub_chunk": chunkwise_channel.sub_chunk_size(p["chunk_size"]), **dims}
-    recurrent = {"row_tile": RECURRENT_ROW_TILE, **dims}
+    recurrent = {"row_tile": RECURRENT_ROW_TILE, "steps": False, **dims}
     return {SOURCE_NAME: (TEMPLATE, context),
             RECURRENT_SOURCE_NAME: (RECURRENT_TEMPLATE, recurrent)}
 
@@ -361,6 +361,30 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     texts = {PACKED_SOURCE_NAME: environment(templates_dir).get_template(template).render(
         **dict(context, packed=True))}
     return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+#: the rendered file of the per-step-states build of the recurrent kernel (`render_steps`)
+STEPS_SOURCE_NAME = "recurrent_steps.cc"
+
+
+def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The recurrent kernel of ``variant`` that returns the state after every step
+    (``return_states="steps"``): the recurrent template with ``steps`` set, its second result
+    ``[B, T, Hv, Dv, Dk]`` in place of the final state, each task writing its rows of step t's
+    state as it walks. With ``steps`` unset the template renders the recurrent kernel byte for
+    byte, so the variant's sha256 (and tuned entries) do not depend on it."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    SPEC.parse(variant)
+    template, context = render_plan(variant, problem)[RECURRENT_SOURCE_NAME]
+    texts = {STEPS_SOURCE_NAME: environment(templates_dir).get_template(template).render(
+        **dict(context, steps=True))}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def load_steps_kernels(variant: Variant, problem: Problem, *, templates_dir=None) -> Kernels:
+    """`render_steps`, compiled unless cached, loaded and registered (``target_recurrent``)."""
+    return _load(render_steps(variant, problem, templates_dir=templates_dir), ("recurrent",))
 
 
 #: which kernels of a fused build (`render_fused`) each of its sources holds
@@ -673,9 +697,11 @@ PLAIN_INPUTS = KernelInputs()
 
 
 @functools.cache
-def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PLAIN_INPUTS):
+def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PLAIN_INPUTS,
+               steps: bool = False):
     """``call(q, k, v, decay, beta, S0, *parameters) -> (y, S_T)`` running the loaded recurrent
-    kernel of ``sha256`` (float32, API layout): the plain one (``inputs`` off) takes the linear
+    kernel of ``sha256`` (float32, API layout; ``steps``: a `render_steps` build, every step's
+    state ``[B, T, Hv, Dv, Dk]`` in place of S_T): the plain one (``inputs`` off) takes the linear
     decay; a fused one (`render_fused` for ``inputs``) the raw q, k when ``inputs.qk_norm`` and,
     with ``inputs.gate_form``, the raw projection ``a`` as ``decay`` and ``parameters`` =
     ``(A_log, dt_bias)`` as `kernel_parameters` gives them (``lower_bound`` from ``inputs``)."""
@@ -694,9 +720,10 @@ def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = P
                              f"parameters (A_log, dt_bias), got {len(parameters)}")
         B, T, _, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
+        states = (B, T, Hv, Dv, Dk) if steps else (B, Hv, Dv, Dk)
         return jax.ffi.ffi_call(kernels.target_recurrent, (
             generated.result_type((B, T, Hv, Dv), jnp.float32, q),
-            generated.result_type((B, Hv, Dv, Dk), jnp.float32, q)),
+            generated.result_type(states, jnp.float32, q)),
             vmap_method="sequential")(q, k, v, decay, beta, S0, *parameters,
                                       scale=np.float32(scale), threads=np.int64(workers),
                                       poison=poison, **extra,
@@ -829,6 +856,43 @@ def _forward(call, operands, variant, templates_dir=None):
     return y.astype(q.dtype), state
 
 
+def _steps(call, operands, variant, templates_dir=None):
+    """A ``return_states="steps"`` call (layer inputs computed) on the `render_steps`
+    recurrent kernel (`gdngen.backends.generated.kernel_steps`)."""
+    kernels = load_steps_kernels(variant, call.problem, templates_dir=templates_dir)
+    run = _recurrent(kernels.sha256, call.scale, settings.flag(ENV_POISON), steps=True)
+    return generated.kernel_steps(call, operands, run)
+
+
+def _chunks(call, operands, variant, templates_dir=None):
+    """A ``return_states="chunks"`` call (layer inputs computed; scalar or per-channel gates)
+    on the chunk forward kernel of ``variant``: the checkpoints are the states its walk writes
+    entering each chunk (its ``ST per chunk`` result, the backward's residual), read, not
+    recomputed (`gdngen.backends.generated.kernel_chunks`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    kernels = load_kernels(variant, call.problem, templates_dir=templates_dir)
+    _, workers, attrs, f32, _ = _call_context(kernels.sha256, "log", call.scale,
+                                              settings.flag(ENV_POISON))
+    C = kernels.params["chunk_size"]
+
+    def chunk_forward(q, k, v, log_g, beta, S0):
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        y, final, entering = jax.ffi.ffi_call(kernels.target_forward, (
+            f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
+            f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
+            vmap_method="sequential")(q, k, v, log_g, beta, S0, **attrs,
+                                      splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
+        # [B, Hv, N, DK, DV] transposed and padded -> [B, N, Hv, Dv, Dk]
+        entering = jnp.swapaxes(entering[..., :Dk, :Dv], -1, -2)
+        return y, final, jnp.swapaxes(entering, 1, 2)
+
+    return generated.kernel_chunks(call, operands, C, chunk_forward)
+
+
 #: relative L2 error per precision policy: the kernels compute in float32 under every policy
 #: (worst measured 9.7e-7, dbeta / identical_keys; per-channel gates 1.4e-6, dbeta /
 #: vector_identical_keys at chunk 128, tests/backends/ffi_cpu/test_ffi_cpu_channel.py).
@@ -841,6 +905,7 @@ class FfiCpu(Backend):
     tolerances, device_kinds, dtypes = TOLERANCES, ("cpu",), INPUT_DTYPES
     gates = tuned_gates = ("scalar", "vector")
     fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    step_states = chunk_states = ("scalar", "vector")
     render_plan, lower_check = staticmethod(render_plan), staticmethod(lower_check)
 
     def space(self, problem, device=None):
@@ -857,6 +922,12 @@ class FfiCpu(Backend):
 
     def packed(self, call, operands, variant, templates_dir=None):
         return _packed(call, operands, variant, templates_dir)
+
+    def steps(self, call, operands, variant, templates_dir=None):
+        return _steps(call, operands, variant, templates_dir)
+
+    def chunks(self, call, operands, variant, templates_dir=None):
+        return _chunks(call, operands, variant, templates_dir)
 
 
 SPEC = FfiCpu()

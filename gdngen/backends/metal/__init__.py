@@ -104,6 +104,7 @@ from gdngen.backends.metal.kernels import (
     render_fused_kernels,
     render_packed,
     render_plan,
+    render_steps,
     supports,
     threadgroup_bytes,
     variant_space,
@@ -125,6 +126,7 @@ from gdngen.backends.metal.plan import (
     plan_input_metas,
     recurrent_input_metas,
     recurrent_plan,
+    steps_plan,
     to_numpy,
 )
 from gdngen.variant import Problem, Variant
@@ -135,14 +137,14 @@ __all__ = [
     'POLICY_TOLERANCES', 'PRECISIONS', 'RECURRENT_BELOW', 'SIMDGROUPS', 'SPEC',
     'THREADGROUP_MEMORY', 'ChannelWalks', 'Config', 'KernelSpec', 'Launch', 'MLXLauncher',
     'Metal', 'Plan', 'SimLauncher', 'accumulator_floats', 'adapt', 'build_launch_plan',
-    'channel_input_metas', 'channel_plan', 'compile_plan', 'default_config',
+    'channel_input_metas', 'channel_plan', 'chunks_call', 'compile_plan', 'default_config',
     'default_launcher', 'dense_call', 'from_numpy', 'fused_kernels', 'fused_key',
     'gated_delta', 'intra_tile', 'kernels_used', 'launch_plan', 'lower_check',
     'max_threadgroup_bytes', 'packed_call', 'packed_gated_delta', 'packed_launch_plan',
     'params_valid', 'plan_input_metas', 'problem_of_inputs', 'recurrent_forward',
-    'recurrent_input_metas', 'recurrent_plan', 'render_fused', 'render_fused_kernels',
-    'render_packed', 'render_plan', 'simulate', 'supports', 'threadgroup_bytes', 'to_numpy',
-    'variant_space',
+    'recurrent_input_metas', 'recurrent_plan', 'recurrent_steps_forward', 'render_fused',
+    'render_fused_kernels', 'render_packed', 'render_plan', 'render_steps', 'simulate',
+    'steps_call', 'steps_plan', 'supports', 'threadgroup_bytes', 'to_numpy', 'variant_space',
 ]
 
 
@@ -466,6 +468,72 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
         launcher.prepare(plan, env)
     env = _run(plan, plan.forward, env, launcher)
     return env["y_out"], env["final_state"]
+
+
+def recurrent_steps_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
+                            launcher=None, templates_dir=None):
+    """`recurrent_forward` (plain inputs) on the per-step-states build (`render_steps`,
+    `steps_plan`): ``(y [B,T,Hv,Dv], states [B,T,Hv,Dv,Dk])``, float32, the state after every
+    step, each lane writing its columns of its rows as it walks."""
+    import mlx.core as mx
+
+    B, T, Hk, Dk = (int(n) for n in q.shape)
+    Hv, Dv = int(v.shape[2]), int(v.shape[3])
+    if problem is None:
+        problem = Problem(Hk, Hv, Dk, Dv, "float32", "vector" if decay.ndim == 4 else "scalar")
+    launcher = default_launcher() if launcher is None else launcher
+    plan = steps_plan(variant, problem, T, B, templates_dir)
+    f32 = mx.float32
+    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32), "a": decay.astype(f32),
+           "beta": beta.astype(f32), "s0": S0.astype(f32), "prm": mx.array([float(scale)], f32)}
+    if hasattr(launcher, "prepare"):
+        launcher.prepare(plan, env)
+    env = _run(plan, plan.forward, env, launcher)
+    return env["y_out"], env["states"]
+
+
+def steps_call(call, operands, variant, launcher=None):
+    """A ``return_states="steps"`` `gdngen.call.Call` (layer inputs computed) on the
+    `render_steps` kernel (`gdngen.backends.generated.kernel_steps`): ``(y in q's dtype, states
+    [B,T,Hv,Dv,Dk] float32)``; its VJP is the portable MLX step loop's, run under ``mx.vjp``
+    only."""
+    from gdngen.backends import generated
+
+    variant = adapt(variant, call.problem)
+    launcher = default_launcher() if launcher is None else launcher
+
+    def recurrent(q, k, v, decay, beta, S0):
+        return recurrent_steps_forward(q, k, v, decay, beta, S0, scale=call.scale,
+                                       variant=variant, problem=call.problem, launcher=launcher)
+
+    return generated.kernel_steps(call, operands, recurrent)
+
+
+def chunks_call(call, operands, variant, launcher=None):
+    """A ``return_states="chunks"`` `gdngen.call.Call` (layer inputs computed) on the chunk
+    kernels of ``variant`` (`gdngen.backends.generated.kernel_chunks`): the checkpoints are the
+    per-chunk states the forward's scan writes (scalar gates: the ``save_states`` build's
+    ``states``, the backward's residual; per-channel gates: the walk kernel's, `ChannelWalks`),
+    read, not recomputed. Returns ``(y in q's dtype, states [B, ceil(T/N), Hv, Dv, Dk]
+    float32)``; the VJP is the portable MLX chunk path's."""
+    from gdngen.backends import generated
+
+    variant = adapt(variant, call.problem)
+    launcher = default_launcher() if launcher is None else launcher
+    C = variant["chunk_size"]
+    if call.shape.vector_gate:
+        walks = ChannelWalks(variant, call.problem, launcher, settings.templates_override())
+        chunk_forward = generated.walk_chunk_forward(call, C, walks.forward)
+    else:
+        saving = variant.replace(save_states=True)
+        core = _core(saving, call.problem, "log", call.scale, launcher)
+
+        def states_core(q, k, v, gates, beta, s0):
+            Y, S, per_chunk = core(q, k, v, gates, beta, s0)[:3]  # per_chunk [N,B,Hv,Dv,Dk]
+            return Y, S, per_chunk.reshape(v.shape[:4] + s0.shape[-2:])
+
+        chunk_forward = generated.entering_forward(call, C, states_core, core_scales=True)
+    return generated.kernel_chunks(call, operands, C, chunk_forward)
 
 
 def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher,

@@ -259,7 +259,7 @@ def _recurrent_context(variant: Variant, problem: Problem) -> dict:
     p = variant.as_dict()
     return {"DK": problem.Dk, "DV": problem.Dv, "HK": problem.Hk, "HV": problem.Hv,
             "ROWS": p["dv_tile"], "SG": p["simdgroups"], "per_channel": problem.gate == "vector",
-            **KernelInputs().context()}
+            "steps": False, **KernelInputs().context()}
 
 
 def render_plan(variant: Variant, problem: Problem) -> dict:
@@ -298,6 +298,20 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     texts = {name: env.get_template(template).render(**dict(context, packed=True))
              for name, (template, context) in render_plan(variant, problem).items()
              if name != "recurrent.metal"}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The recurrent kernel of ``variant`` that writes the state after every step
+    (``return_states="steps"``): ``recurrent.metal`` rendered with ``steps`` set, its output
+    ``states [B, T, Hv, Dv, Dk]`` in place of ``final_state``. With ``steps`` unset the template
+    renders the recurrent kernel byte for byte (the variant's sha256 does not depend on it)."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    variant = adapt(variant, problem)
+    template, context = render_plan(variant, problem)["recurrent.metal"]
+    texts = {"recurrent_steps.metal": environment(templates_dir).get_template(template).render(
+        **dict(context, steps=True))}
     return Rendered(variant, problem, texts, sources_sha256(texts))
 
 
@@ -364,6 +378,7 @@ class Metal(Backend):
     device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"
     gates = tuned_gates = ("scalar", "vector")
     fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    step_states = chunk_states = ("scalar", "vector")
 
     def space(self, problem, device=None):
         return variant_space(problem, device)
@@ -390,6 +405,12 @@ class Metal(Backend):
 
     def packed(self, call, operands, variant, launcher=None, templates_dir=None):
         return _package().packed_call(call, operands, variant, launcher, templates_dir)
+
+    def steps(self, call, operands, variant, launcher=None):
+        return _package().steps_call(call, operands, variant, launcher)
+
+    def chunks(self, call, operands, variant, launcher=None):
+        return _package().chunks_call(call, operands, variant, launcher)
 
 
 def _package():

@@ -21,6 +21,7 @@ from gdngen.backends.metal.kernels import (
     kernels_used,
     render_fused_kernels,
     render_packed,
+    render_steps,
     threadgroup_bytes,
 )
 from gdngen.problem import dtype_name
@@ -100,6 +101,7 @@ _KERNEL_IO = {
     "bwd_qk": (("q", "k", "g", "beta", "dy", "w", "states", "dsout", "da", "dkt", "vec_in",
                 "prm"), ("dq", "dk", "dbeta", "dd")),
     "recurrent": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "final_state")),
+    "recurrent_steps": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "states")),
     "fwd_scan_channel": (("s0", "u", "wk", "kc", "qd", "pm", "dccv"),
                          ("y_out", "final_state", "states", "w_out")),
     "bwd_scan_channel": (("dsf", "ptdy", "kc", "wk", "w", "states", "dy", "qd", "dccv"),
@@ -195,6 +197,30 @@ def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
                     grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
     return Plan(variant, problem, T, B, {"recurrent": spec}, (launch,), (), (),
                 {"recurrent": 0}, fused=fused)
+
+
+@functools.lru_cache(maxsize=64)
+def _steps_kernel(variant: Variant, problem: Problem, templates) -> KernelSpec:
+    body = render_steps(variant, problem, templates_dir=templates).sources["recurrent_steps.metal"]
+    tag = hashlib.sha256(body.encode()).hexdigest()[:12]
+    return KernelSpec(f"gdngen_recurrent_steps_{tag}", *_KERNEL_IO["recurrent_steps"], body, "")
+
+
+def steps_plan(variant: Variant, problem: Problem, T: int, B: int, templates_dir=None) -> Plan:
+    """`recurrent_plan` of the per-step-states build (`render_steps`, plain inputs): the same
+    launch, its second output ``states [B, T, Hv, Dv, Dk]``, the state after every step."""
+    variant = adapt(variant, problem)
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    p = variant.as_dict()
+    nt = 32 * p["simdgroups"]
+    Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
+    ins, outs = _KERNEL_IO["recurrent_steps"]
+    launch = Launch(kernel="recurrent", inputs=ins, outputs=outs,
+                    output_shapes=((B, T, Hv, Dv), (B, T, Hv, Dv, Dk)),
+                    output_dtypes=("float32", "float32"),
+                    grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
+    return Plan(variant, problem, T, B, {"recurrent": _steps_kernel(variant, problem, templates)},
+                (launch,), (), (), {"recurrent": 0})
 
 
 def recurrent_input_metas(plan: Plan) -> dict:
@@ -443,8 +469,8 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
         texts[source.simulator_source(text)] = f"kernel {text.kernel_name}"
         for name, shape, dt in zip(launch.outputs, launch.output_shapes, launch.output_dtypes):
             metas[name] = (dt, len(shape), math.prod(shape))
-        if "y_out" in metas:  # the backward's cotangents are shaped like the outputs
-            metas.setdefault("dy", metas["y_out"])
+        if "y_out" in metas and "final_state" in metas:  # the backward's cotangents are
+            metas.setdefault("dy", metas["y_out"])  # shaped like the outputs
             metas.setdefault("dsf", metas["final_state"])
         if plan.packed and "states" in metas:
             metas.setdefault("dsin", metas["states"])
@@ -455,7 +481,8 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
 def lower_check(variant: Variant, problem: Problem) -> None:
     """`gdngen.tools.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
     g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
-    gate forms with the qk norm (`render_fused`) included. Raises on failure."""
+    gate forms with the qk norm (`render_fused`) and the per-step-states build (`steps_plan`)
+    included. Raises on failure."""
     fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))
     if problem.gate == "scalar":
         for inputs in (None, *fused):
@@ -466,6 +493,8 @@ def lower_check(variant: Variant, problem: Problem) -> None:
     for inputs in (None, *fused):
         plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
         compile_plan(plan, recurrent_input_metas(plan))
+    plan = steps_plan(variant, problem, 2, 1)
+    compile_plan(plan, recurrent_input_metas(plan))
 
 
 def to_numpy(x):

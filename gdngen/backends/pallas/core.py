@@ -290,6 +290,38 @@ def render_packed(spec, variant, problem, names, *, templates_dir=None, context=
     return Rendered(variant, problem, texts, sources_sha256(texts))
 
 
+def render_steps(spec, variant, problem, *, templates_dir=None, context=None):
+    """The per-step-states build (``return_states="steps"``) of a Pallas backend's recurrent
+    kernel: ``recurrent.py`` of ``spec``'s `render_plan` rendered with ``steps`` set (and
+    ``context``'s overrides) as ``recurrent_steps.py``; its second result is the state after
+    every step ``[B, T, Hv, Dv, Dk]`` in place of the final state. With ``steps`` unset the
+    template renders the recurrent kernel byte for byte (a variant's sha256 does not depend
+    on this build)."""
+    from gdngen.sources import Rendered, environment, sources_sha256
+
+    spec.parse(variant)
+    template, plan_context = spec.render_plan(variant, problem)["recurrent.py"]
+    texts = {"recurrent_steps.py": environment(templates_dir).get_template(template).render(
+        **dict(plan_context, steps=True, **(context or {})))}
+    return Rendered(variant, problem, texts, sources_sha256(texts))
+
+
+def load_steps(backend: str, rendered, params: dict, interpret, loaded: dict):
+    """The build ``rendered`` (`render_steps`) as a module, cached in ``loaded`` by (sha256,
+    interpret): a namespace with ``recurrent``, ``run_recurrent`` (a `jit_pair` with
+    ``scale``/``interpret`` static), ``sha256``, ``variant``, ``problem``, ``params``,
+    ``interpret``."""
+    key = (rendered.sha256, interpret)
+    if key not in loaded:
+        module = exec_module(backend, "recurrent_steps.py",
+                             rendered.sources["recurrent_steps.py"], rendered.sha256)
+        loaded[key] = types.SimpleNamespace(
+            recurrent=module, sha256=rendered.sha256, variant=rendered.variant,
+            problem=rendered.problem, params=params, interpret=interpret,
+            run_recurrent=jit_pair(module.recurrent, ("scale", "interpret"), interpret))
+    return loaded[key]
+
+
 def load_packed(backend: str, rendered, params: dict, interpret):
     """The packed build ``rendered`` (`render_packed`) of the Pallas backend ``backend`` as
     modules: a namespace with ``forward``, ``backward``, ``run_forward``, ``run_backward``
@@ -355,11 +387,14 @@ class PallasBackend(Backend):
     ``interpret_mode()``, ``load_kernels`` / ``load_fused_kernels`` / ``load_packed_kernels``,
     ``chunk_core(key, gate, scale, qk_norm, fused_key)`` and ``packed_core(key, gate)`` (the
     custom-VJP cores in that backend's chunk layouts and cotangent conventions),
-    ``chunk_walks(key)`` (the per-channel walks) and ``recurrent_forward``."""
+    ``chunk_walks(key)`` (the per-channel walks), ``entering_core(key, scale)`` (the chunk
+    forward returning its entering states), ``recurrent_forward`` and
+    ``recurrent_steps_forward`` (the per-step-states build, `render_steps`)."""
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
     fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    step_states = chunk_states = ("scalar", "vector")
     footprint_function: str
 
     def __init__(self, module: str):
@@ -419,6 +454,42 @@ class PallasBackend(Backend):
 
     def forward(self, call, operands, variant, templates_dir=None):
         return switched_gated_delta(self, call, operands, variant, templates_dir)
+
+    def steps(self, call, operands, variant, templates_dir=None):
+        """Per-step states from the backend's `render_steps` build (its
+        ``recurrent_steps_forward`` hook) through `gdngen.backends.generated.kernel_steps`."""
+        from gdngen.backends import generated
+
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+
+        def recurrent(q, k, v, decay, beta, S0):
+            return self._hook("recurrent_steps_forward")(
+                q, k, v, decay, beta, S0, scale=call.scale, variant=variant,
+                problem=call.problem, templates_dir=templates_dir)
+
+        return generated.kernel_steps(call, operands, recurrent)
+
+    def chunks(self, call, operands, variant, templates_dir=None):
+        """Chunk-boundary states read from the chunk kernels' walk
+        (`gdngen.backends.generated.kernel_chunks`): scalar gates the forward kernel of the
+        variant's ``save_states`` build (its saved entering states, the ``entering_core``
+        hook); per-channel gates the walk kernel (``chunk_walks``)."""
+        from gdngen.backends import generated
+
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+        problem = call.problem
+        if call.shape.vector_gate:
+            kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
+            C = kernels.params["chunk_size"]
+            walk = self.chunk_walks((kernels.sha256, kernels.interpret))[0]
+            chunk_forward = generated.walk_chunk_forward(call, C, walk)
+        else:
+            kernels = self.load_kernels(variant.replace(save_states=True), problem,
+                                        templates_dir=templates_dir)
+            C = kernels.params["chunk_size"]
+            core = self._hook("entering_core")((kernels.sha256, kernels.interpret), call.scale)
+            chunk_forward = generated.entering_forward(call, C, core, core_scales=True)
+        return generated.kernel_chunks(call, operands, C, chunk_forward)
 
     def packed(self, call, operands, variant, templates_dir=None):
         return packed_gated_delta(self, call, operands, variant, templates_dir)

@@ -292,6 +292,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
                                                "n_dv", "hk", "hv", "group", "num_warps",
                                                "num_stages", *PLAIN_INPUTS)}
     recurrent["per_channel"] = problem.gate == "vector"
+    recurrent["steps"] = False  # `render_steps` sets it; off, the kernel renders unchanged
     return {"forward.py": ("pallas_gpu/forward.py.j2", context),
             "backward.py": ("pallas_gpu/backward.py.j2", context),
             "recurrent.py": ("pallas_gpu/recurrent.py.j2", recurrent)}
@@ -369,6 +370,7 @@ def clear_cache() -> None:
     chunk_core.cache_clear()
     packed_core.cache_clear()
     chunk_walks.cache_clear()
+    entering_core.cache_clear()
     jax.clear_caches()
 
 
@@ -729,6 +731,41 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
                                      forward_fuses=fused_key is not None)
 
 
+@functools.cache
+def entering_core(key: tuple, scale: float):
+    """``core(q, k, v, log_gates, beta, S0) -> (Y, S_final, S_in)`` in the chunk layout of
+    `gdngen.algebra.chunkwise.gated_delta` (its ``entering`` core; S_in ``[N, B, Hk, r, Dv,
+    Dk]``) on the loaded ``save_states`` kernels ``key`` (sha256, interpret): one forward kernel
+    call, its saved entering states returned. Forward only (`PallasBackend.chunks` takes the
+    portable VJP)."""
+    import jax
+
+    kernels = _LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    if not p["save_states"]:
+        raise ValueError("entering_core needs a save_states build (its forward keeps S_in)")
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate="log", dk=p["dk"], dv=p["dv"]),
+                       (), interpret)
+
+    def outputs(y, s_final, s_in, v, S0):
+        N, B, Hk, r = v.shape[:4]
+        Dv, Dk = S0.shape[-2:]
+        like = jax.ShapeDtypeStruct((N, B, Hk, r, Dv, Dk), s_in.dtype)
+        return (_values_from_kernel(y, v), s_final[:, :, :Dv, :Dk].reshape(S0.shape),
+                _chunk_states_from_kernel(s_in, like))
+
+    outputs = jit_pair(outputs, (), interpret)
+
+    def core(*primals):
+        lay = call_jitted(prepare, *primals)
+        y, s_final, saved = call_jitted(kernels.run_forward, lay["q"], lay["k"], lay["v"],
+                                        lay["g"], lay["beta"], lay["s0"], scale=scale,
+                                        interpret=interpret)
+        return call_jitted(outputs, y, s_final, saved[-1], primals[2], primals[5])
+
+    return core
+
+
 def _packed_layout(q, k, v, gates, beta, inject, *, gate, dk, dv):
     """`_to_kernel_layout` of a packed walk (zero s0) plus ``inject`` [N, B, Hk, r, Dv, Dk]
     -> [B, Hv, N, DV, DK]."""
@@ -908,6 +945,30 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem, temp
     return _run_recurrent(kernels, q, k, v, decay, beta, S0, scale=scale, inputs=inputs)
 
 
+def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The recurrent kernel returning the state after every step (`pallas_core.render_steps`):
+    each program also writes its ``[bv, DK]`` rows of each step's state."""
+    return pallas_core.render_steps(SPEC, variant, problem, templates_dir=templates_dir)
+
+
+def load_steps_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
+    """`render_steps`, loaded (cached as `load_kernels`): ``recurrent``, ``run_recurrent``."""
+    return pallas_core.load_steps(BACKEND, render_steps(variant, problem,
+                                                        templates_dir=templates_dir),
+                                  kernel_params(variant, problem), interpret_mode(), _LOADED)
+
+
+def recurrent_steps_forward(q, k, v, decay, beta, S0, *, scale, variant, problem,
+                            templates_dir=None):
+    """`recurrent_forward` (plain inputs) on the `render_steps` build of ``variant`` for
+    ``problem``: ``(y [B, T, Hv, Dv], states [B, T, Hv, Dv, Dk])``, float32, the state after
+    every step."""
+    interpret_mode()
+    kernels = load_steps_kernels(variant, problem, templates_dir=templates_dir)
+    return _run_recurrent(kernels, q, k, v, decay, beta, S0, scale=scale,
+                          inputs=KernelInputs())
+
+
 def _run_recurrent(kernels, q, k, v, decay, beta, S0, *, scale, inputs):
     import jax.numpy as jnp
 
@@ -930,7 +991,7 @@ def _run_recurrent(kernels, q, k, v, decay, beta, S0, *, scale, inputs):
                              decay.astype(f32), beta.astype(f32),
                              _states_to_kernel(S0.astype(f32)[:, :, None], p["dk"], p["dv"]),
                              *gate, scale=float(scale), interpret=kernels.interpret)
-    return y[..., :Dv], s_final[:, :, :Dv, :Dk]
+    return y[..., :Dv], s_final[..., :Dv, :Dk]  # the final state, or (steps) every step's
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",

@@ -320,6 +320,7 @@ def render_plan(variant: Variant, problem: Problem) -> dict:
         "per_channel": problem.gate == "vector",
         "time_block": RECURRENT_TIME_BLOCK,
         "vmem_limit_bytes": _vmem_limit(recurrent_vmem_bytes(variant, problem)),
+        "steps": False,  # `render_steps` sets it; off, the recurrent kernel renders unchanged
         **PLAIN_INPUTS,
     })
     context = {
@@ -413,6 +414,7 @@ def clear_cache() -> None:
     chunk_core.cache_clear()
     packed_core.cache_clear()
     chunk_walks.cache_clear()
+    entering_core.cache_clear()
     jax.clear_caches()
 
 
@@ -489,6 +491,25 @@ def load_packed_kernels(variant: Variant, problem: Problem, *, templates_dir=Non
                                                 interpret)
         _LOADED[key] = kernels
     return _LOADED[key]
+
+
+def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
+    """The recurrent kernel returning the state after every step (`pallas_core.render_steps`):
+    each program also writes its ``[dv_tile, Dk]`` rows of each step's state, a block of
+    ``[time block, dv_tile, Dk]`` per grid step (its VMEM limit counts that block)."""
+    tv = kernel_params(variant, problem)["dv_tile"]
+    blocks = 2 * RECURRENT_TIME_BLOCK * _padded_bytes((tv, problem.Dk))
+    return pallas_core.render_steps(
+        SPEC, variant, problem, templates_dir=templates_dir,
+        context={"vmem_limit_bytes": _vmem_limit(recurrent_vmem_bytes(variant, problem)
+                                                 + blocks)})
+
+
+def load_steps_kernels(variant: Variant, problem: Problem, *, templates_dir=None):
+    """`render_steps`, loaded (cached as `load_kernels`): ``recurrent``, ``run_recurrent``."""
+    return pallas_core.load_steps(BACKEND, render_steps(variant, problem,
+                                                        templates_dir=templates_dir),
+                                  kernel_params(variant, problem), interpret_mode(), _LOADED)
 
 
 def _check_races(outputs, what: str, interpret) -> None:
@@ -788,6 +809,35 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
                                      forward_fuses=fused_key is not None)
 
 
+@functools.cache
+def entering_core(key: tuple, scale: float):
+    """``core(q, k, v, log_gates, beta, S0) -> (Y, S_final, S_in)`` in the chunk layout of
+    `gdngen.algebra.chunkwise.gated_delta` (its ``entering`` core; S_in ``[N, B, Hk, r, Dv,
+    Dk]``) on the loaded ``save_states`` kernels ``key`` (sha256, interpret): one forward kernel
+    call, its saved entering states returned. Forward only (`PallasBackend.chunks` takes the
+    portable VJP)."""
+    kernels = _LOADED[key]
+    interpret = kernels.interpret
+    if not kernels.params["save_states"]:
+        raise ValueError("entering_core needs a save_states build (its forward keeps S_in)")
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate="log"), (), interpret)
+
+    def outputs(y, s_final, s_in, v, S0):
+        return _from_heads(y, v.shape[2]), s_final.reshape(S0.shape), _from_heads(s_in,
+                                                                                  v.shape[2])
+
+    outputs = jit_pair(outputs, (), interpret)
+
+    def core(*primals):
+        lay = call_jitted(prepare, *primals)
+        y, s_final, s_in = _run_kernel(
+            kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"],
+            lay["beta"], lay["s0"], scale=scale, what="forward", interpret=interpret)[:3]
+        return call_jitted(outputs, y, s_final, s_in, primals[2], primals[5])
+
+    return core
+
+
 def _packed_layout(q, k, v, gates, beta, inject, gate):
     """`_to_kernel_layout` of a packed walk (zero s0) plus ``inject`` [N, B, Hk, r, Dv, Dk]
     -> [B, Hv, N, Dv, Dk]."""
@@ -957,6 +1007,17 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     y, state = _run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, *gate_parameters,
                            scale=float(scale), what="recurrent", interpret=kernels.interpret)
     return y, state
+
+
+def recurrent_steps_forward(q, k, v, decay, beta, S0, *, scale, variant, problem,
+                            templates_dir=None):
+    """`recurrent_forward` (plain inputs) on the `render_steps` build of ``variant`` for
+    ``problem``: ``(y [B, T, Hv, Dv], states [B, T, Hv, Dv, Dk])``, float32, the state after
+    every step."""
+    interpret_mode()
+    kernels = load_steps_kernels(variant, problem, templates_dir=templates_dir)
+    return _run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, scale=float(scale),
+                       what="recurrent steps", interpret=kernels.interpret)
 
 
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",

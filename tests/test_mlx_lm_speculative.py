@@ -1,0 +1,197 @@
+"""Speculative decoding and batched generation of mlx-lm's gated-delta models under
+``patch(inference=True)`` (`gdngen.integrations.mlx_lm`'s rewindable cache): tiny random
+Qwen3.5 / Qwen3-Next models built from mlx-lm's own classes, float32."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.generate import batch_generate, generate_step, stream_generate
+from mlx_lm.models.cache import (
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+from test_mlx_lm_integration import (
+    build_qwen3_5,
+    build_qwen3_next,
+    linear_attention_layers,
+    token_batch,
+)
+
+from gdngen.integrations import mlx_lm as integration
+
+BUILDERS = {"qwen3_5": build_qwen3_5, "qwen3_next": build_qwen3_next}
+VOCAB = 100
+
+
+@pytest.fixture(autouse=True)
+def always_unpatch():
+    yield
+    integration.unpatch()
+
+
+def tokenizer():
+    """A word-level tokenizer over the models' 100 ids ("0" .. "99"; "99" ends the text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(vocab={str(i): i for i in range(VOCAB)}, unk_token="0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="99")
+
+
+def models(name):
+    """The model, and a draft that agrees with it on part of the tokens: the same weights with
+    5% noise."""
+    model = BUILDERS[name]()
+    draft = BUILDERS[name]()
+    mx.random.seed(5)
+    draft.update(tree_map(lambda p: p + 0.05 * mx.std(p) * mx.random.normal(p.shape),
+                          draft.parameters()))
+    model.eval(), draft.eval()
+    mx.eval(draft.parameters())
+    return model, draft
+
+
+def greedy(model, prompt, n):
+    return [t for t, _ in generate_step(prompt, model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_speculative_decoding_gives_the_greedy_tokens(name, calls):
+    """stream_generate with a draft model: mlx-lm refuses without the patch; patched, the
+    tokens are plain greedy generation's, with drafts both accepted and rejected (rewinds
+    within a verify window and across the draft's calls)."""
+    model, draft = models(name)
+    prompt = token_batch(B=1, T=11)[0]
+    reference = greedy(model, prompt, 40)
+    tok = tokenizer()
+    ops = calls["ops"]
+    with pytest.raises(ValueError, match="requires a trimmable prompt cache"):
+        list(stream_generate(model, tok, prompt, max_tokens=4, draft_model=draft))
+    with integration.patched(inference=True):
+        out = list(stream_generate(model, tok, prompt, max_tokens=40, draft_model=draft,
+                                   num_draft_tokens=4))
+    assert [r.token for r in out] == reference
+    accepted = sum(r.from_draft for r in out)
+    assert 0 < accepted < len(out) - 4, accepted
+    assert calls["gdngen"] > 0 and calls["ops"] == ops  # every recurrence on gdngen
+
+
+def linear_slots(model, cache):
+    return [cache[i] for i, layer in enumerate(model.layers) if layer.is_linear]
+
+
+def fed(model, tokens, splits):
+    """A fresh patched cache after ``tokens`` fed in calls of the lengths ``splits``, and the
+    logits of the last call."""
+    cache = make_prompt_cache(model)
+    start = 0
+    for n in splits:
+        logits = model(tokens[None, start:start + n], cache=cache)
+        start += n
+    mx.eval(logits, [c.state for c in cache])
+    return cache, logits[:, -1]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_trim_puts_back_the_state_and_window_of_fewer_tokens(name):
+    """After a prefill of 9, two T=1 calls and a verify window of 5, ``trim(n)`` leaves every
+    linear layer's recurrent state and conv window, and the next logits, as feeding the first
+    16 - n tokens does (within the window, at its start, and across earlier calls)."""
+    model, _ = models(name)
+    tokens = token_batch(B=1, T=20, seed=4)[0]
+    with integration.patched(inference=True):
+        whole, _ = fed(model, tokens, [9, 1, 1, 5])
+        caches = linear_slots(model, whole)
+        assert all(type(c).__name__ == "RewindableCache" for c in caches)
+        for n in (1, 4, 5, 6, 7):
+            trimmed = copy.deepcopy(whole)
+            assert trim_prompt_cache(trimmed, n) == n
+            expected, _ = fed(model, tokens, [16 - n])
+            for got, want in zip(linear_slots(model, trimmed), linear_slots(model, expected)):
+                for slot in (0, 1):
+                    np.testing.assert_allclose(np.asarray(got[slot]), np.asarray(want[slot]),
+                                               rtol=1e-5, atol=1e-6, err_msg=f"n={n}")
+            again = model(tokens[None, 16 - n:17 - n], cache=trimmed)[:, -1]
+            next_logits = model(tokens[None, 16 - n:17 - n], cache=expected)[:, -1]
+            np.testing.assert_allclose(np.asarray(again), np.asarray(next_logits), rtol=1e-4,
+                                       atol=1e-5)
+
+
+def test_trim_past_what_is_recorded_is_a_value_error():
+    """A prefill longer than max_steps is a barrier: trimming into it fails clearly, the cache
+    unchanged; the decode steps after it can be taken back."""
+    model, _ = models("qwen3_5")
+    tokens = token_batch(B=1, T=24, seed=5)[0]
+    assert 20 > integration.MAX_REWIND
+    with integration.patched(inference=True):
+        cache, _ = fed(model, tokens, [20, 1, 1])
+        layer = linear_slots(model, cache)[0]
+        state = layer[1]
+        with pytest.raises(ValueError, match="cannot trim 3 tokens .* take back the last 2"):
+            layer.trim(3)
+        assert layer[1] is state
+        assert layer.trim(2) == 2
+        with pytest.raises(ValueError, match="take back the last 0"):
+            layer.trim(1)
+
+
+def test_unpatched_layer_calls_end_the_record():
+    """A call that takes mlx-lm's own layer (a patch without the mixer route) advances the
+    state outside the record: a trim then fails instead of putting back a stale state."""
+    model, _ = models("qwen3_5")
+    tokens = token_batch(B=1, T=6, seed=6)[0]
+    with integration.patched(inference=True):
+        cache, _ = fed(model, tokens, [3, 1])
+        integration.patch(inference=True, mixer=False)
+        model(tokens[None, 4:5], cache=cache)
+        with pytest.raises(ValueError, match="cannot trim 1 tokens"):
+            linear_slots(model, cache)[0].trim(1)
+
+
+def test_rewindable_caches_save_and_load(tmp_path):
+    model, _ = models("qwen3_next")
+    tokens = token_batch(B=1, T=6, seed=7)[0]
+    with integration.patched(inference=True):
+        cache, _ = fed(model, tokens, [6])
+        path = str(tmp_path / "cache.safetensors")
+        save_prompt_cache(path, cache)
+        loaded = load_prompt_cache(path)
+    for got, want in zip(linear_slots(model, loaded), linear_slots(model, cache)):
+        assert type(got) is type(want)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_batch_generate_gives_the_unpatched_tokens(name, calls, monkeypatch):
+    """mlx_lm.batch_generate over prompts of three lengths (left-padded prefill, per-row
+    lengths, one row finishing early): patched, the same tokens, every linear-attention call
+    through gdngen's mixer (each row's conv window read at its own length)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from spies import spy_calls
+
+    import gdngen.mlx
+
+    model, _ = models(name)
+    prompts = [token_batch(B=1, T=n, seed=n)[0].tolist() for n in (5, 11, 8)]
+    tok = TokenizerWrapper(tokenizer())
+    reference = batch_generate(model, tok, prompts, max_tokens=[12, 7, 12],
+                               return_token_ids=True)
+    assert calls["gdngen"] == 0
+    mixers = spy_calls(monkeypatch, gdngen.mlx, ["gated_delta_mixer"])
+    with integration.patched(inference=True):
+        patched = batch_generate(model, tok, prompts, max_tokens=[12, 7, 12],
+                                 return_token_ids=True)
+    assert patched.token_ids == reference.token_ids
+    assert calls["gdngen"] >= 12 * len(linear_attention_layers(model))
+    assert len(mixers) == calls["gdngen"]
