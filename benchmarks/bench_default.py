@@ -112,7 +112,7 @@ def main(argv=None) -> int:
 
     import jax.numpy as jnp
 
-    from gdngen.dispatch import TunedGatedDelta
+    from gdngen.entry import TunedGatedDelta
     from gdngen.jax import gated_delta
     from gdngen.tools import timing
     from gdngen.variant import Problem

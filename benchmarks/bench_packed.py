@@ -74,7 +74,7 @@ def _fns(framework: str, problem, offsets: np.ndarray):
 
 
 def run(frameworks, seq_len, sequences, heads, dim, repeats, seed):
-    from gdngen.dispatch import load_tuned
+    from gdngen.entry import load_tuned
     from gdngen.tools.timing import time_fwd_bwd
     from gdngen.variant import Problem
 

@@ -7,7 +7,7 @@ backends are declared in `gdngen.registry`.
 """
 
 from gdngen._version import __version__
-from gdngen.dispatch import load_tuned
+from gdngen.entry import load_tuned
 from gdngen.registry import default_variant, variants
 from gdngen.render import Rendered, render
 from gdngen.variant import Problem, Variant

@@ -1,11 +1,13 @@
-"""The call stage: one gated-delta call, checked once, as a `Call` (what it is) and its
-`Operands` (the arrays).
+"""The call stage: one gated-delta call as a `Call` (what it computes) and its `Operands` (the
+arrays).
 
-`check` is the only place a call's arguments are validated (`gdngen.problem` for the arrays'
-shapes and dtypes, `gdngen.algebra.layer_inputs` for the layer-input options); every later stage
-(`gdngen.sharding`, `gdngen.dispatch`, a `gdngen.backend.Backend`) takes the `Call` and
-re-checks nothing. A `Call` holds no arrays, so it is hashable and a stage may key its caches
-on it; it is remembered per shapes, dtypes and options (a decode loop pays for the checks once).
+`check` holds the checks of the arrays and the layer-input options (`gdngen.problem` for the
+arrays' shapes and dtypes, `gdngen.algebra.layer_inputs` for the options); `gdngen.entry.bind`,
+the one validation point of a ``gated_delta`` call, runs it with the checks of the rest (pool,
+state storage, variant) and remembers the result; a backend's own entry point runs it through
+`of_kernel_args`. Every later stage (`gdngen.sharding`, `gdngen.dispatch`, a
+`gdngen.backend.Backend`) takes the `Call` and re-checks nothing. A `Call` holds no arrays, so
+it is hashable and a stage may key its caches on it.
 
 The gate's parameterisation is a field (``gate_form`` "softplus" / "sigmoid_bound" with
 ``lower_bound``), and its parameters ``A_log`` and ``dt_bias`` are operands of their own. The
@@ -129,35 +131,20 @@ class Operands(NamedTuple):
         return (self.g, self.A_log, self.dt_bias)
 
 
-_CHECKED: dict = {}  # check's static key -> Call of a call that passed every check
-
-
 def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, scale=1.0,
           gate="log", chunk_size=None, qk_norm=False, A_log=None, dt_bias=None,
           lower_bound=None, beta_activation=None, cu_seqlens=None, context_axis=None,
           return_states="final", checkpoint_every=None) -> tuple[Call, Operands]:
-    """Check one ``gated_delta`` call (arguments as `gdngen.jax.gated_delta`); return its
-    `Call` and `Operands`. ValueErrors name the argument and what was expected (the checks of
-    `gdngen.algebra.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the gate's
-    parameters). Only shapes and Python values are read, so it runs under ``jax.jit`` and
-    ``mx.compile``; without ``cu_seqlens`` (whose values are checked when concrete) the `Call`
-    is remembered per shapes, dtypes and options."""
+    """Check one call's arrays and options (as `gdngen.jax.gated_delta`; ``initial_state``
+    float states ``[B|N,Hv,Dv,Dk]``, not a pool); return its `Call` and `Operands`. ValueErrors
+    name the argument and what was expected (the checks of
+    `gdngen.algebra.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the
+    gate's parameters). Only shapes and Python values are read (``cu_seqlens``' values when
+    concrete), so it runs under ``jax.jit`` and ``mx.compile``. Nothing is remembered here
+    (`gdngen.entry.bind` remembers)."""
     from gdngen.algebra import layer_inputs
 
     operands = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, cu_seqlens)
-    key = None
-    if cu_seqlens is None:
-        key = (framework, gate, chunk_size, type(chunk_size), scale, type(scale), qk_norm,
-               lower_bound, beta_activation, context_axis, return_states, checkpoint_every,
-               type(checkpoint_every),
-               tuple(None if x is None else (tuple(x.shape), dtype_name(x))
-                     for x in operands[:9]))
-        try:
-            found = _CHECKED.get(key)
-        except TypeError:  # an unhashable option: the checks name it
-            key, found = None, None
-        if found is not None:
-            return found, operands
     check_framework(framework)
     _check_return_states(return_states, checkpoint_every, cu_seqlens, context_axis)
     options = layer_inputs.check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
@@ -171,8 +158,6 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
                  options.gate if options.gate in layer_inputs.PARAMETER_GATES else None,
                  options.lower_bound, qk_norm, beta_activation, float(scale), chunk_size,
                  context_axis, return_states, checkpoint_every)
-    if key is not None and len(_CHECKED) < 4096:
-        _CHECKED[key] = found
     return found, operands
 
 

@@ -1,6 +1,6 @@
 """Load stage: choose the variant that runs a call (explicit, else tuned, else default).
 
-`call` is the body of ``gdngen.jax.gated_delta`` and ``gdngen.mlx.gated_delta``. Without an
+`run` is the last stage of ``gated_delta``'s body (`gdngen.entry`). Without an
 explicit variant or chunk size it consults the tuned cache (`gdngen.cache`) for the attached
 device, the call's shape class (`Problem`), precision "ieee" and the call's sequence-length
 bucket. With nothing usable there it runs the default variant of the device's preferred backend
@@ -11,9 +11,9 @@ GPU — else the framework's portable path). Setting ``GDNGEN_NO_TUNED=1`` skips
 The decision is memoised per (framework, shape class, T bucket, device, precision) and dropped
 when a tuned file of the device changes: at once when this process wrote it
 (`gdngen.cache.writes`), else at the next stat of the files' stamps, at most `RESTAT_S` after
-the last; so at decode length it costs a dictionary lookup. `load_tuned` returns a callable
-doing the same per call for a chosen device and precision policy; `TunedGatedDelta.explain` says
-what it picked and why.
+the last; so at decode length it costs a dictionary lookup. `gdngen.entry.load_tuned` returns a
+callable doing the same per call for a chosen device and precision policy;
+`gdngen.entry.TunedGatedDelta.explain` says what it picked and why.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gdngen import registry, settings
-from gdngen.algebra import layer_inputs, packed
+from gdngen.algebra import packed
 from gdngen.problem import CallShape
 from gdngen.variant import Problem, Variant, problem_of
 
@@ -179,24 +179,29 @@ def choose(framework: str, shape: CallShape, dtype: str, *, device: str | None =
     return choice
 
 
+def check_variant(framework: str, variant, chunk_size: int | None = None) -> None:
+    """ValueError unless ``variant`` is a `Variant` of a backend of ``framework``, valid for it
+    (`gdngen.registry.check_variant`), and agreeing with an explicit ``chunk_size``."""
+    if not isinstance(variant, Variant):
+        raise ValueError(f"variant must be a gdngen.Variant, got {type(variant).__name__}")
+    backends = registry.names(framework)
+    if variant.backend not in backends:
+        raise ValueError(f"variant backend {variant.backend!r} does not run on {framework}; "
+                         f"expected one of {backends}")
+    registry.check_variant(variant)
+    if chunk_size is not None and chunk_size != variant.get("chunk_size", chunk_size):
+        raise ValueError(f"chunk_size={chunk_size} conflicts with the variant's chunk_size="
+                         f"{variant['chunk_size']}")
+
+
 def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | None = None,
             chunk_size: int | None = None, *, device: str | None = None,
             precision: str = "ieee") -> Variant:
-    """The variant for one call. An explicit ``variant`` must belong to ``framework`` and be
-    valid for its backend; an explicit ``chunk_size`` overrides the default variant's chunk (and
-    must agree with an explicit variant); with neither, the tuned variant for ``device`` (default:
-    the attached one) and ``precision`` wins over the default (see `choose`)."""
+    """The variant for one call: an explicit ``variant`` (`check_variant`ed by
+    `gdngen.entry.bind`); else with ``chunk_size`` the default variant at that chunk; else the
+    tuned variant for ``device`` (default: the attached one) and ``precision`` over the default
+    (see `choose`)."""
     if variant is not None:
-        if not isinstance(variant, Variant):
-            raise ValueError(f"variant must be a gdngen.Variant, got {type(variant).__name__}")
-        backends = registry.names(framework)
-        if variant.backend not in backends:
-            raise ValueError(f"variant backend {variant.backend!r} does not run on {framework}; "
-                             f"expected one of {backends}")
-        registry.check_variant(variant)
-        if chunk_size is not None and chunk_size != variant.get("chunk_size", chunk_size):
-            raise ValueError(f"chunk_size={chunk_size} conflicts with the variant's chunk_size="
-                             f"{variant['chunk_size']}")
         return variant
     if chunk_size is None:
         return choose(framework, shape, dtype, device=device, precision=precision).variant
@@ -205,143 +210,9 @@ def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | Non
 
 
 def run(call, operands, *, variant=None, device=None, precision="ieee"):
-    """The body of ``gdngen.<framework>.gated_delta`` after its checks: choose the variant of
-    the checked `gdngen.call.Call` (explicit ``variant``; else ``call.chunk_size`` over the
-    default; else tuned for ``device``, default the attached one, and ``precision``) and run
-    it on ``operands`` (`gdngen.algebra.layer_inputs.prepared`) through its backend
+    """Choose the variant of the checked `gdngen.call.Call` (`resolve`) and run it on
+    ``operands`` (`gdngen.algebra.layer_inputs.prepared`) through its backend
     (`gdngen.backend.Backend.run`)."""
     chosen = resolve(call.framework, call.shape, call.dtype, variant, call.chunk_size,
                      device=device, precision=precision)
     return registry.get(chosen.backend).run(call, operands, chosen)
-
-
-def eager_variant(framework: str, arrays: dict, options: dict, variant=None, *,
-                  device: str | None = None, precision: str = "ieee") -> Variant:
-    """Check a concrete call before `gdngen.eager` compiles it, and return the variant it runs.
-
-    ``arrays`` / ``options``: the call's arrays (`gdngen.eager.ARRAYS`) and Python options. The
-    checks a traced call cannot make run here: ``cu_seqlens``' values (`gdngen.call.check`) and
-    ``state_indices``' (`gdngen.state_pool.check_pool`); the rest run again, memoised, in the
-    compiled body. The variant: ``variant`` if given, else as `resolve` picks it."""
-    from gdngen import call as calls
-    from gdngen import state_pool
-
-    a = arrays
-    pooled = a["state_indices"] is not None
-    checked, _ = calls.check(
-        framework, a["q"], a["k"], a["v"], a["g"], a["beta"],
-        None if pooled else a["initial_state"], a["mask"], A_log=a["A_log"],
-        dt_bias=a["dt_bias"], cu_seqlens=a["cu_seqlens"],
-        **{n: options[n] for n in ("scale", "gate", "chunk_size", "qk_norm", "lower_bound",
-                                   "beta_activation", "return_states", "checkpoint_every")})
-    shape = checked.shape
-    if pooled:
-        state_pool.check_state_dtype(options["state_dtype"], a["initial_state"])
-        rows = shape.B if shape.sequences is None else shape.sequences
-        state_pool.check_pool(framework, a["initial_state"], a["state_indices"], rows,
-                              (shape.Hv, shape.Dv, shape.Dk))
-    if variant is not None:
-        return variant
-    return resolve(framework, shape, checked.dtype, None, options["chunk_size"], device=device,
-                   precision=precision)
-
-
-# ------------------------------------------------------------------------------ load_tuned
-
-
-class TunedGatedDelta:
-    """``gated_delta`` for one framework, device and precision policy that runs, per call, the
-    tuned variant of the call's shape class and T bucket (else the default variant)."""
-
-    def __init__(self, framework: str, device: str, precision: str):
-        self.framework, self.device, self.precision = framework, device, precision
-
-    def __repr__(self) -> str:
-        return (f"TunedGatedDelta(framework={self.framework!r}, device={self.device!r}, "
-                f"precision={self.precision!r})")
-
-    def explain(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
-                gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                beta_activation=None, cu_seqlens=None) -> Choice:
-        """Which variant a call with these arguments runs, and why (`str()` it to read)."""
-        choice, shape = self._choice(q, k, v, g, beta, initial_state, mask, scale, gate,
-                                     qk_norm, A_log, dt_bias, lower_bound, beta_activation,
-                                     cu_seqlens)
-        return choice.for_length(shape.T, shape.vector_gate, shape.sequences)
-
-    def _choice(self, q, k, v, g, beta, initial_state, mask, scale, gate, qk_norm, A_log,
-                dt_bias, lower_bound, beta_activation, cu_seqlens) -> tuple[Choice, CallShape]:
-        from gdngen import call as calls
-
-        checked, _ = calls.check(self.framework, q, k, v, g, beta, initial_state, mask,
-                                 scale=scale, gate=gate, qk_norm=qk_norm, A_log=A_log,
-                                 dt_bias=dt_bias, lower_bound=lower_bound,
-                                 beta_activation=beta_activation, cu_seqlens=cu_seqlens)
-        return choose(self.framework, checked.shape, checked.dtype, device=self.device,
-                      precision=self.precision), checked.shape
-
-    def __call__(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
-                 gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                 beta_activation=None, cu_seqlens=None, state_indices=None,
-                 state_dtype="float32", return_states="final", checkpoint_every=None):
-        """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
-        from gdngen import eager
-        from gdngen.precision import precision_context
-
-        arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-                  "mask": mask, "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu_seqlens,
-                  "state_indices": state_indices}
-        options = {"scale": scale, "gate": gate, "qk_norm": qk_norm, "lower_bound": lower_bound,
-                   "beta_activation": beta_activation, "state_dtype": state_dtype,
-                   "return_states": return_states, "checkpoint_every": checkpoint_every}
-        if self.framework == "jax" and eager.is_eager(arrays.values()):
-            chosen = eager_variant("jax", arrays, {**options, "chunk_size": None},
-                                   device=self.device, precision=self.precision)
-            with precision_context(self.framework, self.precision):
-                return eager.run(self._call, arrays, {**options, "variant": chosen})
-        return self._call(**arrays, **options)
-
-    def _call(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-              qk_norm=False, A_log=None, dt_bias=None, lower_bound=None, beta_activation=None,
-              cu_seqlens=None, state_indices=None, state_dtype="float32",
-              return_states="final", checkpoint_every=None, variant=None):
-        """`__call__`'s body: ``variant`` None runs the tuned choice (`run`)."""
-        from gdngen import call as calls
-        from gdngen import state_pool
-        from gdngen.precision import precision_context
-
-        if state_indices is not None or state_dtype != "float32":
-            return state_pool.stored(
-                self.framework, self._call, q, k, v, g, beta, initial_state, state_indices,
-                state_dtype, mask=mask, scale=scale, gate=gate, qk_norm=qk_norm, A_log=A_log,
-                dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation,
-                cu_seqlens=cu_seqlens, return_states=return_states,
-                checkpoint_every=checkpoint_every, variant=variant)
-
-        checked, operands = calls.check(
-            self.framework, q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
-            qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            beta_activation=beta_activation, cu_seqlens=cu_seqlens, return_states=return_states,
-            checkpoint_every=checkpoint_every)
-        checked, operands = layer_inputs.prepared(checked, operands)
-        with precision_context(self.framework, self.precision):
-            return run(checked, operands, variant=variant, device=self.device,
-                       precision=self.precision)
-
-
-def load_tuned(framework: str = "jax", device: str | None = None,
-               precision: str = "ieee") -> TunedGatedDelta:
-    """A callable with the ``gated_delta`` signature dispatching each call to its tuned variant.
-
-    ``device`` defaults to the attached one; naming a device that is not attached is a
-    ValueError (saying what was found). ``precision``: "ieee" | "tf32" | "bf16", the policy the
-    entries were tuned under (JAX applies it with ``jax.default_matmul_precision``; MLX's
-    portable backend stays float32 under every policy).
-    """
-    from gdngen import devices
-    from gdngen.precision import check_precision
-
-    check_precision(framework, precision)
-    device = devices.detect(framework) if device is None \
-        else devices.require_attached(device, framework).name
-    return TunedGatedDelta(framework, device, precision)

@@ -2,25 +2,20 @@
 
 Outside any JAX transformation the body of a call would run op by op, each jnp op dispatched
 from Python: at decode lengths that is ~25 ms a call on a CPU against ~0.3 ms for the same
-call under ``jax.jit`` (``benchmarks/bench_decode_step.py``). `run` runs it as one ``jax.jit``
-of the call instead, built once per entry point, option set and chosen variant (`compiled`);
-jit's own cache keys the shapes and dtypes. Before it, in Python, the call is checked
-(`gdngen.call.check`, memoised per shapes and options), the values only a concrete call has are
-read (``cu_seqlens``, ``state_indices``) and the variant is chosen as for any call
-(`gdngen.dispatch.resolve`), so a new tuned entry is picked up on the next call, as before: the
-chosen variant is part of the key. Calls with a traced argument (under ``jax.jit``,
-``jax.grad``, ``jax.vmap``, ``jax.shard_map``) trace the body as always, and so do calls on
-arrays sharded over several devices. The compiled steps hold the Python the body ran when
-traced: `clear` forgets them (tests that spy on that Python do, `tests/spies.py`). JAX only.
+call under ``jax.jit`` (``benchmarks/bench_decode_step.py``). The entry body
+(`gdngen.entry.gated_delta`) binds the call and chooses its variant in Python, as for any call
+(so a new tuned entry is picked up on the next call: the variant is part of the key), then
+`run` runs the rest as one ``jax.jit``, built once per function and static arguments (the bound
+`gdngen.call.Call`, the options with the chosen variant, device, precision); jit's own cache
+keys the dtypes. Calls with a traced argument (under ``jax.jit``, ``jax.grad``, ``jax.vmap``,
+``jax.shard_map``) trace the body as always, and so do calls on arrays sharded over several
+devices. The compiled steps hold the Python the body ran when traced: `clear` forgets them
+(tests that spy on that Python do, `tests/spies.py`). JAX only.
 """
 
 from __future__ import annotations
 
 import functools
-
-#: the array arguments of ``gated_delta``, in the order `run` passes them
-ARRAYS = ("q", "k", "v", "g", "beta", "initial_state", "mask", "A_log", "dt_bias",
-          "cu_seqlens", "state_indices")
 
 
 def is_eager(arrays) -> bool:
@@ -38,22 +33,19 @@ def is_eager(arrays) -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def compiled(entry, static: tuple):
-    """``jax.jit`` of ``entry(**arrays, **dict(static))`` taking the dict ``arrays``."""
+def compiled(fn, static: tuple):
+    """``jax.jit`` of ``fn(arrays, *static)`` taking the dict ``arrays``."""
     import jax
 
-    options = dict(static)
-
     def step(arrays):
-        return entry(**arrays, **options)
+        return fn(arrays, *static)
 
     return jax.jit(step)
 
 
-def run(entry, arrays: dict, static: dict):
-    """``entry(**arrays, **static)`` as one compiled step. ``static``: the call's Python options
-    (hashable; the caller checked them), its chosen ``variant`` among them."""
-    return compiled(entry, tuple(sorted(static.items())))(arrays)
+def run(fn, arrays: dict, *static):
+    """``fn(arrays, *static)`` as one compiled step (``static``: hashable Python values)."""
+    return compiled(fn, static)(arrays)
 
 
 def clear() -> None:

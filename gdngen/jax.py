@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from gdngen import call as calls
-from gdngen import eager, mixer, sharding, state_pool
-from gdngen.algebra import layer_inputs
-from gdngen.call import Operands
-from gdngen.dispatch import eager_variant, run
+from gdngen import entry, mixer
+from gdngen.entry import Options
 
 __all__ = ["gated_delta", "gated_delta_mixer"]
 
@@ -71,55 +68,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     Called eagerly (no argument traced, no ``context_axis``), the call runs as one compiled step
     (`gdngen.eager`): checked and dispatched in Python as always, then one cached ``jax.jit``.
+    The body is `gdngen.entry.gated_delta`, as for ``load_tuned()``'s callable.
     """
-    arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-              "mask": mask, "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu_seqlens,
-              "state_indices": state_indices}
-    options = {"scale": scale, "gate": gate, "chunk_size": chunk_size, "qk_norm": qk_norm,
-               "lower_bound": lower_bound, "beta_activation": beta_activation,
-               "state_dtype": state_dtype, "return_states": return_states,
-               "checkpoint_every": checkpoint_every}
-    if context_axis is None and eager.is_eager(arrays.values()):
-        chosen = eager_variant("jax", arrays, options, variant)
-        return eager.run(_gated_delta, arrays, {**options, "variant": chosen})
-    return _gated_delta(**arrays, **options, variant=variant, context_axis=context_axis)
-
-
-def _gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-                 chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
-                 dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None,
-                 state_indices=None, state_dtype="float32", return_states="final",
-                 checkpoint_every=None):
-    """`gated_delta`'s body (traced by the caller's transformation, or by `gdngen.eager`)."""
-    if state_indices is not None or state_dtype != "float32":
-        return state_pool.stored(
-            "jax", _gated_delta, q, k, v, g, beta, initial_state, state_indices, state_dtype,
-            mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant,
-            context_axis=context_axis, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
-            return_states=return_states, checkpoint_every=checkpoint_every)
-    checked, operands = calls.check(
-        "jax", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
-        chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
-        context_axis=context_axis, return_states=return_states, checkpoint_every=checkpoint_every)
-    if checked.return_states != "final":  # plain array ops: a sharded jit partitions them
-        return run(*layer_inputs.prepared(checked, operands), variant=variant)
-    if checked.packed:
-        if context_axis is not None:
-            raise ValueError("context_axis splits one sequence over chips; with cu_seqlens "
-                             "pass context_axis=None (each row of sequences runs whole)")
-        return run(*layer_inputs.prepared(checked, operands), variant=variant)
-    checked, operands = layer_inputs.prepared(checked, operands,
-                                              compute_gate=not sharding.fuses_gate(context_axis))
-
-    def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None):
-        shard = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias)
-        return run(checked.for_arrays(q, v), shard, variant=variant)
-
-    arrays = {name: getattr(operands, name) for name in
-              ("q", "k", "v", "g", "beta", "initial_state", "mask", *sharding.PARAMETERS)}
-    return sharding.run(one_call, arrays, checked.shape, context_axis=context_axis)
+    arrays, options = Options.split(locals())
+    return entry.gated_delta("jax", arrays, options)
 
 
 def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,

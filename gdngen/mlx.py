@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from gdngen import call as calls
-from gdngen import mixer, state_pool
-from gdngen.algebra import layer_inputs
-from gdngen.dispatch import run
+from gdngen import entry, mixer
+from gdngen.entry import Options
 
 __all__ = ["gated_delta", "gated_delta_mixer"]
 
@@ -42,19 +40,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``state_dtype="bfloat16"``; ``return_states="steps"`` / ``"chunks"`` with
     ``checkpoint_every``.
     """
-    if state_indices is not None or state_dtype != "float32":
-        return state_pool.stored(
-            "mlx", gated_delta, q, k, v, g, beta, initial_state, state_indices, state_dtype,
-            mask=mask, scale=scale, gate=gate, chunk_size=chunk_size, variant=variant,
-            qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            beta_activation=beta_activation, cu_seqlens=cu_seqlens, return_states=return_states,
-            checkpoint_every=checkpoint_every)
-    checked, operands = calls.check(
-        "mlx", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
-        chunk_size=chunk_size, qk_norm=qk_norm, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
-        return_states=return_states, checkpoint_every=checkpoint_every)
-    return run(*layer_inputs.prepared(checked, operands), variant=variant)
+    arrays, options = Options.split(locals())
+    return entry.gated_delta("mlx", arrays, options)
 
 
 def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,

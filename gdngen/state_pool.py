@@ -30,7 +30,7 @@ import numpy as np
 
 from gdngen.problem import dtype_name
 
-__all__ = ["STATE_DTYPES", "check_pool", "check_state_dtype", "gather", "scatter", "stored"]
+__all__ = ["STATE_DTYPES", "as_dtype", "check_pool", "check_state_dtype", "gather", "scatter"]
 
 STATE_DTYPES = ("float32", "bfloat16")
 
@@ -138,33 +138,8 @@ def scatter(framework: str, pool, state_indices, states, spare=None):
     return pool
 
 
-def stored(framework: str, entry, q, k, v, g, beta, initial_state, state_indices,
-           state_dtype, **kwargs):
-    """``entry(q, k, v, g, beta, states, **kwargs)`` (a ``gated_delta`` with float32 states)
-    around the states' storage: with ``state_indices`` the rows' states are gathered from the
-    pool ``initial_state`` and the final ones scattered back (returns ``(y, pool')``); else
-    ``initial_state`` is read from, and the final state rounded to, ``state_dtype``."""
-    from gdngen import call as calls
-
-    check_state_dtype(state_dtype, initial_state)
-    if state_indices is not None and kwargs.get("return_states", "final") != "final":
-        raise ValueError(f"return_states={kwargs['return_states']!r} returns a row's states, not "
-                         "a pool: pass state_indices=None and write the state you keep into "
-                         "the pool")
-    checks = {n: x for n, x in kwargs.items() if n != "variant"}
-    shape = calls.check(framework, q, k, v, g, beta, None, **checks)[0].shape
-    if state_indices is None:
-        s0 = None if initial_state is None else _as(framework, initial_state, "float32")
-        y, final = entry(q, k, v, g, beta, s0, **kwargs)
-        return y, _as(framework, final, state_dtype)
-    rows = shape.B if shape.sequences is None else shape.sequences
-    check_pool(framework, initial_state, state_indices, rows, (shape.Hv, shape.Dv, shape.Dk))
-    states, spare = gather(framework, initial_state, state_indices)
-    y, final = entry(q, k, v, g, beta, states, **kwargs)
-    return y, scatter(framework, initial_state, state_indices, final, spare)
-
-
-def _as(framework, x, dtype):
+def as_dtype(framework: str, x, dtype: str):
+    """``x`` cast to the dtype named ``dtype``."""
     if framework == "jax":
         import jax.numpy as jnp
 

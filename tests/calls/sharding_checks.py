@@ -4,7 +4,8 @@ fixed when jax is imported): ``python tests/calls/sharding_checks.py JSON`` prin
 The request: ``{"mode": ..., "backend": name, "cases": [battery case names], "check_vma":
 bool}``. Each case goes through `gdngen.validate.check_case` with a runner that places the call
 as the mode says — "shard_map" over data x heads, "jit" of inputs sharded over data x heads
-(auto mesh axes), "explicit" the same with explicit axes, "context" parallelism over data x seq,
+(auto mesh axes), "explicit" the same with explicit axes (``"entry": "load_tuned"`` calls
+``load_tuned("jax")``'s callable instead of ``gated_delta``), "context" parallelism over data x seq,
 "context3" over data x seq x heads — so errors are against the float64 reference with the
 case's own inputs (a case without an initial state passes None), and each case also reports
 its largest difference to the one-device call. "jit" / "explicit" also report the collectives
@@ -29,6 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import gdngen
 from gdngen import registry, validate
 from gdngen.algebra import chunkwise
 from gdngen.compilers import COLLECTIVES, collective_bytes
@@ -93,7 +95,11 @@ def _mesh_context(mode, mesh):
     return jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext()
 
 
-def runner_for(mode, backend, check_vma, report):
+def runner_for(mode, backend, check_vma, report, entry="gated_delta"):
+    """``entry``: "gated_delta" (the variant given) or "load_tuned" (``load_tuned("jax")``'s
+    callable, which picks its own variant, as model code calls it)."""
+    tuned = gdngen.load_tuned("jax") if entry == "load_tuned" else None
+
     def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
         arrays, cotangents = _arrays(inputs, dtype)
         mask = arrays.pop("mask")
@@ -105,6 +111,9 @@ def runner_for(mode, backend, check_vma, report):
         def call(*args):
             *diff, m = args if mask is not None else (*args, None)
             kw = dict(zip(names, diff))
+            if tuned is not None:
+                return tuned(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"],
+                             kw.get("initial_state"), mask=m, scale=scale, gate=gate)
             return gated_delta(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"],
                                kw.get("initial_state"), mask=m, scale=scale, gate=gate,
                                variant=variant, context_axis="seq" if context else None)
@@ -403,7 +412,7 @@ def main(request: dict) -> dict:
         return layer_inputs_on_many_devices(request["backend"])
     report = {"cases": {}}
     runner = runner_for(request["mode"], request["backend"], request.get("check_vma", True),
-                        report)
+                        report, request.get("entry", "gated_delta"))
     for name in request["cases"]:
         result = validate.check_case(runner, name, seed=request.get("seed"))
         report["cases"][name] = {"errors": result.errors, "tolerance": result.tolerance,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 import gdngen
 import gdngen.jax
-from gdngen import eager, registry
+from gdngen import eager, entry, registry
 from gdngen.algebra import reference
 from gdngen.validate import relative_error
 from gdngen.variant import Problem
@@ -47,15 +47,16 @@ def _arrays(x):
 
 
 def _traces(monkeypatch):
-    """Counts the traces of gdngen.jax's body (each compile of a step traces it once)."""
+    """Counts the traces of the entry's bound body, `gdngen.entry.run` (each compile of a step
+    traces it once; plain and ``load_tuned()`` calls both run it)."""
     count = [0]
-    body = gdngen.jax._gated_delta
+    body = entry.run
 
     def counted(*args, **kwargs):
         count[0] += 1
         return body(*args, **kwargs)
 
-    monkeypatch.setattr(gdngen.jax, "_gated_delta", counted)
+    monkeypatch.setattr(entry, "run", counted)
     return count
 
 
@@ -91,16 +92,7 @@ def test_each_variant_compiles_its_own_step(monkeypatch):
 
 
 def test_load_tuned_runs_eagerly_as_one_step(monkeypatch):
-    from gdngen.dispatch import TunedGatedDelta
-
-    count = [0]
-    body = TunedGatedDelta._call
-
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return body(self, *args, **kwargs)
-
-    monkeypatch.setattr(TunedGatedDelta, "_call", counted)
+    count = _traces(monkeypatch)
     x = _inputs(4)
     tuned = gdngen.load_tuned("jax")
     y_ref, s_ref = reference.forward(*(x[n] for n in ("q", "k", "v", "g", "beta",

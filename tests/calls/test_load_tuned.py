@@ -168,6 +168,33 @@ def test_load_tuned_runs_the_entries_of_its_precision_policy(mlx_calls):
     assert mlx_calls[1:] == [{n: default[n] for n in TUNED_CHUNK}] * 2 * runs_chunks
 
 
+def test_explain_takes_every_option_of_the_call():
+    import mlx.core as mx
+
+    import gdngen
+
+    plant("mlx", seq_len=64)
+    tuned = gdngen.load_tuned("mlx")
+    x = {n: mx.array(a) for n, a in inputs(50, np.random.default_rng()).items()}
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    pool = mx.zeros((4, PROBLEM.Hv, PROBLEM.Dv, PROBLEM.Dk), mx.bfloat16)
+    rows = mx.array([2], mx.int32)
+    for options in ({"state_indices": rows, "state_dtype": "bfloat16"},
+                    {"return_states": "chunks", "checkpoint_every": 16},
+                    {"return_states": "steps"}):
+        initial = pool if "state_indices" in options else None
+        choice = tuned.explain(*args, initial, **options)
+        assert choice.source == "tuned" and choice.variant == Variant("mlx", TUNED), options
+    # and checks them as the call does
+    with pytest.raises(ValueError, match="state_indices has 9, past the pool of 4"):
+        tuned.explain(*args, pool, state_indices=mx.array([9], mx.int32),
+                      state_dtype="bfloat16")
+    with pytest.raises(ValueError, match="checkpoint_every goes with return_states='chunks'"):
+        tuned.explain(*args, checkpoint_every=16)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'reverse'"):
+        tuned(*args, reverse=True)
+
+
 def test_load_tuned_rejects_absent_device_and_bad_arguments():
     import gdngen
 

@@ -241,7 +241,7 @@ def test_packed_paths_of_generated_backends():
     import jax.numpy as jnp
 
     from gdngen import registry
-    from gdngen.dispatch import load_tuned
+    from gdngen.entry import load_tuned
     from gdngen.jax import gated_delta
     from gdngen.variant import Problem
 

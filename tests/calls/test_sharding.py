@@ -84,6 +84,19 @@ def test_sharded_jit_runs_per_shard_without_collectives(backend, mode):
         assert grads == [tokens] * 5 + [state] * (name == "padding_mask")
 
 
+def test_load_tuned_under_a_sharded_jit_runs_per_shard_without_collectives():
+    # the callable model code uses: the same entry body as gated_delta, so the same placement
+    # (it once skipped it, all-gathered every input and returned replicated outputs)
+    cases = ("padding_mask",)
+    report = run_checks({"mode": "jit", "backend": "ffi_cpu", "cases": cases,
+                         "entry": "load_tuned"})
+    assert_cases_pass(report, cases)
+    result = report["cases"]["padding_mask"]
+    assert result["collectives"] == []
+    tokens, state = "P('data', None, 'heads')", "P('data', 'heads')"
+    assert result["output_specs"] == [tokens, state] + [tokens] * 5 + [state]
+
+
 def test_sharded_jit_rejects_shardings_that_split_time_head_dims_or_groups():
     errors = run_checks({"mode": "errors"})
     assert "q is sharded as P(None, 'model', None, None)" in errors["time"]
