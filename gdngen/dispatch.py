@@ -183,7 +183,8 @@ def check_variant(framework: str, variant, chunk_size: int | None = None) -> Non
     """ValueError unless ``variant`` is a `Variant` of a backend of ``framework``, valid for it
     (`gdngen.registry.check_variant`), and agreeing with an explicit ``chunk_size``."""
     if not isinstance(variant, Variant):
-        raise ValueError(f"variant must be a gdngen.Variant, got {type(variant).__name__}")
+        raise ValueError(  # noqa: TRY004 - an option's bad value: ValueError, as every check
+            f"variant must be a gdngen.Variant, got {type(variant).__name__}")
     backends = registry.names(framework)
     if variant.backend not in backends:
         raise ValueError(f"variant backend {variant.backend!r} does not run on {framework}; "
