@@ -96,5 +96,6 @@ def test_entry_points_sit_above_dispatch_and_the_backends_below_it():
     assert "gdngen.dispatch" in graph["gdngen.entry"]
     for name in ("gdngen.dispatch", "gdngen.registry"):
         assert not {"gdngen.jax", "gdngen.mlx", "gdngen.entry", "gdngen.validate",
-                    "gdngen.tools.timing", "gdngen.tune", "gdngen.tools.build", "gdngen.tools.cli"} & graph[name], name
+                    "gdngen.tools.timing", "gdngen.tune", "gdngen.tools.build",
+                    "gdngen.tools.cli"} & graph[name], name
     assert "gdngen.backends.metal" not in graph["gdngen.backends.metal.sim"]
