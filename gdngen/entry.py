@@ -60,7 +60,7 @@ class Options:
         keyword."""
         arrays = {name: arguments.get(name) for name in ARRAYS}
         rest = {n: x for n, x in arguments.items() if n not in ARRAYS}
-        unknown = sorted(set(rest) - {f.name for f in dataclasses.fields(cls)})
+        unknown = sorted(set(rest) - set(_OPTION_NAMES))
         if unknown:
             raise TypeError(f"gated_delta got unexpected keyword argument(s) {unknown}")
         return arrays, cls(**rest)
@@ -71,9 +71,16 @@ class Options:
     def key(self) -> tuple:
         """Hashable key of these options: each field's value and type (1, 1.0 and True
         differ); TypeError when a value is unhashable."""
-        key = tuple((value, type(value)) for value in dataclasses.astuple(self))
+        key = tuple((value, type(value)) for value in
+                    (getattr(self, name) for name in _OPTION_NAMES))
         hash(key)
         return key
+
+
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+#: the options a `gdngen.call.Call` records (`gdngen.call.check`'s keywords)
+_CALL_OPTIONS = ("scale", "gate", "chunk_size", "qk_norm", "lower_bound", "beta_activation",
+                 "context_axis", "return_states", "checkpoint_every")
 
 
 class Bound(NamedTuple):
@@ -132,10 +139,9 @@ def _checked(framework: str, x: Operands, o: Options, state_indices) -> Call:
         if x.cu_seqlens is not None:
             raise ValueError("context_axis splits one sequence over chips; with cu_seqlens "
                              "pass context_axis=None (each row of sequences runs whole)")
-    options = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)
-               if f.name not in ("variant", "state_dtype")}
     call, _ = check(framework, *x._replace(initial_state=None if pooled else x.initial_state)
-                    [:7], A_log=x.A_log, dt_bias=x.dt_bias, cu_seqlens=x.cu_seqlens, **options)
+                    [:7], A_log=x.A_log, dt_bias=x.dt_bias, cu_seqlens=x.cu_seqlens,
+                    **{name: getattr(o, name) for name in _CALL_OPTIONS})
     if pooled:
         _check_pool(framework, call, x.initial_state, state_indices)
     if o.variant is not None:

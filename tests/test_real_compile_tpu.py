@@ -131,16 +131,19 @@ def _mesh(shape, names, explicit=True):
                 axis_types=types)
 
 
-def _fwd_bwd(variant, **kwargs):
-    """``(y, final_state, grads)`` of gated_delta and its VJP at given cotangents (nothing
-    summed over devices, so any collective is the call's own)."""
+def _fwd_bwd(variant, call=None, **kwargs):
+    """``(y, final_state, grads)`` of gated_delta (or ``call``, which picks its own variant) and
+    its VJP at given cotangents (nothing summed over devices, so any collective is the
+    call's own)."""
     import jax
 
     from gdngen.jax import gated_delta
 
+    if call is None:
+        call, kwargs = gated_delta, dict(kwargs, variant=variant)
+
     def step(q, k, v, g, beta, dy, ds):
-        out, vjp = jax.vjp(lambda *a: gated_delta(*a, variant=variant, scale=128 ** -0.5,
-                                                  **kwargs), q, k, v, g, beta)
+        out, vjp = jax.vjp(lambda *a: call(*a, scale=128 ** -0.5, **kwargs), q, k, v, g, beta)
         return out, vjp((dy, ds))
 
     return step
@@ -175,6 +178,26 @@ def test_sharded_jit_over_a_topology_mesh_compiles_without_collectives():
     args = _specs(mesh, 2, 128, problem, P("data", None, "heads"), P("data", "heads"))
     with pallas_tpu.interpreting(False), jax.set_mesh(mesh):
         lowered = jax.jit(_fwd_bwd(variant)).trace(*args).lower(lowering_platforms=("tpu",))
+    text = lowered.compile().as_text()
+    assert "tpu_custom_call" in text
+    assert compilers.collective_bytes(text, per_channel=True) == {}
+
+
+def test_load_tuned_callable_over_a_topology_mesh_compiles_without_collectives():
+    """``load_tuned()``'s callable, as a v5e host gets it, in the same sharded jit: the same
+    entry body as gated_delta, so its pallas_tpu kernels run per shard too."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from gdngen.backends.pallas import tpu as pallas_tpu
+    from gdngen.entry import TunedGatedDelta
+
+    tuned = TunedGatedDelta("jax", "tpu-v5e", "ieee")  # load_tuned("jax") on a v5e host
+    problem = Problem(2, 4, 128, 128, "bfloat16", "scalar")
+    mesh = _mesh((2, 2), ("data", "heads"))
+    args = _specs(mesh, 2, 128, problem, P("data", None, "heads"), P("data", "heads"))
+    with pallas_tpu.interpreting(False), jax.set_mesh(mesh):
+        lowered = jax.jit(_fwd_bwd(None, tuned)).trace(*args).lower(lowering_platforms=("tpu",))
     text = lowered.compile().as_text()
     assert "tpu_custom_call" in text
     assert compilers.collective_bytes(text, per_channel=True) == {}
