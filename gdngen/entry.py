@@ -7,7 +7,8 @@
    storage, the variant), remembered per shapes, dtypes and `Options`;
 2. JAX, called eagerly: the variant chosen in Python, then the rest as one cached ``jax.jit``
    (`gdngen.eager`);
-3. `run`: the states' storage (a pool's rows gathered and scattered, `gdngen.state_pool`;
+3. `run`: the states' storage (a pool's rows gathered, the final states scattered to
+   ``output_state_indices`` or the same rows, `gdngen.state_pool`;
    bfloat16 states widened and rounded), the layer inputs laid out
    (`gdngen.algebra.layer_inputs.prepared`), the placement on chips (`gdngen.sharding`, JAX) and
    the chosen variant's backend (`gdngen.dispatch.run`).
@@ -32,7 +33,8 @@ __all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "gated_delta
 
 #: the array arguments of ``gated_delta``, in its signature's order
 ARRAYS = ("q", "k", "v", "g", "beta", "initial_state", "mask", "A_log", "dt_bias", "cu_seqlens",
-          "state_indices")
+          "state_indices", "output_state_indices")
+_OPERANDS = ARRAYS[:10]  # a `gdngen.call.Operands`' fields; the pool's indices are the entry's
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,14 @@ _CALL_OPTIONS = ("scale", "gate", "chunk_size", "qk_norm", "lower_bound", "beta_
 class Bound(NamedTuple):
     """A checked call: its `Call` (float32 states, no pool: what the backends compute), its
     `Operands`, its `Options`, and ``state_indices`` (int32 ``[rows]``; the operands'
-    ``initial_state`` is then the pool ``[P,Hv,Dv,Dk]``) or None."""
+    ``initial_state`` is then the pool ``[P,Hv,Dv,Dk]``) or None, ``output_state_indices``
+    (int32 ``[rows]``, the rows written; None: ``state_indices``)."""
 
     call: Call
     operands: Operands
     options: Options
     state_indices: object = None
+    output_state_indices: object = None
 
 
 _BOUND: dict = {}  # bind's key -> the Call of a call that passed every check
@@ -103,30 +107,35 @@ def bind(framework: str, arrays: dict, options: Options) -> Bound:
     expected. Shapes and Python values are read, and the values of ``cu_seqlens`` and
     ``state_indices`` when concrete, so it runs under ``jax.jit`` and ``mx.compile``. Without
     ``cu_seqlens`` the `Call` is remembered per shapes, dtypes and `Options.key`."""
-    operands = Operands(*(arrays.get(name) for name in ARRAYS[:-1]))
+    operands = Operands(*(arrays.get(name) for name in _OPERANDS))
     state_indices = arrays.get("state_indices")
+    written = arrays.get("output_state_indices")
     call = key = None
     if operands.cu_seqlens is None:
         try:
             key = (framework, options.key(),
                    tuple(None if x is None else (tuple(x.shape), dtype_name(x))
-                         for x in (*operands, state_indices)))
+                         for x in (*operands, state_indices, written)))
             call = _BOUND.get(key)
         except TypeError:  # an unhashable option: the checks name it
             key = None
     if call is None:
-        call = _checked(framework, operands, options, state_indices)
+        call = _checked(framework, operands, options, state_indices, written)
         if key is not None and len(_BOUND) < 4096:
             _BOUND[key] = call
     elif state_indices is not None:  # the values may differ from the remembered call's
-        _check_pool(framework, call, operands.initial_state, state_indices)
-    return Bound(call, operands, options, state_indices)
+        _check_pool(framework, call, operands.initial_state, state_indices, written)
+    return Bound(call, operands, options, state_indices, written)
 
 
-def _checked(framework: str, x: Operands, o: Options, state_indices) -> Call:
+def _checked(framework: str, x: Operands, o: Options, state_indices, written) -> Call:
     """`bind`'s checks, in order (nothing remembered)."""
     pooled = state_indices is not None
     check_framework(framework)
+    if written is not None and not pooled:
+        raise ValueError("output_state_indices needs state_indices and a pool initial_state "
+                         "[P, Hv, Dv, Dk]: it names the pool rows the final states are written "
+                         "to")
     state_pool.check_state_dtype(o.state_dtype, x.initial_state)
     if pooled and o.return_states != "final":
         raise ValueError(f"return_states={o.return_states!r} returns a row's states, not a "
@@ -143,16 +152,17 @@ def _checked(framework: str, x: Operands, o: Options, state_indices) -> Call:
                     [:7], A_log=x.A_log, dt_bias=x.dt_bias, cu_seqlens=x.cu_seqlens,
                     **{name: getattr(o, name) for name in _CALL_OPTIONS})
     if pooled:
-        _check_pool(framework, call, x.initial_state, state_indices)
+        _check_pool(framework, call, x.initial_state, state_indices, written)
     if o.variant is not None:
         dispatch.check_variant(framework, o.variant, o.chunk_size)
     return call
 
 
-def _check_pool(framework: str, call: Call, pool, state_indices) -> None:
+def _check_pool(framework: str, call: Call, pool, state_indices, written=None) -> None:
     shape = call.shape
     rows = shape.B if shape.sequences is None else shape.sequences
-    state_pool.check_pool(framework, pool, state_indices, rows, (shape.Hv, shape.Dv, shape.Dk))
+    state_pool.check_pool(framework, pool, state_indices, rows, (shape.Hv, shape.Dv, shape.Dk),
+                          written)
 
 
 # ------------------------------------------------------------------------------ the body
@@ -190,7 +200,7 @@ def run(arrays: dict, call: Call, options: Options, device: str | None = None,
         precision: str | None = None):
     """The bound ``call`` (`bind`'s, nothing checked again) on ``arrays``: the states' storage
     around `placed`."""
-    operands = Operands(*(arrays.get(name) for name in ARRAYS[:-1]))
+    operands = Operands(*(arrays.get(name) for name in _OPERANDS))
     fw, pool, stored = call.framework, arrays.get("state_indices"), options.state_dtype
     spare = None
     if pool is not None:
@@ -201,7 +211,9 @@ def run(arrays: dict, call: Call, options: Options, device: str | None = None,
             initial_state=state_pool.as_dtype(fw, operands.initial_state, "float32"))
     y, final = placed(call, operands, options.variant, device, precision)
     if pool is not None:
-        return y, state_pool.scatter(fw, arrays["initial_state"], pool, final, spare)
+        written = arrays.get("output_state_indices")
+        return y, state_pool.scatter(fw, arrays["initial_state"],
+                                     pool if written is None else written, final, spare)
     if stored != "float32":
         final = state_pool.as_dtype(fw, final, stored)
     return y, final

@@ -11,8 +11,8 @@ __all__ = ["gated_delta", "gated_delta_mixer"]
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
                 dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None,
-                state_indices=None, state_dtype="float32", return_states="final",
-                checkpoint_every=None):
+                state_indices=None, output_state_indices=None, state_dtype="float32",
+                return_states="final", checkpoint_every=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -59,7 +59,9 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``cu_seqlens``) makes ``initial_state`` a pool ``[P,Hv,Dv,Dk]``: row b starts from
     ``pool[state_indices[b]]`` (a zero state for a negative index, a padding row that writes
     nothing) and the returned state is the pool with those rows replaced (in place under
-    ``jax.jit`` with the pool donated). ``state_dtype="bfloat16"`` stores the states (pool or
+    ``jax.jit`` with the pool donated); ``output_state_indices`` int32 ``[B]`` (``[N]``) writes
+    row b's final state to ``pool[output_state_indices[b]]`` instead (nothing for a negative
+    index), the rows read kept. ``state_dtype="bfloat16"`` stores the states (pool or
     ``initial_state``, and the returned one) in bfloat16; compute stays float32.
     ``return_states="steps"`` (speculative verify, `gdngen.algebra.states`): the state after
     every step, ``[B,T,Hv,Dv,Dk]``, in place of the final state; ``"chunks"`` with

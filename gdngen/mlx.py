@@ -11,7 +11,7 @@ __all__ = ["gated_delta", "gated_delta_mixer"]
 def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
                 chunk_size=None, variant=None, qk_norm=False, A_log=None, dt_bias=None,
                 lower_bound=None, beta_activation=None, cu_seqlens=None, state_indices=None,
-                state_dtype="float32", return_states="final",
+                output_state_indices=None, state_dtype="float32", return_states="final",
                 checkpoint_every=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
@@ -36,7 +36,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.algebra.packed`).
 
     Serving, as in `gdngen.jax.gated_delta` (`gdngen.state_pool`): ``state_indices`` with a
-    pool ``initial_state`` ``[P,Hv,Dv,Dk]``, which is updated in place and returned;
+    pool ``initial_state`` ``[P,Hv,Dv,Dk]``, which is updated in place and returned
+    (``output_state_indices``: the rows written, when not the rows read);
     ``state_dtype="bfloat16"``; ``return_states="steps"`` / ``"chunks"`` with
     ``checkpoint_every``.
     """

@@ -3,8 +3,11 @@
 
 A server holds one state per request in a pool ``[P, Hv, Dv, Dk]``; a batch's row b (or, with
 ``cu_seqlens``, sequence b) reads ``pool[state_indices[b]]`` and writes its final state back
-there. A negative index is a padding row: it reads a zero state and writes nothing. The call
-returns ``(y, pool')``, the pool with exactly those rows replaced:
+there, or to ``pool[output_state_indices[b]]`` when given (FlashInfer's name: a server keeps
+the state before a verify window in its row while the new one goes to another). A negative
+index is a padding row: it reads a zero state (``state_indices``) or writes nothing. All rows
+are read before any is written. The call returns ``(y, pool')``, the pool with exactly the
+written rows replaced:
 
 * JAX: functional, ``pool.at[rows].set(final, mode="drop")``; under ``jax.jit`` with the pool
   donated (``donate_argnums``) XLA updates it in place (the compiled program aliases the pool's
@@ -20,8 +23,8 @@ pool (or ``initial_state``) must have it; the recurrence reads it as float32 and
 states are rounded to it. Compute stays float32.
 
 Duplicate non-negative indices, or indices past the pool, are a ValueError naming
-``state_indices`` when the indices are concrete (not traced; MLX reads them, which waits for
-them to be computed).
+``state_indices`` / ``output_state_indices`` when the indices are concrete (not traced; MLX
+reads them, which waits for them to be computed).
 """
 
 from __future__ import annotations
@@ -59,10 +62,12 @@ def _concrete(framework: str, x):
         return None
 
 
-def check_pool(framework: str, pool, state_indices, rows: int, heads: tuple) -> None:
+def check_pool(framework: str, pool, state_indices, rows: int, heads: tuple,
+               output_state_indices=None) -> None:
     """ValueError naming the argument unless ``pool`` is ``[P, Hv, Dv, Dk]`` (``heads`` =
-    (Hv, Dv, Dk)) and ``state_indices`` int32 ``[rows]`` (rows: B, or N with cu_seqlens), its
-    non-negative entries distinct and below P when concrete."""
+    (Hv, Dv, Dk)) and ``state_indices`` (and ``output_state_indices``, when given) int32
+    ``[rows]`` (rows: B, or N with cu_seqlens), their non-negative entries distinct and below P
+    when concrete."""
     if pool is None:
         raise ValueError("state_indices needs initial_state: the pool [P, Hv, Dv, Dk] the "
                          "rows read their states from")
@@ -70,22 +75,27 @@ def check_pool(framework: str, pool, state_indices, rows: int, heads: tuple) -> 
     if len(shape) != 4 or shape[1:] != tuple(heads) or shape[0] < 1:
         raise ValueError(f"initial_state has shape {shape}, expected a pool "
                          f"(P, {', '.join(map(str, heads))}) with P >= 1 (state_indices given)")
-    if tuple(state_indices.shape) != (rows,):
-        raise ValueError(f"state_indices has shape {tuple(state_indices.shape)}, expected "
-                         f"({rows},): one index per row (per sequence with cu_seqlens)")
-    if dtype_name(state_indices) != "int32":
-        raise ValueError(f"state_indices has dtype {dtype_name(state_indices)}, expected int32")
-    idx = _concrete(framework, state_indices)
+    _check_indices(framework, "state_indices", state_indices, rows, shape[0])
+    if output_state_indices is not None:
+        _check_indices(framework, "output_state_indices", output_state_indices, rows, shape[0])
+
+
+def _check_indices(framework: str, name: str, indices, rows: int, size: int) -> None:
+    if tuple(indices.shape) != (rows,):
+        raise ValueError(f"{name} has shape {tuple(indices.shape)}, expected ({rows},): one "
+                         "index per row (per sequence with cu_seqlens)")
+    if dtype_name(indices) != "int32":
+        raise ValueError(f"{name} has dtype {dtype_name(indices)}, expected int32")
+    idx = _concrete(framework, indices)
     if idx is None:
         return
     live = idx[idx >= 0]
-    if live.size and live.max() >= shape[0]:
-        raise ValueError(f"state_indices has {int(live.max())}, past the pool of {shape[0]} "
-                         "states")
+    if live.size and live.max() >= size:
+        raise ValueError(f"{name} has {int(live.max())}, past the pool of {size} states")
     values, counts = np.unique(live, return_counts=True)
     if (counts > 1).any():
-        raise ValueError(f"state_indices repeats {values[counts > 1].tolist()}: two rows "
-                         "cannot write the same state")
+        raise ValueError(f"{name} repeats {values[counts > 1].tolist()}: two rows cannot "
+                         "write the same state")
 
 
 def gather(framework: str, pool, state_indices):

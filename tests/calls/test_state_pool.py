@@ -1,7 +1,8 @@
-"""States in a pool (``state_indices``) and their storage dtype (``state_dtype``),
-`gdngen.state_pool`: both frameworks, every registered backend, dense and packed rows, the
-float64 reference per row; untouched rows bit for bit; JAX's donated pool aliased in the compiled
-program; MLX's pool updated without a copy; the argument errors."""
+"""States in a pool (``state_indices``, ``output_state_indices``) and their storage dtype
+(``state_dtype``), `gdngen.state_pool`: both frameworks, every registered backend, dense and
+packed rows (a server's mixed decode and prefill batch), the float64 reference per row;
+untouched rows bit for bit; JAX's donated pool aliased in the compiled program; MLX's pool
+updated without a copy; the argument errors."""
 
 from __future__ import annotations
 
@@ -29,37 +30,44 @@ def _inputs(seed, B, T):
             "pool": rng.standard_normal((P, HV, DV, DK)).astype(np.float32)}
 
 
-def _expected(x, idx, scale, cu_seqlens=None):
-    """float64 y and pool': each row from pool[i] (zeros for i < 0), written back where i >= 0."""
+def _expected(x, idx, scale, cu_seqlens=None, out=None):
+    """float64 y and pool': each row from pool[i] (zeros for i < 0), written back where i >= 0
+    (``out``: written to pool[out[b]] where out[b] >= 0 instead)."""
     starts = np.stack([x["pool"][i] if i >= 0 else np.zeros_like(x["pool"][0]) for i in idx])
     if cu_seqlens is None:
         y, final = reference.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], starts,
                                      scale=scale)
     else:
-        out = reference.packed_vjp(x["q"], x["k"], x["v"], x["g"], x["beta"], starts, None,
+        ref = reference.packed_vjp(x["q"], x["k"], x["v"], x["g"], x["beta"], starts, None,
                                    None, cu_seqlens, scale=scale)
-        y, final = out["y"], out["final_state"]
+        y, final = ref["y"], ref["final_state"]
     pool = x["pool"].astype(np.float64).copy()
-    for b, i in enumerate(idx):
+    for b, i in enumerate(idx if out is None else out):
         if i >= 0:
             pool[i] = final[b]
     return y, pool
 
 
-def _check_pool_call(framework, x, idx, variant=None, cu_seqlens=None):
+def _check_pool_call(framework, x, idx, variant=None, cu_seqlens=None, out=None):
+    """One pooled call against `_expected`: y, the written rows, every other row bit for bit
+    (``out``: ``output_state_indices``, so the rows read stay as they were)."""
     gated_delta, array, numpy = entry(framework)
-    untouched = [i for i in range(P) if i not in set(idx.tolist())]
+    written = idx if out is None else out
+    untouched = [i for i in range(P) if i not in set(written.tolist())]
     kwargs = {} if cu_seqlens is None else {"cu_seqlens": array(cu_seqlens)}
+    if out is not None:
+        kwargs["output_state_indices"] = array(out)
     y, pool = gated_delta(*(array(x[n]) for n in ("q", "k", "v", "g", "beta", "pool")),
                           state_indices=array(idx), scale=DK ** -0.5, variant=variant,
                           **kwargs)
-    y_ref, pool_ref = _expected(x, idx, DK ** -0.5, cu_seqlens)
+    y_ref, pool_ref = _expected(x, idx, DK ** -0.5, cu_seqlens, out)
     pool = numpy(pool)
     assert pool.shape == (P, HV, DV, DK) and pool.dtype == np.float32
     np.testing.assert_array_equal(pool[untouched], x["pool"][untouched])
     assert relative_error(numpy(y), y_ref) <= TOL
-    live = idx[idx >= 0]
+    live = written[written >= 0]
     assert relative_error(pool[live], pool_ref[live]) <= TOL
+    return relative_error(numpy(y), y_ref), relative_error(pool[live], pool_ref[live])
 
 
 @pytest.mark.parametrize("backend", registry.names())
@@ -73,6 +81,44 @@ def test_decode_rows_read_and_write_their_pool_rows(backend):
     variant = registry.default_variant(backend, Problem(HK, HV, DK, DV))
     _check_pool_call(spec.framework, _inputs(1, 4, 2), np.array([4, -1, 0, 2], np.int32),
                      variant)
+
+
+@pytest.mark.parametrize("backend", registry.names())
+def test_output_state_indices_write_other_rows_and_keep_the_rows_read(backend):
+    """Rows read pool[4], a zero state, pool[0], pool[2] and write pool[1], pool[3], nothing,
+    pool[4] (FlashInfer's output_state_indices: the state before a verify window stays in its
+    row): rows 0 and 2 keep their values, row 4 is read before it is written."""
+    spec = registry.get(backend)
+    ok, why = spec.capability(Problem(HK, HV, DK, DV))
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    variant = registry.default_variant(backend, Problem(HK, HV, DK, DV))
+    _check_pool_call(spec.framework, _inputs(7, 4, 2), np.array([4, -1, 0, 2], np.int32),
+                     variant, out=np.array([1, 3, -1, 4], np.int32))
+
+
+#: a server step's rows, decode (one token) and prefill mixed, as one packed row
+MIXED_LENGTHS = (1, 1, 40, 1, 17)
+
+
+@pytest.mark.parametrize("backend", [
+    # xla's and pallas_tpu's (~40 s each here) in make test-all: ffi_cpu and pallas_gpu run the
+    # same packed algebra and Pallas packed core
+    pytest.param(b, marks=pytest.mark.slow) if b in ("xla", "pallas_tpu") else b
+    for b in registry.names()])
+def test_a_servers_mixed_batch_runs_as_one_packed_call_over_the_pool(backend):
+    """Decode and prefill rows of one server step (lengths `MIXED_LENGTHS`) in one packed call
+    (cu_seqlens), every row reading and writing its pool row (one padding row reads a zero
+    state and writes nothing, one writes elsewhere), against float64 per sequence."""
+    spec = registry.get(backend)
+    ok, why = spec.capability(Problem(HK, HV, DK, DV))
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    variant = registry.default_variant(backend, Problem(HK, HV, DK, DV))
+    cu = np.concatenate([[0], np.cumsum(MIXED_LENGTHS)]).astype(np.int32)
+    x = _inputs(8, 1, int(cu[-1]))
+    idx, out = np.array([3, 0, -1, 5, 2], np.int32), np.array([3, 1, 4, 5, -1], np.int32)
+    _check_pool_call(spec.framework, x, idx, variant, cu_seqlens=cu, out=out)
 
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
@@ -175,6 +221,16 @@ BAD = [
      "expected a pool \\(P, 2, 32, 32\\)"),
     ({"state_dtype": "float16"}, "state_dtype must be one of"),
     ({"state_dtype": "bfloat16"}, "initial_state has dtype float32, expected bfloat16"),
+    ({"output_state_indices": np.array([0, 1], np.int32)},
+     "output_state_indices needs state_indices and a pool"),
+    ({"state_indices": np.array([0, 1], np.int32),
+      "output_state_indices": np.array([2, 2], np.int32)}, "output_state_indices repeats \\[2\\]"),
+    ({"state_indices": np.array([0, 1], np.int32),
+      "output_state_indices": np.array([-1, 9], np.int32)},
+     "output_state_indices has 9, past the pool of 6"),
+    ({"state_indices": np.array([0, 1], np.int32),
+      "output_state_indices": np.array([3], np.int32)},
+     "output_state_indices has shape \\(1,\\), expected \\(2,\\)"),
 ]
 
 
@@ -184,7 +240,8 @@ def test_bad_pool_arguments_name_the_argument(framework, bad, message):
     gated_delta, array, _ = entry(framework)
     x = _inputs(8, 2, 1)
     pool = bad.get("pool", x["pool"][:2] if "state_indices" not in bad else x["pool"])
-    kwargs = {n: array(a) for n, a in bad.items() if n == "state_indices"}
+    kwargs = {n: array(a) for n, a in bad.items()
+              if n in ("state_indices", "output_state_indices")}
     if "state_dtype" in bad:
         kwargs["state_dtype"] = bad["state_dtype"]
     with pytest.raises(ValueError, match=message):
