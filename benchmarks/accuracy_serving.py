@@ -4,6 +4,10 @@ here (the generated ones in interpret mode / the Metal simulator off-device), ou
 
 * ``pool``: ``state_indices`` over a pool (decode rows, T = 1 and a short prefill T = 7, one
   padding row): y and the written rows (the untouched rows must come back bit for bit);
+* ``output rows``: ``output_state_indices`` (rows read and rows written apart, one padding row
+  each way): y and the written rows (every other row must come back bit for bit);
+* ``mixed batch``: a server step's decode and prefill rows (lengths 1, 1, 300, 1, 77) as one
+  packed row (``cu_seqlens``) over a pool of 64: y and the written rows;
 * ``steps``: ``return_states="steps"`` over a verify window of 8 steps (one masked, one reset):
   y and the state after every step;
 * ``chunks``: ``return_states="chunks", checkpoint_every=<the variant's chunk>`` over three
@@ -97,6 +101,35 @@ def measure(backend: str, gate: str, seed: int = 0) -> dict:
                     relative_error(got[[5, 2]], final[[0, 2]]))
     out["pool"] = worst
 
+    # output rows: read rows 5, (zero), 2, 4; write rows 1, 3, (nothing), 5
+    x = _inputs(rng, 4, 3, vector)
+    pool = rng.standard_normal((P, HV, DV, DK)).astype(np.float32)
+    idx, written = np.array([5, -1, 2, 4], np.int32), np.array([1, 3, -1, 5], np.int32)
+    y, got = gated_delta(*(array(x[n]) for n in names), array(pool), state_indices=array(idx),
+                         output_state_indices=array(written), scale=scale, variant=variant)
+    starts = np.stack([pool[i] if i >= 0 else np.zeros_like(pool[0]) for i in idx])
+    y_ref, final = reference.forward(*(x[n] for n in names), starts, scale=scale)
+    got = _to_float32(numpy, got)
+    kept = [i for i in range(P) if i not in (1, 3, 5)]
+    if not np.array_equal(got[kept], pool[kept]):
+        raise AssertionError(f"{backend}: pool rows outside output_state_indices changed")
+    out["output rows"] = max(relative_error(numpy(y), y_ref),
+                             relative_error(got[[1, 3, 5]], final[[0, 1, 3]]))
+
+    # a server's mixed batch: decode and prefill rows as one packed row over the pool
+    lengths = (1, 1, 300, 1, 77)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    x = _inputs(rng, 1, int(cu[-1]), vector)
+    pool = rng.standard_normal((64, HV, DV, DK)).astype(np.float32)
+    idx = np.array([7, 0, -1, 33, 12], np.int32)
+    y, got = gated_delta(*(array(x[n]) for n in names), array(pool), state_indices=array(idx),
+                         cu_seqlens=array(cu), scale=scale, variant=variant)
+    starts = np.stack([pool[i] if i >= 0 else np.zeros_like(pool[0]) for i in idx])
+    ref = reference.packed_vjp(*(x[n] for n in names), starts, None, None, cu, scale=scale)
+    got, live = _to_float32(numpy, got), [b for b, i in enumerate(idx) if i >= 0]
+    out["mixed batch"] = max(relative_error(numpy(y), ref["y"]),
+                             relative_error(got[idx[live]], ref["final_state"][live]))
+
     # steps: a verify window with a masked step and an exact reset
     T = 8
     x = _inputs(rng, 2, T, vector, reset=(0, 3), masked=(1, 5))
@@ -170,14 +203,14 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    columns = ("pool", "steps", "chunks", "bf16 state")
+    columns = ("pool", "output rows", "mixed batch", "steps", "chunks", "bf16 state")
     print(f"worst relative error vs float64 (Hk={HK} Hv={HV} D={DK}, outputs poisoned)")
-    print(f"{'backend gate':22s}" + "".join(f"{c:>12s}" for c in columns))
+    print(f"{'backend gate':22s}" + "".join(f"{c:>13s}" for c in columns))
     for name, row in results.items():
         if "skipped" in row:
             print(f"{name:22s}  skipped: {row['skipped']}")
             continue
-        print(f"{name:22s}" + "".join(f"{row[c]:12.2e}" for c in columns))
+        print(f"{name:22s}" + "".join(f"{row[c]:13.2e}" for c in columns))
     return 0
 
 

@@ -3,12 +3,12 @@
     python benchmarks/entry_trace.py [--backends xla,ffi_cpu,pallas_tpu,pallas_gpu] [--json]
 
 A profile hook records every Python call made while ``jax.jit(jax.grad(loss)).trace(...)`` runs
-(the tracing of the call, its custom VJP and the kernels' Python; nothing is compiled). Per
-backend it prints the gdngen modules whose functions ran (after a first trace at another length,
-so module imports do not count; the rendered kernel modules count as one, "<rendered>"), and the call paths on which a module
-is re-entered after the path left it for another gdngen module (down and back up: ``a -> b ->
-a``). The call is ``gdngen.jax.gated_delta`` with the backend's default variant (``--tuned``:
-``load_tuned("jax")``'s callable, which picks its own).
+(the tracing of the call, its custom VJP and the kernels' Python; nothing is compiled), after a
+first trace at another length (so module imports do not count). Per backend it prints the
+gdngen modules whose functions ran (the rendered kernel modules count as one, "<rendered>"),
+and the call paths on which a module is re-entered after the path left it for another gdngen
+module (down and back up: ``a -> b -> a``). The call is ``gdngen.jax.gated_delta`` with the
+backend's default variant (``--tuned``: ``load_tuned("jax")``'s callable, which picks its own).
 """
 
 from __future__ import annotations

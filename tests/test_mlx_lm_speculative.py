@@ -128,35 +128,37 @@ def test_trim_puts_back_the_state_and_window_of_fewer_tokens(name):
                                        atol=1e-5)
 
 
-def test_trim_past_what_is_recorded_is_a_value_error():
-    """A prefill longer than max_steps is a barrier: trimming into it fails clearly, the cache
-    unchanged; the decode steps after it can be taken back."""
+def test_trim_past_what_is_recorded_trims_what_it_can_and_returns_the_count():
+    """A prefill longer than max_steps is a barrier: a trim into it takes back the decode
+    steps after it and returns their count (mlx-lm's ``trim`` contract), and nothing more."""
     model, _ = models("qwen3_5")
     tokens = token_batch(B=1, T=24, seed=5)[0]
     assert 20 > integration.MAX_REWIND
     with integration.patched(inference=True):
         cache, _ = fed(model, tokens, [20, 1, 1])
         layer = linear_slots(model, cache)[0]
+        expected, _ = fed(model, tokens, [20])
+        assert layer.trim(3) == 2
+        np.testing.assert_allclose(np.asarray(layer[1]),
+                                   np.asarray(linear_slots(model, expected)[0][1]),
+                                   rtol=1e-5, atol=1e-6)
         state = layer[1]
-        with pytest.raises(ValueError, match="cannot trim 3 tokens .* take back the last 2"):
-            layer.trim(3)
-        assert layer[1] is state
-        assert layer.trim(2) == 2
-        with pytest.raises(ValueError, match="take back the last 0"):
-            layer.trim(1)
+        assert layer.trim(1) == 0 and layer[1] is state
 
 
 def test_unpatched_layer_calls_end_the_record():
     """A call that takes mlx-lm's own layer (a patch without the mixer route) advances the
-    state outside the record: a trim then fails instead of putting back a stale state."""
+    state outside the record: a trim then takes back nothing instead of putting back a stale
+    state."""
     model, _ = models("qwen3_5")
     tokens = token_batch(B=1, T=6, seed=6)[0]
     with integration.patched(inference=True):
         cache, _ = fed(model, tokens, [3, 1])
         integration.patch(inference=True, mixer=False)
         model(tokens[None, 4:5], cache=cache)
-        with pytest.raises(ValueError, match="cannot trim 1 tokens"):
-            linear_slots(model, cache)[0].trim(1)
+        layer = linear_slots(model, cache)[0]
+        state = layer[1]
+        assert layer.trim(1) == 0 and layer[1] is state
 
 
 def test_rewindable_caches_save_and_load(tmp_path):

@@ -445,9 +445,10 @@ def _rewindable_cache_class() -> type:
         T <= `max_steps` tokens returns every step's state (``return_states="steps"``, the
         verify window's states written as the recurrence walks) and the conv window's
         timeline; a longer call (a prefill) is a barrier. ``trim(n)`` puts back the state and
-        conv window of n steps ago, across calls, up to `max_steps` steps; a trim past what is
-        recorded (or after a call that did not go through the mixer) is a ValueError rather
-        than a wrong state. Memory: up to `max_steps` states of the layer
+        conv window of n steps ago, across calls, up to `max_steps` steps; past what is recorded
+        (a prefill, a call that did not go through the mixer) it trims what it can and returns
+        the count, as mlx-lm's caches do (``KVCache.trim``), never a state it did not record.
+        Memory: up to `max_steps` states of the layer
         (``max_steps * B * Hv * Dv * Dk * 4`` bytes) beyond mlx-lm's cache.
         """
 
@@ -484,12 +485,9 @@ def _rewindable_cache_class() -> type:
             recorded = sum(g.steps for g in segments)
             if family is None or self.cache[family.state_slot] is not self._head:
                 recorded = 0
-            if n > recorded:
-                raise ValueError(
-                    f"cannot trim {n} tokens from this gated-delta cache: it can take back the "
-                    f"last {recorded} (the steps of its latest calls of at most max_steps="
-                    f"{self.max_steps} tokens through gdngen's mixer; a recurrent state has no "
-                    "earlier positions to return to)")
+            n = min(n, recorded)  # mlx-lm's contract: trim what it can, return the count
+            if n == 0:
+                return 0
             left = n
             while left:
                 last = segments[-1]
