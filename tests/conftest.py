@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import pytest
+
+# XLA:CPU's YNNPACK fusions (jaxlib 0.10.2, and the flag is still there in 0.12) segfault on
+# this project's AMD EPYC hosts in a fused transpose (slinky::can_fuse, a YnnFusionThunk on an
+# XLA worker thread): every run of test_returned_states.py's
+# test_gradients_through_kernel_chunk_states[ffi_cpu-vector] crashed, at a different Python line
+# each time. An empty fusion-type list turns them off; XLA's own fusions run instead. Set before
+# jax is imported (here, and inherited by the tests' subprocesses that keep XLA_FLAGS).
+_NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
+if _NO_YNN not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_NO_YNN}".strip()
 
 #: cases `make test` leaves to `make test-all` (the ``slow`` marker) to stay under its time
 #: budget, each with the case that keeps its backend x feature in `make test`

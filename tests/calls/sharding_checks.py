@@ -21,7 +21,8 @@ import os
 import re
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("GDNGEN_POISON_OUTPUTS", "1")
 
 import jax
