@@ -60,10 +60,10 @@ class Options:
         """``(arrays, options)`` of a ``gated_delta``'s arguments by name (its ``locals()``): the
         `ARRAYS` (absent ones None) and the rest as `Options`; TypeError naming an unknown
         keyword."""
-        arrays = {name: arguments.get(name) for name in ARRAYS}
-        rest = {n: x for n, x in arguments.items() if n not in ARRAYS}
-        unknown = sorted(set(rest) - set(_OPTION_NAMES))
-        if unknown:
+        rest = dict(arguments)
+        arrays = {name: rest.pop(name, None) for name in ARRAYS}
+        if not rest.keys() <= _OPTION_SET:
+            unknown = sorted(rest.keys() - _OPTION_SET)
             raise TypeError(f"gated_delta got unexpected keyword argument(s) {unknown}")
         return arrays, cls(**rest)
 
@@ -73,13 +73,14 @@ class Options:
     def key(self) -> tuple:
         """Hashable key of these options: each field's value and type (1, 1.0 and True
         differ); TypeError when a value is unhashable."""
-        key = tuple((value, type(value)) for value in
-                    (getattr(self, name) for name in _OPTION_NAMES))
+        values = tuple(self.__dict__.values())  # the fields, in order
+        key = (values, tuple(map(type, values)))
         hash(key)
         return key
 
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+_OPTION_SET = frozenset(_OPTION_NAMES)
 #: the options a `gdngen.call.Call` records (`gdngen.call.check`'s keywords)
 _CALL_OPTIONS = ("scale", "gate", "chunk_size", "qk_norm", "lower_bound", "beta_activation",
                  "context_axis", "return_states", "checkpoint_every")
@@ -107,15 +108,15 @@ def bind(framework: str, arrays: dict, options: Options) -> Bound:
     expected. Shapes and Python values are read, and the values of ``cu_seqlens`` and
     ``state_indices`` when concrete, so it runs under ``jax.jit`` and ``mx.compile``. Without
     ``cu_seqlens`` the `Call` is remembered per shapes, dtypes and `Options.key`."""
-    operands = Operands(*(arrays.get(name) for name in _OPERANDS))
+    operands = Operands._make(map(arrays.get, _OPERANDS))
     state_indices = arrays.get("state_indices")
     written = arrays.get("output_state_indices")
     call = key = None
     if operands.cu_seqlens is None:
         try:
             key = (framework, options.key(),
-                   tuple(None if x is None else (tuple(x.shape), dtype_name(x))
-                         for x in (*operands, state_indices, written)))
+                   tuple([None if x is None else (tuple(x.shape), x.dtype)
+                          for x in (*operands, state_indices, written)]))
             call = _BOUND.get(key)
         except TypeError:  # an unhashable option: the checks name it
             key = None
@@ -200,7 +201,7 @@ def run(arrays: dict, call: Call, options: Options, device: str | None = None,
         precision: str | None = None):
     """The bound ``call`` (`bind`'s, nothing checked again) on ``arrays``: the states' storage
     around `placed`."""
-    operands = Operands(*(arrays.get(name) for name in _OPERANDS))
+    operands = Operands._make(map(arrays.get, _OPERANDS))
     fw, pool, stored = call.framework, arrays.get("state_indices"), options.state_dtype
     spare = None
     if pool is not None:
