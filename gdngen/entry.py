@@ -26,7 +26,7 @@ from typing import NamedTuple
 from gdngen import dispatch, state_pool
 from gdngen.algebra import layer_inputs
 from gdngen.call import Call, Operands, check
-from gdngen.problem import check_framework, dtype_name
+from gdngen.problem import check_framework
 
 __all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "gated_delta",
            "load_tuned", "run"]
