@@ -80,7 +80,8 @@ def match_manual_axes(*arrays):
 
 
 def run(call, arrays: dict, shape, *, context_axis):
-    """``(y, final_state)`` of ``call(**arrays)`` (`gdngen.dispatch.call` with the rest bound),
+    """``(y, final_state)`` of ``call(**arrays)`` (one shard's backend call,
+    `gdngen.entry.placed`),
     placed as the module docstring says. ``arrays``: q, k, v, g, beta, initial_state (None:
     zeros), mask (None: none), and A_log, dt_bias (None unless g is a parameterised gate's raw
     projection, `fuses_gate`; per-channel ``[Hv, 1 or Dk]``); ``shape`` the checked

@@ -224,7 +224,8 @@ def _run(plan: Plan, launches, env: dict, launcher) -> dict:
 def _input_grads(env: dict, primals, gate: str) -> tuple:
     """``(dq, dk, dv, dgates, dbeta)`` in the primals' chunk layout from a backward's
     environment: dq / dk summed over the r value heads of each key head, the gate cotangent
-    the O(C^2) epilogue (`gdngen.algebra.chunkwise.decay_factors_{log,linear}_vjp`) on ``dd``."""
+    the O(C^2) epilogue (`gdngen.algebra.chunkwise.decay_factors_log_vjp` or its linear twin)
+    on ``dd``."""
     from gdngen.algebra import chunkwise
     from gdngen.backends.portable.mlx_chunkwise import XP
 
