@@ -31,7 +31,7 @@ postgres-server:
 # run in TEST_WORKERS processes (pytest-xdist, a file per process at a time: module fixtures
 # are built once).
 TEST_WORKERS ?= 2
-test: install postgres-server
+test: install postgres-server lint
 	$(BIN)/python -m pytest -q -rs -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # `make test-all` also installs the NVIDIA compiler (the `cuda` extra, ~550 MB: jax's CUDA plugin
@@ -54,6 +54,7 @@ TUNE_ARGS ?= --model qwen3-next --seq 512 --trials 4 --repeats 2
 tune: install
 	$(BIN)/gdngen tune $(TUNE_ARGS)
 
+# ruff with the rule set in pyproject.toml; `make test` (so .ci/run) runs it first
 lint: install
 	$(BIN)/ruff check gdngen tests benchmarks
 

@@ -132,9 +132,8 @@ def tune_heads(device: str, problem, args, out: Path):
                          args.tune_seq, 1)
     settings = tune.Settings(trials=args.trials, repeats=3, confirm_repeats=3,
                              trial_timeout=300.0)
-    summary = tune.tune(target, settings, storage=str(out / "studies.journal"),
-                        cache_dir=out / "tuned")
-    return summary
+    return tune.tune(target, settings, storage=str(out / "studies.journal"),
+                     cache_dir=out / "tuned")
 
 
 def time_gdngen(variant, problem, B: int, T: int, args) -> dict:

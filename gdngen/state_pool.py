@@ -29,6 +29,8 @@ reads them, which waits for them to be computed).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from gdngen.problem import dtype_name
@@ -116,10 +118,8 @@ def gather(framework: str, pool, state_indices):
                                           mx.zeros((1,), mx.int32)]), axis=0)
     rows, spare = taken[:-1].astype(mx.float32), taken[-1]
     states = mx.where(valid[:, None, None, None], rows, mx.zeros_like(rows))
-    try:
+    with contextlib.suppress(RuntimeError, ValueError):  # mx.compile: evaluated with the call
         mx.eval(states, spare)
-    except (RuntimeError, ValueError):  # under mx.compile: evaluated with the call
-        pass
     return states, spare
 
 

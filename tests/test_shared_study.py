@@ -177,7 +177,7 @@ def run_killed_study(storage_arg: str, storage, env, tmp_path) -> dict:
             p.kill()
             p.wait()
     wall = time.monotonic() - started
-    for h, (out, err) in outputs.items():
+    for h, (_, err) in outputs.items():
         assert procs[h].returncode == 0, err[-3000:]
     return {"victim": victim, "summaries": {h: json.loads(out)[0] for h, (out, _) in
                                             outputs.items()},

@@ -113,7 +113,8 @@ def _parse_seq_lens(ctx, param, value: str) -> tuple[int, ...]:
     try:
         lens = tuple(int(s) for s in value.split(",") if s.strip())
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}")
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {value!r}") from None
     if not lens or min(lens) < 1:
         raise click.BadParameter(f"expected positive lengths, got {value!r}")
     return lens
@@ -157,7 +158,7 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
             matmul_n=matmul_n, gate=gate,
         )
     except ValueError as e:
-        raise click.UsageError(str(e))
+        raise click.UsageError(str(e)) from e
     installed = bench_mod.available_frameworks()
     if framework == "all":
         frameworks = installed
@@ -172,7 +173,7 @@ def bench(framework, seq_lens, batch, hk, hv, dk, dv, chunk_size, backend, dtype
     try:
         frameworks = bench_mod.frameworks_for(cfg, frameworks)
     except ValueError as e:
-        raise click.UsageError(str(e))
+        raise click.UsageError(str(e)) from e
     rows, failed = [], []
     for fw in frameworks:  # one failing framework does not discard the others' figures
         try:

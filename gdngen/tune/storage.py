@@ -149,6 +149,7 @@ def _open_rdb(url: str, heartbeat: Heartbeat):
             if attempt == 2:
                 raise
             time.sleep(0.5 + attempt)
+    raise AssertionError("unreachable: the third attempt returns or raises")
 
 
 def _optuna_heartbeat(storage) -> bool:

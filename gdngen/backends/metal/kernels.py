@@ -89,7 +89,7 @@ def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> 
     C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
         intra_tile(params["chunk_size"])
     if problem.gate == "vector":
-        return {name: 4 * C * dvt for name in CHANNEL_KERNELS}
+        return dict.fromkeys(CHANNEL_KERNELS, 4 * C * dvt)
     floats = {
         "fwd_intra": C * C + 3 * C,
         "fwd_intra_tinv": C * C + 3 * C,

@@ -154,7 +154,7 @@ class SimKernel:
                                          f"outside buffer '{buf.name}'")
             check = init_value is None if check_unwritten is None else check_unwritten
             results = []
-            for name, buf, view in outputs:
+            for name, _buf, view in outputs:
                 if check:
                     _check_written(kt.kernel_name, name, view)
                 results.append(np.array(view))
