@@ -88,10 +88,19 @@ SLOW_CASES = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """`SLOW_CASES` get the ``slow`` marker."""
+    """`SLOW_CASES` get the ``slow`` marker. A whole-suite collection (the default test paths)
+    that does not find one of them is a usage error naming it: a renamed or removed test would
+    otherwise drop out of the list silently."""
+    seen = set()
     for item in items:
         if item.nodeid in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
+            seen.add(item.nodeid)
+    whole = [str(a).rstrip("/") for a in config.args] == ["tests"] or not config.args
+    missing = sorted(set(SLOW_CASES) - seen)
+    if whole and missing:
+        raise pytest.UsageError("tests/conftest.py SLOW_CASES names tests that were not "
+                                f"collected (renamed or removed?): {missing}")
 
 
 @pytest.fixture(autouse=True, scope="module")
