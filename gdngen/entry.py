@@ -26,7 +26,7 @@ from typing import NamedTuple
 from gdngen import dispatch, state_pool
 from gdngen.algebra import layer_inputs
 from gdngen.call import Call, Operands, check
-from gdngen.problem import check_framework
+from gdngen.problem import check_framework, dtype_name
 
 __all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "gated_delta",
            "load_tuned", "run"]
@@ -137,7 +137,9 @@ def _checked(framework: str, x: Operands, o: Options, state_indices, written) ->
         raise ValueError("output_state_indices needs state_indices and a pool initial_state "
                          "[P, Hv, Dv, Dk]: it names the pool rows the final states are written "
                          "to")
-    state_pool.check_state_dtype(o.state_dtype, x.initial_state)
+    if o.state_dtype != "float32" or (x.initial_state is not None
+                                      and dtype_name(x.initial_state) != "float32"):
+        state_pool.check_state_dtype(o.state_dtype, x.initial_state)
     if pooled and o.return_states != "final":
         raise ValueError(f"return_states={o.return_states!r} returns a row's states, not a "
                          "pool: pass state_indices=None and write the state you keep into the "
