@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
-import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_pool import _time
 
 HK, HV, D = 4, 8, 128
 
@@ -56,19 +58,6 @@ def _split(x, lengths):
            for n in names}
     pre_cu = np.concatenate([[0], np.cumsum([lengths[i] for i in prefill])]).astype(np.int32)
     return (dec, x["rows"][decode]), (pre, pre_cu, x["rows"][prefill])
-
-
-def _time(fns: dict, repeats: int) -> dict:
-    for fn in fns.values():
-        fn()
-        fn()
-    times = {n: [] for n in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {n: (statistics.median(t) * 1e3, max(t) / min(t)) for n, t in times.items()}
 
 
 def run(framework, x, lengths, repeats):

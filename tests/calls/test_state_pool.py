@@ -70,15 +70,21 @@ def _check_pool_call(framework, x, idx, variant=None, cu_seqlens=None, out=None)
     return relative_error(numpy(y), y_ref), relative_error(pool[live], pool_ref[live])
 
 
-@pytest.mark.parametrize("backend", registry.names())
-def test_decode_rows_read_and_write_their_pool_rows(backend):
-    """B = 4 decode rows (T = 2: the recurrent kernels) on every registered backend, one a
-    padding row (-1: a zero state, nothing written); the other pool rows unchanged."""
+def _runnable(backend):
+    """``(spec, default variant)`` of ``backend`` at the test's heads; skips where it cannot
+    run here."""
     spec = registry.get(backend)
     ok, why = spec.capability(Problem(HK, HV, DK, DV))
     if not ok:
         pytest.skip(f"{backend} cannot run here: {why}")
-    variant = registry.default_variant(backend, Problem(HK, HV, DK, DV))
+    return spec, registry.default_variant(backend, Problem(HK, HV, DK, DV))
+
+
+@pytest.mark.parametrize("backend", registry.names())
+def test_decode_rows_read_and_write_their_pool_rows(backend):
+    """B = 4 decode rows (T = 2: the recurrent kernels) on every registered backend, one a
+    padding row (-1: a zero state, nothing written); the other pool rows unchanged."""
+    spec, variant = _runnable(backend)
     _check_pool_call(spec.framework, _inputs(1, 4, 2), np.array([4, -1, 0, 2], np.int32),
                      variant)
 
@@ -88,11 +94,7 @@ def test_output_state_indices_write_other_rows_and_keep_the_rows_read(backend):
     """Rows read pool[4], a zero state, pool[0], pool[2] and write pool[1], pool[3], nothing,
     pool[4] (FlashInfer's output_state_indices: the state before a verify window stays in its
     row): rows 0 and 2 keep their values, row 4 is read before it is written."""
-    spec = registry.get(backend)
-    ok, why = spec.capability(Problem(HK, HV, DK, DV))
-    if not ok:
-        pytest.skip(f"{backend} cannot run here: {why}")
-    variant = registry.default_variant(backend, Problem(HK, HV, DK, DV))
+    spec, variant = _runnable(backend)
     _check_pool_call(spec.framework, _inputs(7, 4, 2), np.array([4, -1, 0, 2], np.int32),
                      variant, out=np.array([1, 3, -1, 4], np.int32))
 
@@ -110,11 +112,7 @@ def test_a_servers_mixed_batch_runs_as_one_packed_call_over_the_pool(backend):
     """Decode and prefill rows of one server step (lengths `MIXED_LENGTHS`) in one packed call
     (cu_seqlens), every row reading and writing its pool row (one padding row reads a zero
     state and writes nothing, one writes elsewhere), against float64 per sequence."""
-    spec = registry.get(backend)
-    ok, why = spec.capability(Problem(HK, HV, DK, DV))
-    if not ok:
-        pytest.skip(f"{backend} cannot run here: {why}")
-    variant = registry.default_variant(backend, Problem(HK, HV, DK, DV))
+    spec, variant = _runnable(backend)
     cu = np.concatenate([[0], np.cumsum(MIXED_LENGTHS)]).astype(np.int32)
     x = _inputs(8, 1, int(cu[-1]))
     idx, out = np.array([3, 0, -1, 5, 2], np.int32), np.array([3, 1, 4, 5, -1], np.int32)
