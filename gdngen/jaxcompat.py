@@ -13,8 +13,9 @@ is reached through the functions below, so a new jax release changes this module
   varies over (``manual_axis_type.varying``; ``vma`` before), a kernel result typed like it;
 * `custom_partitioning` (``jax.experimental.custom_partitioning``);
 * `get_topology_desc`: libtpu's and the CUDA plugin's compile-only topologies
-  (``jax.experimental.topologies``); `gpu_target`: Pallas Triton's lowering for one of the
-  latter's devices;
+  (``jax.experimental.topologies``); `gpu_target`, `abstract_gpu`: Pallas Triton's lowering
+  for one of the latter's devices, or for an abstract H100 (jax >= 0.12 needs a GPU to lower
+  for);
 * `ffi` (``jax.ffi``; ``jax.extend.ffi`` before jax 0.4.38): the FFI_cpu backend's registration
   and calls;
 * `pallas`, `pallas_tpu`: the Pallas modules gdngen's own code uses; `tpu_interpreter`: Pallas
@@ -36,17 +37,18 @@ CUDA plugin register its compile-only topologies without the CUDA runtime librar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.util
 import os
 import re
 
-__all__ = ["SUPPORTED", "UnsupportedJax", "check_versions", "cuda_plugin_without_gpu",
-           "custom_partitioning", "ffi", "get_topology_desc", "gpu_target", "host_settings",
-           "libtpu_single_host", "pallas", "pallas_tpu", "release", "require", "result_struct",
-           "shard_map", "skip_absent_tpu", "tpu_attached", "tpu_interpreter", "typeof",
-           "varying_axes"]
+__all__ = ["SUPPORTED", "UnsupportedJax", "abstract_gpu", "check_versions",
+           "cuda_plugin_without_gpu", "custom_partitioning", "ffi", "get_topology_desc",
+           "gpu_target", "host_settings", "libtpu_single_host", "pallas", "pallas_tpu", "release",
+           "require", "result_struct", "shard_map", "skip_absent_tpu", "tpu_attached",
+           "tpu_interpreter", "typeof", "varying_axes"]
 
 #: the (major, minor) releases of jax and jaxlib gdngen is tested with, lowest and highest
 SUPPORTED = ((0, 10), (0, 12))
@@ -176,6 +178,21 @@ def gpu_target(device):
     jax >= 0.12 reads the GPU and its compute capability from it and refuses without one ("No
     supported GPU devices found"); jax 0.10 took sm_90 for every target."""
     return require().default_device(device)
+
+
+def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3", num_cores: int = 132):
+    """A context in which Pallas Triton kernels lower for CUDA without a GPU and without a
+    compile-only device (`gdngen.backends.pallas.gpu.lower_check`): an abstract mesh whose
+    abstract device is ``device_kind`` (an H100, sm_90). jax >= 0.12 reads the GPU from it
+    (``jax._src.pallas.triton.gpu_info``) and refuses without one; before, the lowering took
+    sm_90 itself and refused a non-CPU abstract device, so this is no context there."""
+    jax = require()
+    if importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is None:
+        return contextlib.nullcontext()
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="cuda")
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device))
 
 
 def tpu_interpreter():
