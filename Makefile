@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install postgres-server test test-all bench tune lint clean
+.PHONY: install postgres-server test test-all test-jax-latest bench tune lint clean
 
 install: $(STAMP)
 
@@ -44,6 +44,36 @@ $(CUDA_STAMP): $(STAMP)
 
 test-all: install postgres-server $(CUDA_STAMP)
 	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+
+# `make test-jax-latest`: the newest end of the supported jax range (docs/COMPILE.md, "Supported
+# JAX") in its own venv: Python 3.12 (python3.12 on PATH, else the newest 3.12 under `pyenv
+# root`; skipped with the reason when neither runs) with jax $(JAX_LATEST) and its libtpu.
+# It runs the tests whose code differs between jax versions: the call conformance tests, the
+# sharding tests, the real TPU compiler's tests and the mlx(-lm) tests.
+JAX_LATEST ?= 0.12.*
+LATEST_VENV ?= .venv-jax-latest
+LATEST_BIN := $(LATEST_VENV)/bin
+LATEST_STAMP := $(LATEST_VENV)/.installed
+LATEST_TESTS ?= tests/calls/test_conformance.py tests/calls/test_sharding.py \
+	tests/test_real_compile_tpu.py tests/test_mlx_lm_integration.py tests/test_mlx_lm_kda.py \
+	tests/test_mlx_lm_speculative.py tests/test_jaxcompat.py
+find_python312 = { python3.12 -c '' >/dev/null 2>&1 && command -v python3.12; } || \
+	{ root=$$(pyenv root 2>/dev/null) && \
+	  ls -d "$$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; }
+
+$(LATEST_STAMP): pyproject.toml setup.py
+	@py=$$($(find_python312)); \
+	if [ -z "$$py" ]; then echo "make test-jax-latest: no Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 3; fi; \
+	test -x $(LATEST_BIN)/python || "$$py" -m venv $(LATEST_VENV)
+	$(LATEST_BIN)/python -m pip install -e '.[jax,mlx,dev,tpu]' 'jax[tpu]==$(JAX_LATEST)'
+	touch $@
+
+test-jax-latest:
+	@if [ -z "$$($(find_python312))" ]; then \
+	  echo "SKIPPED test-jax-latest: no Python 3.12 found (python3.12 on PATH does not run, and no versions/3.12*/bin/python3.12 under pyenv root); jax 0.11+ needs Python >= 3.12"; \
+	else $(MAKE) --no-print-directory $(LATEST_STAMP) && \
+	  $(LATEST_BIN)/python -m pytest -q -rs -m "not slow" -n $(TEST_WORKERS) --dist loadfile \
+	    $(LATEST_TESTS); fi
 
 bench: install
 	$(BIN)/gdngen bench

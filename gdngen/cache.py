@@ -178,7 +178,7 @@ def make_entry(*, device: str, framework: str, problem: Problem, precision: str,
         "tolerance": tolerance,
         "trials": dict(trials),
         "study": study,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     if crossover is not None:
         entry["crossover"] = crossover

@@ -50,7 +50,7 @@ import os
 import re
 import time
 
-from gdngen import settings
+from gdngen import jaxcompat, settings
 from gdngen.devices import Device, get_device
 from gdngen.variant import Problem, Variant, dumps
 
@@ -249,6 +249,10 @@ def _check_device(backend: str | None, device: str | Device) -> Device:
 #: compile-only topologies need no chip, so any number of processes may compile at once
 ENV_LIBTPU_SHARED = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 os.environ.setdefault(ENV_LIBTPU_SHARED, "1")  # before this process first loads libtpu
+# on a host without a TPU, libtpu's single-host settings (its start-up errors otherwise); without
+# an NVIDIA GPU, no CUDA runtime check (jax >= 0.12's plugin registers its topologies only then)
+jaxcompat.libtpu_single_host()
+jaxcompat.cuda_plugin_without_gpu()
 
 
 def gpu_target_config(device: str | Device) -> str:
@@ -282,12 +286,10 @@ def gpu_target_config(device: str | Device) -> str:
 
 @functools.cache
 def _topology(platform: str, name: str, topology: str, target_config: str | None):
-    from jax.experimental import topologies
-
     if platform == "tpu":
-        return topologies.get_topology_desc(topology_name=topology, platform="tpu")
-    return topologies.get_topology_desc(topology_name=name, platform=platform,
-                                        topology=topology, target_config=target_config)
+        return jaxcompat.get_topology_desc(topology_name=topology, platform="tpu")
+    return jaxcompat.get_topology_desc(topology_name=name, platform=platform,
+                                       topology=topology, target_config=target_config)
 
 
 def _device_topology(device: Device):
@@ -474,12 +476,14 @@ def _compile_program(name: str, variant: Variant, problem: Problem, T: int, targ
     module = _backend_module(variant.backend)
     real = (module.interpreting(False) if compiler == "mosaic"
             else module.compiling_for_gpu())
+    for_target = (contextlib.nullcontext() if compiler == "mosaic"
+                  else jaxcompat.gpu_target(target))
     program = Program(name, T)
     start = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
             fn, args = _program_fn(name, variant, problem, T, SingleDeviceSharding(target))
-            with real:
+            with real, for_target:
                 lowered = (jax.jit(fn).trace(*args)
                            .lower(lowering_platforms=(PLATFORMS[compiler],)))
             if compiler == "mosaic":

@@ -24,7 +24,10 @@ from __future__ import annotations
 import math
 import types
 
-from gdngen import settings
+from gdngen import jaxcompat, settings
+
+# `import gdngen.jax` (which imports this module) fails here on an unsupported jax
+jaxcompat.require()
 
 #: the roles of each argument's dims: b batch, t time, h heads (key heads for q/k, value heads
 #: for the rest), d a head dim
@@ -56,9 +59,7 @@ def manual_axes() -> frozenset:
 
 def varying(x) -> frozenset:
     """The manual mesh axes ``x`` varies over (empty outside shard_map)."""
-    import jax
-
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
+    return jaxcompat.varying_axes(x)
 
 
 def vary(x, axes):
@@ -137,7 +138,7 @@ def _on_one_device(arrays: dict) -> bool:
     present = [x for x in arrays.values() if x is not None]
     for x in present:
         if isinstance(x, jax.core.Tracer):
-            mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+            mesh = getattr(jaxcompat.typeof(x).sharding, "mesh", None)
             if mesh is None or mesh.empty:
                 if jax.device_count() > 1:
                     return False
@@ -225,7 +226,7 @@ def known_shardings(arrays: dict, shape) -> dict:
     known = {}
     for name, x in zip(_operand_names(arrays, shape), (x for x in arrays.values()
                                                        if x is not None)):
-        sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else \
+        sharding = jaxcompat.typeof(x).sharding if isinstance(x, jax.core.Tracer) else \
             getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
             known[name] = types.SimpleNamespace(shape=x.shape, sharding=sharding)
@@ -254,7 +255,7 @@ def explicit_shard_map(call, arrays: dict, shape, mesh, batch: tuple, heads: tup
         return per_shard(call, dict(arrays, **dict(zip(present, operands))))
 
     out_specs = tuple(_sharding(mesh, n, batch, heads).spec for n in ("y", "final_state"))
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs)(*operands)
+    return jaxcompat.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs)(*operands)
 
 
 def _public(name: str) -> str:
@@ -275,9 +276,8 @@ def _sharding(mesh, name: str, batch: tuple, heads: tuple):
 def _op(fun, operand_names: tuple, result_names: tuple, shape):
     """``fun`` as a custom_partitioning op over named operands/results (`FACTORS`)."""
     import jax
-    from jax.experimental.custom_partitioning import custom_partitioning
 
-    op = custom_partitioning(fun)
+    op = jaxcompat.custom_partitioning(fun)
     # a result without a batch axis (a gate parameter's gradient) is a sum over the batch rows
     over_rows = tuple("b" not in ROLES[n] for n in result_names)
 

@@ -127,15 +127,9 @@ def result_type(shape, dtype, like):
     """The ``jax.ShapeDtypeStruct`` of a kernel result (an ``ffi_call`` or ``pallas_call``
     output) that varies over the manual axes of an enclosing ``jax.shard_map`` as ``like``
     does, so that under ``check_vma=True`` the custom VJP's cotangents have its primals' type."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
+    from gdngen import jaxcompat
 
-    aval = jax.typeof(like)
-    if not aval.manual_axis_type.varying:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype,
-                                sharding=NamedSharding(aval.sharding.mesh, PartitionSpec()),
-                                manual_axis_type=aval.manual_axis_type)
+    return jaxcompat.result_struct(shape, dtype, like)
 
 
 def l2_normalized(xp, x):

@@ -28,6 +28,11 @@ def gate_option(help_text: str):
 @click.version_option(version=__version__, prog_name="gdngen")
 def main():
     """gdngen: kernel generator and autotuner for the gated delta rule."""
+    from gdngen import jaxcompat
+
+    # on a host without a TPU, jax's TPU platform stays off (libtpu's start-up errors otherwise);
+    # without a GPU, the CUDA plugin registers its compile-only topologies
+    jaxcompat.host_settings()
 
 
 def _backend_names(names) -> list[str]:

@@ -376,13 +376,19 @@ def context_communication() -> dict:
 def pallas_gpu_lowering() -> dict:
     """Triton kernel calls in the CUDA lowering of a checked (check_vma=True) shard_map of
     pallas_gpu's forward + backward, lowered without a GPU over an abstract mesh."""
-    from jax.sharding import AbstractMesh
+    from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 
     from gdngen.backends.pallas import gpu as pallas_gpu
 
     B, T, Hk, Hv, D = 2, 128, 4, 8, 16
-    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in
-               _problem_arrays(B, T, Hk, Hv, D)]
+    # an H100 mesh: jax >= 0.12's Triton lowering reads the GPU (its compute capability) from
+    # the mesh's abstract device where none is attached
+    h100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((2, 4), ("data", "heads"), abstract_device=h100)
+    specs = (P("data", None, "heads"),) * 5 + (P("data", "heads"),)
+    # typed with their shardings: jax >= 0.12 checks in_specs against them
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+               for x, spec in zip(_problem_arrays(B, T, Hk, Hv, D), specs)]
     variant = registry.default_variant("pallas_gpu", Problem(Hk, Hv, D, D, "float32",
                                                             "scalar"), "h100")
 
@@ -390,9 +396,7 @@ def pallas_gpu_lowering() -> dict:
         y, S = gated_delta(*args, variant=variant)
         return (y * y).sum() + (S * S).sum()
 
-    specs = (P("data", None, "heads"),) * 5 + (P("data", "heads"),)
-    step = jax.shard_map(jax.grad(loss, argnums=tuple(range(6))),
-                         mesh=AbstractMesh((2, 4), ("data", "heads")), in_specs=specs,
+    step = jax.shard_map(jax.grad(loss, argnums=tuple(range(6))), mesh=mesh, in_specs=specs,
                          out_specs=specs, check_vma=True)
     with pallas_gpu.compiling_for_gpu():
         text = jax.jit(step).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()

@@ -64,7 +64,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gdngen import settings
+from gdngen import jaxcompat, settings
 from gdngen.algebra import chunkwise, chunkwise_channel
 from gdngen.backend import Backend
 from gdngen.backends import generated
@@ -274,8 +274,6 @@ def compile_library(source, path: Path) -> Path:
     in its own compiler process, all at once, then linked together) into the shared library
     ``path`` (atomically: built in a temporary folder, then moved into place). RuntimeError with
     the compiler's output on failure."""
-    import jax
-
     from gdngen.fileio import atomic_write_bytes
 
     sources = {SOURCE_NAME: source} if isinstance(source, str) else dict(source)
@@ -287,7 +285,7 @@ def compile_library(source, path: Path) -> Path:
             src, obj = Path(tmp) / name, Path(tmp) / f"{name}.o"
             src.write_text(text)
             objects.append(str(obj))
-            cmd = [*flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)]
+            cmd = [*flags, f"-I{jaxcompat.ffi().include_dir()}", "-c", str(src), "-o", str(obj)]
             jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                                stderr=subprocess.PIPE, text=True)))
         for cmd, stderr, returncode in [(cmd, job.communicate()[1], job.returncode)
@@ -312,16 +310,14 @@ class Kernels:
 
     def __init__(self, variant: Variant, problem: Problem, sha256: str, library: Path,
                  kinds=("forward", "backward", "recurrent")):
-        import jax
-
         self.variant, self.problem, self.sha256, self.library = variant, problem, sha256, library
         self.params = kernel_params(variant, problem)
         self._handle = ctypes.CDLL(str(library))  # kept alive with the registered targets
         for kind in kinds:
             target = f"gdngen_ffi_cpu_{sha256[:16]}_{kind}"
             setattr(self, f"target_{kind}", target)
-            jax.ffi.register_ffi_target(
-                target, jax.ffi.pycapsule(getattr(self._handle, f"{SYMBOL}_{kind}")),
+            jaxcompat.ffi().register_ffi_target(
+                target, jaxcompat.ffi().pycapsule(getattr(self._handle, f"{SYMBOL}_{kind}")),
                 platform="cpu")
 
 
@@ -493,7 +489,6 @@ def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
     the raw q, k and ``a`` with A_log, dt_bias (`kernel_parameters`) and computes both in its
     loads (``forward_fuses``); the backward kernel of ``sha256`` still gets them recomputed
     as arrays, and the core maps its dq, dk, dlog g through their VJPs."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -517,7 +512,7 @@ def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
             extra = {"lower_bound": np.float32(inputs.lower_bound)}
         else:
             gate_operands, extra = (log_gates(g), beta, S0), {}
-        y, s_final, states = jax.ffi.ffi_call(forward_kernels.target_forward, (
+        y, s_final, states = jaxcompat.ffi().ffi_call(forward_kernels.target_forward, (
             f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
             f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
             vmap_method="sequential")(q, k, v, *gate_operands, **attrs, **extra,
@@ -530,7 +525,7 @@ def _core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         P = head_splits(B, Hk, Hv // Hk, workers)
-        dq, dk, dv, dbeta, dg, dS0 = jax.ffi.ffi_call(kernels.target_backward, (
+        dq, dk, dv, dbeta, dg, dS0 = jaxcompat.ffi().ffi_call(kernels.target_backward, (
             f32((B, T, Hk * P, Dk), q), f32((B, T, Hk * P, Dk), q), f32((B, T, Hv, Dv), q),
             f32((B, T, Hv), q), f32(g.shape, q), f32((B, Hv, Dv, Dk), q)),
             vmap_method="sequential")(q, k, v, log_gates(g), beta, states,
@@ -567,7 +562,7 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         N, n_seq = -(-T // kernels.params["chunk_size"]), last.shape[0]
-        y, _, states, ends = jax.ffi.ffi_call(kernels.target_forward, (
+        y, _, states, ends = jaxcompat.ffi().ffi_call(kernels.target_forward, (
             f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
             f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)),
             vmap_method="sequential")(
@@ -587,7 +582,7 @@ def _packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         N, n_seq = states.shape[2], last.shape[0]
         injects = inject_at is not None
         inject_shape = (1, Hv, n_seq, Dv, Dk) if injects else (0,)
-        dq, dk, dv, dbeta, dg, _, dinject = jax.ffi.ffi_call(kernels.target_backward, (
+        dq, dk, dv, dbeta, dg, _, dinject = jaxcompat.ffi().ffi_call(kernels.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
             f32(inject_shape, q)), vmap_method="sequential")(
@@ -705,7 +700,6 @@ def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = P
     decay; a fused one (`render_fused` for ``inputs``) the raw q, k when ``inputs.qk_norm`` and,
     with ``inputs.gate_form``, the raw projection ``a`` as ``decay`` and ``parameters`` =
     ``(A_log, dt_bias)`` as `kernel_parameters` gives them (``lower_bound`` from ``inputs``)."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -721,7 +715,7 @@ def _recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = P
         B, T, _, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         states = (B, T, Hv, Dv, Dk) if steps else (B, Hv, Dv, Dk)
-        return jax.ffi.ffi_call(kernels.target_recurrent, (
+        return jaxcompat.ffi().ffi_call(kernels.target_recurrent, (
             generated.result_type((B, T, Hv, Dv), jnp.float32, q),
             generated.result_type(states, jnp.float32, q)),
             vmap_method="sequential")(q, k, v, decay, beta, S0, *parameters,
@@ -869,7 +863,6 @@ def _chunks(call, operands, variant, templates_dir=None):
     on the chunk forward kernel of ``variant``: the checkpoints are the states its walk writes
     entering each chunk (its ``ST per chunk`` result, the backward's residual), read, not
     recomputed (`gdngen.backends.generated.kernel_chunks`)."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -881,7 +874,7 @@ def _chunks(call, operands, variant, templates_dir=None):
     def chunk_forward(q, k, v, log_g, beta, S0):
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
-        y, final, entering = jax.ffi.ffi_call(kernels.target_forward, (
+        y, final, entering = jaxcompat.ffi().ffi_call(kernels.target_forward, (
             f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
             f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
             vmap_method="sequential")(q, k, v, log_g, beta, S0, **attrs,

@@ -81,7 +81,7 @@ import types
 import warnings
 from dataclasses import dataclass
 
-from gdngen import settings
+from gdngen import jaxcompat, settings
 from gdngen.algebra import chunkwise
 from gdngen.backends import generated
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
@@ -472,8 +472,9 @@ def lower_check(variant: Variant, problem: Problem, *, batch: int = 1, chunks: i
 
     def lower(fn, *args, scaled=True):  # the per-channel walks take no scale
         static = {"interpret": False} | ({"scale": Dk ** -0.5} if scaled else {})
-        return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
-                .lower(lowering_platforms=("cuda",)).as_text())
+        with jaxcompat.abstract_gpu():
+            return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
+                    .lower(lowering_platforms=("cuda",)).as_text())
 
     vector = problem.gate == "vector"
     keys, values = spec((B, Hv, T, Dk), f32), spec((B, Hv, T, Dv), f32)
@@ -517,8 +518,9 @@ def _lower_fused(variant: Variant, problem: Problem, inputs, *, batch: int, chun
 
     def lower(fn, *args):
         static = {"interpret": False, "scale": Dk ** -0.5}
-        return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
-                .lower(lowering_platforms=("cuda",)).as_text())
+        with jaxcompat.abstract_gpu():
+            return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
+                    .lower(lowering_platforms=("cuda",)).as_text())
 
     B, state = batch, spec((batch, Hv, Dv, Dk), f32)
     per_step = spec((B, steps, Hv), f32)

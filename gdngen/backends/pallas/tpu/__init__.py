@@ -71,7 +71,7 @@ import types
 import warnings
 from dataclasses import dataclass
 
-from gdngen import settings
+from gdngen import jaxcompat, settings
 from gdngen.algebra import chunkwise
 from gdngen.backends import generated
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
@@ -283,7 +283,8 @@ def mosaic_lowers_precision_high() -> bool:
     lowering a tiny kernel for the TPU platform; no TPU needed)."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
+
+    pl = jaxcompat.pallas()
 
     def kernel(x_ref, o_ref):
         o_ref[...] = jnp.dot(x_ref[...], x_ref[...], precision=jax.lax.Precision.HIGH,
@@ -376,7 +377,8 @@ _INTERPRET_OVERRIDE: list = []
 @functools.cache
 def _default_interpret_mode():
     import jax
-    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu = jaxcompat.pallas_tpu()
 
     if jax.default_backend() == "tpu":
         return False
@@ -523,9 +525,7 @@ def _check_races(outputs, what: str, interpret) -> None:
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return
     jax.block_until_ready(leaves)
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
-
-    races = getattr(tpu_interpret, "races", None)
+    races = getattr(jaxcompat.tpu_interpreter(), "races", None)
     if races is not None and races.races_found:
         raise RuntimeError(f"TPU interpret mode detected a data race in the {what} kernel")
 
@@ -540,9 +540,7 @@ def _run_kernel(fns, *args, what: str, interpret, **kwargs):
         _check_races(outputs, what, interpret)
     except Exception:
         if interpret:
-            from jax.experimental.pallas import tpu as pltpu
-
-            pltpu.reset_tpu_interpret_mode_state()
+            jaxcompat.pallas_tpu().reset_tpu_interpret_mode_state()
         raise
     return outputs
 
