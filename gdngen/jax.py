@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from gdngen import entry, mixer
+from gdngen import entry, jaxcompat, mixer
 from gdngen.entry import Options
+
+jaxcompat.require()  # the installed jax is in the supported range, else UnsupportedJax here
 
 __all__ = ["gated_delta", "gated_delta_mixer"]
 
