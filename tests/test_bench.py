@@ -270,6 +270,7 @@ def test_vector_gate_baselines_match_reference(name):
     assert max(errors.values()) < 1e-4, errors
 
 
+@pytest.mark.slow  # benchmark scripts: the other smokes
 def test_vector_gate_bench_smoke():
     """The vector-gate benchmark runs end to end at a toy size, as a user runs it (its own
     process), and reports ratios (and MLX peak memory where MLX and mlx-lm are installed)."""

@@ -256,6 +256,7 @@ def test_three_workers_one_postgres_study_survive_a_sigkill(postgres, env, tmp_p
     check_killed_study(result, env, tmp_path, {"interrupted": None})
 
 
+@pytest.mark.slow  # shared studies: the PostgreSQL one keeps them
 def test_three_workers_one_journal_study_survive_a_sigkill(env, tmp_path):
     path = tmp_path / "shared" / "study.journal"  # an NFS-style shared file
     result = run_killed_study(str(path), tune.open_storage(path, "cpu"), env, tmp_path)

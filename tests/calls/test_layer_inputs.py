@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from slow import marked
 
 from gdngen import call as calls
 from gdngen.algebra import chunkwise, layer_inputs, reference
@@ -456,10 +457,26 @@ def _fusing_backends():
 FUSING_BACKENDS = _fusing_backends()
 
 
-@pytest.mark.parametrize("framework, backend", FUSING_BACKENDS)
-@pytest.mark.parametrize("path", ["chunkwise", "recurrent"])
-@pytest.mark.parametrize("name", ["qk_norm_only", "softplus_per_head", "sigmoid_bound_per_head",
-                                  "softplus_per_channel_kimi"])
+def _fused_cases() -> list:
+    """(name, path, framework, backend) of `test_layer_inputs_fused_into_the_chunk_core`. Slow
+    (make test-all): on the Pallas backends every layer-input form but softplus_per_head
+    (tests/backends/pallas/test_pallas_fused_inputs.py keeps values and gradients there),
+    and JAX's portable Kimi form on the recurrent path (its chunkwise path keeps it)."""
+    cases = []
+    for name in ("qk_norm_only", "softplus_per_head", "sigmoid_bound_per_head",
+                 "softplus_per_channel_kimi"):
+        for path in ("chunkwise", "recurrent"):
+            for framework, backend in FUSING_BACKENDS:
+                slow = (backend.startswith("pallas") and name != "softplus_per_head") or \
+                    (name, path, framework, backend) == ("softplus_per_channel_kimi",
+                                                         "recurrent", "jax", "portable")
+                cases.append(pytest.param(name, path, framework, backend,
+                                          marks=[pytest.mark.slow] if slow else [],
+                                          id=f"{name}-{path}-{framework}-{backend}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "path", "framework", "backend"), _fused_cases())
 def test_layer_inputs_fused_into_the_chunk_core(name, path, framework, backend, monkeypatch):
     """xla, mlx, ffi_cpu, pallas_tpu and pallas_gpu (interpret mode here) take ``qk_norm`` and
     a parameterised gate raw (`BackendSpec.fused_inputs`): the chunk core normalises q, k and
@@ -572,7 +589,9 @@ def test_metal_fuses_layer_inputs(path, vector, gate):
     assert max(errors.values()) <= RTOL, errors
 
 
-@pytest.mark.parametrize("backend", ["portable", "ffi_cpu", "pallas_tpu", "pallas_gpu"])
+# pallas_tpu's in make test-all: [portable], [ffi_cpu], [pallas_gpu] keep it
+@pytest.mark.parametrize("backend", marked(["portable", "ffi_cpu", "pallas_tpu", "pallas_gpu"],
+                                           {"pallas_tpu"}))
 def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward(backend):
     """Under ``jax.vjp`` (the forward's residuals kept for the backward), the chunk core with
     the fused norm keeps the raw q, k only: its residuals are smaller by the normalised q and
@@ -611,8 +630,12 @@ def _residual_bytes(fn, *args):
     return sum(x.nbytes for x in jax.tree.leaves(vjp))
 
 
-@pytest.mark.parametrize("vector", [False, True], ids=["per_head", "per_channel"])
-@pytest.mark.parametrize("backend", ["portable", "ffi_cpu", "pallas_tpu", "pallas_gpu"])
+# per-channel residuals: [ffi_cpu-per_channel] keeps them; the others in make test-all
+@pytest.mark.parametrize(("backend", "vector"), marked(
+    [(b, v) for b in ("portable", "ffi_cpu", "pallas_tpu", "pallas_gpu") for v in (False, True)],
+    {("portable", True), ("pallas_tpu", True), ("pallas_gpu", True)}),
+    ids=lambda x: {False: "per_head", True: "per_channel"}.get(x, x) if isinstance(x, bool)
+    else x)
 def test_fused_gate_keeps_no_log_gate_for_the_backward(backend, vector):
     """Under ``jax.vjp``, the chunk core given ``gate="softplus"`` keeps the raw projection
     ``a`` (and A_log, dt_bias) only: computing the log gate before the call keeps the log gate

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from slow import marked
 
 pytest.importorskip("jax")
 
@@ -54,7 +55,9 @@ def assert_cases_pass(report: dict, cases) -> None:
         assert result["vs_unsharded"] < 1e-5, (name, result["vs_unsharded"])
 
 
-@pytest.mark.parametrize("backend", JAX_BACKENDS)
+# xla's in make test-all (xla sharded: the sharded jit below); pallas_gpu's too (pallas_gpu
+# sharded: test_pallas_gpu_lowers_under_checked_shard_map)
+@pytest.mark.parametrize("backend", marked(JAX_BACKENDS, {"xla", "pallas_gpu"}))
 def test_shard_map_over_data_and_heads_matches_reference(backend):
     # padding_mask: initial state given, masks; gva3: 3 value heads per key head, no initial
     # state (None inside shard_map), Dk != Dv (ffi_cpu; the others padding_mask only: ~30 s of
@@ -66,8 +69,11 @@ def test_shard_map_over_data_and_heads_matches_reference(backend):
     assert "dinitial_state" in report["cases"]["padding_mask"]["errors"]
 
 
-@pytest.mark.parametrize(("backend", "mode"), [(b, "jit") for b in JAX_BACKENDS] +
-                         [("ffi_cpu", "explicit")])
+# the Pallas ones in make test-all: each runs sharded in test_shard_map_... above (pallas_gpu:
+# test_pallas_gpu_lowers_under_checked_shard_map)
+@pytest.mark.parametrize(("backend", "mode"), marked(
+    [(b, "jit") for b in JAX_BACKENDS] + [("ffi_cpu", "explicit")],
+    {("pallas_tpu", "jit"), ("pallas_gpu", "jit")}))
 def test_sharded_jit_runs_per_shard_without_collectives(backend, mode):
     # jit: mesh axes Auto (custom_partitioning ops); explicit: shardings in the types (an inner
     # shard_map over the input mesh, the path every backend takes in the shard_map test)
@@ -108,8 +114,9 @@ def test_sharded_jit_rejects_shardings_that_split_time_head_dims_or_groups():
     assert all(kind == "ValueError" for kind in errors["eager_types"].values())
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow)
-                                     if b in ("pallas_tpu", "xla") else b for b in JAX_BACKENDS])
+# pallas_gpu's too: context parallelism keeps [ffi_cpu] and
+# test_context_parallel_composes_with_head_sharding
+@pytest.mark.parametrize("backend", marked(JAX_BACKENDS, {"pallas_tpu", "xla", "pallas_gpu"}))
 def test_context_parallel_matches_reference(backend):
     # pallas_tpu's (~50 s of interpreting) and xla's (~30 s of compiling) in make test-all: the
     # combine is the same code for every backend, and both run shard_map and the sharded jit
@@ -153,7 +160,7 @@ def test_vmap_on_a_many_device_host():
     assert report["n"] == 6 and report["max_relative_difference"] < 1e-6
 
 
-@pytest.mark.parametrize("backend", ["xla", "ffi_cpu"])
+@pytest.mark.parametrize("backend", marked(["xla", "ffi_cpu"], {"xla"}))  # [ffi_cpu] keeps it
 def test_layer_inputs_on_a_many_device_host(backend):
     """qk_norm, the softplus gate and beta logits on 8 devices: an eager one-device forward, a
     differentiated one-device call, a jit of inputs sharded over data x heads (the partitioned

@@ -158,6 +158,7 @@ def test_render_is_deterministic_and_bakes_the_specialisation_in():
         compile(source, "<rendered>", "exec")
 
 
+@pytest.mark.slow  # an every-variant sweep; pallas_gpu renders: its sha256 and lowering tests
 def test_every_variant_renders_distinct_sources():
     space = variants("pallas_gpu", PROBLEM)
     shas = {render(v, PROBLEM).sha256 for v in space}
@@ -316,6 +317,7 @@ def test_unwritten_outputs_are_poisoned_in_interpret_mode():
     assert np.isnan(np.asarray(out[8:])).all() and (np.asarray(out[:8]) == 1).all()
 
 
+@pytest.mark.slow  # benchmark scripts: tests/test_bench.py
 def test_benchmark_script_dry_run(tmp_path, monkeypatch):
     """benchmarks/bench_gpu_vs_fla.py parses its arguments and runs its validate and time steps
     at toy sizes in interpret mode (fla skipped without torch/CUDA), writing its tables."""

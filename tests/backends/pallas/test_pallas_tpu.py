@@ -17,6 +17,7 @@ import warnings
 
 import numpy as np
 import pytest
+from slow import marked
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -128,6 +129,7 @@ def test_channel_walks_lower_for_mosaic():
 # ----------------------------------------------------------------------------- battery
 
 
+@pytest.mark.slow  # GVA on pallas_tpu: the gva3 battery case (test_conformance hard cases)
 def test_default_variant_on_grouped_heads():
     """The default variant of a 3-head group (head_tile 3); the scalar battery on the default
     shape is the conformance suite's (tests/calls/test_conformance.py)."""
@@ -139,9 +141,11 @@ def test_default_variant_on_grouped_heads():
 
 
 @pytest.mark.parametrize("changes, cases, dtype", [
-    ({"head_tile": 1, "save_states": False, "chunk_size": 32}, ["gva3"], "float32"),
+    pytest.param({"head_tile": 1, "save_states": False, "chunk_size": 32}, ["gva3"],
+                 "float32", marks=pytest.mark.slow),  # variants: [bf16-policy] keeps them
     pytest.param({"chunk_size": 128}, ["identical_keys"], "float32", marks=pytest.mark.slow),
-    ({"precision": "tf32"}, ["identical_keys"], "float32"),
+    pytest.param({"precision": "tf32"}, ["identical_keys"], "float32",
+                 marks=pytest.mark.slow),  # precision policies: [bf16-policy] keeps them
     ({"precision": "bf16", "save_states": False}, ["hard_decay"], "float32"),
     pytest.param({}, ["gates_exact_one_and_zero"], "bfloat16", marks=pytest.mark.slow),
 ], ids=["recompute-gva", "chunk128", "tf32", "bf16-policy", "bf16-inputs"])
@@ -151,7 +155,7 @@ def test_variants_on_adversarial_cases(changes, cases, dtype):
     _check(validate.run_battery(None, variant=variant, cases=cases, dtype=dtype), variant, dtype)
 
 
-@pytest.mark.parametrize("save_states", [True, False])
+@pytest.mark.parametrize("save_states", marked([True, False], {False}))  # [True] keeps Dv tiles
 def test_dv_tiles(save_states):
     """Dv split into 128-column grid steps (per-chunk factors cached at the first tile, the
     backward's sums accumulated over the tiles); the battery has no Dv this large."""
