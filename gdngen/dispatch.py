@@ -195,19 +195,29 @@ def check_variant(framework: str, variant, chunk_size: int | None = None) -> Non
                          f"{variant['chunk_size']}")
 
 
-def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | None = None,
-            chunk_size: int | None = None, *, device: str | None = None,
-            precision: str = "ieee") -> Variant:
-    """The variant for one call: an explicit ``variant`` (`check_variant`ed by
+def decide(framework: str, shape: CallShape, dtype: str, variant: Variant | None = None,
+           chunk_size: int | None = None, *, device: str | None = None,
+           precision: str = "ieee") -> Choice:
+    """The `Choice` for one call: an explicit ``variant`` (`check_variant`ed by
     `gdngen.entry.bind`); else with ``chunk_size`` the default variant at that chunk; else the
     tuned variant for ``device`` (default: the attached one) and ``precision`` over the default
     (see `choose`)."""
+    if variant is None and chunk_size is None:
+        return choose(framework, shape, dtype, device=device, precision=precision)
+    if variant is None:
+        variant = default_choice(framework, problem_of(shape, dtype), _attached(framework)[0],
+                                 chunk_size)[0]
+    return Choice(variant, "explicit", "variant or chunk_size given", device, precision)
+
+
+def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | None = None,
+            chunk_size: int | None = None, *, device: str | None = None,
+            precision: str = "ieee") -> Variant:
+    """The variant of `decide`'s choice (an explicit one returned as given)."""
     if variant is not None:
         return variant
-    if chunk_size is None:
-        return choose(framework, shape, dtype, device=device, precision=precision).variant
-    return default_choice(framework, problem_of(shape, dtype), _attached(framework)[0],
-                          chunk_size)[0]
+    return decide(framework, shape, dtype, None, chunk_size, device=device,
+                  precision=precision).variant
 
 
 def run(call, operands, *, variant=None, device=None, precision="ieee"):

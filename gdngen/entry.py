@@ -262,28 +262,25 @@ class TunedGatedDelta:
 
     def __call__(self, q, k, v, g, beta, initial_state=None, **options):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
-        arrays, options = Options.split(dict(options, q=q, k=k, v=v, g=g, beta=beta,
-                                             initial_state=initial_state))
+        arrays, options = _split_call(q, k, v, g, beta, initial_state, options)
         return gated_delta(self.framework, arrays, options, device=self.device,
                            precision=self.precision)
 
     def explain(self, q, k, v, g, beta, initial_state=None, **options) -> dispatch.Choice:
         """Which variant a call with these arguments (every option of `__call__`) runs, and
         why (`str()` it to read)."""
-        arrays, options = Options.split(dict(options, q=q, k=k, v=v, g=g, beta=beta,
-                                             initial_state=initial_state))
+        arrays, options = _split_call(q, k, v, g, beta, initial_state, options)
         call = bind(self.framework, arrays, options).call
         shape = call.shape
-        if options.variant is not None or options.chunk_size is not None:
-            variant = dispatch.resolve(self.framework, shape, call.dtype, options.variant,
-                                       options.chunk_size, device=self.device,
-                                       precision=self.precision)
-            choice = dispatch.Choice(variant, "explicit", "variant or chunk_size given",
-                                     self.device, self.precision)
-        else:
-            choice = dispatch.choose(self.framework, shape, call.dtype, device=self.device,
-                                     precision=self.precision)
+        choice = dispatch.decide(self.framework, shape, call.dtype, options.variant,
+                                 options.chunk_size, device=self.device,
+                                 precision=self.precision)
         return choice.for_length(shape.T, shape.vector_gate, shape.sequences)
+
+
+def _split_call(q, k, v, g, beta, initial_state, options: dict) -> tuple[dict, Options]:
+    return Options.split(dict(options, q=q, k=k, v=v, g=g, beta=beta,
+                              initial_state=initial_state))
 
 
 def load_tuned(framework: str = "jax", device: str | None = None,
