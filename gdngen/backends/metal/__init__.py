@@ -219,28 +219,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                 variant=None, launcher=None, qk_norm=False):
     """Run a Metal ``variant`` (differentiable, through ``mx.custom_function``).
 
-    Shapes and semantics as `gdngen.mlx.gated_delta`; y has q's dtype, the final state is
-    float32. k and v are cast to q's dtype, gates / beta / state to float32.
+    Shapes and semantics as `gdngen.mlx.gated_delta`; y has q's dtype, the final state is float32.
     ``launcher``: `MLXLauncher` (default on a Metal GPU) or `SimLauncher` (default elsewhere).
-
-    Scalar gates with T >= the variant's ``recurrent_below``: the chunk kernels, forward and
-    backward. T < recurrent_below: the forward is the recurrent kernel (`recurrent_forward`)
-    and the VJP the chunk path's (`gdngen.backends.portable.mlx_chunkwise.recurrent_or_chunkwise`).
-    Per-channel (vector) gates ``[B,T,Hv,Dk]``, likewise switched at recurrent_below: the chunk
-    path is `gdngen.algebra.chunkwise_channel` at the variant's chunk (the mlx backend's
-    ``mx.custom_function``, `gdngen.backends.portable.mlx_chunkwise.chunkwise_gated_delta`) with its
-    two chunk walks on the walk kernels (`ChannelWalks`), forward and backward; its intra-chunk
-    stages run in mx ops (float32).
-
-    ``qk_norm``: q, k are raw (`BackendSpec.fused_inputs`); ``gate`` a
-    `gdngen.algebra.chunkwise.ParameterGate`: ``g`` is ``(a, A_log, dt_bias)``
-    (`gdngen.algebra.layer_inputs`). The kernels compute both in their loads (`render_fused`): the
-    recurrent kernel (`recurrent_forward`'s fused build) and, scalar gates, the chunk forward's two
-    kernels (`dense_core`), so no normalised q, k and no log gate are formed as arrays in a
-    forward; the chunk VJP recomputes them as mx ops for the plain backward kernels (per-channel
-    gates: `gdngen.backends.portable.mlx_chunkwise.chunk_core` computes them in its core, forward
-    and VJP).
-    """
+    T >= the variant's ``recurrent_below``: the chunk kernels (per-channel gates:
+    `gdngen.algebra.chunkwise_channel` with its walks on the walk kernels, `ChannelWalks`); below
+    it the forward is `recurrent_forward` and the VJP the chunk path's. ``qk_norm`` / ``gate`` a
+    `gdngen.algebra.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): computed in the
+    forward kernels' loads (`render_fused`; the package docstring), recomputed for the backward."""
     from gdngen import call as calls
 
     if variant is None or variant.backend != BACKEND:

@@ -17,39 +17,22 @@ from gdngen.variant import Problem, Variant
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,
                       templates_dir=None, qk_norm=False, gate=None):
-    """The recurrent kernel (``templates/metal/recurrent.metal.j2``): the forward of the gated
-    delta rule one step at a time, for short calls (decode / short prefill).
+    """The recurrent kernel (``recurrent.metal.j2``, `recurrent_plan`): the forward one step at a
+    time, for short calls (decode / short prefill); no VJP (`gated_delta` differentiates the chunk
+    path).
 
-    Contract: float32 mx arrays q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; ``decay`` the LINEAR
-    decay in [0, 1], ``[B,T,Hv]`` (scalar gate) or ``[B,T,Hv,Dk]`` (per-channel gate; the caller
-    takes exp of log gates, exact 0 at log g = -inf); beta ``[B,T,Hv]``; S0 ``[B,Hv,Dv,Dk]``.
-    Masked steps must already be folded in (decay 1, beta 0: `gdngen.algebra.chunkwise.fold_mask`).
-    Returns ``(y [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])``, float32; value head h reads key head
-    h // (Hv / Hk); y = scale * S_t q_t. Per step (`gdngen.algebra.chunkwise.recurrent_forward`):
-    ``u = beta (v - S (a k))``, ``y = S (a q) + u (k.q)``, ``S <- S diag(a) + u k^T``.
+    float32 mx arrays q, k ``[B,T,Hk,Dk]``, v ``[B,T,Hv,Dv]``, ``decay`` the LINEAR decay in [0, 1]
+    ``[B,T,Hv]`` (scalar gate) or ``[B,T,Hv,Dk]`` (per channel), beta ``[B,T,Hv]``, S0
+    ``[B,Hv,Dv,Dk]``, masked steps folded in (`gdngen.algebra.chunkwise.fold_mask`). Returns ``(y
+    [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])`` float32; value head h reads key head h // (Hv / Hk); per
+    step (`gdngen.algebra.chunkwise.recurrent_forward`) ``u = beta (v - S (a k))``,
+    ``y = S (a q) + u (k.q)``, ``S <- S diag(a) + u k^T``, y scaled by ``scale``. ``problem``
+    defaults from the shapes; ``launcher`` to `gdngen.backends.metal.launch.default_launcher`;
+    ``templates_dir``: a template override folder.
 
-    One launch (`recurrent_plan`): a threadgroup per (batch, value head, block of ``dv_tile``
-    state rows), ``simdgroups`` simdgroups of 32 lanes, each lane holding Dk / 32 columns of
-    its simdgroup's ``dv_tile / simdgroups`` rows in registers for the whole walk over T (a
-    runtime size); the dot products are ``simd_sum``s. Nothing is saved for a backward (no
-    VJP here: `gated_delta` differentiates the chunk path instead). Rendered, compiled and
-    cached like the chunk kernels (kernel named by its source hash); ``problem`` (default: from
-    the shapes, the gate kind from decay's rank) specialises the source, ``variant`` gives
-    ``dv_tile`` / ``simdgroups``. Outputs are poisoned as the chunk kernels': always in the
-    simulator (unwritten elements fail the launch), NaN-initialised on a GPU under
-    ``GDNGEN_POISON_OUTPUTS=1``. ``launcher``: `MLXLauncher` / `SimLauncher` (default
-    `gdngen.backends.metal.launch.default_launcher`); ``templates_dir``: a template override
-    folder.
-
-    Fused layer inputs (`render_fused`, `gdngen.backends.kernel_inputs`), computed by the kernel
-    in its loads: ``qk_norm`` True: q, k are raw; each loaded row is L2-normalised in float32
-    (``x rsqrt(sum x^2 + 1e-6)``, the sum a ``simd_sum``), q then scaled. ``gate`` a
-    `gdngen.algebra.chunkwise.ParameterGate`: ``decay`` is the tuple ``(a, A_log, dt_bias)``, ``a``
-    the raw projection ``[B,T,Hv]`` / ``[B,T,Hv,Dk]`` (masked steps a = -inf), the parameters in any
-    form `kernel_parameters` takes (``[Hv]``; per channel also ``[Hv,1]``, ``[Hv,Dk]``); the
-    kernel forms log g per step (and channel) and the decay exp(log g), the lower bound a
-    runtime scalar (one build serves every bound).
-    """
+    Fused inputs (`render_fused`): ``qk_norm``: q, k raw, normalised in the kernel's loads; ``gate``
+    a `gdngen.algebra.chunkwise.ParameterGate`: ``decay`` is ``(a, A_log, dt_bias)`` (parameters in
+    any form `kernel_parameters` takes), log g and the decay formed per step in the kernel."""
     import mlx.core as mx
 
     from gdngen.algebra import chunkwise

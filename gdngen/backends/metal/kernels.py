@@ -116,19 +116,13 @@ def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
 
 def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
                  templates_dir=None):
-    """The fused build of ``variant``'s forward kernels (`gdngen.backends.kernel_inputs`): a
-    `gdngen.sources.Rendered` of the kernels that compute the layer inputs in their loads, each
-    template rendered with ``inputs.context()`` (``qk_norm``, ``gate_form``): the recurrent
-    kernel; for a scalar-gate problem also the chunk forward's two kernels (`fused_kernels`)
-    and their header ``common.metal``; and ``"layer_inputs.metal"``, the helpers they call (the
-    fused recurrent kernel's header; ``common.metal`` includes it). These take raw q, k (each
-    row normalised at load) and, with a gate form, the raw projection ``a`` with ``A_log`` and
-    ``dt_bias`` ``[Hv]`` (per channel ``[Hv, Dk]``) in place of the gate. A backward is the plain
-    build's (`render_plan`), on recomputed inputs; per-channel gates' chunk path is
-    `gdngen.algebra.chunkwise_channel`'s (its layer inputs computed in its core). ``inputs`` must
-    fuse something: the plain build is `render_plan`'s, whose sha256, and tuned entries, do not
-    depend on this one. ``templates_dir``: a template override folder (default
-    ``GDNGEN_TEMPLATES``)."""
+    """The fused build (`gdngen.backends.kernel_inputs`) of ``variant``'s forward kernels, a
+    `gdngen.sources.Rendered`: the recurrent kernel and, scalar gates, the chunk forward's two
+    kernels (`fused_kernels`) with their ``common.metal``, plus ``layer_inputs.metal`` (the
+    helpers), each rendered with ``inputs.context()``. They take raw q, k and, with a gate form,
+    ``a``, ``A_log``, ``dt_bias`` in place of the gate. ``inputs`` must fuse something (the plain
+    build is `render_plan`'s, whose sha256 does not depend on this one); ``templates_dir`` default
+    ``GDNGEN_TEMPLATES``."""
     if not inputs.fused:
         raise ValueError(f"inputs must fuse a qk norm or a gate (the plain build is "
                          f"render_plan's), got {inputs!r}")

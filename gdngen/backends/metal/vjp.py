@@ -109,19 +109,14 @@ def _input_grads(env: dict, primals, gate: str) -> tuple:
 def dense_core(variant: Variant, problem: Problem, gate, scale: float, launcher,
           templates=None, qk_norm=False):
     """``mx.custom_function`` over chunk-layout arrays (as `gdngen.algebra.chunkwise.gated_delta`
-    passes them) -> (Y, S_final, *saved), with the Metal backward as its VJP. ``templates``:
-    a template override folder (default: ``GDNGEN_TEMPLATES`` when the plan is made).
+    passes them) -> ``(Y, S_final, *saved)``, the Metal backward kernels as its VJP. ``templates``:
+    a template override folder (default ``GDNGEN_TEMPLATES`` when the plan is made).
 
-    Fused layer inputs (`gdngen.backends.kernel_inputs`): ``qk_norm``: q, k are raw;
-    ``gate`` a `gdngen.algebra.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` (the
-    parameters ``[Hk, r, 1]``). The forward hands them to the fused build of its two kernels
-    (`launch_plan` with ``inputs``, `render_fused`), which normalise each loaded q, k row in
-    float32 and form the log gate from ``a`` before the in-chunk cumulative sums: no normalised
-    q, k and no log gate exist as arrays. The VJP recomputes them as mx ops (the normalised
-    q, k in float32, back in their dtype: `gdngen.backends.generated.l2_normalized`; the log
-    gate: `gdngen.algebra.chunkwise.log_gates`) for the plain backward kernels, and maps the
-    kernels' dq, dk through the norm's VJP and the log gate's cotangent to the three arrays
-    (`gdngen.algebra.chunkwise.gates_vjp`)."""
+    ``qk_norm`` (q, k raw) / ``gate`` a `gdngen.algebra.chunkwise.ParameterGate` (``gates`` is
+    ``(a, A_log, dt_bias)``, parameters ``[Hk, r, 1]``): the forward runs the fused build
+    (`render_fused`); the VJP recomputes normalised q, k (`gdngen.backends.generated.l2_normalized`)
+    and log g (`gdngen.algebra.chunkwise.log_gates`) for the plain backward and maps the cotangents
+    back (`gdngen.algebra.chunkwise.gates_vjp`)."""
     import mlx.core as mx
 
     from gdngen.algebra import chunkwise
