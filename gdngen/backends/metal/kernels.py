@@ -1,217 +1,16 @@
-"""The Metal backend's variants and sources: its typed config, space, footprints (threadgroup
-memory, accumulator registers) and the renders of its kernels (plain, packed, fused inputs)."""
+"""The Metal backend's sources: the template plan of a variant (`render_plan`) and its builds
+(plain `render`, packed rows, per-step states, fused layer inputs), as `gdngen.sources.Rendered`
+texts. Needs no framework."""
 
 from __future__ import annotations
 
 import functools
-import itertools
-import math
-from dataclasses import dataclass
 
 from gdngen import settings
-from gdngen.backend import Backend
 from gdngen.backends.kernel_inputs import KernelInputs
-from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
-from gdngen.devices import KiB
+from gdngen.backends.metal.config import CHANNEL_BLOCK, CHANNEL_KERNELS, adapt, intra_tile, parse
 from gdngen.variant import Problem, Variant
 
-BACKEND = "metal"
-CHUNK_SIZES = (16, 32, 64)
-PRECISIONS = ("ieee", "tf32", "bf16")
-SIMDGROUPS = (1, 2, 4)
-DV_TILES = (16, 32, 64)
-#: Threadgroup memory of every Apple GPU in gdngen.devices (a variant is adapted to a shape
-#: within it; spaces are pruned with the device's own limit).
-THREADGROUP_MEMORY = 32 * KiB
-#: Accumulator floats a thread may hold (beyond this the GPU spills registers).
-MAX_ACC_FLOATS = 128
-#: The per-channel gates' walk kernels (`channel_plan`): the scan templates' per-channel build.
-CHANNEL_KERNELS = ("fwd_scan_channel", "bwd_scan_channel")
-#: Dk columns per block of the backward walk's chunk products (``KB`` in bwd_scan.metal.j2).
-CHANNEL_BLOCK = 32
-
-#: Relative L2 error the battery allows per precision (`gdngen.tolerance`: the input dtype's
-#: own tolerance applies when it is looser). ieee: float32 arithmetic throughout (worst
-#: measured 1.2e-6). tf32: matmul operands rounded to 10 mantissa bits (unit roundoff 4.9e-4;
-#: worst measured 3.6e-3, identical_keys). bf16: operands rounded to bfloat (unit roundoff
-#: 3.9e-3; worst measured 2.1e-2, identical_keys, whose near-singular solve amplifies operand
-#: rounding).
-POLICY_TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 5e-2}
-
-
-def supports(problem: Problem) -> str | None:
-    """None when the kernels' shape rules allow ``problem``, else why not."""
-    for name in ("Dk", "Dv"):
-        if getattr(problem, name) % 32:
-            return f"Problem.{name} must be a multiple of 32, got {getattr(problem, name)}"
-    return None
-
-#: untuned crossover T (`gdngen.config.recurrent_switch`): one chunk (below it the chunk
-#: kernels pad to a whole chunk); not measured on an Apple GPU, the tuner measures it there
-RECURRENT_BELOW = 64
-
-@dataclass(frozen=True)
-class Config(VariantConfig):
-    """Typed metal parameters (see `variant_space`)."""
-
-    backend = BACKEND
-    chunk_size: int = 64
-    dv_tile: int = 32
-    mma: str = "simdgroup"
-    precision: str = "ieee"
-    save_states: bool = True
-    simdgroups: int = 4
-    recurrent_below: int = recurrent_switch(RECURRENT_BELOW)
-
-    def check(self) -> None:
-        self.check_count("recurrent_below")
-        self.check_choice("chunk_size", CHUNK_SIZES)
-        self.check_choice("dv_tile", DV_TILES)
-        self.check_choice("mma", ("simdgroup", "fma"))
-        self.check_choice("precision", PRECISIONS)
-        self.check_flag("save_states")
-        self.check_choice("simdgroups", SIMDGROUPS)
-        if self.mma == "fma" and self.precision != "ieee":
-            self._fail("mma", "'simdgroup' unless precision is 'ieee'")
-
-
-def intra_tile(chunk_size: int) -> int:
-    """Columns of Dk / Dv per intra-chunk tile (DW): 32, or 16 for chunk 64 (memory)."""
-    return 32 if chunk_size <= 32 else 16
-
-
-def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> dict:
-    """Threadgroup memory each kernel of ``problem``'s gate kind declares, in bytes (float32
-    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile.
-    ``qk_norm``: the fused build's (`render_fused`) forward kernels, which also hold the rows'
-    norm factors (rk in fwd_intra, rq and rk in fwd_scan: C floats each; at most 26 KiB in all
-    of the space, within every Apple GPU's 32 KiB)."""
-    C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
-        intra_tile(params["chunk_size"])
-    if problem.gate == "vector":
-        return dict.fromkeys(CHANNEL_KERNELS, 4 * C * dvt)
-    floats = {
-        "fwd_intra": C * C + 3 * C,
-        "fwd_intra_tinv": C * C + 3 * C,
-        "fwd_scan": C * C + C * dvt + 4 * C,
-        "fwd_scan_save": C * C + C * dvt + 4 * C,
-        "fwd_scan_states": C * dvt + 4 * C,
-        "bwd_scan": C * max(C, dvt) + C * dvt + 4 * C,
-        "bwd_tri": C * C + 2 * C * dw + 5 * C,
-        "bwd_qk": C * C + C * dw + 7 * C + sg,
-    }
-    if qk_norm:
-        for name in ("fwd_intra", "fwd_intra_tinv"):
-            floats[name] += C
-        for name in ("fwd_scan", "fwd_scan_save"):
-            floats[name] += 2 * C
-    return {name: 4 * n for name, n in floats.items()}
-
-
-def max_threadgroup_bytes(variant: Variant, problem: Problem) -> int:
-    """The threadgroup memory of the variant's largest kernel, in bytes."""
-    return max(threadgroup_bytes(variant.as_dict(), problem).values())
-
-
-def _acc_floats(params: dict, M: int, N: int) -> int:
-    """Floats one thread holds for an M x N accumulator tile."""
-    sg = params["simdgroups"]
-    if params["mma"] == "simdgroup":
-        return 2 * math.ceil((M // 8) * (N // 8) / sg)
-    return math.ceil(M * N / (32 * sg))
-
-
-def accumulator_floats(params: dict, problem: Problem) -> int:
-    """Most accumulator floats a thread keeps live in any kernel (a register-pressure bound)."""
-    C, dvt, dw = params["chunk_size"], params["dv_tile"], intra_tile(params["chunk_size"])
-    acc = functools.partial(_acc_floats, params)
-    if problem.gate == "vector":  # the walks: W / dW tiles, the state tile, KB-column products
-        return max(acc(C, dvt), acc(dvt, problem.Dk), acc(C, CHANNEL_BLOCK))
-    return max(
-        acc(C, C), acc(C, dw),                                     # fwd_intra
-        acc(C, dvt), acc(dvt, problem.Dk),                         # fwd_scan
-        2 * acc(C, dvt),                                           # bwd_scan
-        acc(C, C) + acc(C, dw),                                    # bwd_tri
-        2 * acc(C, C) + 2 * acc(C, dw),                            # bwd_qk
-    )
-
-
-def params_valid(params: dict, problem: Problem, limit: int = THREADGROUP_MEMORY) -> str | None:
-    """None when ``params`` can run ``problem`` within ``limit`` bytes of threadgroup memory,
-    else why not."""
-    SPEC.check(problem)
-    if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
-        return f"dv_tile={params['dv_tile']} does not divide Dv={problem.Dv}"
-    if params["mma"] == "fma" and params["precision"] != "ieee":
-        return "mma='fma' is only offered with precision='ieee'"
-    worst = max(threadgroup_bytes(params, problem).values())
-    if worst > limit:
-        return f"{worst} bytes of threadgroup memory (limit {limit})"
-    acc = accumulator_floats(params, problem)
-    if acc > MAX_ACC_FLOATS:
-        return f"{acc} accumulator floats per thread (limit {MAX_ACC_FLOATS})"
-    return None
-
-
-def variant_space(problem: Problem, device) -> list[Config]:
-    """All Metal variants of ``problem`` that fit ``device`` (see the module doc for the kernels).
-
-    Params: ``chunk_size`` 16/32/64; ``precision`` ieee (float32) / tf32 / bf16 (matmul operand
-    precision); ``mma`` simdgroup (8x8 simdgroup matrices) or fma (scalar FMA, ieee only);
-    ``simdgroups`` per threadgroup; ``dv_tile`` Dv columns per state-scan threadgroup;
-    ``save_states`` (the forward keeps per-chunk states, W and T for the backward, else the
-    backward recomputes them). Variants over the device's threadgroup memory or
-    `MAX_ACC_FLOATS` are left out.
-
-    Per-channel gates: ``chunk_size`` x ``simdgroups`` x ``dv_tile``, the params their path
-    depends on (the chunk of `gdngen.algebra.chunkwise_channel`'s stages, the walk kernels' tiling,
-    which the recurrent kernel shares); precision ieee, simdgroup matrices, saved states (the
-    intra-chunk stages run in float32 mx ops whatever the walks' operand precision).
-    """
-    SPEC.check(problem)
-    limit = device.limits["threadgroup_memory"]
-    space = []
-    if problem.gate == "vector":
-        for C, sg, dvt in itertools.product(CHUNK_SIZES, SIMDGROUPS, DV_TILES):
-            config = Config(C, dvt, simdgroups=sg)
-            if params_valid(config.params(), problem, limit) is None:
-                space.append(config)
-        return space
-    for C, precision, mma, sg, dvt, save in itertools.product(
-            CHUNK_SIZES, PRECISIONS, ("simdgroup", "fma"), SIMDGROUPS, DV_TILES, (True, False)):
-        if mma == "fma" and precision != "ieee":
-            continue
-        config = Config(C, dvt, mma, precision, save, sg)
-        if params_valid(config.params(), problem, limit) is None:
-            space.append(config)
-    return space
-
-
-def default_config(problem: Problem, device) -> Config:
-    """Chunk 64, ieee, simdgroup matrices, 4 simdgroups, 32-column Dv tiles, saving states (the
-    first variant of the space if that does not fit ``device``). Per-channel gates: chunk
-    `gdngen.config.VECTOR_CHUNK` (the portable path's per-channel chunk; not measured on an
-    Apple GPU, the tuner chooses there)."""
-    config = Config(VECTOR_CHUNK) if problem.gate == "vector" else Config()
-    if params_valid(config.params(), problem, device.limits["threadgroup_memory"]) is not None:
-        config = variant_space(problem, device)[0]
-    return config
-
-
-def adapt(variant: Variant, problem: Problem) -> Variant:
-    """``variant``'s params for ``problem``'s shape: dv_tile shrinks to the largest valid tile
-    when it does not divide Dv; anything else invalid is a ValueError."""
-    params = SPEC.parse(variant).params()
-    if params["dv_tile"] > problem.Dv or problem.Dv % params["dv_tile"]:
-        params["dv_tile"] = max(t for t in DV_TILES
-                                if t <= min(params["dv_tile"], problem.Dv) and problem.Dv % t == 0)
-    why = params_valid(params, problem)
-    if why:
-        raise ValueError(f"variant {variant} cannot run {problem.key()}: {why}")
-    return Variant(BACKEND, params)
-
-
-# ---------------------------------------------------------------------------- rendering
 
 def _context(variant: Variant, problem: Problem) -> dict:
     p = variant.as_dict()
@@ -317,19 +116,13 @@ def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
 
 def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
                  templates_dir=None):
-    """The fused build of ``variant``'s forward kernels (`gdngen.backends.kernel_inputs`): a
-    `gdngen.sources.Rendered` of the kernels that compute the layer inputs in their loads, each
-    template rendered with ``inputs.context()`` (``qk_norm``, ``gate_form``): the recurrent
-    kernel; for a scalar-gate problem also the chunk forward's two kernels (`fused_kernels`)
-    and their header ``common.metal``; and ``"layer_inputs.metal"``, the helpers they call (the
-    fused recurrent kernel's header; ``common.metal`` includes it). These take raw q, k (each
-    row normalised at load) and, with a gate form, the raw projection ``a`` with ``A_log`` and
-    ``dt_bias`` ``[Hv]`` (per channel ``[Hv, Dk]``) in place of the gate. A backward is the plain
-    build's (`render_plan`), on recomputed inputs; per-channel gates' chunk path is
-    `gdngen.algebra.chunkwise_channel`'s (its layer inputs computed in its core). ``inputs`` must
-    fuse something: the plain build is `render_plan`'s, whose sha256, and tuned entries, do not
-    depend on this one. ``templates_dir``: a template override folder (default
-    ``GDNGEN_TEMPLATES``)."""
+    """The fused build (`gdngen.backends.kernel_inputs`) of ``variant``'s forward kernels, a
+    `gdngen.sources.Rendered`: the recurrent kernel and, scalar gates, the chunk forward's two
+    kernels (`fused_kernels`) with their ``common.metal``, plus ``layer_inputs.metal`` (the
+    helpers), each rendered with ``inputs.context()``. They take raw q, k and, with a gate form,
+    ``a``, ``A_log``, ``dt_bias`` in place of the gate. ``inputs`` must fuse something (the plain
+    build is `render_plan`'s, whose sha256 does not depend on this one); ``templates_dir`` default
+    ``GDNGEN_TEMPLATES``."""
     if not inputs.fused:
         raise ValueError(f"inputs must fuse a qk norm or a gate (the plain build is "
                          f"render_plan's), got {inputs!r}")
@@ -370,54 +163,13 @@ def fused_key(inputs: KernelInputs | None) -> tuple:
     return tuple(sorted(inputs.context().items()))
 
 
-class Metal(Backend):
-    """The generated Metal kernels of this module (Apple GPUs; `gdngen.backends.metal.sim`
-    off-device); its hooks are the module's functions (looked up when called)."""
+def render(variant: Variant, problem: Problem, *, templates_dir=None):
+    """`Metal.render` (`gdngen.sources.render_spec` on `render_plan`): the plain build of
+    ``variant``, a `gdngen.sources.Rendered`; ``templates_dir`` a template override folder."""
+    from gdngen.sources import Rendered, environment, sources_sha256
 
-    name, framework, config, tolerances = BACKEND, "mlx", Config, POLICY_TOLERANCES
-    device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"
-    gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
-    step_states = chunk_states = ("scalar", "vector")
-
-    def space(self, problem, device=None):
-        return variant_space(problem, device)
-
-    def default(self, problem, device=None):
-        return default_config(problem, device)
-
-    def supports(self, problem):
-        return supports(problem)
-
-    def footprint(self, variant, problem):
-        return max_threadgroup_bytes(variant, problem)
-
-    def render_plan(self, variant, problem):
-        return render_plan(variant, problem)
-
-    # the hooks below run code of the modules above this one (the plans, the cores): looked
-    # up in the package when called
-    def lower_check(self, variant, problem):
-        return _package().lower_check(variant, problem)
-
-    def forward(self, call, operands, variant, launcher=None):
-        return _package().dense_call(call, operands, variant, launcher)
-
-    def packed(self, call, operands, variant, launcher=None, templates_dir=None):
-        return _package().packed_call(call, operands, variant, launcher, templates_dir)
-
-    def steps(self, call, operands, variant, launcher=None):
-        return _package().steps_call(call, operands, variant, launcher)
-
-    def chunks(self, call, operands, variant, launcher=None):
-        return _package().chunks_call(call, operands, variant, launcher)
-
-
-def _package():
-    """`gdngen.backends.metal` (imported: this module is imported through it)."""
-    import sys
-
-    return sys.modules["gdngen.backends.metal"]
-
-
-SPEC = Metal()
+    parse(variant)  # ValueError naming a bad field, before anything is rendered
+    env = environment(templates_dir)
+    texts = {name: env.get_template(path).render(**context)
+             for name, (path, context) in render_plan(variant, problem).items()}
+    return Rendered(variant, problem, texts, sources_sha256(texts))

@@ -1,33 +1,27 @@
-"""The Metal backend's launch plans (which kernels run in which order on which buffers, for a
-chunk call, a packed row, the recurrent kernel and the per-channel walks), their compile
-check, and the two launchers that run them: MLX's ``mx.fast.metal_kernel`` and the MSL
-simulator (`gdngen.backends.metal.sim`)."""
+"""The Metal backend's launch plans: which kernels run in which order on which buffers, for a
+chunk call (`launch_plan`), a packed row, the recurrent kernel (final state or per step) and the
+per-channel walks, with the ``(dtype, ndim, size)`` of their inputs. Needs no framework."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from dataclasses import dataclass
 
 from gdngen import settings
 from gdngen.backends.kernel_inputs import KernelInputs, context_tag
+from gdngen.backends.metal.config import CHANNEL_KERNELS, adapt, threadgroup_bytes
 from gdngen.backends.metal.kernels import (
-    CHANNEL_KERNELS,
-    SPEC,
-    adapt,
     fused_kernels,
     fused_key,
     kernels_used,
+    render,
     render_fused_kernels,
     render_packed,
     render_steps,
-    threadgroup_bytes,
 )
-from gdngen.problem import dtype_name
 from gdngen.variant import Problem, Variant
 
-# ---------------------------------------------------------------------------- launch plan
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -162,7 +156,7 @@ def _recurrent_io(fused: tuple) -> tuple:
 def _recurrent_kernel(variant: Variant, problem: Problem, templates, fused: tuple = ()
                       ) -> KernelSpec:
     if not fused:
-        rendered = SPEC.render(variant, problem, templates_dir=templates)
+        rendered = render(variant, problem, templates_dir=templates)
         body = rendered.sources["recurrent.metal"]
         tag = hashlib.sha256(body.encode()).hexdigest()[:12]  # self-contained: no header
         return KernelSpec(f"gdngen_recurrent_{tag}", *_KERNEL_IO["recurrent"], body, "")
@@ -249,7 +243,7 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
     template override folder (None: the shipped templates)."""
     if problem.gate != "vector":
         raise ValueError(f"the metal walk kernels take vector gates, got {problem.key()}")
-    rendered = SPEC.render(variant, problem, templates_dir=templates)
+    rendered = render(variant, problem, templates_dir=templates)
     p = variant.as_dict()
     C, nt, dvt = p["chunk_size"], 32 * p["simdgroups"], p["dv_tile"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
@@ -294,7 +288,7 @@ def build_launch_plan(variant: Variant, problem: Problem, N: int, B: int, templa
     if packed and fused:
         raise ValueError("a packed row takes its layer inputs computed (no fused build)")
     rendered = render_packed(variant, problem, templates_dir=templates) if packed else \
-        SPEC.render(variant, problem, templates_dir=templates)
+        render(variant, problem, templates_dir=templates)
     forward_fused = fused_kernels(variant) if fused else ()
     fused_sources = (render_fused_kernels(variant, problem, fused, templates).sources if fused
                      else {})
@@ -357,69 +351,6 @@ def build_launch_plan(variant: Variant, problem: Problem, N: int, B: int, templa
                 packed, fused)
 
 
-# ---------------------------------------------------------------------------- execution
-
-class MLXLauncher:
-    """Runs launches with ``mx.fast.metal_kernel`` on the Metal GPU."""
-
-    name = "metal"
-
-    @staticmethod
-    @functools.cache
-    def _kernel(spec: KernelSpec):
-        import mlx.core as mx
-
-        return mx.fast.metal_kernel(name=spec.name, input_names=list(spec.input_names),
-                                    output_names=list(spec.output_names), source=spec.source,
-                                    header=spec.header)
-
-    def __call__(self, plan: Plan, launch: Launch, arrays):
-        import mlx.core as mx
-
-        kernel = self._kernel(plan.kernels[launch.kernel])
-        template = [(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template]
-        # GDNGEN_POISON_OUTPUTS=1: every output starts as NaN, so anything a kernel leaves
-        # unwritten shows (the simulator always poisons outputs and fails on what is left).
-        poison = float("nan") if settings.flag(settings.ENV_POISON_OUTPUTS) else None
-        return kernel(inputs=list(arrays), template=template or None, grid=launch.grid,
-                      threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
-                      output_dtypes=[getattr(mx, d) for d in launch.output_dtypes],
-                      init_value=poison)
-
-
-class SimLauncher:
-    """Runs launches in `gdngen.backends.metal.sim` (NumPy in and out of the simulated GPU)."""
-
-    name = "simulator"
-
-    def __init__(self, schedule: str = "forward", seed: int = 0):
-        self.schedule, self.seed = schedule, seed
-        self.threadgroup_bytes = {}  # kernel -> bytes the simulator measured
-
-    @staticmethod
-    @functools.cache
-    def _kernel(spec: KernelSpec):
-        from gdngen.backends.metal import sim as metal_sim
-
-        return metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
-                                      spec.source, spec.header)
-
-    def prepare(self, plan: Plan, env: dict) -> None:
-        """Compile every kernel of ``plan`` before the first launch (see `compile_plan`);
-        ``env`` holds the forward's input arrays."""
-        compile_plan(plan, {n: (dtype_name(a), a.ndim, int(a.size)) for n, a in env.items()})
-
-    def __call__(self, plan: Plan, launch: Launch, arrays):
-        kernel = self._kernel(plan.kernels[launch.kernel])
-        outs = kernel(inputs=[to_numpy(a) for a in arrays], template=list(launch.template),
-                      grid=launch.grid, threadgroup=launch.threadgroup,
-                      output_shapes=list(launch.output_shapes),
-                      output_dtypes=list(launch.output_dtypes), schedule=self.schedule,
-                      seed=self.seed)
-        self.threadgroup_bytes[launch.kernel] = kernel.last_threadgroup_bytes
-        return [from_numpy(o) for o in outs]
-
-
 def plan_input_metas(plan: Plan) -> dict:
     """``(dtype, ndim, size)`` of the forward's inputs in chunk layout, as MLX passes them."""
     pb, C = plan.problem, plan.variant["chunk_size"]
@@ -437,82 +368,3 @@ def plan_input_metas(plan: Plan) -> dict:
             metas["a"] = metas["g"]
             metas["A_log"] = metas["dt_bias"] = (f32, 1, pb.Hv)
     return metas
-
-
-def compile_plan(plan: Plan, metas: dict | None = None) -> list:
-    """Compile, in parallel, the simulator build of every kernel ``plan`` launches (the full
-    source MLX would compile, g++ against the MSL shim); returns the shared-object paths.
-
-    ``metas`` gives ``(dtype, ndim, size)`` of the forward's inputs (default: as MLX passes
-    them, `plan_input_metas`; for a walk plan, `channel_input_metas`, which also completes the
-    given ones: the backward walk's inputs are not the forward's outputs); every other buffer
-    is declared by the plan.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from gdngen.backends.metal import sim as metal_sim
-    from gdngen.backends.metal.sim import compiler, source
-    from gdngen.backends.metal.sim.launch import default_workers
-
-    if set(plan.kernels) == set(CHANNEL_KERNELS):
-        metas = {**channel_input_metas(plan), **(metas or {})}
-    metas = dict(plan_input_metas(plan) if metas is None else metas)
-    if plan.fused and "a" in metas and "g" not in metas:  # its backward: the recomputed log g
-        metas["g"] = metas["a"]
-    texts = {}
-    for launch in plan.forward + plan.backward:
-        spec = plan.kernels[launch.kernel]
-        kernel = metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
-                                        spec.source, spec.header)
-        text = kernel.kernel_text([metas[n] for n in launch.inputs], launch.output_dtypes,
-                                  launch.template, metas_given=True)
-        texts[source.simulator_source(text)] = f"kernel {text.kernel_name}"
-        for name, shape, dt in zip(launch.outputs, launch.output_shapes, launch.output_dtypes):
-            metas[name] = (dt, len(shape), math.prod(shape))
-        if "y_out" in metas and "final_state" in metas:  # the backward's cotangents are
-            metas.setdefault("dy", metas["y_out"])  # shaped like the outputs
-            metas.setdefault("dsf", metas["final_state"])
-        if plan.packed and "states" in metas:
-            metas.setdefault("dsin", metas["states"])
-    with ThreadPoolExecutor(max_workers=default_workers()) as pool:
-        return list(pool.map(lambda item: compiler.kernel_library(*item), texts.items()))
-
-
-def lower_check(variant: Variant, problem: Problem) -> None:
-    """`gdngen.tools.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
-    g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
-    gate forms with the qk norm (`render_fused`) and the per-step-states build (`steps_plan`)
-    included. Raises on failure."""
-    fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))
-    if problem.gate == "scalar":
-        for inputs in (None, *fused):
-            compile_plan(launch_plan(variant, problem, 2, 1, inputs))
-    else:
-        compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
-                                  settings.templates_override()))
-    for inputs in (None, *fused):
-        plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
-        compile_plan(plan, recurrent_input_metas(plan))
-    plan = steps_plan(variant, problem, 2, 1)
-    compile_plan(plan, recurrent_input_metas(plan))
-
-
-def to_numpy(x):
-    """mx array -> NumPy (bfloat16 through ml_dtypes, bit for bit)."""
-    import mlx.core as mx
-    import numpy as np
-
-    if x.dtype == mx.bfloat16:
-        import ml_dtypes
-
-        return np.array(x.view(mx.uint16)).view(ml_dtypes.bfloat16)
-    return np.array(x)
-
-
-def from_numpy(x):
-    """NumPy -> mx array (bfloat16 bit for bit)."""
-    import mlx.core as mx
-
-    if x.dtype.name == "bfloat16":
-        return mx.array(x.view("uint16")).view(mx.bfloat16)
-    return mx.array(x)

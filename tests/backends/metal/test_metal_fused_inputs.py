@@ -21,6 +21,7 @@ from gdngen import Problem, Variant, registry, sources
 from gdngen.algebra import chunkwise, reference
 from gdngen.backends import metal
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
+from gdngen.backends.metal import launch as metal_launch
 from gdngen.backends.metal import sim as metal_sim
 from gdngen.validate import relative_error
 
@@ -271,7 +272,7 @@ def test_fused_gpu_matches_simulator(name, path, monkeypatch):
     variant = _variant(SETUPS[name][2], T + 1 if path == "recurrent" else 0)
     results = []
     for launcher in (metal.MLXLauncher(), metal.SimLauncher()):
-        monkeypatch.setattr(metal, "default_launcher", lambda launcher=launcher: launcher)
+        monkeypatch.setattr(metal_launch, "default_launcher", lambda launcher=launcher: launcher)
         results.append(_values_and_grads(name, x, variant, dy, dS))
     (y, S, grads), (y_sim, S_sim, grads_sim) = results
     np.testing.assert_allclose(y, y_sim, rtol=1e-5, atol=1e-6)
@@ -340,10 +341,11 @@ def test_fused_kernels_do_not_depend_on_thread_order(params, monkeypatch):
     for schedule, seed in (("forward", 0), ("reverse", 0), ("random", 1), ("low_first", 0),
                            ("high_first", 0)):
         launcher = metal.SimLauncher(schedule, seed)
-        monkeypatch.setattr(metal, "default_launcher", lambda launcher=launcher: launcher)
+        monkeypatch.setattr(metal_launch, "default_launcher", lambda launcher=launcher: launcher)
         for path, below in (("chunkwise", 0), ("recurrent", 100)):
             y, state = _call(name, arrays, _variant(False, below, **params))
             results.setdefault(path, []).append((np.array(y), np.array(state)))
+        assert launcher.threadgroup_bytes, "the patched launcher ran the kernels"
     for path, runs in results.items():
         for y, state in runs[1:]:
             np.testing.assert_array_equal(y, runs[0][0], err_msg=path)

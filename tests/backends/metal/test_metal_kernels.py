@@ -106,6 +106,22 @@ def test_adapt_shrinks_dv_tile_and_rejects_other_backends():
         metal.adapt(Variant("mlx", {"chunk_size": 64}), PROBLEM)
 
 
+def test_role_modules_check_and_parse_as_the_backend_does():
+    """`config.check` / `config.parse` (the role modules hold no backend instance) agree with
+    `Metal.check` / `Metal.parse`, messages included; `kernels.render` with `Metal.render`."""
+    from gdngen.backends.metal import config, kernels
+
+    bad = Problem(2, 4, 48, 64)
+    for check in (config.check, metal.SPEC.check):
+        with pytest.raises(ValueError, match="the metal backend cannot run .*multiple of 32"):
+            check(bad)
+    v = Variant("metal", dict(SAMPLED[3]))
+    assert config.parse(v) == metal.SPEC.parse(v)
+    with pytest.raises(ValueError, match="variant backend must be 'metal'"):
+        config.parse(Variant("mlx", {"chunk_size": 64}))
+    assert kernels.render(v, PROBLEM).sha256 == metal.SPEC.render(v, PROBLEM).sha256
+
+
 def test_space_render_and_plan_import_without_mlx():
     code = ("import sys; sys.modules['mlx'] = None\n"
             "from gdngen import Problem, variants, render\n"

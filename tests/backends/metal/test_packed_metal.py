@@ -10,6 +10,7 @@ import pytest
 from gdngen import Problem, registry, settings, validate
 from gdngen.algebra import packed
 from gdngen.backends import metal
+from gdngen.backends.metal import launch as metal_launch
 from gdngen.backends.metal import sim as metal_sim
 from gdngen.cases import get_case
 
@@ -56,13 +57,13 @@ def _check_packed_case(name, monkeypatch, params=None):
     assert not packed.native(registry.get("metal"), vector_gate=True)
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     ran = []
-    run = metal._run
+    run = metal_launch.run_launches
 
     def spy(plan, launches, env, launcher):
         ran.extend((plan.packed, launch.kernel) for launch in launches)
         return run(plan, launches, env, launcher)
 
-    monkeypatch.setattr(metal, "_run", spy)
+    monkeypatch.setattr(metal_launch, "run_launches", spy)
     case = get_case(name)
     variant = None
     if params is not None:

@@ -1,0 +1,244 @@
+"""The Metal backend's calls: the recurrent kernel (`recurrent_forward`, per-step states
+`recurrent_steps_forward`) and the bodies of the backend's hooks on a checked
+`gdngen.call.Call`: `dense_call` (the recurrent switch), `packed_call`, `steps_call`,
+`chunks_call`. The launcher defaults to `gdngen.backends.metal.launch.default_launcher`, read
+when called."""
+
+from __future__ import annotations
+
+from gdngen import settings
+from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
+from gdngen.backends.metal import launch
+from gdngen.backends.metal.config import adapt
+from gdngen.backends.metal.plan import recurrent_plan, steps_plan
+from gdngen.backends.metal.vjp import ChannelWalks, dense_core, packed_core
+from gdngen.variant import Problem, Variant
+
+
+def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,
+                      templates_dir=None, qk_norm=False, gate=None):
+    """The recurrent kernel (``recurrent.metal.j2``, `recurrent_plan`): the forward one step at a
+    time, for short calls (decode / short prefill); no VJP (`gated_delta` differentiates the chunk
+    path).
+
+    float32 mx arrays q, k ``[B,T,Hk,Dk]``, v ``[B,T,Hv,Dv]``, ``decay`` the LINEAR decay in [0, 1]
+    ``[B,T,Hv]`` (scalar gate) or ``[B,T,Hv,Dk]`` (per channel), beta ``[B,T,Hv]``, S0
+    ``[B,Hv,Dv,Dk]``, masked steps folded in (`gdngen.algebra.chunkwise.fold_mask`). Returns ``(y
+    [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])`` float32; value head h reads key head h // (Hv / Hk); per
+    step (`gdngen.algebra.chunkwise.recurrent_forward`) ``u = beta (v - S (a k))``,
+    ``y = S (a q) + u (k.q)``, ``S <- S diag(a) + u k^T``, y scaled by ``scale``. ``problem``
+    defaults from the shapes; ``launcher`` to `gdngen.backends.metal.launch.default_launcher`;
+    ``templates_dir``: a template override folder.
+
+    Fused inputs (`render_fused`): ``qk_norm``: q, k raw, normalised in the kernel's loads; ``gate``
+    a `gdngen.algebra.chunkwise.ParameterGate`: ``decay`` is ``(a, A_log, dt_bias)`` (parameters in
+    any form `kernel_parameters` takes), log g and the decay formed per step in the kernel."""
+    import mlx.core as mx
+
+    from gdngen.algebra import chunkwise
+
+    B, T, Hk, Dk = (int(n) for n in q.shape)
+    Hv, Dv = int(v.shape[2]), int(v.shape[3])
+    parameter_gate = isinstance(gate, chunkwise.ParameterGate)
+    if gate is not None and not parameter_gate:
+        raise ValueError(f"gate must be None or a chunkwise.ParameterGate, got {gate!r}")
+    if parameter_gate != isinstance(decay, tuple) or (parameter_gate and len(decay) != 3):
+        raise ValueError("decay must be the tuple (a, A_log, dt_bias) exactly when gate is a "
+                         f"ParameterGate, got {type(decay).__name__} with gate={gate!r}")
+    inputs = KernelInputs.of(qk_norm, gate)
+    gate_kind = "vector" if chunkwise.raw_gates(decay).ndim == 4 else "scalar"
+    if problem is None:
+        problem = Problem(Hk, Hv, Dk, Dv, "float32", gate_kind)
+    got = (problem.Hk, problem.Hv, problem.Dk, problem.Dv, problem.gate)
+    if got != (Hk, Hv, Dk, Dv, gate_kind):
+        raise ValueError(f"arrays have shape class Hk={Hk}, Hv={Hv}, Dk={Dk}, Dv={Dv}, gate "
+                         f"{gate_kind}, expected {problem.key()}")
+    launcher = launch.default_launcher() if launcher is None else launcher
+    plan = recurrent_plan(variant, problem, T, B, templates_dir, inputs)
+    f32 = mx.float32
+    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32),
+           "a": chunkwise.raw_gates(decay).astype(f32), "beta": beta.astype(f32),
+           "s0": S0.astype(f32), "prm": mx.array([float(scale)], f32)}
+    if inputs.fused:
+        env["prm"] = mx.array([float(scale), inputs.lower_bound], f32)
+    if parameter_gate:
+        env["A_log"], env["dt_bias"] = kernel_parameters(mx, *decay[1:], Hv, Dk,
+                                                         gate_kind == "vector")
+    if hasattr(launcher, "prepare"):
+        launcher.prepare(plan, env)
+    env = launch.run_launches(plan, plan.forward, env, launcher)
+    return env["y_out"], env["final_state"]
+
+
+def recurrent_steps_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
+                            launcher=None, templates_dir=None):
+    """`recurrent_forward` (plain inputs) on the per-step-states build (`render_steps`,
+    `steps_plan`): ``(y [B,T,Hv,Dv], states [B,T,Hv,Dv,Dk])``, float32, the state after every
+    step, each lane writing its columns of its rows as it walks."""
+    import mlx.core as mx
+
+    B, T, Hk, Dk = (int(n) for n in q.shape)
+    Hv, Dv = int(v.shape[2]), int(v.shape[3])
+    if problem is None:
+        problem = Problem(Hk, Hv, Dk, Dv, "float32", "vector" if decay.ndim == 4 else "scalar")
+    launcher = launch.default_launcher() if launcher is None else launcher
+    plan = steps_plan(variant, problem, T, B, templates_dir)
+    f32 = mx.float32
+    env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32), "a": decay.astype(f32),
+           "beta": beta.astype(f32), "s0": S0.astype(f32), "prm": mx.array([float(scale)], f32)}
+    if hasattr(launcher, "prepare"):
+        launcher.prepare(plan, env)
+    env = launch.run_launches(plan, plan.forward, env, launcher)
+    return env["y_out"], env["states"]
+
+
+def steps_call(call, operands, variant, launcher=None):
+    """A ``return_states="steps"`` `gdngen.call.Call` (layer inputs computed) on the
+    `render_steps` kernel (`gdngen.backends.generated.kernel_steps`): ``(y in q's dtype, states
+    [B,T,Hv,Dv,Dk] float32)``; its VJP is the portable MLX step loop's, run under ``mx.vjp``
+    only."""
+    from gdngen.backends import generated
+
+    variant = adapt(variant, call.problem)
+    launcher = launch.default_launcher() if launcher is None else launcher
+
+    def recurrent(q, k, v, decay, beta, S0):
+        return recurrent_steps_forward(q, k, v, decay, beta, S0, scale=call.scale,
+                                       variant=variant, problem=call.problem, launcher=launcher)
+
+    return generated.kernel_steps(call, operands, recurrent)
+
+
+def chunks_call(call, operands, variant, launcher=None):
+    """A ``return_states="chunks"`` `gdngen.call.Call` (layer inputs computed) on the chunk
+    kernels of ``variant`` (`gdngen.backends.generated.kernel_chunks`): the checkpoints are the
+    per-chunk states the forward's scan writes (scalar gates: the ``save_states`` build's
+    ``states``, the backward's residual; per-channel gates: the walk kernel's, `ChannelWalks`),
+    read, not recomputed. Returns ``(y in q's dtype, states [B, ceil(T/N), Hv, Dv, Dk]
+    float32)``; the VJP is the portable MLX chunk path's."""
+    from gdngen.backends import generated
+
+    variant = adapt(variant, call.problem)
+    launcher = launch.default_launcher() if launcher is None else launcher
+    C = variant["chunk_size"]
+    if call.shape.vector_gate:
+        walks = ChannelWalks(variant, call.problem, launcher, settings.templates_override())
+        chunk_forward = generated.walk_chunk_forward(call, C, walks.forward)
+    else:
+        saving = variant.replace(save_states=True)
+        core = dense_core(saving, call.problem, "log", call.scale, launcher)
+
+        def states_core(q, k, v, gates, beta, s0):
+            Y, S, per_chunk = core(q, k, v, gates, beta, s0)[:3]  # per_chunk [N,B,Hv,Dv,Dk]
+            return Y, S, per_chunk.reshape(v.shape[:4] + s0.shape[-2:])
+
+        chunk_forward = generated.entering_forward(call, C, states_core, core_scales=True)
+    return generated.kernel_chunks(call, operands, C, chunk_forward)
+
+
+def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher,
+                templates=None, qk_norm=False):
+    """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
+    (API layout, inputs cast as `gated_delta` casts them; y in q's dtype); ``qk_norm``: q, k
+    raw, ``gate`` a `gdngen.algebra.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``):
+    both computed by the fused forward kernels and recomputed for the backward (`dense_core`)."""
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    core = dense_core(variant, problem, gate, scale, launcher, templates, qk_norm)
+
+    def core_outputs(*arrays):
+        outs = core(*arrays)
+        return outs[0], outs[1]
+
+    def chunkwise_call(q, k, v, g, beta, s0, mask=None):
+        # The scale is applied inside the kernels (in float32), so the layout glue runs with 1.
+        y, state = chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, s0, mask,
+                                         scale=1.0, gate=gate, chunk_size=variant["chunk_size"])
+        return y.astype(q.dtype), state
+
+    return chunkwise_call
+
+
+def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
+    """`gated_delta`'s body on a checked dense `gdngen.call.Call`: ``(y in q's dtype,
+    final_state float32)``. ``chunked``: the recurrent switch for this call
+    (`gdngen.backend.Backend.chunked`): the chunk kernels, else the recurrent kernel forward."""
+    import mlx.core as mx
+
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable import mlx_chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    shape, problem, gate, scale, qk_norm = (call.shape, call.problem, call.kernel_gate,
+                                            call.scale, call.qk_norm)
+    q, k, v, _, beta, initial_state, mask = operands[:7]
+    g = operands.kernel_gates()
+    variant = adapt(variant, problem)
+    launcher = launch.default_launcher() if launcher is None else launcher
+    f32 = mx.float32
+    if initial_state is None:
+        initial_state = mx.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+    args = (q, k.astype(q.dtype), v.astype(q.dtype), chunkwise.cast_gates(g, f32),
+            beta.astype(f32), initial_state.astype(f32))
+
+    if shape.vector_gate:
+        walks = ChannelWalks(variant, problem, launcher, settings.templates_override())
+
+        def chunkwise_call(q, k, v, g, beta, s0, mask=None):
+            y, state = mlx_chunkwise.chunkwise_gated_delta(
+                q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, mask, scale=scale,
+                gate=gate, chunk_size=variant["chunk_size"], save_states=variant["save_states"],
+                walks=(walks.forward, walks.backward), qk_norm=qk_norm)
+            return y.astype(q.dtype), state
+    else:
+        chunkwise_call = _chunk_call(variant, problem, gate, scale, launcher, qk_norm=qk_norm)
+    if chunked:
+        return chunkwise_call(*args, mask)
+
+    parameter_gate = gate if isinstance(gate, chunkwise.ParameterGate) else None
+
+    def recurrent(q, k, v, g, beta, s0):
+        # the kernel normalises q, k and forms a ParameterGate's decay in its loads
+        decay = g if parameter_gate else chunkwise.linear_decay(XP, g, gate)  # exp(-inf) = 0
+        y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
+                                     problem=problem, launcher=launcher, qk_norm=qk_norm,
+                                     gate=parameter_gate)
+        return y.astype(q.dtype), state
+
+    g, beta = chunkwise.fold_mask(XP, args[3], args[4], mask, gate)
+    y, state = mlx_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
+        *args[:3], g, beta, args[5])
+    if mask is not None:
+        y = mx.where(mask[..., None, None], y, mx.zeros((), y.dtype))
+    return y.astype(q.dtype), state
+
+
+def packed_call(call, operands, variant, launcher=None, templates_dir=None):
+    """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`."""
+    import mlx.core as mx
+
+    from gdngen.algebra import packed
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    gate, scale = call.gate, call.scale
+    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+    problem = call.replace(dtype="float32").problem
+    variant = adapt(variant, problem)
+    launcher = launch.default_launcher() if launcher is None else launcher
+    templates = settings.templates_override() if templates_dir is None else templates_dir
+    chunk_call = _chunk_call(variant, problem, gate, scale, launcher, templates)
+    walk_core = packed_core(variant, problem, gate, launcher, templates)
+
+    def dense(q, k, v, g, beta, S0, mask):
+        y, S = chunk_call(q, k, v, g, beta, S0, mask)
+        return mx.where(mask[..., None, None], y, mx.zeros((), y.dtype)), S
+
+    walk = packed.chunk_walk(XP, lambda *a: walk_core(*a)[:2], scale=scale, gate=gate,
+                             chunk_size=variant["chunk_size"])
+    f32 = mx.float32
+    y, state = packed.gated_delta(
+        XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
+        None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+        gate=gate, chunk_size=variant["chunk_size"])
+    return y.astype(q.dtype), state

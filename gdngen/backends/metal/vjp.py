@@ -1,0 +1,254 @@
+"""The Metal backend's differentiable cores: the chunk kernels' forward with the backward
+kernels as its VJP (`dense_core`, `packed_core`, as ``mx.custom_function`` over chunk-layout
+arrays) and the per-channel walks (`ChannelWalks`). Each core is cached per variant, problem,
+gate and launcher."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
+from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
+from gdngen.backends.metal import launch
+from gdngen.backends.metal.config import BACKEND, adapt
+from gdngen.backends.metal.kernels import fused_key
+from gdngen.backends.metal.plan import (
+    Plan,
+    build_launch_plan,
+    channel_plan,
+    launch_plan,
+    packed_launch_plan,
+)
+from gdngen.variant import Problem, Variant
+
+
+@dataclass(frozen=True)
+class ChannelWalks:
+    """The chunk walks of `gdngen.algebra.chunkwise_channel` on the Metal walk kernels of
+    ``variant`` (`channel_plan`), run by ``launcher``: ``forward`` has
+    `chunkwise_channel.walk_forward`'s contract, ``backward`` `walk_backward`'s (mx arrays in chunk
+    layout; float32 inside). The intra-chunk stages (factors, decayed products, WY, the backward's
+    adjoints and straddle sums) stay `gdngen.algebra.chunkwise_channel`'s shared mx code; fusing
+    them into kernels is a later step. Injected states (packed rows) are not taken: per-channel
+    packed rows run the portable walk. Hashable, so
+    `gdngen.backends.portable.mlx_chunkwise.chunk_core` caches one core per walks."""
+
+    variant: Variant
+    problem: Problem
+    launcher: object
+    templates: object = None
+
+    def _plan(self, N: int, B: int) -> Plan:
+        return channel_plan(self.variant, self.problem, N, B, self.templates)
+
+    def _launch(self, plan: Plan, launches, env: dict) -> dict:
+        import mlx.core as mx
+
+        env = {n: x.astype(mx.float32) for n, x in env.items()}
+        if hasattr(self.launcher, "prepare"):
+            self.launcher.prepare(plan, env)
+        return launch.run_launches(plan, launches, env, self.launcher)
+
+    def forward(self, xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
+        """``(Y, S_final, S_in, W)``: one launch of fwd_scan_channel (shapes as
+        `gdngen.algebra.chunkwise_channel.walk_forward`)."""
+        refuse_injection(BACKEND, inject)
+        N, B = int(U.shape[0]), int(U.shape[1])
+        plan = self._plan(N, B)
+        env = self._launch(plan, plan.forward, {"s0": S0, "u": U, "wk": Wk, "kc": Kc, "qd": Qd,
+                                                "pm": Pm, "dccv": dCC})
+        return (env["y_out"].reshape(U.shape), env["final_state"].reshape(S0.shape),
+                env["states"].reshape((N,) + tuple(S0.shape)), env["w_out"].reshape(U.shape))
+
+    def backward(self, xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
+        """``(dS0, dW, dWk, dQd, dKc, ddCC, None)``: one launch of bwd_scan_channel (shapes as
+        `gdngen.algebra.chunkwise_channel.walk_backward`); the Dk-wide products come back one part
+        per Dv tile and are summed here."""
+        refuse_injection(BACKEND, dS_in)
+        N, B = int(W.shape[0]), int(W.shape[1])
+        plan = self._plan(N, B)
+        env = self._launch(plan, plan.backward, {
+            "dsf": dS_final, "ptdy": G, "kc": Kc, "wk": Wk, "w": W, "states": S_in, "dy": dY,
+            "qd": Qd, "dccv": dCC})
+
+        def summed(name, like):
+            return env[name].sum(axis=0).reshape(like.shape)
+
+        return (env["ds0"].reshape(dS_final.shape), env["dw"].reshape(W.shape),
+                summed("dwk", Wk), summed("dqd", Qd), summed("dkc", Kc), summed("ddcc", dCC),
+                None)
+
+
+def _input_grads(env: dict, primals, gate: str) -> tuple:
+    """``(dq, dk, dv, dgates, dbeta)`` in the primals' chunk layout from a backward's
+    environment: dq / dk summed over the r value heads of each key head, the gate cotangent
+    the O(C^2) epilogue (`gdngen.algebra.chunkwise.decay_factors_log_vjp` or its linear twin)
+    on ``dd``."""
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    q, k, v, gates, beta = primals[:5]
+    N, B, Hk, r, C = v.shape[:5]
+    Dk = q.shape[-1]
+    dq = env["dq"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(q.shape)
+    dk = env["dk"].reshape(N, B, Hk, r, C, Dk).sum(axis=3).reshape(k.shape)
+    dv = env["dv"].reshape(v.shape)
+    dbeta = env["dbeta"].reshape(beta.shape)
+    dD = env["dd"].reshape(gates.shape[:-1] + (C + 1, C + 1))
+    if gate == "log":
+        D = chunkwise.decay_factors(XP, gates)
+        dgates = chunkwise.decay_factors_log_vjp(XP, gates, D, dD)
+    else:
+        D = chunkwise.decay_factors(XP, XP.log(gates))
+        dgates = chunkwise.decay_factors_linear_vjp(XP, gates, D, dD)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, dbeta
+
+
+@functools.lru_cache(maxsize=128)
+def dense_core(variant: Variant, problem: Problem, gate, scale: float, launcher,
+          templates=None, qk_norm=False):
+    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.algebra.chunkwise.gated_delta`
+    passes them) -> ``(Y, S_final, *saved)``, the Metal backward kernels as its VJP. ``templates``:
+    a template override folder (default ``GDNGEN_TEMPLATES`` when the plan is made).
+
+    ``qk_norm`` (q, k raw) / ``gate`` a `gdngen.algebra.chunkwise.ParameterGate` (``gates`` is
+    ``(a, A_log, dt_bias)``, parameters ``[Hk, r, 1]``): the forward runs the fused build
+    (`render_fused`); the VJP recomputes normalised q, k (`gdngen.backends.generated.l2_normalized`)
+    and log g (`gdngen.algebra.chunkwise.log_gates`) for the plain backward and maps the cotangents
+    back (`gdngen.algebra.chunkwise.gates_vjp`)."""
+    import mlx.core as mx
+
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels' gate convention
+
+    def normalized(x):
+        return l2_normalized(XP, x) if qk_norm else x
+
+    def raw_cotangent(x, dx):
+        return l2_normalized_vjp(XP, x, dx) if qk_norm else dx
+
+    prm = mx.array([scale, 1.0 if gate == "linear" else 0.0], mx.float32)
+    inputs = KernelInputs.of(qk_norm, parameter_gate)
+    # the fused forward's: prm[2] the lower bound (sigmoid_bound; 0 otherwise)
+    prm_fused = mx.array([scale, 1.0 if gate == "linear" else 0.0, inputs.lower_bound],
+                         mx.float32)
+
+    def plan_for(v):
+        N, B = int(v.shape[0]), int(v.shape[1])
+        if templates is None:
+            return launch_plan(variant, problem, N, B, inputs)
+        return build_launch_plan(adapt(variant, problem), problem, N, B, templates, False,
+                            fused_key(inputs))
+
+    def forward_inputs(q, k, gates):
+        """The fused forward's q, k and gate operands: raw (the kernels compute the rest)."""
+        if not inputs.fused:
+            return {"q": q, "k": k, "g": gates}
+        env = {"q": q, "k": k, "prm": prm_fused}
+        if inputs.gate_form is None:
+            env["g"] = gates
+        else:
+            a, A_log, dt_bias = gates
+            env["a"] = a
+            env["A_log"], env["dt_bias"] = kernel_parameters(mx, A_log, dt_bias, problem.Hv,
+                                                             problem.Dk, False)
+        return env
+
+    # Chunk layout (gdngen.algebra.chunkwise.to_chunks): v [N, B, Hk, r, C, Dv], gates / beta
+    # [N, B, Hk, r, C]; q and k hold N, B, Hk, C, Dk in that order (with or without a unit r
+    # axis): the kernels only need their memory order.
+    @mx.custom_function
+    def core(q, k, v, gates, beta, s0):
+        plan = plan_for(v)
+        env = {"v": v, "beta": beta, "s0": s0, "prm": prm, **forward_inputs(q, k, gates)}
+        if hasattr(launcher, "prepare"):
+            launcher.prepare(plan, env)
+        env = launch.run_launches(plan, plan.forward, env, launcher)
+        Y = env["y_out"].reshape(v.shape)
+        S = env["final_state"].reshape(s0.shape)
+        return (Y, S) + tuple(env[n] for n in plan.saved)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, parameters, beta, s0 = primals
+        gates = chunkwise.log_gates(XP, parameters, parameter_gate)[0]
+        plan = plan_for(v)
+        N, B, Hk, r, C, Dv = v.shape
+        Dk = q.shape[-1]
+        Hv = Hk * r
+        dY = cotangents[0]
+        dY = mx.zeros(outputs[0].shape, q.dtype) if dY is None else dY.astype(q.dtype)
+        dS = cotangents[1]
+        dS = mx.zeros(s0.shape, mx.float32) if dS is None else dS.astype(mx.float32)
+        env = {"q": normalized(q), "k": normalized(k), "v": v, "g": gates, "beta": beta,
+               "s0": s0, "prm": prm, "dy": dY.reshape(N, B, Hv, C, Dv),
+               "dsf": dS.reshape(B, Hv, Dv, Dk)}
+        env.update(zip(plan.saved, outputs[2:]))
+        env = launch.run_launches(plan, plan.backward, env, launcher)
+        dq, dk, dv, dgates, dbeta = _input_grads(env, (q, k, v, gates, beta), gate)
+        return (raw_cotangent(q, dq), raw_cotangent(k, dk), dv,
+                chunkwise.gates_vjp(XP, parameters, parameter_gate, dgates), dbeta,
+                env["ds0"].reshape(s0.shape))
+
+    return core
+
+
+@functools.lru_cache(maxsize=128)
+def packed_core(variant: Variant, problem: Problem, gate: str, launcher, templates):
+    """The packed kernels' chunk walk (`packed_launch_plan`) as an ``mx.custom_function``
+    ``(q, k, v, gates, beta, inject) -> (Y, S_in, *saved)``: the `gdngen.algebra.packed.chunk_walk`
+    contract (`gdngen.algebra.chunkwise.forward` with ``inject``, from a zero state).
+
+    Chunk layout (`gdngen.algebra.chunkwise.to_chunks`): q, k ``[N, 1, Hk, C, Dk]`` with q already
+    scaled (the kernels run with scale 1), v ``[N, 1, Hk, r, C, Dv]``, gates / beta ``[N, 1,
+    Hk, r, C]``, ``inject [N, 1, Hk, r, Dv, Dk]`` float32 added to the state leaving chunk n;
+    Y like v, ``S_in`` like inject, the states entering the chunks. The VJP (the packed
+    backward: ``dS_in`` enters at each chunk's entry) returns ``dinject`` = the cotangent of
+    the state leaving each chunk, zero for the last (the walk's final state is not an
+    output)."""
+    import mlx.core as mx
+
+    f32 = mx.float32
+    prm = mx.array([1.0, 1.0 if gate == "linear" else 0.0], f32)
+
+    def plan_for(v):
+        return packed_launch_plan(variant, problem, int(v.shape[0]), int(v.shape[1]),
+                                  templates)
+
+    def state_shape(v, q):
+        return (int(v.shape[1]), problem.Hv, int(v.shape[-1]), int(q.shape[-1]))
+
+    @mx.custom_function
+    def core(q, k, v, gates, beta, inject):
+        plan = plan_for(v)
+        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta,
+               "s0": mx.zeros(state_shape(v, q), f32), "inject": inject.astype(f32), "prm": prm}
+        if hasattr(launcher, "prepare"):
+            launcher.prepare(plan, env)
+        env = launch.run_launches(plan, plan.forward, env, launcher)
+        return (env["y_out"].reshape(v.shape), env["states"].reshape(inject.shape)) + \
+            tuple(env[n] for n in plan.saved)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, inject = primals
+        plan = plan_for(v)
+        N, B, Hk, r, C, Dv = v.shape
+        dY, dS_in = cotangents[0], cotangents[1]
+        dY = mx.zeros(v.shape, q.dtype) if dY is None else dY.astype(q.dtype)
+        dS_in = mx.zeros(inject.shape, f32) if dS_in is None else dS_in.astype(f32)
+        states = (N, B, Hk * r) + tuple(inject.shape[-2:])
+        env = {"q": q, "k": k, "v": v, "g": gates, "beta": beta,
+               "s0": mx.zeros(state_shape(v, q), f32), "inject": inject.astype(f32),
+               "prm": prm, "dy": dY.reshape(N, B, Hk * r, C, Dv),
+               "dsf": mx.zeros(state_shape(v, q), f32), "dsin": dS_in.reshape(states)}
+        if plan.saved:
+            env["states"] = outputs[1].reshape(states)
+            env.update(zip(plan.saved, outputs[2:]))
+        env = launch.run_launches(plan, plan.backward, env, launcher)
+        return _input_grads(env, primals, gate) + (env["dsout"].reshape(inject.shape),)
+
+    return core
