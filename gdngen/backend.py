@@ -35,7 +35,7 @@ from gdngen.devices import Device, get_device
 from gdngen.problem import FLOAT_DTYPES
 from gdngen.variant import Problem, Variant
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "parse_variant"]
 
 
 class Backend:
@@ -161,9 +161,7 @@ class Backend:
 
     def parse(self, variant: Variant):
         """The typed config of ``variant``; ValueError for another backend or bad params."""
-        if variant.backend != self.name:
-            raise ValueError(f"variant backend must be {self.name!r}, got {variant.backend!r}")
-        return _parsed(self.config, variant.params, tuple(type(v) for _, v in variant.params))
+        return parse_variant(self.name, self.config, variant)
 
     def device(self, device: str | Device | None) -> Device | None:
         """The device a space is planned for: ``device``, else `reference_device`."""
@@ -247,6 +245,14 @@ class Backend:
         """A packed row (`gdngen.algebra.packed`, gate kinds of `packed_gates`) of ``variant``:
         ``(y [1,T,Hv,Dv] in q's dtype, final_state [N,Hv,Dv,Dk] float32)``."""
         raise NotImplementedError
+
+
+def parse_variant(backend: str, config: type, variant: Variant):
+    """The ``config`` instance of a ``backend`` ``variant`` (memoised per params); ValueError
+    for another backend or bad params. `Backend.parse` without the instance."""
+    if variant.backend != backend:
+        raise ValueError(f"variant backend must be {backend!r}, got {variant.backend!r}")
+    return _parsed(config, variant.params, tuple(type(v) for _, v in variant.params))
 
 
 @functools.lru_cache(maxsize=256)

@@ -67,8 +67,15 @@ def render_spec(spec, variant: Variant, problem: Problem, *,
     if spec.render_plan is None:
         texts = {name: Path(importlib.util.find_spec(name).origin).read_text()
                  for name in spec.source_modules}  # read, not imported
-    else:
-        env = environment(templates_dir)
-        texts = {name: env.get_template(path).render(**context)
-                 for name, (path, context) in spec.render_plan(variant, problem).items()}
+        return Rendered(variant, problem, texts, sources_sha256(texts))
+    return render_planned(variant, problem, spec.render_plan(variant, problem),
+                          templates_dir=templates_dir)
+
+
+def render_planned(variant: Variant, problem: Problem, plan: dict, *,
+                   templates_dir: str | os.PathLike | None = None) -> Rendered:
+    """`Rendered` of a render plan ``{output name: (template path, context)}``."""
+    env = environment(templates_dir)
+    texts = {name: env.get_template(path).render(**context)
+             for name, (path, context) in plan.items()}
     return Rendered(variant, problem, texts, sources_sha256(texts))

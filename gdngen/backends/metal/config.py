@@ -9,6 +9,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from gdngen.backend import parse_variant
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
 from gdngen.variant import Problem, Variant
@@ -218,15 +219,6 @@ def check(problem: Problem) -> None:
 
 
 def parse(variant: Variant) -> Config:
-    """The `Config` of a metal ``variant`` (`Metal.parse`'s rule, memoised per params);
-    ValueError for another backend or bad params."""
-    if variant.backend != BACKEND:
-        raise ValueError(f"variant backend must be {BACKEND!r}, got {variant.backend!r}")
-    return _parsed(variant.params, tuple(type(v) for _, v in variant.params))
-
-
-@functools.lru_cache(maxsize=256)
-def _parsed(params: tuple, types: tuple) -> Config:
-    """`Config.from_params` per params and their types (1 and True are equal keys, not equal
-    params)."""
-    return Config.from_params(dict(params))
+    """The `Config` of a metal ``variant`` (`gdngen.backend.parse_variant`); ValueError for
+    another backend or bad params."""
+    return parse_variant(BACKEND, Config, variant)

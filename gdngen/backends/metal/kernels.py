@@ -88,16 +88,11 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     ``states`` (S_in); its ``bwd_scan`` takes their cotangent ``dsin`` (same layout), so its
     ``dsout`` is the injection's cotangent. With ``packed`` unset the templates render the dense
     kernels byte for byte: the dense sha256 (and tuned entries) do not depend on this build."""
-    from gdngen.sources import Rendered, environment, sources_sha256
+    from gdngen.sources import render_planned
 
-    if problem.gate != "scalar":
-        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
-    variant = adapt(variant, problem)
-    env = environment(templates_dir)
-    texts = {name: env.get_template(template).render(**dict(context, packed=True))
-             for name, (template, context) in render_plan(variant, problem).items()
-             if name != "recurrent.metal"}
-    return Rendered(variant, problem, texts, sources_sha256(texts))
+    parse(variant)  # ValueError naming a bad field, before anything is rendered
+    return render_planned(variant, problem, render_plan(variant, problem),
+                          templates_dir=templates_dir)
 
 
 def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
