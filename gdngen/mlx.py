@@ -54,9 +54,4 @@ def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log,
     gates, the recurrence, gated RMSNorm; returns ``(out [B,T,Hv,Dv], final_state,
     conv_state [B,C,K-1])`` (``return_states="steps"``: every step's state
     ``[B,T,Hv,Dv,Dk]`` in place of the final one). Differentiable in every array argument."""
-    return mixer.gated_delta_mixer(
-        "mlx", gated_delta, mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv,
-        A_log=A_log, dt_bias=dt_bias, norm_weight=norm_weight, conv_state=conv_state,
-        initial_state=initial_state, mask=mask, cu_seqlens=cu_seqlens, norm_eps=norm_eps,
-        scale=scale, gate=gate, lower_bound=lower_bound, norm_gate=norm_gate,
-        chunk_size=chunk_size, variant=variant, return_states=return_states)
+    return mixer.gated_delta_mixer("mlx", gated_delta, **locals())
