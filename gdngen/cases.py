@@ -45,7 +45,8 @@ class Case:
     beta ~ U(beta_range); ``identical_keys`` makes all keys inside each ``chunk_size`` block
     equal; ``has_initial_state`` draws a non-zero initial state; ``padding`` draws the
     left/right/middle padding mask of `_padding_mask`; ``cu_seqlens`` makes it a packed row of
-    ``len(cu_seqlens) - 1`` sequences (B must be 1).
+    ``len(cu_seqlens) - 1`` sequences (B must be 1); ``states`` (dense cases) also checks the
+    per-step and chunk-boundary states the call returns.
     """
 
     name: str
@@ -64,6 +65,8 @@ class Case:
     has_initial_state: bool = False
     padding: bool = False
     cu_seqlens: tuple[int, ...] | None = None
+    #: the battery also checks the states this case's call returns (`gdngen.validate`)
+    states: bool = False
 
     def __post_init__(self):
         if self.cu_seqlens is not None and (
@@ -220,12 +223,12 @@ BATTERY: tuple[Case, ...] = (
     Case("hard_decay",
          "g = exp(U(-5.4, 0)): sum of log g over a 64-chunk ~ -170, overflows exp(-cumsum) "
          "tricks in fp32; beta in [0.85, 1]",
-         B=2, T=128, Hk=2, Hv=4, Dk=64, Dv=64, gates="hard", beta_range=(0.85, 1.0)),
+         B=2, T=128, Hk=2, Hv=4, Dk=64, Dv=64, gates="hard", beta_range=(0.85, 1.0), states=True),
     Case("gates_exact_one_and_zero",
          "exact g = 1 (log 0, incl. a whole chunk) and g = 0 (log -inf, incl. t=0 reset of the "
          "initial state): inf/nan from log/exp/division on boundary gates",
          B=2, T=128, Hk=2, Hv=4, Dk=32, Dv=32, gates="exact_one_and_zero",
-         has_initial_state=True),
+         has_initial_state=True, states=True),
     Case("identical_keys",
          "all keys equal within each 64-chunk, g = 0.95, beta = 1, initial state: near-singular "
          "triangular solve (I + strictly-lower KK^T) in the chunked form",
@@ -241,7 +244,7 @@ BATTERY: tuple[Case, ...] = (
     Case("equal_heads", "Hk = Hv (group of 1): head mapping without grouping",
          B=2, T=96, Hk=2, Hv=2, Dk=32, Dv=32),
     Case("t1", "T = 1 with an initial state: a single partial chunk, decode-like step",
-         B=2, T=1, Hk=2, Hv=4, Dk=32, Dv=32, has_initial_state=True),
+         B=2, T=1, Hk=2, Hv=4, Dk=32, Dv=32, has_initial_state=True, states=True),
     Case("short", "T = 37 < chunk 64, B = 1: a single partial chunk",
          B=1, T=37, Hk=2, Hv=4, Dk=32, Dv=32),
     Case("short_masked",
@@ -249,10 +252,10 @@ BATTERY: tuple[Case, ...] = (
          "initial state, GVA 3x, Dk != Dv: a decode-length call, run on both sides of the "
          "recurrent switch (tests/calls/test_recurrent.py)",
          B=2, T=37, Hk=2, Hv=6, Dk=32, Dv=64, chunk_size=32, gates="exact_one_and_zero",
-         has_initial_state=True, padding=True),
+         has_initial_state=True, padding=True, states=True),
     Case("ragged", "T = 150 with chunk 64: two full chunks then a partial one (tail handling, "
          "state carried across chunks)",
-         B=2, T=150, Hk=2, Hv=4, Dk=32, Dv=32),
+         B=2, T=150, Hk=2, Hv=4, Dk=32, Dv=32, states=True),
     Case("padding_mask",
          "mask: left padding (batch 0), right padding (batch 1), holes mid-sequence and across a "
          "chunk boundary, initial state; padded v is x100 garbage that must not leak",
@@ -272,7 +275,7 @@ BATTERY: tuple[Case, ...] = (
          "~ -2240: exp(+-cumsum) over/underflows) next to channels ~ -U(0, 0.02); T = 150 "
          "ragged tail, Hv = 3 Hk, Dk != Dv, initial state kept on the slow columns only",
          B=2, T=150, Hk=2, Hv=6, Dk=64, Dv=32, vector_gate=True, gates="half_strong",
-         has_initial_state=True),
+         has_initial_state=True, states=True),
     Case("vector_exact_zero",
          "per-channel exact gates: -inf on single channels and on whole steps (t = 0 reset of "
          "the initial state, both sides of the 64 boundary), log g = 0 on single channels and "
@@ -284,12 +287,12 @@ BATTERY: tuple[Case, ...] = (
          "partial chunk 128..149, holes; masked -inf steps must not wipe the state, x100 "
          "padded v must not leak), grouped values Hv = 3 Hk, Dk != Dv, T = 150, initial state",
          B=2, T=150, Hk=2, Hv=6, Dk=64, Dv=32, vector_gate=True, gates="channel_zero_and_one",
-         has_initial_state=True, padding=True),
+         has_initial_state=True, padding=True, states=True),
     Case("vector_t1",
          "T = 1 per-channel step on an initial state whose columns are wiped (-inf), kept "
          "exactly (0), crushed (~ -35) or barely decayed: decode-like step, Dk < Dv",
          B=2, T=1, Hk=2, Hv=4, Dk=32, Dv=64, vector_gate=True, gates="channel_mix",
-         has_initial_state=True),
+         has_initial_state=True, states=True),
     Case("vector_short_masked",
          "short_masked with per-channel exact gates (single channels and whole steps at -inf, "
          "g = 1 stretches): the per-channel recurrent kernel and its chunk VJP",

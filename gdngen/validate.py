@@ -13,9 +13,9 @@ quantity in `QUANTITIES`:
   T: the recurrent kernel when the call ran chunkwise, the chunk kernels when its forward ran
   recurrent (its VJP is the chunk path's either way). So both forward paths meet the reference
   on every case, whatever the variant's crossover.
-* step_states, chunk_states (max over both runs, dense cases, when the runner returns them):
-  the states of forward-only calls with ``return_states="steps"`` over the case's first
-  `STEP_WINDOW` steps (a draft window) and ``return_states="chunks"`` with
+* step_states, chunk_states (the log-gate run of the cases marked ``states``, when the runner
+  returns them): the states of forward-only calls with ``return_states="steps"`` over the
+  case's first `STEP_WINDOW` steps (a draft window) and ``return_states="chunks"`` with
   ``checkpoint_every`` the variant's chunk (the runner returns the stride it used), against
   the reference's state after each step and at each boundary.
 
@@ -180,7 +180,7 @@ def _state_shape(inputs: dict) -> tuple:
     return (B if packed is None else len(packed) - 1, Hv, Dv, Dk)
 
 
-def _jax_runner(inputs, *, gate, dtype, scale, variant, other_path):
+def _jax_runner(inputs, *, gate, dtype, scale, variant, other_path, states):
     import jax
     import jax.numpy as jnp
 
@@ -206,7 +206,7 @@ def _jax_runner(inputs, *, gate, dtype, scale, variant, other_path):
     if other_path is not None:
         out["y_other_path"], out["final_state_other_path"] = gated_delta(
             *args, S0, mask=mask, scale=scale, gate=gate, variant=other_path)
-    if not packed:
+    if states:
         out.update(_returned_states(gated_delta, args, S0, mask, scale=scale, gate=gate,
                                     variant=variant))
     return _float64(out, lambda x: np.asarray(x, np.float64))
@@ -231,7 +231,7 @@ def _float64(out: dict, convert) -> dict:
     return {n: x if n == "checkpoint_every" else convert(x) for n, x in out.items()}
 
 
-def _mlx_runner(inputs, *, gate, dtype, scale, variant, other_path):
+def _mlx_runner(inputs, *, gate, dtype, scale, variant, other_path, states):
     import mlx.core as mx
 
     from gdngen.mlx import gated_delta
@@ -255,7 +255,7 @@ def _mlx_runner(inputs, *, gate, dtype, scale, variant, other_path):
     if other_path is not None:
         out["y_other_path"], out["final_state_other_path"] = gated_delta(
             *args, S0, mask=mask, scale=scale, gate=gate, variant=other_path)
-    if not packed:
+    if states:
         out.update(_returned_states(gated_delta, args, S0, mask, scale=scale, gate=gate,
                                     variant=variant))
     return _float64(out, lambda x: np.asarray(x.astype(mx.float32), np.float64))
@@ -276,19 +276,22 @@ def runner_for(backend: str):
     its framework's ``gated_delta`` with ``variant``, else the backend's default variant for the
     case's shape at the case's ``chunk_size``; and a forward-only call through the path of the
     variant's recurrent switch the first call did not take (``y_other_path``,
-    ``final_state_other_path``; `_other_path`)."""
+    ``final_state_other_path``; `_other_path`); with ``states`` (dense cases) the returned
+    states too (`_returned_states`)."""
     spec = registry.get(backend)
     run = _jax_runner if spec.framework == "jax" else _mlx_runner
 
-    def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None):
+    def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None, states=True):
         chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
         # a packed row always walks chunks (`gdngen.algebra.packed`): no recurrent path to check
         packed = inputs.get("cu_seqlens") is not None
         T = np.shape(inputs["q"])[1]
         return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
-                   other_path=None if packed else _other_path(chosen, T))
+                   other_path=None if packed else _other_path(chosen, T),
+                   states=states and not packed)
 
     runner.backend = backend
+    runner.returns_states = True
     return runner
 
 
@@ -336,6 +339,8 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
             ref = reference.packed_vjp(*arrays, base["cu_seqlens"], mask=base["mask"],
                                        scale=case.scale, gate=gate)
         extra = {} if variant is None else {"variant": variant}
+        if getattr(runner, "returns_states", False):  # `runner_for`'s: asked per case
+            extra["states"] = case.states and gate == "log"
         out = runner(_copy_inputs(dict(base, g=g)), gate=gate, dtype=dtype,
                      chunk_size=chunk_size or case.chunk_size, scale=case.scale, **extra)
         if base["cu_seqlens"] is None:

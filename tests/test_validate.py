@@ -185,10 +185,11 @@ def test_runner_checks_the_path_the_call_did_not_take(monkeypatch, recurrent_bel
                                   variant=variant.replace(recurrent_below=recurrent_below))
     assert res.passed and {"y_other_path", "final_state_other_path"} <= set(res.errors)
     assert res.errors["y_other_path"] <= 5e-5 and res.errors["final_state_other_path"] <= 5e-5
+    assert not set(validate.STATE_QUANTITIES) & set(res.errors)  # "short": no states checked
     # per gate convention: recurrent forward + chunk VJP, plus the chunk forward alone (64);
-    # chunk forward + VJP, plus the recurrent forward alone (0); and either way the step loop
-    # of the return_states="steps" window (the "chunks" call walks the portable chunk stages)
-    assert calls.count("recurrent_gated_delta") == 4
+    # chunk forward + VJP, plus the recurrent forward alone (0); "short" checks no returned
+    # states (`Case.states`), so no step loop of a return_states="steps" window
+    assert calls.count("recurrent_gated_delta") == 2
     assert calls.count("chunkwise_gated_delta") == (4 if recurrent_below else 2)
 
 
