@@ -132,12 +132,12 @@ def test_key_head_groups_split_over_many_workers(monkeypatch):
     assert ffi_cpu.head_splits(1, 2, 3, 8) == 3
     assert ffi_cpu.head_splits(1, 1, 4, 2) == 2
     assert ffi_cpu.head_splits(2, 1, 6, 3) == 2
-    monkeypatch.setattr(ffi_cpu, "threads", lambda: 8)
-    ffi_cpu._core.cache_clear()
+    monkeypatch.setattr(ffi_cpu.kernels, "threads", lambda: 8)
+    ffi_cpu.vjp.core.cache_clear()
     try:
         _check(validate.run_battery(None, variant=_variant(32, 6), cases=["gva3", "ragged"]))
     finally:
-        ffi_cpu._core.cache_clear()
+        ffi_cpu.vjp.core.cache_clear()
 
 
 def test_kernel_rejects_shapes_it_was_not_rendered_for():

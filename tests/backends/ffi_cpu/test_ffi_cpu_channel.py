@@ -154,9 +154,9 @@ def test_low_precision_inputs(dtype):
 def test_value_head_groups_split_over_many_workers(monkeypatch):
     """More workers than key heads: each key head's value heads split over several tasks, the
     partial dq / dk slots summed afterwards."""
-    monkeypatch.setattr(ffi_cpu, "threads", lambda: 8)
-    ffi_cpu._core.cache_clear()
+    monkeypatch.setattr(ffi_cpu.kernels, "threads", lambda: 8)
+    ffi_cpu.vjp.core.cache_clear()
     try:
         _check(validate.run_battery(None, variant=_variant(), cases=["vector_strong_half"]))
     finally:
-        ffi_cpu._core.cache_clear()
+        ffi_cpu.vjp.core.cache_clear()

@@ -209,8 +209,8 @@ def test_forward_only_call_computes_no_layer_inputs_as_arrays(path, vector, monk
     arrays = {n: jnp.asarray(v, jnp.float32) for n, v in x.items()}
     # fresh cores and no traces cached from other tests: every trace runs the Python below
     jax.clear_caches()
-    ffi_cpu._core.cache_clear()
-    ffi_cpu._recurrent.cache_clear()
+    ffi_cpu.vjp.core.cache_clear()
+    ffi_cpu.vjp.recurrent.cache_clear()
     arrays_ran = spy_calls(monkeypatch, chunkwise,
                            ["l2_normalize", "normalized_qk", "linear_decay"])
     gate_ran = spy_calls(monkeypatch, chunkwise.ParameterGate, ["log_gates", "vjp"])

@@ -113,7 +113,7 @@ def test_kernel_jits_and_vmaps():
 def test_kernel_rejects_a_decay_of_the_other_gate_kind():
     q, k, v, a, beta, S0 = _inputs(4, 1, 3, 1, 3)
     scalar = ffi_cpu.load_kernels(_variant(), Problem(1, 3, DK, DV))
-    call = ffi_cpu._recurrent(scalar.sha256, 1.0, False)
+    call = ffi_cpu.vjp.recurrent(scalar.sha256, 1.0, False)
     with pytest.raises(Exception, match="rendered for scalar decay"):
         jax.block_until_ready(call(q, k, v, np.repeat(a[..., None], DK, -1), beta, S0))
 

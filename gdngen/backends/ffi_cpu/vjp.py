@@ -1,0 +1,254 @@
+"""ffi_cpu's calls of loaded kernels (by sha256 of their rendered sources): the custom-VJP
+chunk core, the packed-row walk, the recurrent kernel and the chunk forward that returns the
+states entering each chunk; their FFI result layouts and the cotangents fed to the backward
+kernels. Float32 arrays in the API layout; each is made once per process per its arguments."""
+
+from __future__ import annotations
+
+import functools
+
+from gdngen import jaxcompat
+from gdngen.algebra import chunkwise
+from gdngen.backends import generated
+from gdngen.backends.ffi_cpu import kernels
+from gdngen.backends.ffi_cpu.config import padded
+from gdngen.backends.ffi_cpu.kernels import head_splits, recurrent_rows
+from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
+
+#: nothing computed in the loads (the plain kernels)
+PLAIN_INPUTS = KernelInputs()
+
+
+def call_context(sha256: str, gate: str, scale: float, poison: bool):
+    """What every FFI call of the loaded kernels ``sha256`` shares: ``(loaded, workers,
+    attrs, f32(shape, like) -> result type, log_gates(g) -> log g)``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    workers = kernels.threads()
+
+    def f32(shape, like):
+        return generated.result_type(shape, jnp.float32, like)
+
+    def log_gates(g):
+        return g if gate == "log" else jnp.log(g)
+
+    return (kernels.LOADED[sha256], workers,
+            {"scale": np.float32(scale), "threads": np.int64(workers), "poison": poison},
+            f32, log_gates)
+
+
+@functools.cache
+def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
+         forward_sha256: str | None = None):
+    """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
+    (gates ``[B,T,Hv]`` or, on per-channel kernels, ``[B,T,Hv,Dk]``, in their own convention,
+    already masked; for a `gdngen.algebra.chunkwise.ParameterGate` ``(a, A_log, dt_bias)``), with
+    the generated backward as its ``jax.custom_vjp`` (`gdngen.backends.generated.custom_vjp_core`).
+
+    ``forward_sha256`` None: the core normalises q, k (``qk_norm``) and computes the log gate
+    as array ops before the forward kernel. Otherwise the loaded fused chunk forward of that
+    sha256 (`render_fused` with `SOURCE_NAME`, for ``KernelInputs.of(qk_norm, gate)``) takes
+    the raw q, k and ``a`` with A_log, dt_bias (`kernel_parameters`) and computes both in its
+    loads (``forward_fuses``); the backward kernel of ``sha256`` still gets them recomputed
+    as arrays, and the core maps its dq, dk, dlog g through their VJPs."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    parameter_gate, gate = gate, chunkwise.convention(gate)
+    loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
+    C = loaded.params["chunk_size"]
+    inputs = KernelInputs.of(qk_norm, parameter_gate)
+    fuses = forward_sha256 is not None
+    if fuses and not inputs.fused:
+        raise ValueError("forward_sha256 needs qk_norm or a ParameterGate to fuse")
+    forward_loaded = kernels.LOADED[forward_sha256] if fuses else loaded
+
+    def forward(primals):
+        q, k, v, g, beta, S0 = primals
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        if fuses and inputs.gate_form:  # the kernel forms log g from a, A_log, dt_bias
+            a, A_log, dt_bias = g
+            gate_operands = (a, beta, S0, *kernel_parameters(
+                jnp, A_log, dt_bias, Hv, Dk, loaded.problem.gate == "vector"))
+            extra = {"lower_bound": np.float32(inputs.lower_bound)}
+        else:
+            gate_operands, extra = (log_gates(g), beta, S0), {}
+        y, s_final, states = jaxcompat.ffi().ffi_call(forward_loaded.target_forward, (
+            f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
+            f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
+            vmap_method="sequential")(q, k, v, *gate_operands, **attrs, **extra,
+                                      splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
+        return (y, s_final), states
+
+    def backward(primals, states, cotangents):
+        q, k, v, g, beta, _ = primals
+        dy, dS_final = cotangents
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        P = head_splits(B, Hk, Hv // Hk, workers)
+        dq, dk, dv, dbeta, dg, dS0 = jaxcompat.ffi().ffi_call(loaded.target_backward, (
+            f32((B, T, Hk * P, Dk), q), f32((B, T, Hk * P, Dk), q), f32((B, T, Hv, Dv), q),
+            f32((B, T, Hv), q), f32(g.shape, q), f32((B, Hv, Dv, Dk), q)),
+            vmap_method="sequential")(q, k, v, log_gates(g), beta, states,
+                                      dy.astype(jnp.float32), dS_final.astype(jnp.float32),
+                                      linear=gate == "linear", splits=np.int64(P), **attrs)
+        if P > 1:
+            dq, dk = (x.reshape(B, T, Hk, P, Dk).sum(3) for x in (dq, dk))
+        return dq, dk, dv, dg, dbeta, dS0
+
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
+                                     forward_fuses=fuses)
+
+
+@functools.cache
+def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
+    """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
+    `gdngen.algebra.packed.gated_delta` on the packed kernels ``sha256`` (B = 1, API layout,
+    float32): ``inject`` None or ``(states [n_seq, Hv, Dv, Dk], at [N] int32)``, the state
+    injected at each chunk's end; ``last`` int32 ``[n_seq]`` each sequence's last step, -1 for
+    an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state after it (not written for an empty
+    one). A ``jax.custom_vjp`` per presence of ``inject``, its backward the packed kernel's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
+
+    def per_head(x):  # [N, Hv, Dv, Dk] <-> the kernels' [1, Hv, N, Dv, Dk]
+        return x.swapaxes(0, 1)[None]
+
+    def forward(q, k, v, g, beta, inject, last):
+        _, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        N, n_seq = -(-T // loaded.params["chunk_size"]), last.shape[0]
+        y, _, states, ends = jaxcompat.ffi().ffi_call(loaded.target_forward, (
+            f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
+            f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)),
+            vmap_method="sequential")(
+                q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
+                jnp.zeros((0,), jnp.float32) if inject is None else per_head(inject[0]),
+                jnp.full((N,), -1, jnp.int32) if inject is None else inject[1], last,
+                **attrs,
+                splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
+        return (y, ends[0].swapaxes(0, 1)), states
+
+    def backward(primals, states, cotangents, inject_at):
+        q, k, v, g, beta, last = primals
+        dy, dS_end = cotangents
+        _, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        P = head_splits(1, Hk, Hv // Hk, workers)
+        N, n_seq = states.shape[2], last.shape[0]
+        injects = inject_at is not None
+        inject_shape = (1, Hv, n_seq, Dv, Dk) if injects else (0,)
+        dq, dk, dv, dbeta, dg, _, dinject = jaxcompat.ffi().ffi_call(loaded.target_backward, (
+            f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
+            f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
+            f32(inject_shape, q)), vmap_method="sequential")(
+                q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
+                jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
+                inject_at if injects else jnp.full((N,), -1, jnp.int32), last,
+                per_head(dS_end.astype(jnp.float32)), linear=gate == "linear",
+                splits=np.int64(P), **attrs)
+        if P > 1:
+            dq, dk = (x.reshape(1, T, Hk, P, Dk).sum(3) for x in (dq, dk))
+        return (dq, dk, dv, dg, dbeta), dinject
+
+    @jax.custom_vjp
+    def injected(q, k, v, g, beta, states, at, last):
+        return forward(q, k, v, g, beta, (states, at), last)[0]
+
+    def injected_fwd(q, k, v, g, beta, states, at, last):
+        outputs, chunk_states = forward(q, k, v, g, beta, (states, at), last)
+        return outputs, ((q, k, v, g, beta, last), chunk_states, at)
+
+    def injected_bwd(saved, cotangents):
+        primals, chunk_states, at = saved
+        grads, dinject = backward(primals, chunk_states, cotangents, at)
+        return (*grads, dinject[0].swapaxes(0, 1), None, None)
+
+    injected.defvjp(injected_fwd, injected_bwd)
+
+    @jax.custom_vjp
+    def plain(q, k, v, g, beta, last):
+        return forward(q, k, v, g, beta, None, last)[0]
+
+    def plain_fwd(q, k, v, g, beta, last):
+        outputs, states = forward(q, k, v, g, beta, None, last)
+        return outputs, ((q, k, v, g, beta, last), states)
+
+    def plain_bwd(saved, cotangents):
+        return (*backward(*saved, cotangents, None)[0], None)
+
+    plain.defvjp(plain_fwd, plain_bwd)
+
+    def walk(q, k, v, g, beta, inject, last):
+        if inject is None:
+            y, S_end = plain(q, k, v, g, beta, last)
+        else:
+            y, S_end = injected(q, k, v, g, beta, *inject, last)
+        return y, None, S_end
+
+    return walk
+
+
+@functools.cache
+def recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PLAIN_INPUTS,
+              steps: bool = False):
+    """``call(q, k, v, decay, beta, S0, *parameters) -> (y, S_T)`` running the loaded recurrent
+    kernel of ``sha256`` (float32, API layout; ``steps``: a `render_steps` build, every step's
+    state ``[B, T, Hv, Dv, Dk]`` in place of S_T): the plain one (``inputs`` off) takes the linear
+    decay; a fused one (`render_fused` for ``inputs``) the raw q, k when ``inputs.qk_norm`` and,
+    with ``inputs.gate_form``, the raw projection ``a`` as ``decay`` and ``parameters`` =
+    ``(A_log, dt_bias)`` as `kernel_parameters` gives them (``lower_bound`` from ``inputs``)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    loaded = kernels.LOADED[sha256]
+    workers = kernels.threads()
+    extra = {"lower_bound": np.float32(inputs.lower_bound)} if inputs.gate_form else {}
+    n_parameters = 2 if inputs.gate_form else 0
+
+    def call(q, k, v, decay, beta, S0, *parameters):
+        if len(parameters) != n_parameters:
+            raise ValueError(f"the recurrent kernel of {inputs!r} takes {n_parameters} gate "
+                             f"parameters (A_log, dt_bias), got {len(parameters)}")
+        B, T, _, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        states = (B, T, Hv, Dv, Dk) if steps else (B, Hv, Dv, Dk)
+        return jaxcompat.ffi().ffi_call(loaded.target_recurrent, (
+            generated.result_type((B, T, Hv, Dv), jnp.float32, q),
+            generated.result_type(states, jnp.float32, q)),
+            vmap_method="sequential")(q, k, v, decay, beta, S0, *parameters,
+                                      scale=np.float32(scale), threads=np.int64(workers),
+                                      poison=poison, **extra,
+                                      rows=np.int64(recurrent_rows(B, Hv, Dv, workers)))
+
+    return call
+
+
+def chunk_forward(sha256: str, scale: float, poison: bool):
+    """``forward(q, k, v, log_g, beta, S0) -> (y, S_T, entering [B, N, Hv, Dv, Dk])`` on the
+    loaded chunk forward kernel ``sha256`` (float32, API layout, log gates): ``entering`` the
+    states its walk writes entering each chunk (the backward's residual), unpadded."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    loaded, workers, attrs, f32, _ = call_context(sha256, "log", scale, poison)
+    C = loaded.params["chunk_size"]
+
+    def forward(q, k, v, log_g, beta, S0):
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        y, final, entering = jaxcompat.ffi().ffi_call(loaded.target_forward, (
+            f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
+            f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
+            vmap_method="sequential")(q, k, v, log_g, beta, S0, **attrs,
+                                      splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
+        # [B, Hv, N, DK, DV] transposed and padded -> [B, N, Hv, Dv, Dk]
+        entering = jnp.swapaxes(entering[..., :Dk, :Dv], -1, -2)
+        return y, final, jnp.swapaxes(entering, 1, 2)
+
+    return forward
