@@ -71,10 +71,10 @@ def render_source(variant: Variant, problem: Problem, name: str, template: str, 
                   templates_dir=None):
     """A `gdngen.sources.Rendered` of one file ``name``: ``template`` rendered with
     ``context`` (a plan entry with changes), of its own sha256."""
-    from gdngen.sources import Rendered, environment, sources_sha256
+    from gdngen.sources import render_planned
 
-    texts = {name: environment(templates_dir).get_template(template).render(**context)}
-    return Rendered(variant, problem, texts, sources_sha256(texts))
+    return render_planned(variant, problem, {name: (template, context)},
+                          templates_dir=templates_dir)
 
 
 # ----------------------------------------------------------------------------- compile + load
