@@ -146,6 +146,20 @@ class Backend:
                     "scalar gates only")
         return self.unsupported(call.problem)
 
+    def checked_args(self, q, k, v, g, beta, initial_state=None, mask=None, **options):
+        """``(call, operands)`` of this backend's own entry point's arguments
+        (`gdngen.call.of_kernel_args`, ``options`` its keywords), ValueError when the backend
+        cannot run the call (`refusal`): the check of a call that does not come through
+        `gdngen.entry.bind`."""
+        from gdngen.call import of_kernel_args
+
+        call, operands = of_kernel_args(self.framework, q, k, v, g, beta, initial_state, mask,
+                                        **options)
+        why = self.refusal(call)
+        if why:
+            raise ValueError(why)
+        return call, operands
+
     def chunked(self, call, variant: Variant) -> bool:
         """The recurrent switch (`gdngen.config.recurrent_switch`), the one place it is read:
         whether ``call`` under ``variant`` evaluates through the chunk kernels (T >= the

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gdngen import dispatch, state_pool
+from gdngen import dispatch, registry, state_pool
 from gdngen.algebra import layer_inputs
 from gdngen.call import Call, Operands, check
 from gdngen.problem import check_framework, dtype_name
@@ -158,6 +158,9 @@ def _checked(framework: str, x: Operands, o: Options, state_indices, written) ->
         _check_pool(framework, call, x.initial_state, state_indices, written)
     if o.variant is not None:
         dispatch.check_variant(framework, o.variant, o.chunk_size)
+        why = registry.get(o.variant.backend).refusal(call)
+        if why:
+            raise ValueError(why)
     return call
 
 

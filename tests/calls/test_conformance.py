@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from generated_kernels import check_entry_point_under_jit, small_call_inputs
 
-from gdngen import call as calls
 from gdngen import registry, tolerance, validate
 from gdngen.cases import BATTERY, get_case
 from gdngen.devices import DEVICES
@@ -277,14 +276,23 @@ def test_unimplemented_gate_kind_is_said(name):
         assert ok or "cannot run on this host" in why
         return
     assert not ok and "vector" in why
-    if not _framework_available(name):
-        return
-    q, k, v, g, beta, s0 = small_call_inputs(D=32)
-    arrays = _framework_arrays(spec.framework, (q, k, v, np.repeat(g[..., None], 32, -1),
-                                                beta, s0))
-    variant = registry.default_variant(name, Problem(1, 2, 32, 32))
-    with pytest.raises(ValueError, match=r"g has shape \(1, 20, 2, 32\)"):
-        spec.run(*calls.of_kernel_args(spec.framework, *arrays), variant)
+
+
+def test_a_dtype_the_backend_lacks_is_refused_at_bind_and_at_its_entry():
+    """An explicit variant of a backend without the call's dtype (pallas_tpu: no float16) is
+    a ValueError naming q's dtype, from the public call's one check (`gdngen.entry.bind`) and
+    from the backend's own entry point (`gdngen.backend.Backend.checked_args`)."""
+    from gdngen.backends.pallas import tpu as pallas_tpu
+    from gdngen.jax import gated_delta
+
+    q, k, v, g, beta, s0 = _framework_arrays("jax", small_call_inputs(D=32))
+    q, k, v = (x.astype("float16") for x in (q, k, v))
+    variant = registry.default_variant("pallas_tpu", Problem(1, 2, 32, 32))
+    expected = r"q has dtype float16, expected one of \('float32', 'bfloat16'\)"
+    with pytest.raises(ValueError, match=expected):
+        gated_delta(q, k, v, g, beta, s0, variant=variant)
+    with pytest.raises(ValueError, match=expected):
+        pallas_tpu.gated_delta(q, k, v, g, beta, s0, variant=variant)
 
 
 def _framework_arrays(framework, xs):

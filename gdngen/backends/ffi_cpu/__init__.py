@@ -311,10 +311,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     Differentiable (custom VJP) and jit-able. T < the variant's ``recurrent_below``: the
     recurrent kernel forward (`recurrent_forward`), the chunk kernels' VJP; ``qk_norm`` and a
     `gdngen.algebra.chunkwise.ParameterGate` computed in the kernels' loads (`render_fused`)."""
-    from gdngen import call as calls
-
-    checked, operands = calls.of_kernel_args("jax", q, k, v, g, beta, initial_state, mask,
-                                             scale=scale, gate=gate, qk_norm=qk_norm)
+    checked, operands = SPEC.checked_args(q, k, v, g, beta, initial_state, mask,
+                                           scale=scale, gate=gate, qk_norm=qk_norm)
     return SPEC.run(checked, operands, variant, templates_dir=templates_dir)
 
 
@@ -323,10 +321,8 @@ def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale
     """A packed row (`gdngen.algebra.packed`) on ``variant``'s kernels, scalar gates.
     Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens``; float32 throughout; returns
     ``(y in q's dtype, final_state [N, Hv, Dv, Dk])``."""
-    from gdngen import call as calls
-
-    checked, operands = calls.of_kernel_args("jax", q, k, v, g, beta, initial_state, mask,
-                                             scale=scale, gate=gate, cu_seqlens=cu_seqlens)
+    checked, operands = SPEC.checked_args(q, k, v, g, beta, initial_state, mask,
+                                           scale=scale, gate=gate, cu_seqlens=cu_seqlens)
     return SPEC.run_packed_kernels(checked, operands, variant, templates_dir=templates_dir)
 
 

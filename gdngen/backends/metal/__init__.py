@@ -226,12 +226,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     it the forward is `recurrent_forward` and the VJP the chunk path's. ``qk_norm`` / ``gate`` a
     `gdngen.algebra.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): computed in the
     forward kernels' loads (`render_fused`; the package docstring), recomputed for the backward."""
-    from gdngen import call as calls
-
     if variant is None or variant.backend != BACKEND:
         raise ValueError(f"variant must be a metal Variant, got {variant!r}")
-    checked, operands = calls.of_kernel_args("mlx", q, k, v, g, beta, initial_state, mask,
-                                             scale=scale, gate=gate, qk_norm=qk_norm)
+    checked, operands = SPEC.checked_args(q, k, v, g, beta, initial_state, mask,
+                                           scale=scale, gate=gate, qk_norm=qk_norm)
     return SPEC.run(checked, operands, variant, launcher=launcher)
 
 
@@ -250,12 +248,10 @@ def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale
     float32)``. ``recurrent_below`` does not apply (a packed row always walks chunks).
     ``templates_dir``: a template override folder for both builds (default
     ``GDNGEN_TEMPLATES``)."""
-    from gdngen import call as calls
-
     if variant is None or variant.backend != BACKEND:
         raise ValueError(f"variant must be a metal Variant, got {variant!r}")
-    checked, operands = calls.of_kernel_args("mlx", q, k, v, g, beta, initial_state, mask,
-                                             scale=scale, gate=gate, cu_seqlens=cu_seqlens)
+    checked, operands = SPEC.checked_args(q, k, v, g, beta, initial_state, mask,
+                                           scale=scale, gate=gate, cu_seqlens=cu_seqlens)
     return SPEC.run_packed_kernels(checked, operands, variant, launcher=launcher,
                                    templates_dir=templates_dir)
 
