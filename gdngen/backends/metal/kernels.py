@@ -90,9 +90,13 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     kernels byte for byte: the dense sha256 (and tuned entries) do not depend on this build."""
     from gdngen.sources import render_planned
 
-    parse(variant)  # ValueError naming a bad field, before anything is rendered
-    return render_planned(variant, problem, render_plan(variant, problem),
-                          templates_dir=templates_dir)
+    if problem.gate != "scalar":
+        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
+    variant = adapt(variant, problem)
+    plan = {name: (template, dict(context, packed=True))
+            for name, (template, context) in render_plan(variant, problem).items()
+            if name != "recurrent.metal"}
+    return render_planned(variant, problem, plan, templates_dir=templates_dir)
 
 
 def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
@@ -100,13 +104,13 @@ def render_steps(variant: Variant, problem: Problem, *, templates_dir=None):
     (``return_states="steps"``): ``recurrent.metal`` rendered with ``steps`` set, its output
     ``states [B, T, Hv, Dv, Dk]`` in place of ``final_state``. With ``steps`` unset the template
     renders the recurrent kernel byte for byte (the variant's sha256 does not depend on it)."""
-    from gdngen.sources import Rendered, environment, sources_sha256
+    from gdngen.sources import render_planned
 
     variant = adapt(variant, problem)
     template, context = render_plan(variant, problem)["recurrent.metal"]
-    texts = {"recurrent_steps.metal": environment(templates_dir).get_template(template).render(
-        **dict(context, steps=True))}
-    return Rendered(variant, problem, texts, sources_sha256(texts))
+    return render_planned(variant, problem,
+                          {"recurrent_steps.metal": (template, dict(context, steps=True))},
+                          templates_dir=templates_dir)
 
 
 def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
@@ -127,18 +131,18 @@ def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
 
 @functools.lru_cache(maxsize=64)
 def render_fused_kernels(variant: Variant, problem: Problem, fused: tuple, templates_dir):
-    from gdngen.sources import Rendered, environment, sources_sha256
+    from gdngen.sources import render_planned
 
-    env = environment(templates_dir)
     plan = render_plan(variant, problem)
     plan["layer_inputs.metal"] = ("metal/layer_inputs.metal.j2",
                                   _recurrent_context(variant, problem))
     names = {"recurrent.metal", "layer_inputs.metal"}
     if problem.gate == "scalar":
         names |= {"common.metal", *(f"{n}.metal" for n in fused_kernels(variant))}
-    texts = {name: env.get_template(template).render(**dict(context, **dict(fused)))
-             for name, (template, context) in plan.items() if name in names}
-    return Rendered(variant, problem, texts, sources_sha256(texts))
+    return render_planned(variant, problem,
+                          {name: (template, dict(context, **dict(fused)))
+                           for name, (template, context) in plan.items() if name in names},
+                          templates_dir=templates_dir)
 
 
 def fused_kernels(variant: Variant) -> tuple[str, ...]:
@@ -161,10 +165,8 @@ def fused_key(inputs: KernelInputs | None) -> tuple:
 def render(variant: Variant, problem: Problem, *, templates_dir=None):
     """`Metal.render` (`gdngen.sources.render_spec` on `render_plan`): the plain build of
     ``variant``, a `gdngen.sources.Rendered`; ``templates_dir`` a template override folder."""
-    from gdngen.sources import Rendered, environment, sources_sha256
+    from gdngen.sources import render_planned
 
     parse(variant)  # ValueError naming a bad field, before anything is rendered
-    env = environment(templates_dir)
-    texts = {name: env.get_template(path).render(**context)
-             for name, (path, context) in render_plan(variant, problem).items()}
-    return Rendered(variant, problem, texts, sources_sha256(texts))
+    return render_planned(variant, problem, render_plan(variant, problem),
+                          templates_dir=templates_dir)
