@@ -48,10 +48,12 @@ def check_walks_match_the_portable_walks(walk_forward, walk_backward, shape, tol
 
 
 def spy_chunk_walks(monkeypatch, backend):
-    """Record every trace of ``backend``'s kernel walks (new walk objects: jitted callers
+    """Record every trace of ``backend``'s kernel walks (``backend`` its module; the
+    ``chunk_walks`` hook of ``type(backend.SPEC)`` is replaced; new walk objects: jitted callers
     re-trace, whatever ran before): the list of "forward" / "backward" entries."""
     ran = []
-    original = backend.chunk_walks
+    cls = type(backend.SPEC)
+    original = cls.chunk_walks
 
     @functools.cache
     def spied(key):
@@ -67,7 +69,7 @@ def spy_chunk_walks(monkeypatch, backend):
 
         return forward, backward
 
-    monkeypatch.setattr(backend, "chunk_walks", spied)
+    monkeypatch.setattr(cls, "chunk_walks", staticmethod(spied))
     return ran
 
 

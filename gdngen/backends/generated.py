@@ -4,7 +4,7 @@ parameterised gate computed in it) and the result types of their kernel calls un
 ``jax.shard_map``; for all four (Metal too) the guard of the per-channel walks
 (`refuse_injection`) and the returned-states calls on their kernels (`kernel_steps`,
 `kernel_chunks`: the kernel's values, the portable path's VJP). The Pallas orchestration is
-`gdngen.backends.pallas.core`."""
+`gdngen.backends.pallas.backend`."""
 
 from __future__ import annotations
 

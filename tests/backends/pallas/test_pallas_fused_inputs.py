@@ -209,7 +209,7 @@ def test_fused_forward_computes_no_layer_inputs_as_array_ops(backend, monkeypatc
     arrays = {n: jnp.asarray(v, jnp.float32) for n, v in x.items()}
     norms = spy_calls(monkeypatch, chunkwise, ["l2_normalize"])
     gates = spy_calls(monkeypatch, chunkwise.ParameterGate, ["log_gates"])
-    loads = spy_calls(monkeypatch, module, ["load_fused_kernels"])
+    loads = spy_calls(monkeypatch, type(module.SPEC), ["load_fused_kernels"])
     for recurrent_below in (T + 1, 0):  # the recurrent kernel, the chunk kernels
         variant = _variant(backend, recurrent_below)
         y, _ = _call(arrays, options, mask, variant)

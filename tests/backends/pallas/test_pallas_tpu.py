@@ -268,8 +268,8 @@ def test_detected_race_raises_and_resets_interpreter(monkeypatch):
     monkeypatch.setattr(pltpu, "reset_tpu_interpret_mode_state", lambda: resets.append(1))
     params = pltpu.InterpretParams(detect_races=True)
     with pytest.raises(RuntimeError, match="data race in the forward kernel"):
-        pallas_tpu._run_kernel((lambda interpret: jnp.zeros(3), None), what="forward",
-                               interpret=params)
+        pallas_tpu.run_kernel((lambda interpret: jnp.zeros(3), None), what="forward",
+                              interpret=params)
     assert resets == [1]
 
 

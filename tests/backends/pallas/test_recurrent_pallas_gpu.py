@@ -128,13 +128,14 @@ def test_rendering_params_and_switch_reach_no_source():
 
 def _counting_recurrent(monkeypatch):
     calls = []
-    original = pallas_gpu._run_recurrent
+    cls = type(pallas_gpu.SPEC)
+    original = cls.run_recurrent
 
-    def counted(*args, **kwargs):
+    def counted(self, *args, **kwargs):
         calls.append(1)
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(pallas_gpu, "_run_recurrent", counted)
+    monkeypatch.setattr(cls, "run_recurrent", counted)
     return calls
 
 

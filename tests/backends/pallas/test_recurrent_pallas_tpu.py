@@ -137,13 +137,14 @@ def _entry_vjp(args, mask, dy, ds, variant, scale):
 
 def _spy_recurrent(monkeypatch):
     calls = []
-    original = pallas_tpu.recurrent_forward
+    cls = type(pallas_tpu.SPEC)
+    original = cls.recurrent_forward
 
-    def spy(*args, **kwargs):
+    def spy(self, *args, **kwargs):
         calls.append(args[3].ndim)
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(pallas_tpu, "recurrent_forward", spy)
+    monkeypatch.setattr(cls, "recurrent_forward", spy)
     return calls
 
 

@@ -1,0 +1,436 @@
+"""`PallasBackend`: the base of `gdngen.backends.pallas.tpu.PallasTPU` and
+`gdngen.backends.pallas.gpu.PallasGPU`. It holds what the two share: the interpret-mode switch,
+rendering and loading (plain, fused, packed and per-step builds, cached per backend by sha256
+and interpret mode), the dense call with its recurrent switch, the packed row, the per-step and
+chunk-boundary states, and the entry points. A subclass declares its layouts and kernels through
+the hooks listed on the class."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+from gdngen.algebra import chunkwise
+from gdngen.backend import Backend
+from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
+from gdngen.backends.pallas.core import exec_module, fused_gate_operands, jit_pair
+from gdngen.variant import Problem
+
+#: ``jit_pair`` statics of a kernel taking a scale
+SCALED = ("scale", "interpret")
+
+
+class PallasBackend(Backend):
+    """A generated Pallas backend. A subclass declares ``loaded`` (its process-wide dict of
+    loaded builds), ``caches`` (its ``functools.cache`` cores, dropped by `clear_cache`),
+    ``log_gate_floor`` and the hooks ``kernel_params``, ``render_plan``, ``lower_check``,
+    ``default_interpret_mode()``, ``add_recompute(kernels)`` (the recomputing walk's entry
+    point), ``chunk_core``, ``packed_core``, ``chunk_walks``, ``entering_core`` and
+    ``run_recurrent``; ``packed_context`` / ``steps_context`` where its builds need more."""
+
+    framework = "jax"
+    gates = tuned_gates = ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    step_states = chunk_states = ("scalar", "vector")
+    loaded: dict
+    caches: tuple = ()
+    log_gate_floor: float
+
+    def __init__(self):
+        self._interpret_override: list = []
+        super().__init__()
+
+    # ------------------------------------------------------------------ interpret mode
+
+    def interpret_mode(self):
+        """What the kernels run with: `default_interpret_mode`, or inside `interpreting` the
+        value given there."""
+        if self._interpret_override:
+            return self._interpret_override[-1]
+        return self.default_interpret_mode()
+
+    @contextlib.contextmanager
+    def interpreting(self, params):
+        """Run the kernels with interpret mode ``params`` inside the block, whatever device is
+        attached (False: the real lowering)."""
+        self._interpret_override.append(params)
+        try:
+            yield params
+        finally:
+            self._interpret_override.pop()
+
+    def clear_cache(self) -> None:
+        """Drop every loaded build, the cores built on them and jax's compiled executables (a
+        build calls this between variants)."""
+        import jax
+
+        self.loaded.clear()
+        for cached in self.caches:
+            cached.cache_clear()
+        jax.clear_caches()
+
+    # ------------------------------------------------------------------ rendering
+
+    def packed_context(self, variant, problem) -> dict | None:
+        """Template context overrides of the packed build (`render_packed`)."""
+        return None
+
+    def steps_context(self, variant, problem) -> dict | None:
+        """Template context overrides of the per-step build (`render_steps`)."""
+        return None
+
+    def render_fused(self, variant, problem, inputs, *, templates_dir=None):
+        """The fused build of ``inputs`` (a `gdngen.backends.kernel_inputs.KernelInputs` that
+        fuses something): ``recurrent<tag>.py`` and, for scalar gates, ``forward<tag>.py``
+        rendered with ``inputs.context()``; raw q, k and the raw gate projection with its
+        parameters are taken, normalised / formed in the loads. The plain render plan is not
+        touched (a variant's sha256 does not depend on this build)."""
+        from gdngen.sources import Rendered, environment, sources_sha256
+
+        if not inputs.fused:
+            raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
+        names = ("recurrent.py",) if problem.gate == "vector" else ("recurrent.py", "forward.py")
+        self.parse(variant)
+        plan = self.render_plan(variant, problem)
+        env = environment(templates_dir)
+        extra = {"qk_norm_eps": repr(QK_NORM_EPS), "log_gate_floor": repr(self.log_gate_floor),
+                 **inputs.context()}
+        texts = {f"{name.removesuffix('.py')}{inputs.tag()}.py": env.get_template(
+            plan[name][0]).render(**dict(plan[name][1], **extra)) for name in names}
+        return Rendered(variant, problem, texts, sources_sha256(texts))
+
+    def render_packed(self, variant, problem, *, templates_dir=None):
+        """The packed build (`gdngen.algebra.packed`, scalar gates): ``forward.py`` and
+        ``backward.py`` rendered with ``packed`` set (and `packed_context`) as
+        ``packed_<name>``. Unset, the templates render the dense kernels byte for byte."""
+        from gdngen.sources import Rendered, environment, sources_sha256
+
+        self.parse(variant)
+        if problem.gate != "scalar":
+            raise ValueError(f"{self.name} has packed kernels for scalar gates only, got "
+                             f"{problem.key()}")
+        context = self.packed_context(variant, problem)
+        plan = self.render_plan(variant, problem)
+        env = environment(templates_dir)
+        texts = {f"packed_{name}": env.get_template(plan[name][0]).render(
+            **dict(plan[name][1], packed=True, **(context or {})))
+            for name in ("forward.py", "backward.py")}
+        return Rendered(variant, problem, texts, sources_sha256(texts))
+
+    def render_steps(self, variant, problem, *, templates_dir=None):
+        """The per-step build (``return_states="steps"``): ``recurrent.py`` rendered with
+        ``steps`` set (and `steps_context`) as ``recurrent_steps.py``; its second result is the
+        state after every step ``[B, T, Hv, Dv, Dk]``."""
+        from gdngen.sources import Rendered, environment, sources_sha256
+
+        self.parse(variant)
+        context = self.steps_context(variant, problem)
+        template, plan_context = self.render_plan(variant, problem)["recurrent.py"]
+        texts = {"recurrent_steps.py": environment(templates_dir).get_template(template).render(
+            **dict(plan_context, steps=True, **(context or {})))}
+        return Rendered(variant, problem, texts, sources_sha256(texts))
+
+    # ------------------------------------------------------------------ loading
+
+    def _namespace(self, rendered, modules: dict, interpret, **entries):
+        return types.SimpleNamespace(
+            **modules, sha256=rendered.sha256, variant=rendered.variant,
+            problem=rendered.problem, params=self.kernel_params(rendered.variant,
+                                                                rendered.problem),
+            interpret=interpret, **entries)
+
+    def _exec(self, rendered, name):
+        return exec_module(self.name, name, rendered.sources[name], rendered.sha256)
+
+    def load_kernels(self, variant, problem, *, templates_dir=None):
+        """``variant`` rendered for ``problem`` and loaded (cached by sha256 and interpret
+        mode): ``forward``/``backward``/``recurrent`` (the modules), ``run_forward``,
+        ``run_backward``, ``run_recurrent`` (`jit_pair` s with ``scale``/``interpret`` static;
+        vector gates: the chunk walks, ``interpret`` only), the recomputing walk of
+        `add_recompute`, ``sha256``, ``variant``, ``problem``, ``params``, ``interpret``."""
+        rendered = self.render(variant, problem, templates_dir=templates_dir)
+        interpret = self.interpret_mode()
+        key = (rendered.sha256, interpret)
+        if key not in self.loaded:
+            fwd, bwd, rec = (self._exec(rendered, name)
+                             for name in ("forward.py", "backward.py", "recurrent.py"))
+            walk = ("interpret",) if problem.gate == "vector" else SCALED
+            kernels = self._namespace(
+                rendered, {"forward": fwd, "backward": bwd, "recurrent": rec}, interpret,
+                run_recurrent=jit_pair(rec.recurrent, SCALED, interpret),
+                run_forward=jit_pair(fwd.forward, walk, interpret),
+                run_backward=jit_pair(bwd.backward, walk, interpret))
+            self.add_recompute(kernels)
+            self.loaded[key] = kernels
+        return self.loaded[key]
+
+    def load_fused_kernels(self, variant, problem, inputs, *, templates_dir=None):
+        """`render_fused`, loaded (cached as `load_kernels`): ``recurrent``, ``run_recurrent``
+        and, for scalar gates, ``forward``, ``run_forward``; ``context``
+        (``inputs.context()``) and the fields of `load_kernels`."""
+        rendered = self.render_fused(variant, problem, inputs, templates_dir=templates_dir)
+        interpret = self.interpret_mode()
+        key = (rendered.sha256, interpret)
+        if key not in self.loaded:
+            modules = {name.removesuffix(inputs.tag() + ".py"): self._exec(rendered, name)
+                       for name in rendered.sources}
+            kernels = self._namespace(rendered, modules, interpret, context=inputs.context(),
+                                      run_recurrent=jit_pair(modules["recurrent"].recurrent,
+                                                             SCALED, interpret))
+            if "forward" in modules:
+                kernels.run_forward = jit_pair(modules["forward"].forward, SCALED, interpret)
+            self.loaded[key] = kernels
+        return self.loaded[key]
+
+    def load_packed_kernels(self, variant, problem, *, templates_dir=None):
+        """`render_packed`, loaded (cached as `load_kernels`): ``forward``, ``backward``,
+        ``run_forward``, ``run_backward``, the recomputing walk of `add_recompute`."""
+        rendered = self.render_packed(variant, problem, templates_dir=templates_dir)
+        interpret = self.interpret_mode()
+        key = (rendered.sha256, interpret)
+        if key not in self.loaded:
+            fwd, bwd = (self._exec(rendered, name)
+                        for name in ("packed_forward.py", "packed_backward.py"))
+            kernels = self._namespace(rendered, {"forward": fwd, "backward": bwd}, interpret,
+                                      run_forward=jit_pair(fwd.forward, SCALED, interpret),
+                                      run_backward=jit_pair(bwd.backward, SCALED, interpret))
+            self.add_recompute(kernels)
+            self.loaded[key] = kernels
+        return self.loaded[key]
+
+    def load_steps_kernels(self, variant, problem, *, templates_dir=None):
+        """`render_steps`, loaded (cached as `load_kernels`): ``recurrent``,
+        ``run_recurrent``."""
+        rendered = self.render_steps(variant, problem, templates_dir=templates_dir)
+        interpret = self.interpret_mode()
+        key = (rendered.sha256, interpret)
+        if key not in self.loaded:
+            module = self._exec(rendered, "recurrent_steps.py")
+            self.loaded[key] = self._namespace(
+                rendered, {"recurrent": module}, interpret,
+                run_recurrent=jit_pair(module.recurrent, SCALED, interpret))
+        return self.loaded[key]
+
+    # ------------------------------------------------------------------ recurrent kernel
+
+    def recurrent_forward(self, q, k, v, decay, beta, S0, *, scale, variant, problem=None,
+                          templates_dir=None, inputs=None):
+        """The recurrent kernel of ``variant``: forward only, nothing saved.
+
+        float32, masks folded (decay 1, beta 0): q, k ``[B, T, Hk, Dk]`` (q unscaled), v
+        ``[B, T, Hv, Dv]``, ``decay`` the linear decay ``[B, T, Hv]`` (``[B, T, Hv, Dk]`` per
+        channel), beta ``[B, T, Hv]``, S0 ``[B, Hv, Dv, Dk]``; any T >= 1. Returns ``(y [B, T,
+        Hv, Dv], S_T [B, Hv, Dv, Dk])`` of `gdngen.algebra.chunkwise.recurrent_forward`.
+        ``problem``: default the float32 one of these shapes. ``inputs`` (a
+        `gdngen.backends.kernel_inputs.KernelInputs`) selects the fused build: raw q, k with
+        ``qk_norm``; with ``gate_form`` ``decay`` is ``(a, A_log, dt_bias)``."""
+        inputs = KernelInputs() if inputs is None else inputs
+        parameters = ()
+        if inputs.gate_form is not None:
+            if not (isinstance(decay, tuple) and len(decay) == 3):
+                raise ValueError(f"decay must be the tuple (a, A_log, dt_bias) for gate_form="
+                                 f"{inputs.gate_form!r}, got {type(decay).__name__}")
+            decay, *parameters = decay
+        per_channel = decay.ndim == 4
+        if problem is None:
+            problem = Problem(q.shape[2], v.shape[2], q.shape[3], v.shape[3], "float32",
+                              "vector" if per_channel else "scalar")
+        if per_channel != (problem.gate == "vector"):
+            raise ValueError(f"decay has shape {tuple(decay.shape)}, which does not match the "
+                             f"{problem.gate} gates of {problem.key()}")
+        self.interpret_mode()  # decided (and warned about) before the kernels load
+        if inputs.fused:
+            kernels = self.load_fused_kernels(variant, problem, inputs,
+                                              templates_dir=templates_dir)
+        else:
+            kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
+        if parameters:
+            parameters = fused_gate_operands(inputs, *parameters, problem.Hv, problem.Dk,
+                                             per_channel)
+        return self.run_recurrent(kernels, q, k, v, decay, beta, S0, parameters,
+                                  scale=float(scale), what="recurrent")
+
+    def recurrent_steps_forward(self, q, k, v, decay, beta, S0, *, scale, variant, problem,
+                                templates_dir=None):
+        """`recurrent_forward` (plain inputs) on the `render_steps` build: ``(y [B, T, Hv,
+        Dv], states [B, T, Hv, Dv, Dk])``, float32."""
+        self.interpret_mode()
+        kernels = self.load_steps_kernels(variant, problem, templates_dir=templates_dir)
+        return self.run_recurrent(kernels, q, k, v, decay, beta, S0, (), scale=float(scale),
+                                  what="recurrent steps")
+
+    # ------------------------------------------------------------------ calls
+
+    def chunk_forward(self, call, operands, variant, templates_dir=None):
+        """A dense `gdngen.call.Call` on the scalar chunk kernels through
+        `gdngen.algebra.chunkwise.gated_delta` with `chunk_core` (the fused build's forward where
+        ``call`` has layer inputs): ``(y [B, T, Hv, Dv] in q's dtype, final_state float32)``."""
+        import jax.numpy as jnp
+
+        from gdngen.backends.portable.jax_chunkwise import XP
+
+        shape, problem, gate = call.shape, call.problem, call.kernel_gate
+        q, k, v, _, beta, initial_state, mask = operands[:7]
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+        kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
+        inputs = KernelInputs.of(call.qk_norm, gate)
+        fused_key = None
+        if inputs.fused:
+            fused = self.load_fused_kernels(variant, problem, inputs,
+                                            templates_dir=templates_dir)
+            fused_key = (fused.sha256, fused.interpret)
+        f32 = jnp.float32
+        if initial_state is None:
+            initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+        core = self.chunk_core((kernels.sha256, kernels.interpret), gate, call.scale,
+                               call.qk_norm, fused_key)
+        y, state = chunkwise.gated_delta(
+            XP, core, q, k.astype(q.dtype), v.astype(q.dtype),
+            chunkwise.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
+            initial_state.astype(f32), mask, scale=1.0, gate=gate,
+            chunk_size=kernels.params["chunk_size"])
+        return y.astype(q.dtype), state
+
+    def forward(self, call, operands, variant, templates_dir=None):
+        """A dense call with the recurrent switch (`gdngen.backend.Backend.chunked`): scalar
+        gates at T >= ``recurrent_below`` run `chunk_forward`; per-channel gates the chunk
+        path of `gdngen.backends.portable.jax_chunkwise.chunkwise_gated_delta` with the kernel
+        walks (`chunk_walks`); shorter calls `recurrent_forward` inside
+        `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP)."""
+        import jax.numpy as jnp
+
+        from gdngen.backends.portable import jax_chunkwise
+
+        shape, problem, gate, qk_norm = call.shape, call.problem, call.kernel_gate, call.qk_norm
+        chunked = self.chunked(call, variant)
+        if not shape.vector_gate and chunked:
+            return self.chunk_forward(call, operands, variant, templates_dir)
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+        q, k, v, _, beta, initial_state, mask = operands[:7]
+        f32 = jnp.float32
+        if initial_state is None:
+            initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+        q32, k32, v32, beta32, s0 = (x.astype(f32) for x in (q, k, v, beta, initial_state))
+        g32 = chunkwise.cast_gates(operands.kernel_gates(), f32)
+        g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
+
+        if shape.vector_gate:
+            kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
+            walks = self.chunk_walks((kernels.sha256, kernels.interpret))
+
+        inputs = KernelInputs.of(qk_norm, gate)
+
+        def recurrent(q, k, v, g, beta, S0):  # the fused kernel: raw q, k and (a, A_log, dt_bias)
+            if inputs.gate_form is None:
+                g = chunkwise.linear_decay(jax_chunkwise.XP, g, gate)
+            return self.recurrent_forward(q, k, v, g, beta, S0, scale=call.scale,
+                                          variant=variant, problem=problem,
+                                          templates_dir=templates_dir, inputs=inputs)
+
+        def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
+            if shape.vector_gate:
+                return jax_chunkwise.chunkwise_gated_delta(
+                    q, k, v, g, beta, S0, None, scale=call.scale, gate=gate,
+                    chunk_size=kernels.params["chunk_size"],
+                    save_states=kernels.params["save_states"], walks=walks, qk_norm=qk_norm)
+            a, *parameters = g if isinstance(g, tuple) else (g,)
+            chunk_operands = operands._replace(q=q.astype(call.dtype), k=k.astype(call.dtype),
+                                               v=v.astype(call.dtype), g=a, beta=beta,
+                                               initial_state=S0, mask=None)
+            if parameters:
+                chunk_operands = chunk_operands._replace(A_log=parameters[0],
+                                                         dt_bias=parameters[1])
+            y, state = self.chunk_forward(call, chunk_operands, variant, templates_dir)
+            return y.astype(f32), state
+
+        run = (chunkwise_call if chunked  # per-channel gates: evaluated on the chunk path too
+               else jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call))
+        y, state = run(q32, k32, v32, g32, beta32, s0)
+        if mask is not None:
+            y = jnp.where(mask[..., None, None], y, 0.0)
+        return y.astype(q.dtype), state
+
+    def packed(self, call, operands, variant, templates_dir=None):
+        """A packed row (`gdngen.algebra.packed`, scalar gates), float32 inside: the row's chunk
+        walk on the packed build (`packed_core`), each sequence's one-chunk calls on
+        `chunk_forward`. Returns ``(y [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk]
+        float32)``."""
+        import jax.numpy as jnp
+
+        from gdngen.algebra import packed
+        from gdngen.backends.portable.jax_chunkwise import XP
+
+        gate = call.gate
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+        kernels = self.load_packed_kernels(variant, call.replace(dtype="float32").problem,
+                                           templates_dir=templates_dir)
+        chunk = kernels.params["chunk_size"]
+
+        def dense(q, k, v, g, beta, S0, mask):
+            return self.chunk_forward(
+                call.for_arrays(q, v, packed=False),
+                operands._replace(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0, mask=mask,
+                                  cu_seqlens=None), variant, templates_dir)
+
+        walk = packed.chunk_walk(XP, self.packed_core((kernels.sha256, kernels.interpret), gate),
+                                 scale=call.scale, gate=gate, chunk_size=chunk)
+        f32 = jnp.float32
+        q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+        y, state = packed.gated_delta(
+            XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
+            None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+            gate=gate, chunk_size=chunk)
+        return y.astype(q.dtype), state
+
+    def steps(self, call, operands, variant, templates_dir=None):
+        """Per-step states from `recurrent_steps_forward` through
+        `gdngen.backends.generated.kernel_steps`."""
+        from gdngen.backends import generated
+
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+
+        def recurrent(q, k, v, decay, beta, S0):
+            return self.recurrent_steps_forward(q, k, v, decay, beta, S0, scale=call.scale,
+                                                variant=variant, problem=call.problem,
+                                                templates_dir=templates_dir)
+
+        return generated.kernel_steps(call, operands, recurrent)
+
+    def chunks(self, call, operands, variant, templates_dir=None):
+        """Chunk-boundary states from the chunk kernels' walk
+        (`gdngen.backends.generated.kernel_chunks`): scalar gates the ``save_states`` forward's
+        entering states (`entering_core`), per-channel gates the walk kernel (`chunk_walks`)."""
+        from gdngen.backends import generated
+
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+        problem = call.problem
+        if call.shape.vector_gate:
+            kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
+            C = kernels.params["chunk_size"]
+            walk = self.chunk_walks((kernels.sha256, kernels.interpret))[0]
+            chunk_forward = generated.walk_chunk_forward(call, C, walk)
+        else:
+            kernels = self.load_kernels(variant.replace(save_states=True), problem,
+                                        templates_dir=templates_dir)
+            C = kernels.params["chunk_size"]
+            core = self.entering_core((kernels.sha256, kernels.interpret), call.scale)
+            chunk_forward = generated.entering_forward(call, C, core, core_scales=True)
+        return generated.kernel_chunks(call, operands, C, chunk_forward)
+
+    def entry(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
+              variant, templates_dir=None, qk_norm=False, cu_seqlens=None):
+        """The backend's ``gated_delta`` / ``packed_gated_delta``: arguments as
+        `gdngen.call.of_kernel_args` takes them, run through `run`."""
+        from gdngen import call as calls
+
+        checked, operands = calls.of_kernel_args(
+            "jax", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
+            qk_norm=qk_norm, cu_seqlens=cu_seqlens)
+        run = self.run if cu_seqlens is None else self.run_packed_kernels
+        return run(checked, operands, variant, templates_dir=templates_dir)
+
+    def packed_entry(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                     gate="log", variant, cu_seqlens, templates_dir=None):
+        """The backend's ``packed_gated_delta``: `entry` of a packed row."""
+        return self.entry(q, k, v, g, beta, initial_state, mask=mask, scale=scale, gate=gate,
+                          variant=variant, templates_dir=templates_dir, cu_seqlens=cu_seqlens)

@@ -1,0 +1,369 @@
+"""pallas_gpu's custom-VJP side: the chunk layout of `gdngen.algebra.chunkwise` to and from the
+kernels' time-row layout (``[B, T, H, D]`` / ``[B, Hv, T]``, head dims zero-padded to 16), the
+kernels' gradients to cotangents, and the cores built on a loaded build (keyed by
+``(sha256, interpret)``, cached process-wide): `chunk_core`, `entering_core`, `packed_core`,
+`chunk_walks`."""
+
+from __future__ import annotations
+
+import functools
+
+from gdngen.algebra import chunkwise
+from gdngen.backends import generated
+from gdngen.backends.kernel_inputs import KernelInputs
+from gdngen.backends.pallas.core import (
+    call_jitted,
+    fused_gate_operands,
+    gate_cotangent,
+    jit_pair,
+)
+from gdngen.backends.pallas.gpu.config import BACKEND, LOG_GATE_FLOOR
+from gdngen.backends.pallas.gpu.kernels import LOADED
+
+
+def pad_last(x, size: int, axis: int = -1):
+    import jax.numpy as jnp
+
+    extra = size - x.shape[axis]
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _keys_to_kernel(x, dk):
+    """Chunk layout [N, B, Hk, C, Dk] -> [B, T, Hk, DK] (zero-padded head dim)."""
+    N, B, Hk, C, Dk = x.shape
+    return pad_last(x.transpose(1, 0, 3, 2, 4).reshape(B, N * C, Hk, Dk), dk)
+
+
+def _values_to_kernel(x, dv):
+    """Chunk layout [N, B, Hk, r, C, Dv] -> [B, T, Hv, DV]."""
+    N, B, Hk, r, C, Dv = x.shape
+    return pad_last(x.transpose(1, 0, 4, 2, 3, 5).reshape(B, N * C, Hk * r, Dv), dv)
+
+
+def _values_from_kernel(x, like):
+    """[B, T, Hv, DV] -> chunk layout [N, B, Hk, r, C, Dv] of ``like``."""
+    N, B, Hk, r, C, Dv = like.shape
+    return x[..., :Dv].reshape(B, N, C, Hk, r, Dv).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _per_step_to_kernel(x):
+    """Chunk layout [N, B, Hk, r, C] -> [B, Hv, T]."""
+    N, B, Hk, r, C = x.shape
+    return x.transpose(1, 2, 3, 0, 4).reshape(B, Hk * r, N * C)
+
+
+def _per_step_from_kernel(x, like):
+    """[B, Hv, T] (or [B, Hv, N, C]) -> chunk layout [N, B, Hk, r, C] of ``like``."""
+    N, B, Hk, r, C = like.shape
+    return x.reshape(B, Hk, r, N, C).transpose(3, 0, 1, 2, 4)
+
+
+def states_to_kernel(x, dk, dv):
+    """[B, Hk, r, Dv, Dk] -> [B, Hv, DV, DK]."""
+    B, Hk, r, Dv, Dk = x.shape
+    return pad_last(pad_last(x.reshape(B, Hk * r, Dv, Dk), dk), dv, axis=-2)
+
+
+def _chunk_states_to_kernel(x, dk, dv):
+    """Per-chunk states in chunk layout [N, B, Hk, r, Dv, Dk] -> [B, Hv, N, DV, DK]."""
+    N, B, Hk, r, Dv, Dk = x.shape
+    x = x.transpose(1, 2, 3, 0, 4, 5).reshape(B, Hk * r, N, Dv, Dk)
+    return pad_last(pad_last(x, dk), dv, axis=-2)
+
+
+def _chunk_states_from_kernel(x, like):
+    """[B, Hv, N, DV, DK] -> chunk layout [N, B, Hk, r, Dv, Dk] of ``like``."""
+    N, B, Hk, r, Dv, Dk = like.shape
+    return x[..., :Dv, :Dk].reshape(B, Hk, r, N, Dv, Dk).transpose(3, 0, 1, 2, 4, 5)
+
+
+def _to_kernel_layout(q, k, v, gates, beta, S0, *, gate, dk, dv):
+    """Chunk layout of `gdngen.algebra.chunkwise` -> the kernels' layout (see the forward template),
+    as a dict; log gates clamped to `LOG_GATE_FLOOR`."""
+    import jax.numpy as jnp
+
+    log_gates = gates if gate == "log" else jnp.log(gates)
+    return {"q": _keys_to_kernel(q, dk), "k": _keys_to_kernel(k, dk),
+            "v": _values_to_kernel(v, dv),
+            "g": _per_step_to_kernel(jnp.maximum(log_gates, LOG_GATE_FLOOR)),
+            "beta": _per_step_to_kernel(beta), "s0": states_to_kernel(S0, dk, dv)}
+
+
+def _to_fused_layout(q, k, v, gates, beta, S0, *, gate, dk, dv, inputs):
+    """`_to_kernel_layout` for the fused forward kernels of ``inputs`` (raw primals of
+    `gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``): q, k as given (raw
+    with ``qk_norm``); with a gate form ``gates`` is ``(a, A_log, dt_bias)`` (A_log, dt_bias
+    ``[Hk, r, 1]``), ``"g"`` holds ``a`` (-inf kept: an identity step) and ``"gate"`` the
+    operands after it (`gdngen.backends.pallas.core.fused_gate_operands`); otherwise ``gates``
+    in ``gate``'s convention, laid out as `_to_kernel_layout` does."""
+    if inputs.gate_form is None:
+        return dict(_to_kernel_layout(q, k, v, gates, beta, S0, gate=gate, dk=dk, dv=dv),
+                    gate=())
+    a, A_log, dt_bias = gates
+    lay = _to_kernel_layout(q, k, v, a, beta, S0, gate="log", dk=dk, dv=dv)
+    lay["g"] = _per_step_to_kernel(a)  # unclamped: the kernels clamp the log gate they compute
+    lay["gate"] = fused_gate_operands(inputs, A_log, dt_bias, v.shape[2] * v.shape[3],
+                                                k.shape[-1], False)
+    return lay
+
+
+def _gate_cotangent(gates, gate, dd11, dd0):
+    """d(gates) [B, Hv, N, C] from the kernels' decay-factor cotangents (dd11 [B, Hv, T, C],
+    dd0 [B, Hv, T]; the chunk-end terms already folded into their last rows) by the
+    straddle-sum rule of `gdngen.algebra.chunkwise` (exact at g = 0); gates [B, Hv, N, C] in their
+    own convention."""
+    import jax.numpy as jnp
+
+    C = gates.shape[-1]
+    dd11 = dd11.reshape(gates.shape + (C,))
+    rows = jnp.concatenate([dd0.reshape(gates.shape)[..., None], dd11], axis=-1)  # positions 1..C
+    dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, C + 1), rows.dtype), rows], axis=-2)
+    return gate_cotangent(gates, gate, dD)
+
+
+def _cotangents(primals, grads, *, gate):
+    """The kernels' gradients -> cotangents of the core's primals (chunk layout, their dtypes)."""
+    q, k, v, gates, beta, S0 = primals
+    dq, dk, dv, dbeta, dd11, dd0, ds0 = grads
+    N, B, Hk, C, Dk = q.shape
+    r = v.shape[3]
+
+    def key_grad(x, like):  # [B, T, Hv, DK] per value head -> summed over the group
+        x = x[..., :Dk].reshape(B, N, C, Hk, r, Dk).sum(axis=4)
+        return x.transpose(1, 0, 3, 2, 4).astype(like.dtype)
+
+    B_, Hv = gates.shape[1], Hk * r
+    per_head = gates.transpose(1, 2, 3, 0, 4).reshape(B_, Hv, N, C)
+    dgates = _gate_cotangent(per_head, gate, dd11, dd0)
+    Dv = v.shape[-1]
+    return (key_grad(dq, q), key_grad(dk, k), _values_from_kernel(dv, v).astype(v.dtype),
+            _per_step_from_kernel(dgates, gates), _per_step_from_kernel(dbeta, beta),
+            ds0[:, :, :Dv, :Dk].reshape(S0.shape))
+
+
+@functools.cache
+def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
+               fused_key: tuple | None = None):
+    """`gdngen.algebra.chunkwise` core (chunk layout in and out) on the loaded kernels ``key``
+    (sha256, interpret mode), the generated backward as its ``jax.custom_vjp``
+    (`gdngen.backends.generated.custom_vjp_core`; the backward lays the primals out again).
+    ``fused_key``: the loaded fused build of ``qk_norm`` and ``gate`` (a convention or a
+    `gdngen.algebra.chunkwise.ParameterGate`), whose forward takes the raw primals; the
+    backward (and a recomputing variant's residuals) runs the plain kernels on the recomputed
+    inputs."""
+    import jax.numpy as jnp
+
+    parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels take log gates
+    kernels = LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    if fused_key is None:
+        run_forward, prepare_forward = kernels.run_forward, None
+    else:
+        run_forward = LOADED[fused_key].run_forward
+        prepare_forward = jit_pair(functools.partial(
+            _to_fused_layout, gate=gate, dk=p["dk"], dv=p["dv"],
+            inputs=KernelInputs.of(qk_norm, parameter_gate)), (), interpret)
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
+                        (), interpret)
+    finish = jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_final, v, S0):
+        Dv, Dk = S0.shape[-2:]
+        return _values_from_kernel(y, v), s_final[:, :, :Dv, :Dk].reshape(S0.shape)
+
+    def backward_inputs(dY, dS_final, lay_v):
+        return (_values_to_kernel(dY, p["dv"]).astype(lay_v.dtype),
+                states_to_kernel(dS_final.astype(jnp.float32), p["dk"], p["dv"]))
+
+    forward_outputs = jit_pair(forward_outputs, (), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
+
+    def forward(primals):
+        lay = call_jitted(prepare if prepare_forward is None else prepare_forward, *primals)
+        y, s_final, saved = call_jitted(run_forward, lay["q"], lay["k"], lay["v"], lay["g"],
+                                        lay["beta"], lay["s0"], *lay.get("gate", ()),
+                                        scale=scale, interpret=interpret)
+        return call_jitted(forward_outputs, y, s_final, primals[2], primals[5]), saved
+
+    def backward(primals, saved, cotangents):
+        lay = call_jitted(prepare, *primals)
+        args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
+        if not p["save_states"]:
+            saved = call_jitted(kernels.run_residuals, *args, lay["s0"], scale=scale,
+                          interpret=interpret)
+        dy, dsf = call_jitted(backward_inputs, *cotangents, lay["v"])
+        grads = call_jitted(kernels.run_backward, *args, *saved, dy, dsf, scale=scale,
+                      interpret=interpret)
+        return call_jitted(finish, primals, grads)
+
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
+                                     forward_fuses=fused_key is not None)
+
+
+@functools.cache
+def entering_core(key: tuple, scale: float):
+    """``core(q, k, v, log_gates, beta, S0) -> (Y, S_final, S_in)`` in the chunk layout of
+    `gdngen.algebra.chunkwise.gated_delta` (its ``entering`` core; S_in ``[N, B, Hk, r, Dv,
+    Dk]``) on the loaded ``save_states`` kernels ``key`` (sha256, interpret): one forward kernel
+    call, its saved entering states returned. Forward only (`PallasBackend.chunks` takes the
+    portable VJP)."""
+    import jax
+
+    kernels = LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    if not p["save_states"]:
+        raise ValueError("entering_core needs a save_states build (its forward keeps S_in)")
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate="log", dk=p["dk"], dv=p["dv"]),
+                       (), interpret)
+
+    def outputs(y, s_final, s_in, v, S0):
+        N, B, Hk, r = v.shape[:4]
+        Dv, Dk = S0.shape[-2:]
+        like = jax.ShapeDtypeStruct((N, B, Hk, r, Dv, Dk), s_in.dtype)
+        return (_values_from_kernel(y, v), s_final[:, :, :Dv, :Dk].reshape(S0.shape),
+                _chunk_states_from_kernel(s_in, like))
+
+    outputs = jit_pair(outputs, (), interpret)
+
+    def core(*primals):
+        lay = call_jitted(prepare, *primals)
+        y, s_final, saved = call_jitted(kernels.run_forward, lay["q"], lay["k"], lay["v"],
+                                        lay["g"], lay["beta"], lay["s0"], scale=scale,
+                                        interpret=interpret)
+        return call_jitted(outputs, y, s_final, saved[-1], primals[2], primals[5])
+
+    return core
+
+
+def _packed_layout(q, k, v, gates, beta, inject, *, gate, dk, dv):
+    """`_to_kernel_layout` of a packed walk (zero s0) plus ``inject`` [N, B, Hk, r, Dv, Dk]
+    -> [B, Hv, N, DV, DK]."""
+    import jax.numpy as jnp
+
+    lay = _to_kernel_layout(q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32),
+                            gate=gate, dk=dk, dv=dv)
+    lay["inject"] = _chunk_states_to_kernel(inject, dk, dv)
+    return lay
+
+
+def _packed_cotangents(primals, grads, *, gate):
+    """The packed backward's gradients -> cotangents of ``(q, k, v, gates, beta, inject)``."""
+    *front, inject = primals
+    return (*_cotangents((*front, inject[0]), grads[:-1], gate=gate)[:5],
+            _chunk_states_from_kernel(grads[-1], inject))
+
+
+@functools.cache
+def packed_core(key: tuple, gate: str):
+    """The ``packed_core(q, k, v, gates, beta, inject) -> (Y, S_in)`` of
+    `gdngen.algebra.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret
+    mode): chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in`` ``[N, B, Hk,
+    r, Dv, Dk]`` float32; the packed backward kernels as its ``jax.custom_vjp`` (cotangents of
+    every input, ``inject``'s the state cotangent leaving each chunk)."""
+    import jax.numpy as jnp
+
+    kernels = LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    prepare = jit_pair(functools.partial(_packed_layout, gate=gate, dk=p["dk"], dv=p["dv"]),
+                       (), interpret)
+    finish = jit_pair(functools.partial(_packed_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_in, v, inject):
+        return _values_from_kernel(y, v), _chunk_states_from_kernel(s_in, inject)
+
+    def backward_inputs(dY, dS_in, lay_v, lay_s0):
+        return (_values_to_kernel(dY, p["dv"]).astype(lay_v.dtype),
+                jnp.zeros(lay_s0.shape, jnp.float32),
+                _chunk_states_to_kernel(dS_in.astype(jnp.float32), p["dk"], p["dv"]))
+
+    forward_outputs = jit_pair(forward_outputs, (), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
+
+    def forward(primals):
+        lay = call_jitted(prepare, *primals)
+        y, _, s_in, saved = call_jitted(kernels.run_forward, lay["q"], lay["k"], lay["v"],
+                                        lay["g"], lay["beta"], lay["s0"], lay["inject"],
+                                        scale=1.0, interpret=interpret)
+        return call_jitted(forward_outputs, y, s_in, primals[2], primals[5]), (lay, saved)
+
+    def backward(primals, saved_forward, cotangents):
+        lay, saved = saved_forward
+        args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
+        if not p["save_states"]:  # recomputed, the injection included
+            saved = call_jitted(kernels.run_residuals, *args, lay["s0"], lay["inject"],
+                                scale=1.0, interpret=interpret)
+        dy, dsf, dsin = call_jitted(backward_inputs, *cotangents, lay["v"], lay["s0"])
+        grads = call_jitted(kernels.run_backward, *args, *saved, dy, dsf, dsin, scale=1.0,
+                            interpret=interpret)
+        return call_jitted(finish, primals, grads)
+
+    return generated.custom_vjp_core(forward, backward)
+
+
+def _rows_to_kernel(x, width):
+    """Chunk layout [N, B, Hk, r, C, X] -> [B, Hv, T, width] (zero-padded last dim)."""
+    N, B, Hk, r, C, X = x.shape
+    return pad_last(x.transpose(1, 2, 3, 0, 4, 5).reshape(B, Hk * r, N * C, X), width)
+
+
+def _rows_from_kernel(x, like):
+    """[B, Hv, T, X'] -> chunk layout [N, B, Hk, r, C, X] of ``like``."""
+    N, B, Hk, r, C, X = like.shape
+    return x[..., :X].reshape(B, Hk, r, N, C, X).transpose(3, 0, 1, 2, 4, 5)
+
+
+def _chunk_vectors_to_kernel(x, dk):
+    """Per-chunk vectors in chunk layout [N, B, Hk, r, Dk] -> [B, Hv, N, DK]."""
+    N, B, Hk, r, Dk = x.shape
+    return pad_last(x.transpose(1, 2, 3, 0, 4).reshape(B, Hk * r, N, Dk), dk)
+
+
+@functools.cache
+def chunk_walks(key: tuple):
+    """``(walk_forward, walk_backward)`` with the signatures and contracts of
+    `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r,
+    ...], float32) on the loaded per-channel kernels ``key`` (sha256, interpret mode): the forward
+    and backward templates rendered with ``per_channel``. The forward walk is one ``pallas_call``
+    (grid batch * value head x Dv tiles, the chunks in order in one program, the state in
+    registers); the reverse walk two (the state-cotangent walk likewise, then the sums over Dv
+    chunk-parallel). Inputs go to the kernels' layout (value heads merged, time rows, head dims
+    zero-padded: one copy each) and back. Packed rows (``inject`` / ``dS_in``) are not taken:
+    per-channel packed rows run on the portable path."""
+    kernels = LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    dk, dv = p["dk"], p["dv"]
+
+    def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
+        del xp  # the kernels' own arrays
+        generated.refuse_injection(BACKEND, inject)
+        y, s_final, s_in, w = call_jitted(
+            kernels.run_forward, _rows_to_kernel(U, dv),
+            *(_rows_to_kernel(x, dk) for x in (Wk, Kc, Qd)), _rows_to_kernel(Pm, Pm.shape[-1]),
+            _chunk_vectors_to_kernel(dCC, dk), states_to_kernel(S0, dk, dv),
+            interpret=interpret)
+        N, B, Hk, r = U.shape[:4]
+        Dv, Dk = S0.shape[-2:]
+        s_in = s_in[..., :Dv, :Dk].reshape(B, Hk, r, N, Dv, Dk).transpose(3, 0, 1, 2, 4, 5)
+        return (_rows_from_kernel(y, U), s_final[:, :, :Dv, :Dk].reshape(S0.shape), s_in,
+                _rows_from_kernel(w, U))
+
+    def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
+        del xp
+        generated.refuse_injection(BACKEND, dS_in)
+        dw, dwk, dqd, dkc, ddcc, ds0 = call_jitted(
+            kernels.run_backward, _rows_to_kernel(G, dv),
+            *(_rows_to_kernel(x, dk) for x in (Kc, Wk)), _rows_to_kernel(W, dv),
+            _chunk_states_to_kernel(S_in, dk, dv), _rows_to_kernel(dY, dv),
+            _rows_to_kernel(Qd, dk), _chunk_vectors_to_kernel(dCC, dk),
+            states_to_kernel(dS_final, dk, dv), interpret=interpret)
+        Dv, Dk = dS_final.shape[-2:]
+        N, B, Hk, r = dCC.shape[:4]
+        return (ds0[:, :, :Dv, :Dk].reshape(dS_final.shape), _rows_from_kernel(dw, G),
+                *(_rows_from_kernel(x, like) for x, like in ((dwk, Wk), (dqd, Qd), (dkc, Kc))),
+                ddcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4), None)
+
+    return walk_forward, walk_backward

@@ -1,0 +1,341 @@
+"""pallas_tpu's custom-VJP side: the chunk layout of `gdngen.algebra.chunkwise` to and from the
+kernels' ``[B, Hv, N, C, ...]`` blocks, the kernels' gradients to cotangents, and the cores
+built on a loaded build (keyed by ``(sha256, interpret)``, cached process-wide): `chunk_core`,
+`entering_core`, `packed_core`, `chunk_walks`. `run_kernel` runs a kernel with the interpret
+mode's race check."""
+
+from __future__ import annotations
+
+import functools
+
+from gdngen import jaxcompat
+from gdngen.algebra import chunkwise
+from gdngen.backends import generated
+from gdngen.backends.kernel_inputs import KernelInputs
+from gdngen.backends.pallas.core import (
+    call_jitted,
+    call_sequential_under_vmap,
+    fused_gate_operands,
+    gate_cotangent,
+    jit_pair,
+)
+from gdngen.backends.pallas.tpu.config import BACKEND, LOG_GATE_FLOOR
+from gdngen.backends.pallas.tpu.kernels import LOADED
+
+
+def _check_races(outputs, what: str, interpret) -> None:
+    """Raise if TPU interpret mode's race detector flagged the kernel that produced
+    ``outputs`` (only when they are concrete: under an outer jit the check is skipped)."""
+    import jax
+
+    if not getattr(interpret, "detect_races", False):
+        return
+    leaves = jax.tree.leaves(outputs)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return
+    jax.block_until_ready(leaves)
+    races = getattr(jaxcompat.tpu_interpreter(), "races", None)
+    if races is not None and races.races_found:
+        raise RuntimeError(f"TPU interpret mode detected a data race in the {what} kernel")
+
+
+def run_kernel(fns, *args, what: str, interpret, **kwargs):
+    """Run a kernel (``fns`` a `gdngen.backends.pallas.core.jit_pair`); in interpret mode check
+    it for races, and reset the interpreter's shared state if it raised (jax requires that
+    before the next kernel)."""
+    try:
+        outputs = call_sequential_under_vmap(fns, *args, interpret=interpret, **kwargs)
+        _check_races(outputs, what, interpret)
+    except Exception:
+        if interpret:
+            jaxcompat.pallas_tpu().reset_tpu_interpret_mode_state()
+        raise
+    return outputs
+
+
+def _to_kernel_layout(q, k, v, gates, beta, S0, gate):
+    """Chunk layout of `gdngen.algebra.chunkwise` (q, k [N, B, Hk, C, Dk]; v [N, B, Hk, r, C, Dv];
+    gates, beta [N, B, Hk, r, C]; S0 [B, Hk, r, Dv, Dk]) -> the kernels' layout (see the
+    forward template), as a dict."""
+    import jax.numpy as jnp
+
+    log_gates = gates if gate == "log" else jnp.log(gates)
+    return _kernel_layout(q, k, v, jnp.maximum(log_gates, LOG_GATE_FLOOR), beta, S0)
+
+
+def _kernel_layout(q, k, v, per_step, beta, S0):
+    """`_to_kernel_layout` with ``per_step`` [N, B, Hk, r, C] (the finite log gates, or a fused
+    build's raw projection ``a``) laid out as ``g_col`` / ``g_row`` unchanged."""
+    import jax.numpy as jnp
+
+    B, Hk, r = v.shape[1:4]
+
+    def keys(x):  # [N, B, Hk, C, Dk] (or with a unit value-head axis) -> [B, Hk, N, C, Dk]
+        return jnp.moveaxis(x.reshape(x.shape[:3] + x.shape[-2:]), 0, 2)
+
+    b = _to_heads(per_step)
+    return {"q": keys(q), "k": keys(k), "v": _to_heads(v), "g_col": b[..., None],
+            "g_row": b[..., None, :], "beta": _to_heads(beta)[..., None],
+            "s0": S0.reshape((B, Hk * r) + S0.shape[-2:])}
+
+
+def _to_fused_layout(q, k, v, gates, beta, S0, gate, inputs):
+    """`_to_kernel_layout` for the fused forward kernel of ``inputs`` (raw primals of
+    `gdngen.backends.generated.custom_vjp_core` with ``forward_fuses``): q, k as given (raw
+    with ``qk_norm``); with a gate form ``gates`` is ``(a, A_log, dt_bias)`` (A_log, dt_bias
+    ``[Hk, r, 1]``), ``g_col`` / ``g_row`` hold ``a`` (-inf kept: an identity step) and
+    ``"gate"`` the operands after it (`gdngen.backends.pallas.core.fused_gate_operands`);
+    otherwise ``gates`` in ``gate``'s convention, laid out as `_to_kernel_layout` does."""
+    if inputs.gate_form is None:
+        return dict(_to_kernel_layout(q, k, v, gates, beta, S0, gate), gate=())
+    a, A_log, dt_bias = gates
+    Hv, Dk = v.shape[2] * v.shape[3], k.shape[-1]
+    return dict(_kernel_layout(q, k, v, a, beta, S0),
+                gate=fused_gate_operands(inputs, A_log, dt_bias, Hv, Dk, False))
+
+
+def _to_heads(x):
+    """Chunk layout [N, B, Hk, r, C, ...] -> [B, Hv, N, C, ...]."""
+    import jax.numpy as jnp
+
+    x = jnp.moveaxis(x, 0, 3)
+    return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
+def _from_heads(x, Hk):
+    """[B, Hv, N, C, ...] -> chunk layout [N, B, Hk, r, C, ...]."""
+    import jax.numpy as jnp
+
+    B, Hv = x.shape[:2]
+    return jnp.moveaxis(x.reshape((B, Hk, Hv // Hk) + x.shape[2:]), 3, 0)
+
+
+def _gate_cotangent(gates, gate, dd11, dd0, ddc, ddcc):
+    """d(gates) from the kernels' decay-factor cotangents, by the straddle-sum rule of
+    `gdngen.algebra.chunkwise` (``decay_factors_log_vjp`` / ``decay_factors_linear_vjp``: exact at
+    g = 0). Inputs [B, Hv, N, ...]; gates in their own convention."""
+    import jax.numpy as jnp
+
+    rows = jnp.concatenate([dd0, dd11], axis=-1)  # positions 1..C of dD, columns 0..C
+    last = rows[..., -1, :] + jnp.concatenate([ddcc[..., 0, :], ddc[..., 0]], axis=-1)
+    dD = jnp.concatenate([jnp.zeros(rows.shape[:-2] + (1, rows.shape[-1]), rows.dtype),
+                          rows[..., :-1, :], last[..., None, :]], axis=-2)
+    return gate_cotangent(gates, gate, dD)
+
+
+def _cotangents(primals, grads, gate):
+    """The kernels' gradients -> cotangents of the core's primals (chunk layout, their dtypes)."""
+    import jax.numpy as jnp
+
+    q, k, v, gates, _, S0 = primals
+    dq, dk, dv, dbeta, dd11, dd0, ddc, ddcc, ds0 = grads
+    B, Hk = v.shape[1:3]
+
+    def key_grad(x, like):  # [B, Hk * tiles, N, C, Dk] partials -> chunk layout
+        x = x.reshape((B, Hk, -1) + x.shape[2:]).sum(axis=2)
+        return jnp.moveaxis(x, 2, 0).reshape(like.shape).astype(like.dtype)
+
+    dgates = _gate_cotangent(_to_heads(gates), gate, dd11, dd0, ddc, ddcc)
+    return (key_grad(dq, q), key_grad(dk, k), _from_heads(dv, Hk).astype(v.dtype),
+            _from_heads(dgates, Hk), _from_heads(dbeta[..., 0], Hk), ds0.reshape(S0.shape))
+
+
+@functools.cache
+def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
+               fused_key: tuple | None = None):
+    """`gdngen.algebra.chunkwise` core (chunk layout in and out) on the loaded kernels ``key``
+    (sha256, interpret parameters), the generated backward as its ``jax.custom_vjp``
+    (`gdngen.backends.generated.custom_vjp_core`; the backward lays the primals out again).
+    ``fused_key``: the loaded fused build of ``qk_norm`` and ``gate`` (a convention or a
+    `gdngen.algebra.chunkwise.ParameterGate`), whose forward takes the raw primals; the
+    backward runs the plain kernels on the recomputed inputs."""
+    import jax.numpy as jnp
+
+    parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels take log gates
+    kernels = LOADED[key]
+    interpret = kernels.interpret
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate=gate), (), interpret)
+    finish = jit_pair(functools.partial(_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_final, v, S0):
+        return _from_heads(y, v.shape[2]), s_final.reshape(S0.shape)
+
+    def backward_inputs(dY, dS_final, v, s0):
+        return _to_heads(dY).astype(v.dtype), dS_final.reshape(s0.shape).astype(jnp.float32)
+
+    forward_outputs = jit_pair(forward_outputs, (), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
+
+    if fused_key is None:
+        run_forward, what = kernels.run_forward, "forward"
+    else:
+        run_forward, what = LOADED[fused_key].run_forward, "fused forward"
+        prepare_forward = jit_pair(functools.partial(
+            _to_fused_layout, gate=gate, inputs=KernelInputs.of(qk_norm, parameter_gate)), (),
+            interpret)
+
+    def forward(primals):
+        lay = call_jitted(prepare if fused_key is None else prepare_forward, *primals)
+        outs = run_kernel(run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"],
+                           lay["g_row"], lay["beta"], lay["s0"], *lay.get("gate", ()),
+                           scale=scale, what=what, interpret=interpret)
+        return (call_jitted(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
+                tuple(outs[2:]))
+
+    def backward(primals, saved, cotangents):
+        lay = call_jitted(prepare, *primals)
+        if kernels.params["save_states"]:
+            s_in, tinv = saved
+            extra = (tinv,)
+        else:
+            s_in = run_kernel(kernels.run_chunk_states, lay["k"], lay["v"], lay["g_col"],
+                               lay["g_row"], lay["beta"], lay["s0"], what="chunk-state",
+                               interpret=interpret)
+            extra = ()
+        dy, dsf = call_jitted(backward_inputs, *cotangents, lay["v"], lay["s0"])
+        grads = run_kernel(kernels.run_backward, lay["q"], lay["k"], lay["v"], lay["g_col"],
+                            lay["g_row"], lay["beta"], s_in, *extra, dy, dsf, scale=scale,
+                            what="backward", interpret=interpret)
+        return call_jitted(finish, primals, grads)
+
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
+                                     forward_fuses=fused_key is not None)
+
+
+@functools.cache
+def entering_core(key: tuple, scale: float):
+    """``core(q, k, v, log_gates, beta, S0) -> (Y, S_final, S_in)`` in the chunk layout of
+    `gdngen.algebra.chunkwise.gated_delta` (its ``entering`` core; S_in ``[N, B, Hk, r, Dv,
+    Dk]``) on the loaded ``save_states`` kernels ``key`` (sha256, interpret): one forward kernel
+    call, its saved entering states returned. Forward only (`PallasBackend.chunks` takes the
+    portable VJP)."""
+    kernels = LOADED[key]
+    interpret = kernels.interpret
+    if not kernels.params["save_states"]:
+        raise ValueError("entering_core needs a save_states build (its forward keeps S_in)")
+    prepare = jit_pair(functools.partial(_to_kernel_layout, gate="log"), (), interpret)
+
+    def outputs(y, s_final, s_in, v, S0):
+        return _from_heads(y, v.shape[2]), s_final.reshape(S0.shape), _from_heads(s_in,
+                                                                                  v.shape[2])
+
+    outputs = jit_pair(outputs, (), interpret)
+
+    def core(*primals):
+        lay = call_jitted(prepare, *primals)
+        y, s_final, s_in = run_kernel(
+            kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"],
+            lay["beta"], lay["s0"], scale=scale, what="forward", interpret=interpret)[:3]
+        return call_jitted(outputs, y, s_final, s_in, primals[2], primals[5])
+
+    return core
+
+
+def _packed_layout(q, k, v, gates, beta, inject, gate):
+    """`_to_kernel_layout` of a packed walk (zero s0) plus ``inject`` [N, B, Hk, r, Dv, Dk]
+    -> [B, Hv, N, Dv, Dk]."""
+    import jax.numpy as jnp
+
+    lay = _to_kernel_layout(q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32),
+                            gate)
+    lay["inject"] = _to_heads(inject)
+    return lay
+
+
+def _packed_cotangents(primals, grads, gate):
+    """The packed backward's gradients -> cotangents of ``(q, k, v, gates, beta, inject)``."""
+    *front, inject = primals
+    Hk = inject.shape[2]
+    return (*_cotangents((*front, inject[0]), grads[:-1], gate)[:5],
+            _from_heads(grads[-1], Hk))
+
+
+@functools.cache
+def packed_core(key: tuple, gate: str):
+    """The ``packed_core(q, k, v, gates, beta, inject) -> (Y, S_in)`` of
+    `gdngen.algebra.packed.chunk_walk` on the loaded packed kernels ``key`` (sha256, interpret
+    parameters): chunk layout (q already scaled), from a zero state, ``inject`` and ``S_in``
+    ``[N, B, Hk, r, Dv, Dk]`` float32; the packed backward kernel as its ``jax.custom_vjp``
+    (cotangents of every input, ``inject``'s the state cotangent leaving each chunk)."""
+    import jax.numpy as jnp
+
+    kernels = LOADED[key]
+    interpret = kernels.interpret
+    prepare = jit_pair(functools.partial(_packed_layout, gate=gate), (), interpret)
+    finish = jit_pair(functools.partial(_packed_cotangents, gate=gate), (), interpret)
+
+    def forward_outputs(y, s_in, Hk):
+        return _from_heads(y, Hk), _from_heads(s_in, Hk)
+
+    def backward_inputs(dY, dS_in, v, s0):
+        return (_to_heads(dY).astype(v.dtype), jnp.zeros(s0.shape, jnp.float32),
+                _to_heads(dS_in).astype(jnp.float32))
+
+    forward_outputs = jit_pair(forward_outputs, ("Hk",), interpret)
+    backward_inputs = jit_pair(backward_inputs, (), interpret)
+
+    def forward(primals):
+        lay = call_jitted(prepare, *primals)
+        y, _, s_in, *tinv = run_kernel(
+            kernels.run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"],
+            lay["beta"], lay["s0"], lay["inject"], scale=1.0, what="packed forward",
+            interpret=interpret)
+        saved = (s_in, *tinv) if kernels.params["save_states"] else ()
+        return call_jitted(forward_outputs, y, s_in, Hk=primals[0].shape[2]), (lay, saved)
+
+    def backward(primals, saved_forward, cotangents):
+        lay, saved = saved_forward
+        if not saved:  # the variant recomputes the entering states (injection included)
+            saved = (run_kernel(kernels.run_chunk_states, lay["k"], lay["v"], lay["g_col"],
+                                 lay["g_row"], lay["beta"], lay["s0"], lay["inject"],
+                                 what="packed chunk-state", interpret=interpret),)
+        dy, dsf, dsin = call_jitted(backward_inputs, *cotangents, lay["v"], lay["s0"])
+        grads = run_kernel(kernels.run_backward, lay["q"], lay["k"], lay["v"], lay["g_col"],
+                            lay["g_row"], lay["beta"], *saved, dy, dsf, dsin, scale=1.0,
+                            what="packed backward", interpret=interpret)
+        return call_jitted(finish, primals, grads)
+
+    return generated.custom_vjp_core(forward, backward)
+
+
+def _heads_merged(x, axis):
+    """``x`` with its key-head axis ``axis`` and the next (r) merged into one Hv axis."""
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+@functools.cache
+def chunk_walks(key: tuple):
+    """``(walk_forward, walk_backward)`` with the signatures and contracts of
+    `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r,
+    ...], float32) on the loaded per-channel kernels ``key`` (sha256, interpret parameters): the
+    forward and backward templates rendered with ``per_channel``, each one ``pallas_call``
+    walking the chunks in order (in reverse) with the state (its cotangent) in VMEM. Only the
+    value heads are merged (reshapes, no transposes). Packed rows (``inject`` / ``dS_in``) are
+    not taken: per-channel packed rows run on the portable path."""
+    kernels = LOADED[key]
+    interpret = kernels.interpret
+
+    def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
+        del xp  # the kernels' own arrays
+        generated.refuse_injection(BACKEND, inject)
+        y, s_final, s_in, w = run_kernel(
+            kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
+                                                                 dCC[..., None, :])),
+            _heads_merged(S0, 1), what="per-channel forward walk", interpret=interpret)
+        return (y.reshape(U.shape), s_final.reshape(S0.shape),
+                s_in.reshape(U.shape[:4] + S0.shape[-2:]), w.reshape(U.shape))
+
+    def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
+        del xp
+        generated.refuse_injection(BACKEND, dS_in)
+        dw, dwk, dqd, dkc, ddcc, ds0 = run_kernel(
+            kernels.run_backward, *(_heads_merged(x, 2) for x in (G, Kc, Wk, W, S_in, dY, Qd,
+                                                                  dCC[..., None, :])),
+            _heads_merged(dS_final, 1), what="per-channel backward walk", interpret=interpret)
+        return (ds0.reshape(dS_final.shape), dw.reshape(G.shape), dwk.reshape(Wk.shape),
+                dqd.reshape(Qd.shape), dkc.reshape(Kc.shape), ddcc.reshape(dCC.shape), None)
+
+    return walk_forward, walk_backward
+
+
+# ----------------------------------------------------------------------------- entry point
