@@ -198,16 +198,14 @@ class Backend:
     # ------------------------------------------------------------------ running a call
 
     def run(self, call, operands, variant: Variant, **options):
-        """Run ``variant`` on a checked `gdngen.call.Call` and its `gdngen.call.Operands`
+        """Run ``variant`` on a `gdngen.call.Call` checked for this backend (`gdngen.entry.bind`
+        or `checked_args`) and its `gdngen.call.Operands`
         (beta activated, a parameterised gate's parameters laid out:
         `gdngen.algebra.layer_inputs.prepared`); returns ``(y, final_state)``. The layer inputs this
         backend does not take raw (`fused_inputs`; a packed row: none) are computed first.
         ``options``: keywords of this backend's hooks (e.g. ``templates_dir``)."""
         from gdngen.algebra import layer_inputs, packed
 
-        why = self.refusal(call)
-        if why:
-            raise ValueError(why)
         if call.return_states != "final":
             from gdngen.algebra import states
 

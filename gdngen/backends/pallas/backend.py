@@ -420,12 +420,9 @@ class PallasBackend(Backend):
     def entry(self, q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
               variant, templates_dir=None, qk_norm=False, cu_seqlens=None):
         """The backend's ``gated_delta`` / ``packed_gated_delta``: arguments as
-        `gdngen.call.of_kernel_args` takes them, run through `run`."""
-        from gdngen import call as calls
-
-        checked, operands = calls.of_kernel_args(
-            "jax", q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
-            qk_norm=qk_norm, cu_seqlens=cu_seqlens)
+        `gdngen.call.of_kernel_args` takes them (checked: `checked_args`), run through `run`."""
+        checked, operands = self.checked_args(q, k, v, g, beta, initial_state, mask, scale=scale,
+                                              gate=gate, qk_norm=qk_norm, cu_seqlens=cu_seqlens)
         run = self.run if cu_seqlens is None else self.run_packed_kernels
         return run(checked, operands, variant, templates_dir=templates_dir)
 
