@@ -148,14 +148,14 @@ def test_patch_covers_every_module_that_imports_gated_delta_update():
     patched = integration.patch()
     assert set(patched) == users  # qwen3_5_moe reaches it through qwen3_5
     assert modules_binding(ORIGINAL) == set()
-    assert modules_binding(integration._routed_gated_delta_update) == users
+    assert modules_binding(integration.route._routed_gated_delta_update) == users
 
 
 def test_installed_function_has_mlx_lm_signature():
     def shape(fn):
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    assert shape(integration._routed_gated_delta_update) == shape(ORIGINAL)
+    assert shape(integration.route._routed_gated_delta_update) == shape(ORIGINAL)
 
 
 def test_unpatch_restores_originals_exactly_and_patch_is_idempotent():
@@ -166,7 +166,7 @@ def test_unpatch_restores_originals_exactly_and_patch_is_idempotent():
         before = {name: dict(vars(sys.modules[name])) for name in modules_binding(ORIGINAL)}
         first = integration.patch()
         assert integration.patch(chunk_size=32) == first and integration.is_patched()
-        assert alias_probe.gdu is integration._routed_gated_delta_update
+        assert alias_probe.gdu is integration.route._routed_gated_delta_update
         integration.unpatch()
         integration.unpatch()  # no-op
         assert not integration.is_patched() and integration.patched_modules() == ()
@@ -181,14 +181,14 @@ def test_unpatch_restores_originals_exactly_and_patch_is_idempotent():
 def test_context_manager_restores_the_state_it_found():
     with integration.patched(chunk_size=CHUNK) as modules:
         assert "mlx_lm.models.qwen3_5" in modules
-        assert qwen3_5.gated_delta_update is integration._routed_gated_delta_update
+        assert qwen3_5.gated_delta_update is integration.route._routed_gated_delta_update
     assert qwen3_5.gated_delta_update is ORIGINAL and not integration.is_patched()
 
     integration.patch(inference=False, chunk_size=32)
     with integration.patched(inference=True, chunk_size=CHUNK):
-        assert integration._ACTIVE.inference and integration._ACTIVE.chunk_size == CHUNK
+        assert integration.route._ACTIVE.inference and integration.route._ACTIVE.chunk_size == CHUNK
     assert integration.is_patched()  # the outer patch survives with its options
-    assert not integration._ACTIVE.inference and integration._ACTIVE.chunk_size == 32
+    assert not integration.route._ACTIVE.inference and integration.route._ACTIVE.chunk_size == 32
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.31.9", "1.0.0"])

@@ -131,7 +131,7 @@ def test_tune_space_drops_what_does_not_compile_for_a_gpu(tmp_path, monkeypatch)
         error = "Shared memory size limit exceeded" if variant.name() == rejected else None
         return compilers.CompileReport("xla-gpu", "NVIDIA A100-SXM4-80GB", "a100", error=error)
 
-    monkeypatch.setattr(compilers, "compile_variant", compile_variant)
+    monkeypatch.setattr(compilers.verdicts, "compile_variant", compile_variant)
     ((checked, dropped),) = compilers.check_targets([target])
     assert dropped == {rejected: "Shared memory size limit exceeded"}
     assert [v.name() for v in checked.space()] == [v.name() for v in space[1:]]

@@ -332,7 +332,7 @@ def test_tune_space_drops_what_does_not_compile(tmp_path, monkeypatch):
         return compilers.CompileReport("mosaic", "TPU v5 lite", "tpu-v5e",
                                        error="Mosaic: scoped VMEM exceeded")
 
-    monkeypatch.setattr(compilers, "compile_variant", compile_variant)
+    monkeypatch.setattr(compilers.verdicts, "compile_variant", compile_variant)
     ((checked, dropped),) = compilers.check_targets([target])
     assert dropped == {rejected: "Mosaic: scoped VMEM exceeded"}
     assert [v.name() for v in checked.space()] == [v.name() for v in space if v.name() != rejected]
