@@ -159,7 +159,7 @@ def runner_for(mode, backend, check_vma, report, entry="gated_delta"):
         out = _outputs(y, S, grads, names)
         plain = validate._jax_runner(inputs, gate=gate, dtype=dtype, scale=scale,
                                      variant=_variant(backend, inputs, dtype, chunk_size),
-                                     other_path=None)
+                                     other_path=None, states=False)
         differences = [validate.relative_error(out[n], plain[n]) for n in out
                        if plain.get(n) is not None]
         report["vs_unsharded"] = max(differences + [report.get("vs_unsharded", 0.0)])
