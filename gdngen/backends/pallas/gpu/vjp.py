@@ -194,10 +194,10 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
         args = (lay["q"], lay["k"], lay["v"], lay["g"], lay["beta"])
         if not p["save_states"]:
             saved = call_jitted(kernels.run_residuals, *args, lay["s0"], scale=scale,
-                          interpret=interpret)
+                                interpret=interpret)
         dy, dsf = call_jitted(backward_inputs, *cotangents, lay["v"])
         grads = call_jitted(kernels.run_backward, *args, *saved, dy, dsf, scale=scale,
-                      interpret=interpret)
+                            interpret=interpret)
         return call_jitted(finish, primals, grads)
 
     return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
