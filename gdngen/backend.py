@@ -103,6 +103,11 @@ class Backend:
         """Whether this host can run it."""
         return True
 
+    def toolchain(self) -> str:
+        """What besides the rendered source and the framework versions decides its binaries
+        (a compiler's version, flags): part of a first-use verdict's key (`gdngen.firstuse`)."""
+        return ""
+
     # ------------------------------------------------------------------ capability
 
     def unsupported(self, problem) -> str | None:

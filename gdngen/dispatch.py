@@ -221,9 +221,13 @@ def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | Non
 
 
 def run(call, operands, *, variant=None, device=None, precision="ieee"):
-    """Choose the variant of the checked `gdngen.call.Call` (`resolve`) and run it on
+    """Choose the variant of the checked `gdngen.call.Call` (`resolve`; a generated one only
+    once it passed on the device, `gdngen.firstuse.admitted`) and run it on
     ``operands`` (`gdngen.algebra.layer_inputs.prepared`) through its backend
     (`gdngen.backend.Backend.run`)."""
+    from gdngen import firstuse
+
     chosen = resolve(call.framework, call.shape, call.dtype, variant, call.chunk_size,
                      device=device, precision=precision)
+    chosen = firstuse.admitted(call, chosen, device, precision)
     return registry.get(chosen.backend).run(call, operands, chosen)

@@ -17,6 +17,8 @@ variable                   meaning
 ``GDNGEN_NO_PARTITIONING`` 1: a JAX call outside ``jax.shard_map`` on a host with several
                            devices is the plain call, not custom_partitioning ops (whose
                            backward re-runs the forward); a sharded jit then gathers its inputs
+``GDNGEN_VALIDATE``        generated kernels' check on first use (`gdngen.firstuse`): "first-use"
+                           (default), "off" (trust them), "always" (again in each process)
 ``GDNGEN_TUNER_PID``       set by the tuner for its trial processes (internal)
 ``GDNGEN_HOST``            this tuner's host name in shared studies (default the hostname): set
                            it where hosts (containers) share a hostname but not their pids
@@ -42,6 +44,7 @@ ENV_PLUGINS = "GDNGEN_PLUGINS"
 ENV_INTERPRET = "GDNGEN_INTERPRET"
 ENV_POISON_OUTPUTS = "GDNGEN_POISON_OUTPUTS"
 ENV_NO_PARTITIONING = "GDNGEN_NO_PARTITIONING"
+ENV_VALIDATE = "GDNGEN_VALIDATE"
 ENV_TUNER_PID = "GDNGEN_TUNER_PID"
 ENV_HOST = "GDNGEN_HOST"
 ENV_COMPILER = "CXX"
@@ -75,6 +78,11 @@ def host_id() -> str:
     import socket
 
     return os.environ.get(ENV_HOST) or socket.gethostname()
+
+
+def validate_mode() -> str | None:
+    """``$GDNGEN_VALIDATE`` as set (stripped, lower case), or None (`gdngen.firstuse.mode`)."""
+    return os.environ.get(ENV_VALIDATE, "").strip().lower() or None
 
 
 def templates_override() -> str | None:

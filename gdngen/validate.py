@@ -282,13 +282,16 @@ def runner_for(backend: str):
     run = _jax_runner if spec.framework == "jax" else _mlx_runner
 
     def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None, states=True):
+        from gdngen import firstuse
+
         chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
         # a packed row always walks chunks (`gdngen.algebra.packed`): no recurrent path to check
         packed = inputs.get("cu_seqlens") is not None
         T = np.shape(inputs["q"])[1]
-        return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
-                   other_path=None if packed else _other_path(chosen, T),
-                   states=states and not packed)
+        with firstuse.trusted():  # the battery is the check: its calls run the kernels as given
+            return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
+                       other_path=None if packed else _other_path(chosen, T),
+                       states=states and not packed)
 
     runner.backend = backend
     runner.returns_states = True
@@ -304,7 +307,7 @@ def _copy_inputs(inputs: dict) -> dict:
 
 
 def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
-               variant=None, precision="ieee") -> CaseResult:
+               variant=None, precision="ieee", gates=("log", "linear")) -> CaseResult:
     """Run ``runner`` (callable or backend name) on ``case`` (Case or name) at ``dtype``.
 
     Inputs q, k, v, beta, dy, dfinal_state and the gate are rounded to ``dtype``;
@@ -313,7 +316,8 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
     dinitial_state is skipped when the case has no initial state and the runner returns None
     for it. A ``variant`` (`gdngen.Variant`) is passed on to the runner, whose chunk it sets;
     the case's tolerance is then `gdngen.tolerance.allowed_error` of the variant at ``dtype``
-    under policy ``precision`` (else the dtype's battery tolerance).
+    under policy ``precision`` (else the dtype's battery tolerance). ``gates``: the gate
+    conventions run (a first-use check runs its call's only, `gdngen.firstuse`).
     """
     from gdngen.algebra import reference
 
@@ -324,8 +328,11 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
     base = {name: round_to_dtype(raw[name], dtype) for name in _ROUNDED_INPUTS}
     base["initial_state"] = round_to_dtype(raw["initial_state"], "float32")
     base["mask"] = raw["mask"]
-    gates = {"log": round_to_dtype(raw["g_log"], dtype),
-             "linear": round_to_dtype(np.exp(raw["g_log"]), dtype)}
+    if not gates or not set(gates) <= {"log", "linear"}:
+        raise ValueError(f"gates must name 'log' and/or 'linear', got {gates!r}")
+    drawn = {"log": lambda: round_to_dtype(raw["g_log"], dtype),
+             "linear": lambda: round_to_dtype(np.exp(raw["g_log"]), dtype)}
+    gates = {name: drawn[name]() for name in gates}
 
     per_gate: dict[str, dict[str, float]] = {}
     base["cu_seqlens"] = raw["cu_seqlens"]
@@ -340,7 +347,7 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
                                        scale=case.scale, gate=gate)
         extra = {} if variant is None else {"variant": variant}
         if getattr(runner, "returns_states", False):  # `runner_for`'s: asked per case
-            extra["states"] = case.states and gate == "log"
+            extra["states"] = case.states and gate == next(iter(gates))
         out = runner(_copy_inputs(dict(base, g=g)), gate=gate, dtype=dtype,
                      chunk_size=chunk_size or case.chunk_size, scale=case.scale, **extra)
         if base["cu_seqlens"] is None:
@@ -362,9 +369,9 @@ def check_case(runner, case, *, dtype="float32", seed=None, chunk_size=None,
     errors = {}
     for name in QUANTITIES + OTHER_PATH_QUANTITIES + STATE_QUANTITIES:
         if name == "dg":
-            values = [per_gate["log"].get("dg")]
+            values = [per_gate.get("log", {}).get("dg")]
         elif name == "dg_linear":
-            values = [per_gate["linear"].get("dg")]
+            values = [per_gate.get("linear", {}).get("dg")]
         else:
             values = [per_gate[gate].get(name) for gate in gates]
         values = [v for v in values if v is not None]

@@ -17,6 +17,11 @@ import pytest
 _NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
 if _NO_YNN not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_NO_YNN}".strip()
+# The suite runs the generated kernels with explicit variants through the battery (its own
+# check); the first-use check of every other call (`gdngen.firstuse`) is on in
+# tests/test_firstuse.py, which sets GDNGEN_VALIDATE itself. Inherited by subprocesses.
+os.environ.setdefault("GDNGEN_VALIDATE", "off")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_executables():

@@ -112,6 +112,10 @@ class FfiCpu(Backend):
         """A C++ compiler and jax's CPU backend (`gdngen.backends.ffi_cpu.kernels.available`)."""
         return available()
 
+    def toolchain(self) -> str:
+        """The compiler's version, flags, host CPU and jaxlib (what its libraries are keyed by)."""
+        return kernels._toolchain_id()
+
     # ------------------------------------------------------------------ renders
 
     def render_plan(self, variant: Variant, problem: Problem) -> dict:

@@ -1,0 +1,337 @@
+"""Validation on first use: a generated kernel runs on a device only after it passed there.
+
+Before a generated backend's variant first runs a kind of call (`call_kind`) on a device,
+`admitted` checks it there: `probe_cases` (a few battery traps at the call's heads, head dims
+and chunk, small B and T) forward and backward through its battery runner
+(`gdngen.validate.check_case`) against the float64 reference, at the tuner's tolerance
+(`gdngen.tolerance.allowed_error`). The verdict is keyed by (backend, variant, rendered source
+sha256, device, framework and gdngen versions, the backend's toolchain, precision, call kind),
+stored atomically as ``<cache root>/verdicts/<device>/<backend>-<key hash>.json`` (one
+process checks a key while the others wait on its lock, then read its verdict) and reused by
+every later process; an active tuned entry of the variant counts as passed (`gdngen tune`
+validated it on the device). A variant that failed never runs: the call goes to the
+framework's portable backend, with one `FirstUseWarning` per process naming the backend,
+variant, case, quantity, error and the verdict's file.
+
+``GDNGEN_VALIDATE``: "first-use" (default), "off" (trust the kernels: a wrong kernel then
+returns wrong numbers silently), "always" (check again in every new process). The check runs
+eagerly on a thread of its own, so it works while ``jax.jit`` / ``jax.grad`` /
+``jax.shard_map`` trace the call; afterwards a call costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from gdngen import registry, settings
+from gdngen.variant import Problem, Variant
+
+__all__ = ["ENV_VALIDATE", "MODES", "FirstUseWarning", "Verdict", "admitted", "call_kind",
+           "check", "clear_memo", "mode", "probe_cases", "stored", "trusted", "verdict_dir"]
+
+ENV_VALIDATE = settings.ENV_VALIDATE
+MODES = ("first-use", "off", "always")
+
+
+class FirstUseWarning(UserWarning):
+    """A generated variant failed its first-use check; the call ran the portable backend."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One first-use check's outcome (``record``: the stored JSON object, fields in
+    docs/VALIDATION.md) and where it is stored (``path``; None for a tuned entry's)."""
+
+    passed: bool
+    record: dict
+    path: Path | None = None
+
+
+def mode() -> str:
+    """``$GDNGEN_VALIDATE`` ("first-use" when unset); ValueError naming it otherwise."""
+    value = settings.validate_mode() or "first-use"
+    if value not in MODES:
+        raise ValueError(f"{ENV_VALIDATE} must be one of {MODES}, got {value!r}")
+    return value
+
+
+def verdict_dir(device: str) -> Path:
+    """The folder of ``device``'s stored verdicts."""
+    return settings.cache_root() / "verdicts" / device
+
+
+# ------------------------------------------------------------------------------ the call kind
+
+
+def call_kind(call) -> str:
+    """What of a `gdngen.call.Call` picks different kernels: gate kind, gate convention, packed
+    rows, returned states; e.g. "scalar log", "vector linear packed", "scalar log steps"."""
+    parts = [call.problem.gate, call.gate]
+    if call.packed:
+        parts.append("packed")
+    if call.return_states != "final":
+        parts.append(call.return_states)
+    return " ".join(parts)
+
+
+def probe_cases(problem: Problem, chunk: int, kind: str) -> list:
+    """The battery traps a first-use check runs (`gdngen.cases`), at ``problem``'s heads and head
+    dims, chunk ``chunk``, T one chunk and a ragged half (crossing a chunk end) or 1: strong
+    decay with an initial state, exact g = 0 / 1 with a padding mask, identical keys (scalar
+    gates) or per-channel strong halves, exact channel 0 / 1 with padding, a T = 1 decode step
+    (vector); a packed row of sequences for packed calls; returned states on the first."""
+    from gdngen import cases
+
+    vector = problem.gate == "vector"
+    dims = {"Hk": problem.Hk, "Hv": problem.Hv, "Dk": problem.Dk, "Dv": problem.Dv,
+            "chunk_size": chunk}
+    T = chunk + chunk // 2 + 3
+    if "packed" in kind.split():
+        name = "packed_vector" if vector else "packed_boundaries"
+        return [dataclasses.replace(cases.get_case(name), **dims)]
+    states = kind.split()[-1] in ("steps", "chunks")
+    names = (("vector_strong_half", 1, T), ("vector_masked_gva3", 2, T), ("vector_t1", 1, 1)) \
+        if vector else (("hard_decay", 1, T), ("short_masked", 2, T), ("identical_keys", 1, T),
+                        ("t1", 1, 1))
+    return [dataclasses.replace(cases.get_case(name), B=B, T=t, states=states and i == 0,
+                                has_initial_state=True, **dims)
+            for i, (name, B, t) in enumerate(names)]
+
+
+def check(variant: Variant, problem: Problem, kind: str, precision: str = "ieee") -> dict:
+    """Run the first-use check of ``variant`` on ``problem``'s ``kind`` of call here, eagerly on
+    a thread of its own (a tracing caller's trace is not entered); the verdict record (not
+    stored). An exception of the kernels is a failure whose ``reason`` says it."""
+    result: dict = {}
+    worker = threading.Thread(target=_check_into, args=(result, variant, problem, kind,
+                                                         precision), name="gdngen-first-use")
+    worker.start()
+    worker.join()
+    return result["record"]
+
+
+def _check_into(result: dict, variant: Variant, problem: Problem, kind: str,
+                precision: str) -> None:
+    from gdngen import validate
+    from gdngen.tolerance import allowed_error
+
+    start = time.perf_counter()
+    gate = kind.split()[1]
+    chunk = int(variant.get("chunk_size", 64))
+    record = {"passed": False, "worst_error": math.inf, "worst_case": "", "worst_quantity": "",
+              "tolerance": allowed_error(variant, problem.dtype, precision), "cases": {}}
+    try:
+        runner = validate.runner_for(variant.backend)
+        passing = True  # the worst case is the first failing one, else the largest error
+        for case in probe_cases(problem, chunk, kind):
+            res = validate.check_case(runner, case, dtype=problem.dtype, variant=variant,
+                                      precision=precision, gates=(gate,))
+            quantity, err = res.worst
+            record["cases"][case.name] = _json_float(err)
+            if not record["worst_case"] or (passing and (not res.passed
+                                                         or err > record["worst_error"])):
+                record.update(worst_error=err, worst_case=case.name, worst_quantity=quantity)
+            passing = passing and res.passed
+        record["passed"] = passing
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run failed its check
+        record["reason"] = f"{type(e).__name__}: {e}"
+    record["worst_error"] = _json_float(record["worst_error"])
+    record["seconds"] = round(time.perf_counter() - start, 3)
+    result["record"] = record
+
+
+def _json_float(x) -> float | str:
+    x = float(x)
+    return x if math.isfinite(x) else str(x)
+
+
+# ------------------------------------------------------------------------------ admitted
+
+_MEMO: dict = {}  # (backend, variant, problem, device arg, precision, kind, mode) -> Verdict
+_LOCK = threading.Lock()
+_KEY_LOCKS: dict = {}
+_LOCAL = threading.local()
+
+
+class trusted:  # noqa: N801 - a context manager used as ``with firstuse.trusted():``
+    """Within it, this thread's calls skip first-use checks (the battery runners, whose job
+    is that check)."""
+
+    def __enter__(self):
+        self._before = getattr(_LOCAL, "trusted", False)
+        _LOCAL.trusted = True
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.trusted = self._before
+
+
+def clear_memo() -> None:
+    """Forget this process's verdicts (the next call reads the stored ones again)."""
+    _MEMO.clear()
+
+
+def admitted(call, variant: Variant, device: str | None = None,
+             precision: str = "ieee") -> Variant:
+    """``variant`` if it may run ``call`` (a `gdngen.call.Call`) on ``device`` (default: the
+    attached one): a portable backend's, checks off, a passed verdict (stored, or checked now),
+    or an active tuned entry of it; else the framework's portable variant, with a
+    `FirstUseWarning` once per process."""
+    spec = registry.get(variant.backend)
+    if spec.portable or getattr(_LOCAL, "trusted", False):
+        return variant
+    how = mode()
+    if how == "off":
+        return variant
+    kind = call_kind(call)
+    memo_key = (variant, call.problem, device, precision, kind, how)
+    verdict = _MEMO.get(memo_key)
+    if verdict is None:
+        with _LOCK:
+            key_lock = _KEY_LOCKS.setdefault(memo_key, threading.Lock())
+        with key_lock:  # another thread of this process checks it first
+            verdict = _MEMO.get(memo_key)
+            if verdict is None:
+                verdict = _verdict(call.framework, variant, call.problem, device, precision,
+                                   kind, how)
+                _MEMO[memo_key] = verdict
+                if not verdict.passed:
+                    _warn(variant, verdict)
+    if verdict.passed:
+        return variant
+    return _fallback(call, variant)
+
+
+def _fallback(call, variant: Variant) -> Variant:
+    fallback = registry.default_variant(registry.portable(call.framework), call.problem)
+    chunk = variant.get("chunk_size")
+    if chunk is not None:
+        try:
+            changed = fallback.replace(chunk_size=chunk)
+            registry.check_variant(changed)
+            fallback = changed
+        except ValueError:
+            pass
+    return fallback
+
+
+def _verdict(framework: str, variant: Variant, problem: Problem, device: str | None,
+             precision: str, kind: str, how: str) -> Verdict:
+    """The stored verdict of this key, else the tuned entry's, else a check run now (under the
+    key's file lock) and stored."""
+    from filelock import FileLock
+
+    from gdngen import cache
+
+    if device is None:
+        from gdngen import devices
+
+        device = devices.detect_framework(framework).name or "unregistered"
+    identity = {
+        "backend": variant.backend, "variant": variant.to_json(), "problem": problem.to_json(),
+        "kind": kind, "precision": precision, "device": device, "framework": framework,
+        "sha256": cache.variant_sha256(variant, problem),
+        "versions": cache.current_versions(framework),
+        "toolchain": _short(registry.get(variant.backend).toolchain()),
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    path = verdict_dir(device) / f"{variant.backend}-{digest}.json"
+    if how != "always":
+        found = _read(path)
+        if found is not None:
+            return Verdict(bool(found["passed"]), found, path)
+        tuned = _tuned(device, variant, problem, precision)
+        if tuned is not None:
+            return tuned
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        found = _read(path)
+        # "always": re-checked once per process, unless another process just wrote it
+        if found is not None and (how != "always" or _fresh(path)):
+            return Verdict(bool(found["passed"]), found, path)
+        record = dict(identity, **check(variant, problem, kind, precision),
+                      date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                      host=settings.host_id())
+        cache.atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return Verdict(bool(record["passed"]), record, path)
+
+
+_STARTED = time.time()
+
+
+def _short(toolchain: str) -> str:
+    """A toolchain's first line and the sha256 of all of it (flags, CPU features)."""
+    if not toolchain:
+        return ""
+    return f"{toolchain.splitlines()[0]} ({hashlib.sha256(toolchain.encode()).hexdigest()[:16]})"
+
+
+def _fresh(path: Path) -> bool:
+    """Whether ``path`` was written since this process started (``always`` mode)."""
+    try:
+        return path.stat().st_mtime >= _STARTED
+    except OSError:
+        return False
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "passed" in record else None
+
+
+def _tuned(device: str, variant: Variant, problem: Problem, precision: str) -> Verdict | None:
+    """A passed verdict for an active tuned entry of ``variant`` (`gdngen.cache.load`: stale
+    ones are left out), else None."""
+    from gdngen import cache
+
+    try:
+        loaded = cache.load(device)
+    except ValueError:
+        return None
+    for key, entry in loaded.entries.items():
+        if entry.get("backend") == variant.backend and entry.get("precision") == precision \
+                and Variant.from_json(entry["variant"]) == variant \
+                and Problem.from_json(entry["problem"]) == problem:
+            record = {"passed": True, "source": "tuned", "entry": key,
+                      "worst_error": entry.get("worst_error"),
+                      "tolerance": entry.get("tolerance"), "date": entry.get("date")}
+            return Verdict(True, record, None)
+    return None
+
+
+def _warn(variant: Variant, verdict: Verdict) -> None:
+    r = verdict.record
+    what = r.get("reason") or (f"case {r['worst_case']}, {r['worst_quantity']} relative error "
+                               f"{float(r['worst_error']):.2e} > tolerance "
+                               f"{r['tolerance']:.1e}")
+    warnings.warn(
+        f"gdngen: the {variant.backend} variant {variant} failed its first-use check on "
+        f"{r.get('device')} ({r.get('kind')} calls): {what}; its calls run the portable "
+        f"{registry.portable(registry.get(variant.backend).framework)} backend instead. "
+        f"Verdict: {verdict.path} (delete it, or set {ENV_VALIDATE}=always, to check again)",
+        FirstUseWarning, stacklevel=settings.caller_stacklevel())
+
+
+# ------------------------------------------------------------------------------ stored
+
+
+def stored(device: str) -> list[dict]:
+    """``device``'s stored verdict records, each with its ``path``; unreadable files as
+    ``{"path": ..., "unreadable": True}``."""
+    rows = []
+    for path in sorted(verdict_dir(device).glob("*.json")):
+        record = _read(path)
+        rows.append({"path": str(path), "unreadable": True} if record is None
+                    else dict(record, path=str(path)))
+    return rows

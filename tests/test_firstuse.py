@@ -1,0 +1,164 @@
+"""Validation on first use (`gdngen.firstuse`): a generated kernel runs only after it passed on
+the device; a wrong one is caught, stored, reused by later processes, and its calls fall back
+to the portable backend with correct results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gdngen import firstuse, registry
+from gdngen.backends.ffi_cpu import kernels as ffi_kernels
+from gdngen.resources import templates_dir
+from gdngen.variant import Problem, Variant
+
+SCRIPT = Path(__file__).parent / "firstuse_call.py"
+PROBLEM = Problem(1, 2, 16, 16, "float32", "scalar")
+#: the ffi_cpu backward's dbeta with the wrong sign (forward untouched)
+WRONG = ("dbeta[step * s.Hv + h] = db[t];", "dbeta[step * s.Hv + h] = -db[t];")
+needs_ffi = pytest.mark.skipif(not ffi_kernels.available(), reason="ffi_cpu needs a C++ compiler")
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A checking process of its own: empty cache root, GDNGEN_VALIDATE=first-use, no memo."""
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GDNGEN_VALIDATE", "first-use")
+    monkeypatch.setenv("GDNGEN_NO_TUNED", "1")
+    firstuse.clear_memo()
+    yield tmp_path
+    firstuse.clear_memo()
+
+
+def _planted(tmp_path) -> Path:
+    text = (templates_dir("ffi_cpu") / "gated_delta.cc.j2").read_text()
+    assert text.count(WRONG[0]) == 1
+    folder = tmp_path / "override" / "ffi_cpu"
+    folder.mkdir(parents=True)
+    (folder / "gated_delta.cc.j2").write_text(text.replace(*WRONG))
+    return folder.parent
+
+
+def _process(env: dict, delay: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(delay)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _env(tmp_path, **extra) -> dict:
+    return {**os.environ, "GDNGEN_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu",
+            "GDNGEN_VALIDATE": "first-use", "GDNGEN_NO_TUNED": "1", **extra}
+
+
+def test_mode_and_call_kind(monkeypatch):
+    monkeypatch.setenv("GDNGEN_VALIDATE", "sometimes")
+    with pytest.raises(ValueError, match="GDNGEN_VALIDATE must be one of"):
+        firstuse.mode()
+    monkeypatch.delenv("GDNGEN_VALIDATE")
+    assert firstuse.mode() == "first-use"
+    cases = firstuse.probe_cases(Problem(2, 6, 64, 32, "bfloat16", "vector"), 32, "vector log")
+    assert [c.name for c in cases] == ["vector_strong_half", "vector_masked_gva3", "vector_t1"]
+    assert {(c.Hk, c.Hv, c.Dk, c.Dv, c.chunk_size) for c in cases} == {(2, 6, 64, 32, 32)}
+    assert [c.T for c in cases] == [51, 51, 1] and not any(c.states for c in cases)
+    (packed,) = firstuse.probe_cases(PROBLEM, 64, "scalar linear packed")
+    assert packed.cu_seqlens is not None and (packed.Hv, packed.Dk) == (2, 16)
+    assert firstuse.probe_cases(PROBLEM, 16, "scalar log steps")[0].states
+
+
+@needs_ffi
+def test_a_passing_kernel_is_checked_once_and_its_verdict_reused(fresh, monkeypatch):
+    """The first call (under jit and grad) checks the default ffi_cpu variant and stores a
+    passed verdict; a new process (the memo cleared) reads it and checks nothing."""
+    result = _result(_process(_env(fresh)))
+    assert result["checks"] == ["scalar log"] and result["warnings"] == []
+    assert max(result["errors"].values()) < 5e-5
+    (stored,) = firstuse.stored("cpu")
+    assert stored["passed"] and stored["backend"] == "ffi_cpu" and stored["kind"] == "scalar log"
+    assert stored["worst_error"] < stored["tolerance"] == 5e-5
+    assert set(stored["cases"]) == {"hard_decay", "short_masked", "identical_keys", "t1"}
+    again = _result(_process(_env(fresh)))
+    assert again["checks"] == [] and again["errors"] == pytest.approx(result["errors"])
+    always = _result(_process(_env(fresh, GDNGEN_VALIDATE="always")))
+    assert always["checks"] == ["scalar log"]
+    off = _result(_process(_env(fresh, GDNGEN_VALIDATE="off",
+                                GDNGEN_CACHE_DIR=str(fresh / "other"))))
+    assert off["checks"] == [] and not (fresh / "other" / "verdicts").exists()
+
+
+@needs_ffi
+def test_a_planted_wrong_kernel_never_runs(fresh):
+    """A template override with dbeta's sign flipped: the first call's check fails it, the call
+    runs the portable xla path (correct values and gradients) with one warning naming the
+    backend, case, quantity and verdict; a second process reuses the failed verdict."""
+    env = _env(fresh, GDNGEN_TEMPLATES=str(_planted(fresh)))
+    first = _result(_process(env))
+    assert first["checks"] == ["scalar log"]
+    assert max(first["errors"].values()) < 5e-5, first["errors"]
+    (warning,) = first["warnings"]
+    (stored,) = firstuse.stored("cpu")
+    assert not stored["passed"] and stored["worst_quantity"] == "dbeta"
+    assert stored["worst_error"] > 0.5 and stored["worst_case"] in stored["cases"]
+    for text in ("ffi_cpu", "failed its first-use check on cpu", stored["worst_case"],
+                 "dbeta relative error", "portable xla backend", stored["path"]):
+        assert text in warning
+    second = _result(_process(env))
+    assert second["checks"] == [] and second["warnings"] == [warning]
+    assert max(second["errors"].values()) < 5e-5
+
+
+@needs_ffi
+def test_concurrent_first_calls_leave_one_verdict(fresh):
+    """Three processes' first calls at once: one checks (under the verdict's file lock), the
+    others wait and read its verdict; one complete verdict file."""
+    procs = [_process(_env(fresh), delay=0.5) for _ in range(3)]
+    results = [_result(p) for p in procs]
+    assert sum(len(r["checks"]) for r in results) == 1
+    assert all(max(r["errors"].values()) < 5e-5 and not r["warnings"] for r in results)
+    (stored,) = firstuse.stored("cpu")
+    assert stored["passed"] and "unreadable" not in stored
+    assert [p.name for p in (fresh / "cache" / "verdicts" / "cpu").glob("*.json")] == \
+        [Path(stored["path"]).name]
+
+
+@needs_ffi
+def test_an_active_tuned_entry_counts_as_passed(fresh, monkeypatch):
+    """The variant of an active tuned entry on this device is admitted without a check."""
+    from gdngen import cache
+    from gdngen.call import Call
+    from gdngen.problem import CallShape
+
+    monkeypatch.delenv("GDNGEN_NO_TUNED")
+    entries = [e for e in cache.load("cpu").entries.values() if e["backend"] == "ffi_cpu"]
+    if not entries:
+        pytest.skip("no active ffi_cpu entry in the shipped tuned file for this host")
+    entry = entries[0]
+    problem, variant = Problem.from_json(entry["problem"]), Variant.from_json(entry["variant"])
+    monkeypatch.setattr(firstuse, "check", lambda *a, **k: pytest.fail("checked again"))
+    shape = CallShape(1, 8, problem.Hk, problem.Hv, problem.Dk, problem.Dv,
+                      problem.gate == "vector")
+    call = Call("jax", shape, problem.dtype)
+    assert firstuse.admitted(call, variant, "cpu", entry["precision"]) == variant
+    assert firstuse.stored("cpu") == []
+
+
+def test_portable_backends_and_trusted_calls_are_not_checked(fresh, monkeypatch):
+    monkeypatch.setattr(firstuse, "check", lambda *a, **k: pytest.fail("checked"))
+    from gdngen.call import Call
+    from gdngen.problem import CallShape
+
+    call = Call("jax", CallShape(1, 8, 1, 2, 16, 16, False), "float32")
+    xla = registry.default_variant("xla", PROBLEM)
+    assert firstuse.admitted(call, xla) == xla
+    ffi = registry.default_variant("ffi_cpu", PROBLEM)
+    with firstuse.trusted():
+        assert firstuse.admitted(call, ffi) == ffi
