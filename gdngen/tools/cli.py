@@ -1,5 +1,5 @@
 """Command line: the ``gdngen`` click group (``gdngen validate``, ``bench``, ``build``,
-``tune``, ``devices``, ``show``, ``merge``, ``report``); the commands' bodies are in
+``tune``, ``devices``, ``show``, ``merge``, ``report``, ``doctor``); the commands' bodies are in
 `gdngen.tools.commands`.
 
 Framework packages (jax, mlx) are imported lazily inside the commands, so importing this module
@@ -14,6 +14,7 @@ from gdngen._version import __version__
 from gdngen.tools.commands.builds import build
 from gdngen.tools.commands.caches import devices, merge, report, show
 from gdngen.tools.commands.checks import bench, validate
+from gdngen.tools.commands.doctor import doctor
 from gdngen.tools.commands.tuning import tune
 
 
@@ -28,7 +29,7 @@ def main():
     jaxcompat.host_settings()
 
 
-for _command in (validate, bench, build, tune, devices, show, merge, report):
+for _command in (validate, bench, build, tune, devices, show, merge, report, doctor):
     main.add_command(_command)
 
 if __name__ == "__main__":
