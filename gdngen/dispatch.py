@@ -18,7 +18,9 @@ callable doing the same per call for a chosen device and precision policy;
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -220,14 +222,38 @@ def resolve(framework: str, shape: CallShape, dtype: str, variant: Variant | Non
                   precision=precision).variant
 
 
+_GATES: list = []
+_LOCAL = threading.local()
+
+
+def install_gate(gate) -> None:
+    """Make ``gate(call, variant, device, precision) -> variant`` pass on (or replace) every
+    chosen variant before it runs: `gdngen.firstuse.admitted`, installed when gdngen is
+    imported (the check runs calls itself, so this module does not import it)."""
+    if gate not in _GATES:
+        _GATES.append(gate)
+
+
+@contextlib.contextmanager
+def ungated():
+    """Within it, this thread's calls skip the installed gates (the battery's runners: their
+    calls are the check)."""
+    before = getattr(_LOCAL, "ungated", False)
+    _LOCAL.ungated = True
+    try:
+        yield
+    finally:
+        _LOCAL.ungated = before
+
+
 def run(call, operands, *, variant=None, device=None, precision="ieee"):
-    """Choose the variant of the checked `gdngen.call.Call` (`resolve`; a generated one only
-    once it passed on the device, `gdngen.firstuse.admitted`) and run it on
+    """Choose the variant of the checked `gdngen.call.Call` (`resolve`; then the installed
+    gates: a generated one only once it passed on the device, `gdngen.firstuse`) and run it on
     ``operands`` (`gdngen.algebra.layer_inputs.prepared`) through its backend
     (`gdngen.backend.Backend.run`)."""
-    from gdngen import firstuse
-
     chosen = resolve(call.framework, call.shape, call.dtype, variant, call.chunk_size,
                      device=device, precision=precision)
-    chosen = firstuse.admitted(call, chosen, device, precision)
+    if not getattr(_LOCAL, "ungated", False):
+        for gate in _GATES:
+            chosen = gate(call, chosen, device, precision)
     return registry.get(chosen.backend).run(call, operands, chosen)

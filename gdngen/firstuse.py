@@ -31,11 +31,12 @@ import time
 import warnings
 from pathlib import Path
 
-from gdngen import registry, settings
+from gdngen import dispatch, registry, settings
 from gdngen.variant import Problem, Variant
 
 __all__ = ["ENV_VALIDATE", "MODES", "FirstUseWarning", "Verdict", "admitted", "call_kind",
-           "check", "clear_memo", "mode", "probe_cases", "stored", "trusted", "verdict_dir"]
+           "check", "clear_memo", "mode", "planned", "probe_cases", "stored", "verdict_dir",
+           "verify"]
 
 ENV_VALIDATE = settings.ENV_VALIDATE
 MODES = ("first-use", "off", "always")
@@ -158,20 +159,6 @@ def _json_float(x) -> float | str:
 _MEMO: dict = {}  # (backend, variant, problem, device arg, precision, kind, mode) -> Verdict
 _LOCK = threading.Lock()
 _KEY_LOCKS: dict = {}
-_LOCAL = threading.local()
-
-
-class trusted:  # noqa: N801 - a context manager used as ``with firstuse.trusted():``
-    """Within it, this thread's calls skip first-use checks (the battery runners, whose job
-    is that check)."""
-
-    def __enter__(self):
-        self._before = getattr(_LOCAL, "trusted", False)
-        _LOCAL.trusted = True
-        return self
-
-    def __exit__(self, *exc):
-        _LOCAL.trusted = self._before
 
 
 def clear_memo() -> None:
@@ -186,7 +173,7 @@ def admitted(call, variant: Variant, device: str | None = None,
     or an active tuned entry of it; else the framework's portable variant, with a
     `FirstUseWarning` once per process."""
     spec = registry.get(variant.backend)
-    if spec.portable or getattr(_LOCAL, "trusted", False):
+    if spec.portable:
         return variant
     how = mode()
     if how == "off":
@@ -335,3 +322,39 @@ def stored(device: str) -> list[dict]:
         rows.append({"path": str(path), "unreadable": True} if record is None
                     else dict(record, path=str(path)))
     return rows
+
+
+dispatch.install_gate(admitted)
+
+
+# ------------------------------------------------------------------------------ on demand
+
+
+def planned(framework: str, device: str, problems=()) -> list[tuple[Variant, Problem]]:
+    """The generated ``(variant, problem)`` pairs calls of ``framework`` on ``device`` would run:
+    every active tuned entry's, and the default variant (`gdngen.dispatch.default_choice`) of
+    each of their problems and of ``problems``; sorted, without repeats."""
+    from gdngen import cache
+
+    found, seen = [], set(problems)
+    try:
+        entries = cache.load(device).entries.values()
+    except ValueError:
+        entries = ()
+    for entry in entries:
+        if entry.get("framework") == framework:
+            problem = Problem.from_json(entry["problem"])
+            found.append((Variant.from_json(entry["variant"]), problem))
+            seen.add(problem)
+    for problem in seen:
+        found.append((dispatch.default_choice(framework, problem, device)[0], problem))
+    unique = {(v, p) for v, p in found if not registry.get(v.backend).portable}
+    return sorted(unique, key=lambda vp: (vp[1].key(), str(vp[0])))
+
+
+def verify(framework: str, variant: Variant, problem: Problem, device: str,
+           precision: str = "ieee") -> Verdict:
+    """Check ``variant`` on ``problem``'s plain calls (log gates) now, whatever is stored, and
+    store the verdict (``gdngen validate --device attached``)."""
+    return _verdict(framework, variant, problem, device, precision, f"{problem.gate} log",
+                    "always")

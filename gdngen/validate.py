@@ -282,13 +282,13 @@ def runner_for(backend: str):
     run = _jax_runner if spec.framework == "jax" else _mlx_runner
 
     def runner(inputs, *, gate, dtype, chunk_size, scale, variant=None, states=True):
-        from gdngen import firstuse
+        from gdngen import dispatch
 
         chosen = _case_variant(backend, inputs, dtype, chunk_size, variant)
         # a packed row always walks chunks (`gdngen.algebra.packed`): no recurrent path to check
         packed = inputs.get("cu_seqlens") is not None
         T = np.shape(inputs["q"])[1]
-        with firstuse.trusted():  # the battery is the check: its calls run the kernels as given
+        with dispatch.ungated():  # the battery is the check: its calls run the kernels as given
             return run(inputs, gate=gate, dtype=dtype, scale=scale, variant=chosen,
                        other_path=None if packed else _other_path(chosen, T),
                        states=states and not packed)

@@ -151,14 +151,88 @@ def test_an_active_tuned_entry_counts_as_passed(fresh, monkeypatch):
     assert firstuse.stored("cpu") == []
 
 
-def test_portable_backends_and_trusted_calls_are_not_checked(fresh, monkeypatch):
-    monkeypatch.setattr(firstuse, "check", lambda *a, **k: pytest.fail("checked"))
+@needs_ffi
+def test_portable_backends_and_ungated_calls_are_not_checked(fresh, monkeypatch):
+    """xla is never checked; the battery's runners (`gdngen.dispatch.ungated`) run an explicit
+    ffi_cpu variant as given; the same call outside is checked first."""
+    import jax.numpy as jnp
+
+    import gdngen.jax
+    from gdngen import dispatch
+
+    checked = []
+    monkeypatch.setattr(firstuse, "check", lambda *a, **k: checked.append(a[2]) or {
+        "passed": True, "worst_error": 0.0, "worst_case": "t1", "worst_quantity": "y",
+        "tolerance": 5e-5, "cases": {}, "seconds": 0.0})
+    ones = [jnp.ones(s, jnp.float32) for s in ((1, 4, 1, 16), (1, 4, 1, 16), (1, 4, 2, 16))]
+    g, beta = -0.1 * jnp.ones((1, 4, 2)), 0.5 * jnp.ones((1, 4, 2))
+    for backend in ("xla", "ffi_cpu"):
+        variant = registry.default_variant(backend, PROBLEM)
+        with dispatch.ungated():
+            gdngen.jax.gated_delta(*ones, g, beta, variant=variant)
+        assert checked == []
+    # inside jax.shard_map (another T: the eager call's trace of those shapes was ungated)
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(jax.devices()[:1], ("data",))
+    spec = PartitionSpec("data")
+    jax.shard_map(lambda *a: gdngen.jax.gated_delta(*a, variant=variant), mesh=mesh,
+                  in_specs=spec, out_specs=spec)(*(x[:, :3] for x in (*ones, g, beta)))
+    assert checked == ["scalar log"]
+    (stored,) = firstuse.stored("cpu")
+    assert stored["passed"] and stored["variant"] == variant.to_json()
+
+
+@pytest.mark.parametrize("backend", ["metal", "pallas_gpu",
+                                     pytest.param("pallas_tpu", marks=pytest.mark.slow)])
+def test_every_generated_backend_goes_through_the_same_check(fresh, backend):
+    """metal under the MSL simulator, pallas_gpu / pallas_tpu in interpret mode: the gate
+    checks the variant on its first call and stores a passed verdict (metal's gate called
+    while ``mx.compile`` traces: the check runs on a thread of its own)."""
     from gdngen.call import Call
     from gdngen.problem import CallShape
 
-    call = Call("jax", CallShape(1, 8, 1, 2, 16, 16, False), "float32")
-    xla = registry.default_variant("xla", PROBLEM)
-    assert firstuse.admitted(call, xla) == xla
-    ffi = registry.default_variant("ffi_cpu", PROBLEM)
-    with firstuse.trusted():
-        assert firstuse.admitted(call, ffi) == ffi
+    problem = Problem(1, 2, 32, 32, "float32", "scalar")
+    variant = registry.default_variant(backend, problem)
+    if backend != "pallas_tpu":
+        variant = variant.replace(chunk_size=16 if backend == "metal" else 32)
+    spec = registry.get(backend)
+    call = Call(spec.framework, CallShape(1, 8, 1, 2, 32, 32, False), "float32")
+    if backend == "metal":
+        import mlx.core as mx
+
+        chosen = []
+        mx.compile(lambda x: chosen.append(firstuse.admitted(call, variant)) or x)(mx.ones(2))
+    else:
+        chosen = [firstuse.admitted(call, variant)]
+    assert chosen == [variant]
+    (stored,) = firstuse.stored("cpu")
+    assert stored["passed"] and stored["backend"] == backend, stored
+    assert max(stored["cases"].values()) <= stored["tolerance"]
+    assert stored["sha256"] and stored["kind"] == "scalar log"
+
+
+@needs_ffi
+def test_validate_device_attached_checks_what_would_run(fresh, monkeypatch):
+    """``gdngen validate --device attached`` checks every planned generated variant now (the
+    default of --problem here), stores the verdicts and exits 1 when one fails."""
+    from click.testing import CliRunner
+
+    from gdngen.tools.cli import main
+
+    monkeypatch.setattr(firstuse, "planned", lambda fw, device, problems=(): [
+        (registry.default_variant("ffi_cpu", p), p) for p in problems if fw == "jax"])
+    args = ["validate", "--device", "attached", "--problem", "Hk=1,Hv=2,Dk=16,Dv=16", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)
+    assert row["passed"] and row["backend"] == "ffi_cpu" and row["problem"] == PROBLEM.key()
+    assert Path(row["path"]).exists() and row["worst_error"] <= row["tolerance"]
+    failing = {"passed": False, "worst_error": 0.9, "worst_case": "t1", "worst_quantity": "dq",
+               "tolerance": 5e-5, "cases": {"t1": 0.9}, "seconds": 0.1}
+    monkeypatch.setattr(firstuse, "check", lambda *a, **k: dict(failing))
+    Path(row["path"]).unlink()  # else this process's own verdict (as a new process: checked)
+    result = CliRunner().invoke(main, args[:-1])
+    assert result.exit_code == 1 and "FAIL" in result.output and "t1 dq 9.0e-01" in result.output
+    assert not firstuse.stored("cpu")[0]["passed"]

@@ -5,8 +5,8 @@
 ``environment``. A section that fails is ``{"error": "<type>: <message>"}``; `collect` itself
 never raises. `format_report` renders that dict as plain-text tables.
 
-First-use verdicts are read as files (``<cache root>/verdicts/<device>/*.json``), not through
-the module that writes them; the mode is ``$GDNGEN_VALIDATE`` ("first-use", "off", "always").
+First-use verdicts (`gdngen.firstuse`) are read as files (`gdngen.firstuse.verdict_dir`), each
+checked for `VERDICT_KEYS`; the mode is ``$GDNGEN_VALIDATE`` (`gdngen.firstuse.MODES`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from gdngen import settings
+from gdngen import firstuse, settings
 
 SECTIONS = ("host", "devices", "versions", "backends", "verdicts", "tuned", "compilers",
             "environment")
-ENV_VALIDATE = "GDNGEN_VALIDATE"
-VALIDATE_MODES = ("first-use", "off", "always")
+ENV_VALIDATE = settings.ENV_VALIDATE
+VALIDATE_MODES = firstuse.MODES
 #: keys every verdict file holds (the first-use validation's contract)
 VERDICT_KEYS = ("backend", "variant", "problem", "kind", "passed", "date", "worst_error",
                 "worst_case", "worst_quantity", "tolerance", "seconds")
@@ -284,7 +284,7 @@ def read_verdict(path: Path) -> dict:
 
 def _verdicts(device: str) -> dict:
     """The stored first-use verdicts of ``device``: failed first, then newest first."""
-    directory = settings.cache_root() / "verdicts" / device
+    directory = firstuse.verdict_dir(device)
     verdicts, unreadable = [], []
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         try:
@@ -339,7 +339,7 @@ def _compilers() -> dict:
 
 
 def _known_variables() -> set:
-    return {getattr(settings, n) for n in dir(settings) if n.startswith("ENV_")} | {ENV_VALIDATE}
+    return {getattr(settings, n) for n in dir(settings) if n.startswith("ENV_")}
 
 
 def _environment() -> dict:

@@ -19,8 +19,12 @@ from gdngen.tools.commands.options import (
 
 
 @click.command()
-@click.option("--backend", type=click.Choice(backend_names(registry.BACKENDS)), required=True,
-              help="Backend checked against the float64 reference.")
+@click.option("--backend", type=click.Choice(backend_names(registry.BACKENDS)), default=None,
+              help="Backend checked against the float64 reference (or --device).")
+@click.option("--device", "device", default=None, metavar="attached",
+              help="'attached': the first-use check (gdngen.firstuse) of every generated "
+                   "variant the tuned file and defaults would run on the attached device (and "
+                   "the default of --problem), verdicts stored; instead of --backend.")
 @click.option("--variant", "variant_json", default=None, metavar="JSON",
               help='Validate this variant, e.g. \'{"chunk_size": 32, ...}\' (generated-kernel '
                    "backends default to the default variant of --problem).")
@@ -34,10 +38,18 @@ from gdngen.tools.commands.options import (
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Chunk size for every case (default: each case's own).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON instead of a table.")
-def validate(backend, variant_json, problem, dtype, case_names, seed, chunk_size, as_json):
-    """Run the validation battery on a backend; exit 1 if any case fails."""
+def validate(backend, device, variant_json, problem, dtype, case_names, seed, chunk_size,
+             as_json):
+    """Run the validation battery on a backend, or the first-use checks on the attached
+    device (--device attached); exit 1 if any fails."""
     from gdngen import cases as cases_mod
     from gdngen import validate as validate_mod
+
+    if (backend is None) == (device is None):
+        raise click.UsageError("pass one of --backend and --device attached")
+    if device is not None:
+        _validate_attached(device, problem, dtype, as_json)
+        return
 
     backend = backend.replace("-", "_")
     variant = None  # a portable backend runs its default at each case's own chunk size
@@ -64,6 +76,51 @@ def validate(backend, variant_json, problem, dtype, case_names, seed, chunk_size
     failed = [_case_name(r) for r in results if not r.passed]
     if failed:
         click.echo(f"FAILED ({len(failed)}/{len(results)}): {', '.join(failed)}", err=True)
+        sys.exit(1)
+
+
+def _validate_attached(device: str, problem_spec: str | None, dtype: str, as_json: bool):
+    from gdngen import devices, firstuse
+    from gdngen.tables import render_table
+    from gdngen.variant import Problem
+
+    if device != "attached":
+        raise click.BadParameter(f"expected 'attached', got {device!r}", param_hint="--device")
+    try:
+        spec = None if problem_spec is None else f"{problem_spec},dtype={dtype}" \
+            if "dtype=" not in problem_spec else problem_spec
+        extra = () if spec is None else (Problem.parse(spec),)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--problem") from None
+    rows = []
+    for framework in devices.installed_frameworks():
+        name = devices.detect_framework(framework).name
+        if name is None:
+            continue
+        for variant, prob in firstuse.planned(framework, name, extra):
+            verdict = firstuse.verify(framework, variant, prob, name)
+            r = verdict.record
+            rows.append({"framework": framework, "device": name, "backend": variant.backend,
+                         "variant": str(variant), "problem": prob.key(), "kind": r["kind"],
+                         "passed": verdict.passed, "worst_error": r["worst_error"],
+                         "worst_case": r["worst_case"], "worst_quantity": r["worst_quantity"],
+                         "tolerance": r["tolerance"], "seconds": r["seconds"],
+                         "reason": r.get("reason"), "path": str(verdict.path)})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        table = [(r["device"], r["variant"], r["problem"], r["kind"],
+                  "PASS" if r["passed"] else "FAIL",
+                  r["reason"] or f"{r['worst_case']} {r['worst_quantity']} "
+                  f"{float(r['worst_error']):.1e}", f"{r['seconds']:.1f}") for r in rows]
+        click.echo(render_table("first-use checks on the attached device",
+                                ("device", "variant", "problem", "kind", "result", "worst",
+                                 "s"), table).rstrip("\n"))
+    if not rows:
+        click.echo("no generated variant would run on the attached device(s)", err=True)
+    failed = [r["variant"] for r in rows if not r["passed"]]
+    if failed:
+        click.echo(f"FAILED ({len(failed)}/{len(rows)}): {', '.join(failed)}", err=True)
         sys.exit(1)
 
 
