@@ -156,7 +156,8 @@ def _json_float(x) -> float | str:
 
 # ------------------------------------------------------------------------------ admitted
 
-_MEMO: dict = {}  # (backend, variant, problem, device arg, precision, kind, mode) -> Verdict
+_MEMO: dict = {}  # (variant, problem, kind, device arg, precision, mode) -> Verdict
+_BY_CALL: dict = {}  # (variant, call, device arg, precision, mode) -> Verdict (at most 4096)
 _LOCK = threading.Lock()
 _KEY_LOCKS: dict = {}
 
@@ -164,6 +165,7 @@ _KEY_LOCKS: dict = {}
 def clear_memo() -> None:
     """Forget this process's verdicts (the next call reads the stored ones again)."""
     _MEMO.clear()
+    _BY_CALL.clear()
 
 
 def admitted(call, variant: Variant, device: str | None = None,
@@ -172,26 +174,27 @@ def admitted(call, variant: Variant, device: str | None = None,
     attached one): a portable backend's, checks off, a passed verdict (stored, or checked now),
     or an active tuned entry of it; else the framework's portable variant, with a
     `FirstUseWarning` once per process."""
-    spec = registry.get(variant.backend)
-    if spec.portable:
-        return variant
-    how = mode()
-    if how == "off":
-        return variant
-    kind = call_kind(call)
-    memo_key = (variant, call.problem, device, precision, kind, how)
-    verdict = _MEMO.get(memo_key)
+    how = settings.validate_mode() or "first-use"
+    call_key = (variant, call, device, precision, how)
+    verdict = _BY_CALL.get(call_key)
     if verdict is None:
+        if registry.get(variant.backend).portable or mode() == "off":
+            return variant
+        kind = call_kind(call)
+        key = (variant, call.problem, kind, device, precision, how)
         with _LOCK:
-            key_lock = _KEY_LOCKS.setdefault(memo_key, threading.Lock())
+            key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
         with key_lock:  # another thread of this process checks it first
-            verdict = _MEMO.get(memo_key)
+            verdict = _MEMO.get(key)
             if verdict is None:
                 verdict = _verdict(call.framework, variant, call.problem, device, precision,
                                    kind, how)
-                _MEMO[memo_key] = verdict
+                _MEMO[key] = verdict
                 if not verdict.passed:
                     _warn(variant, verdict)
+        if len(_BY_CALL) >= 4096:
+            _BY_CALL.clear()
+        _BY_CALL[call_key] = verdict
     if verdict.passed:
         return variant
     return _fallback(call, variant)
