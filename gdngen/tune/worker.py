@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 
-from gdngen import settings, worker_protocol
+from gdngen import dispatch, settings, worker_protocol
 from gdngen.settings import ENV_TUNER_PID
 from gdngen.tune.memo import summarize_validation
 from gdngen.variant import Problem, Variant
@@ -42,7 +42,13 @@ def load_plugins() -> list[str]:
 
 
 def _worker(spec: dict) -> dict:
-    """Validate and/or time one variant as described by ``spec`` (see `_run_worker`)."""
+    """Validate and/or time one variant as described by ``spec`` (see `_run_worker`); the
+    tuner validates on the battery itself, so its calls skip the first-use gate."""
+    with dispatch.ungated():
+        return _trial(spec)
+
+
+def _trial(spec: dict) -> dict:
     load_plugins()
     from gdngen.precision import precision_context
     from gdngen.tools.timing import time_fwd_bwd, variant_fn
