@@ -40,6 +40,7 @@ __all__ = ["ENV_VALIDATE", "MODES", "FirstUseWarning", "Verdict", "admitted", "c
 
 ENV_VALIDATE = settings.ENV_VALIDATE
 MODES = ("first-use", "off", "always")
+_GATE_FORMS = ("softplus", "sigmoid_bound")
 
 
 class FirstUseWarning(UserWarning):
@@ -72,14 +73,21 @@ def verdict_dir(device: str) -> Path:
 # ------------------------------------------------------------------------------ the call kind
 
 
-def call_kind(call) -> str:
-    """What of a `gdngen.call.Call` picks different kernels: gate kind, gate convention, packed
-    rows, returned states; e.g. "scalar log", "vector linear packed", "scalar log steps"."""
+def call_kind(call, backend: str | None = None) -> str:
+    """What of a `gdngen.call.Call` picks different kernels of ``backend``: gate kind, gate
+    convention, packed rows, returned states, the layer inputs its kernels compute
+    (`gdngen.backend.Backend.fused_inputs`: ``qk_norm``, the gate form); e.g. "scalar log",
+    "vector linear packed", "scalar log steps", "scalar log qk_norm softplus"."""
     parts = [call.problem.gate, call.gate]
     if call.packed:
         parts.append("packed")
     if call.return_states != "final":
         parts.append(call.return_states)
+    fused = () if backend is None or call.packed else registry.get(backend).fused_inputs
+    if call.qk_norm and "qk_norm" in fused:
+        parts.append("qk_norm")
+    if call.gate_form is not None and "gate" in fused:
+        parts.append(call.gate_form)
     return " ".join(parts)
 
 
@@ -98,7 +106,7 @@ def probe_cases(problem: Problem, chunk: int, kind: str) -> list:
     if "packed" in kind.split():
         name = "packed_vector" if vector else "packed_boundaries"
         return [dataclasses.replace(cases.get_case(name), **dims)]
-    states = kind.split()[-1] in ("steps", "chunks")
+    states = bool({"steps", "chunks"} & set(kind.split()))
     names = (("vector_strong_half", 1, T), ("vector_masked_gva3", 2, T), ("vector_t1", 1, 1)) \
         if vector else (("hard_decay", 1, T), ("short_masked", 2, T), ("identical_keys", 1, T),
                         ("t1", 1, 1))
@@ -131,10 +139,18 @@ def _check_into(result: dict, variant: Variant, problem: Problem, kind: str,
               "tolerance": allowed_error(variant, problem.dtype, precision), "cases": {}}
     try:
         runner = validate.runner_for(variant.backend)
+        tokens = kind.split()
+        form = next((t for t in tokens if t in _GATE_FORMS), None)
+        fused = form is not None or "qk_norm" in tokens
         passing = True  # the worst case is the first failing one, else the largest error
         for case in probe_cases(problem, chunk, kind):
-            res = validate.check_case(runner, case, dtype=problem.dtype, variant=variant,
-                                      precision=precision, gates=(gate,))
+            if fused:  # the layer's raw inputs, computed in the kernels' loads
+                res = validate.check_fused_case(variant, case, qk_norm="qk_norm" in tokens,
+                                                gate_form=form, dtype=problem.dtype,
+                                                precision=precision)
+            else:
+                res = validate.check_case(runner, case, dtype=problem.dtype, variant=variant,
+                                          precision=precision, gates=(gate,))
             quantity, err = res.worst
             record["cases"][case.name] = _json_float(err)
             if not record["worst_case"] or (passing and (not res.passed
@@ -180,7 +196,7 @@ def admitted(call, variant: Variant, device: str | None = None,
     if verdict is None:
         if registry.get(variant.backend).portable or mode() == "off":
             return variant
-        kind = call_kind(call)
+        kind = call_kind(call, variant.backend)
         key = (variant, call.problem, kind, device, precision, how)
         with _LOCK:
             key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())

@@ -454,3 +454,117 @@ def results_to_json(results) -> list[dict]:
                     "errors": {q: _json_float(e) for q, e in res.errors.items()}})
     json.dumps(out)  # fail here, not in the caller, if something is not serialisable
     return out
+
+
+# ------------------------------------------------------------------------------ fused inputs
+
+#: the quantities of `check_fused_case` (gradients of the raw layer inputs)
+FUSED_QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state",
+                    "dA_log", "ddt_bias")
+
+
+def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
+                     lower_bound: float | None = None, dtype: str = "float32",
+                     precision: str = "ieee", seed=None) -> CaseResult:
+    """``case`` through ``variant`` as a layer calls it with the inputs its kernels compute
+    (`gdngen.backend.Backend.fused_inputs`): raw q, k with ``qk_norm``; with ``gate_form``
+    ("softplus" / "sigmoid_bound") the raw projection ``a`` and ``A_log``, ``dt_bias``
+    (``[Hv]``; per-channel ``[Hv, 1]`` and ``[Hv, Dk]``; A_log up to 2). Values and every
+    gradient (of the raw arrays) against the float64 composition
+    (`gdngen.algebra.reference.LayerInputsVJP`, `gdngen.algebra.reference.vjp`)."""
+    from gdngen.algebra import reference
+
+    raw = case.inputs(seed)
+    rng = np.random.default_rng(None if seed is None else seed + 1)
+    x = {name: round_to_dtype(raw[name], dtype) for name in _ROUNDED_INPUTS}
+    x["initial_state"] = np.zeros(_state_shape(raw)) if raw["initial_state"] is None \
+        else round_to_dtype(raw["initial_state"], "float32")
+    x["mask"] = raw["mask"]
+    if qk_norm:  # raw: norms far from 1
+        x["q"], x["k"] = (round_to_dtype(raw[n] * rng.uniform(0.3, 3.0, raw[n].shape[:-1] + (1,)),
+                                         dtype) for n in ("q", "k"))
+    Hv, Dk = case.Hv, case.Dk
+    params = {}
+    if gate_form is None:
+        x["g"] = round_to_dtype(raw["g_log"], dtype)
+        g_log = x["g"]
+    else:
+        shape = raw["g_log"].shape
+        x["g"] = round_to_dtype(rng.standard_normal(shape) * 2.0, dtype)
+        params = {"A_log": rng.uniform(-1.0, 2.0, (Hv, 1) if case.vector_gate else (Hv,)),
+                  "dt_bias": rng.uniform(-0.5, 0.5, (Hv, Dk) if case.vector_gate else (Hv,))}
+        lower_bound = -5.0 if gate_form == "sigmoid_bound" and lower_bound is None \
+            else lower_bound
+        layer = reference.LayerInputsVJP(x["q"], x["k"], x["g"], np.zeros_like(x["beta"]),
+                                         params["A_log"], params["dt_bias"], gate_form,
+                                         lower_bound)
+        g_log = layer.log_g
+    q, k = (reference.l2_normalize(x[n])[0] for n in ("q", "k")) if qk_norm else (x["q"], x["k"])
+    ref = reference.vjp(q, k, x["v"], g_log, x["beta"], x["initial_state"], x["dy"],
+                        x["dfinal_state"], mask=x["mask"], scale=case.scale, gate="log")
+    if qk_norm:
+        for n in ("q", "k"):
+            xn, r = reference.l2_normalize(x[n])
+            ref["d" + n] = reference.l2_normalize_vjp(xn, r, ref["d" + n])
+    if gate_form is not None:
+        chained = layer.grads(dict(ref, dbeta=np.zeros_like(ref["dbeta"])))
+        ref.update(dg=chained["dg"], dA_log=chained["dA_log"], ddt_bias=chained["ddt_bias"])
+    options = {"qk_norm": qk_norm, "scale": case.scale}
+    if gate_form is not None:
+        options.update(gate=gate_form, lower_bound=lower_bound)
+    spec = registry.get(variant.backend)
+    run = _fused_jax if spec.framework == "jax" else _fused_mlx
+    from gdngen import dispatch
+
+    with dispatch.ungated():
+        out = run(x, params, options, variant, dtype)
+    errors = {name: relative_error(out.get(name), ref[name]) for name in FUSED_QUANTITIES
+              if name in ref and (name in out or name not in ("dA_log", "ddt_bias"))}
+    return CaseResult(case=case.name, dtype=dtype, errors=errors,
+                      tolerance=allowed_error(variant, dtype, precision))
+
+
+_FUSED_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+_FUSED_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dA_log", "ddt_bias")
+
+
+def _fused_jax(x, params, options, variant, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.jax import gated_delta
+
+    args = [jnp.asarray(x[n], jnp.float32 if n == "initial_state" else dtype)
+            for n in _FUSED_NAMES] + [jnp.asarray(params[n], jnp.float32) for n in params]
+    mask = None if x["mask"] is None else jnp.asarray(x["mask"])
+
+    def f(q, k, v, g, beta, s0, *p):
+        return gated_delta(q, k, v, g, beta, s0, mask=mask, variant=variant,
+                           **dict(zip(params, p)), **options)
+
+    (y, s), pullback = jax.vjp(f, *args)
+    grads = pullback((jnp.asarray(x["dy"], dtype), jnp.asarray(x["dfinal_state"], jnp.float32)))
+    out = {"y": y, "final_state": s, **dict(zip(_FUSED_GRADS, grads))}
+    return {n: np.asarray(v, np.float64) for n, v in out.items()}
+
+
+def _fused_mlx(x, params, options, variant, dtype):
+    import mlx.core as mx
+
+    from gdngen.mlx import gated_delta
+
+    mdt = getattr(mx, dtype)
+    args = [mx.array(np.asarray(x[n], np.float32)).astype(
+        mx.float32 if n == "initial_state" else mdt) for n in _FUSED_NAMES] + \
+        [mx.array(np.asarray(params[n], np.float32)) for n in params]
+    mask = None if x["mask"] is None else mx.array(x["mask"])
+
+    def f(q, k, v, g, beta, s0, *p):
+        return gated_delta(q, k, v, g, beta, s0, mask=mask, variant=variant,
+                           **dict(zip(params, p)), **options)
+
+    cot = [mx.array(np.asarray(x["dy"], np.float32)).astype(mdt),
+           mx.array(np.asarray(x["dfinal_state"], np.float32))]
+    (y, s), grads = mx.vjp(lambda *a: f(*a), args, cot)
+    out = {"y": y, "final_state": s, **dict(zip(_FUSED_GRADS, grads))}
+    return {n: np.asarray(v.astype(mx.float32), np.float64) for n, v in out.items()}

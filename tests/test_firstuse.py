@@ -236,3 +236,41 @@ def test_validate_device_attached_checks_what_would_run(fresh, monkeypatch):
     result = CliRunner().invoke(main, args[:-1])
     assert result.exit_code == 1 and "FAIL" in result.output and "t1 dq 9.0e-01" in result.output
     assert not firstuse.stored("cpu")[0]["passed"]
+
+
+def test_the_call_kind_names_the_inputs_the_kernels_compute():
+    from gdngen.call import Call
+    from gdngen.problem import CallShape
+
+    call = Call("jax", CallShape(1, 8, 1, 2, 16, 16, True), "float32", qk_norm=True,
+                gate_form="softplus", return_states="steps")
+    assert firstuse.call_kind(call, "ffi_cpu") == "vector log steps qk_norm softplus"
+    assert firstuse.call_kind(call) == "vector log steps"  # no backend: nothing fused
+    packed = call.replace(shape=CallShape(1, 8, 1, 2, 16, 16, False, sequences=3),
+                          return_states="final")
+    assert firstuse.call_kind(packed, "ffi_cpu") == "scalar log packed"
+
+
+@needs_ffi
+@pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_fused_layer_inputs_are_checked_from_the_raw_inputs(fresh, monkeypatch, planted):
+    """A call whose kernels compute qk_norm and the softplus gate is checked through those
+    kernels against the float64 layer composition: a planted half-rate gate in ffi_cpu's
+    layer-input loads fails, the shipped one passes."""
+    problem = Problem(1, 2, 16, 24 if planted else 32, "float32", "scalar")
+    if planted:
+        old = "return -rate * (std::max(x, 0.f) + std::log1p(std::exp(-std::fabs(x))));"
+        text = (templates_dir("ffi_cpu") / "layer_inputs.cc.j2").read_text()
+        assert text.count(old) == 1
+        folder = fresh / "override" / "ffi_cpu"
+        folder.mkdir(parents=True)
+        (folder / "layer_inputs.cc.j2").write_text(text.replace(old, "return -0.5f" + old[6:]))
+        monkeypatch.setenv("GDNGEN_TEMPLATES", str(folder.parent))
+    variant = registry.default_variant("ffi_cpu", problem)
+    record = firstuse.check(variant, problem, "scalar log qk_norm softplus")
+    assert record["passed"] is not planted, record
+    assert set(record["cases"]) == {"hard_decay", "short_masked", "identical_keys", "t1"}
+    if planted:
+        assert record["worst_error"] > 1e-2 and record["worst_quantity"] in (
+            "y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dA_log",
+            "ddt_bias")
