@@ -109,17 +109,24 @@ def fed(model, tokens, splits):
     return cache, logits[:, -1]
 
 
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "states"])
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_trim_puts_back_the_state_and_window_of_fewer_tokens(name):
+def test_trim_puts_back_the_state_and_window_of_fewer_tokens(name, replay, monkeypatch):
     """After a prefill of 9, two T=1 calls and a verify window of 5, ``trim(n)`` leaves every
     linear layer's recurrent state and conv window, and the next logits, as feeding the first
-    16 - n tokens does (within the window, at its start, and across earlier calls)."""
+    16 - n tokens does (within the window, at its start, and across earlier calls), with the
+    window recorded either way (`RewindableCache.replay`)."""
+    from gdngen.integrations.mlx_lm import rewind
+
     model, _ = models(name)
     tokens = token_batch(B=1, T=20, seed=4)[0]
     with integration.patched(inference=True):
+        monkeypatch.setattr(rewind._rewindable_cache_class(), "replay", replay)
         whole, _ = fed(model, tokens, [9, 1, 1, 5])
         caches = linear_slots(model, whole)
         assert all(type(c).__name__ == "RewindableCache" for c in caches)
+        window = [g for g in caches[0]._segments if g.steps == 5]
+        assert len(window) == 1 and (window[0].states is None) == replay
         for n in (1, 4, 5, 6, 7):
             trimmed = copy.deepcopy(whole)
             assert trim_prompt_cache(trimmed, n) == n

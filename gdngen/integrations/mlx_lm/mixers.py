@@ -122,7 +122,8 @@ def _routed_mixer_call(family: _MixerLayer, original):
             mask = mask.astype(mx.bool_)
         rewind = (not self.training and isinstance(cache, rewind_mod._REWINDABLE or ())
                   and cache.lengths is None)
-        steps = rewind and 1 < S <= cache.max_steps  # a verify window: keep every step's state
+        window = rewind and 1 < S <= cache.max_steps  # a verify window: recorded
+        steps = window and not cache.replay  # recorded as every step's state
         start_state, start_conv = state, conv_state
         variant = None
         if self.training:
@@ -150,7 +151,11 @@ def _routed_mixer_call(family: _MixerLayer, original):
             states = state if steps else (state[:, None] if S == 1 else None)
             cache[family.state_slot] = state[:, -1] if steps else state
             if rewind:
-                cache.record(family, start_state, start_conv, states, timeline)
+                replay = None
+                if window and cache.replay:  # the inputs that replay it (not mixed_qkv, z)
+                    replay = {n: x for n, x in arguments.items() if n not in ("mixed_qkv", "z")}
+                    replay["mask"] = mask
+                cache.record(family, start_state, start_conv, states, timeline, replay)
             cache.advance(S)
         return getattr(self, family.output)(out.reshape(B, S, -1))
 

@@ -11,23 +11,60 @@ from gdngen.integrations.mlx_lm import route
 _REWINDABLE: type | None = None  # RewindableCache, built on first patch (it subclasses mlx-lm's)
 #: how many of the latest steps a rewindable cache can take back (`RewindableCache.max_steps`)
 MAX_REWIND = 16
+#: `RewindableCache.replay`'s default
+REPLAY = True
 
 
 class _Segment:
-    """One recorded call of T steps: the state and conv window ``[B, K-1, C]`` before it (None:
-    zeros, as mlx-lm's layers take a missing entry), the state after each step ``[B, T, Hv, Dv,
-    Dk]`` and the conv window's timeline ``[B, K-1+T, C]`` (the window before, then the call's
-    masked inputs: the window after p steps is ``timeline[:, p:p+K-1]``)."""
+    """One recorded call of T steps: the state and conv window ``[B, C, K-1]`` before it (None:
+    zeros, as mlx-lm's layers take a missing entry), the conv window's timeline ``[B, K-1+T,
+    C]`` (the window before, then the call's masked inputs: the window after p steps is
+    ``timeline[:, p:p+K-1]``), and either the state after each step ``states [B, T, Hv, Dv,
+    Dk]`` or what replays its first p steps (``replay``: the gate and beta projections ``a``,
+    ``b``, the ``mask`` and the layer's mixer parameters; `_replayed`)."""
 
-    __slots__ = ("start_conv", "start_state", "states", "timeline")
+    __slots__ = ("replay", "start_conv", "start_state", "states", "steps", "timeline")
 
-    def __init__(self, start_state, start_conv, states, timeline):
+    def __init__(self, start_state, start_conv, states, timeline, steps, replay=None):
         self.start_state, self.start_conv = start_state, start_conv
-        self.states, self.timeline = states, timeline
+        self.states, self.timeline, self.steps, self.replay = states, timeline, steps, replay
 
-    @property
-    def steps(self) -> int:
-        return int(self.states.shape[1])
+    def arrays(self) -> list:
+        """The arrays this record holds (for its memory)."""
+        held = [self.start_state, self.start_conv, self.states, self.timeline]
+        if self.replay is not None:
+            held += [self.replay[n] for n in ("a", "b", "mask")]
+        return [x for x in held if x is not None]
+
+    def keep(self, keep: int):
+        """Keep the first ``keep`` steps; the state and conv window ``[B, K-1, C]`` after
+        them."""
+        K1 = self.timeline.shape[1] - self.steps
+        self.timeline, self.steps = self.timeline[:, :keep + K1], keep
+        if self.states is not None:
+            self.states = self.states[:, :keep]
+            state = self.states[:, -1]
+        else:
+            self.replay = {n: (x[:, :keep] if n in ("a", "b", "mask") and x is not None else x)
+                           for n, x in self.replay.items()}
+            state = _replayed(self)
+        return state, self.timeline[:, keep:keep + K1]
+
+
+def _replayed(segment: _Segment):
+    """The state after the segment's (kept) steps: one `gdngen.mlx.gated_delta_mixer` call over
+    them from its start state and conv window (the output gate ``z`` zeros: only the state is
+    read)."""
+    from gdngen import mlx as gdngen_mlx
+
+    r = dict(segment.replay)
+    K1 = segment.timeline.shape[1] - segment.steps
+    x = segment.timeline[:, K1:]
+    B, T = x.shape[:2]
+    z = mx.zeros((B, T, r["Hv"], r["Dv"]), x.dtype)
+    _, state, _ = gdngen_mlx.gated_delta_mixer(mixed_qkv=x, z=z, conv_state=segment.start_conv,
+                                               initial_state=segment.start_state, **r)
+    return state
 
 
 def _rewindable_cache_class() -> type:
@@ -43,35 +80,55 @@ def _rewindable_cache_class() -> type:
         (``mlx_lm.generate.speculative_generate_step``) rewinds it after a verify window.
 
         The layer's calls through `gdngen.mlx.gated_delta_mixer` record their steps: a call of
-        T <= `max_steps` tokens returns every step's state (``return_states="steps"``, the
-        verify window's states written as the recurrence walks) and the conv window's
-        timeline; a longer call (a prefill) is a barrier. ``trim(n)`` puts back the state and
+        T <= `max_steps` tokens, its start state and the conv window's timeline; a longer call
+        (a prefill) is a barrier. ``trim(n)`` puts back the state and
         conv window of n steps ago, across calls, up to `max_steps` steps; past what is recorded
         (a prefill, a call that did not go through the mixer) it trims what it can and returns
         the count, as mlx-lm's caches do (``KVCache.trim``), never a state it did not record.
-        Memory: up to `max_steps` states of the layer
-        (``max_steps * B * Hv * Dv * Dk * 4`` bytes) beyond mlx-lm's cache.
+        A verify window is recorded as its start state and inputs (`replay`: a trim replays the
+        kept steps, one mixer call) or as every step's state (``replay = False``: a trim is a
+        slice, up to ``max_steps * B * Hv * Dv * Dk * 4`` bytes more); `recorded_bytes`.
         """
 
         max_steps = MAX_REWIND
+        #: how a verify window is recorded: True, the state at its start and its inputs
+        #: (a trim replays the kept steps: one mixer call); False, the state after every step
+        #: (a trim is a slice). docs/SERVING.md has the measurement behind the default.
+        replay = REPLAY
 
         def is_trimmable(self):
             return True
+
+        def recorded_bytes(self) -> int:
+            """Bytes of the arrays the record holds beyond mlx-lm's cache entries."""
+            seen, total = set(), 0
+            for segment in getattr(self, "_segments", []):
+                for x in segment.arrays():
+                    if id(x) not in seen:
+                        seen.add(id(x))
+                        total += x.nbytes
+            return total
 
         def forget(self):
             """Drop the recorded steps: the cache cannot rewind past its current state."""
             self._segments = []
 
-        def record(self, family, start_state, start_conv, states, timeline):
+        def record(self, family, start_state, start_conv, states, timeline, replay=None):
             """A mixer call of ``family`` from ``start_state`` / ``start_conv`` (``[B, C,
             K-1]``, as the mixer takes it) with the conv timeline ``[B, K-1+T, C]`` (the
-            mixer's `_conv_timeline`): ``states`` ``[B, T, Hv, Dv, Dk]``, None for a barrier."""
+            mixer's `_conv_timeline`): ``states`` ``[B, T, Hv, Dv, Dk]``, or ``replay`` (the
+            mixer's keywords but mixed_qkv, z and the states: `_Segment`), None both for a
+            barrier."""
             segments = getattr(self, "_segments", [])
             self._family = family
-            if states is None or start_state is not getattr(self, "_head", None):
+            recorded = states is not None or replay is not None
+            if not recorded or start_state is not getattr(self, "_head", None):
                 segments = []  # a barrier, or the state changed since the latest record
-            if states is not None:
-                segments.append(_Segment(start_state, start_conv, states, timeline))
+            if recorded:
+                steps = timeline.shape[1] - (int(replay["conv_weight"].shape[1]) - 1) \
+                    if states is None else int(states.shape[1])
+                segments.append(_Segment(start_state, start_conv, states, timeline, steps,
+                                         replay))
                 while len(segments) > 1 and sum(g.steps for g in segments[1:]) >= self.max_steps:
                     segments.pop(0)
             self._segments = segments
@@ -100,11 +157,7 @@ def _rewindable_cache_class() -> type:
                         if windows is not None:
                             windows = mx.swapaxes(windows, 1, 2)
                     continue
-                keep = last.steps - left
-                K1 = last.timeline.shape[1] - last.steps
-                last.states = last.states[:, :keep]
-                last.timeline = last.timeline[:, :keep + K1]
-                state, windows = last.states[:, -1], last.timeline[:, keep:keep + K1]
+                state, windows = last.keep(last.steps - left)
                 left = 0
             self.cache[family.state_slot] = state
             slots = family.conv_slots
