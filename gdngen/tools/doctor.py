@@ -430,7 +430,7 @@ def _format_backends(s: dict) -> str:
 def _format_verdicts(s: dict) -> str:
     rows = []
     for v in s["verdicts"][:MAX_ROWS]:
-        rows.append(("passed" if v["passed"] else "FAILED", v["backend"], v["problem_key"],
+        rows.append(("passed" if v["passed"] else "FAILED", v["variant_name"], v["problem_key"],
                      v["kind"], _short_date(v["date"]),
                      f"{_number(v['worst_error'])} / {_number(v['tolerance'])}",
                      f"{v['worst_case']} ({v['worst_quantity']})"
@@ -447,7 +447,7 @@ def _format_verdicts(s: dict) -> str:
         footer.append(f"{len(s['verdicts']) - MAX_ROWS} more: gdngen doctor --json")
     footer += [f"unreadable: {Path(u['path']).name}: {u['reason']}" for u in s["unreadable"]]
     return _table(f"first-use verdicts ({s['device']})",
-                  ("status", "backend", "problem", "kind", "date", "worst err / tol",
+                  ("status", "variant", "problem", "kind", "date", "worst err / tol",
                    "worst case (quantity)", "file"), rows, footer)
 
 
