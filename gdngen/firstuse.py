@@ -217,16 +217,12 @@ def admitted(call, variant: Variant, device: str | None = None,
 
 
 def _fallback(call, variant: Variant) -> Variant:
+    """The framework's portable default, at the failed variant's chunk where it runs that."""
     fallback = registry.default_variant(registry.portable(call.framework), call.problem)
-    chunk = variant.get("chunk_size")
-    if chunk is not None:
-        try:
-            changed = fallback.replace(chunk_size=chunk)
-            registry.check_variant(changed)
-            fallback = changed
-        except ValueError:
-            pass
-    return fallback
+    try:
+        return dispatch._with_chunk(fallback, variant.get("chunk_size"))
+    except ValueError:
+        return fallback
 
 
 def _verdict(framework: str, variant: Variant, problem: Problem, device: str | None,

@@ -155,7 +155,7 @@ def _routed_mixer_call(family: _MixerLayer, original):
                 if window and cache.replay:  # the inputs that replay it (not mixed_qkv, z)
                     replay = {n: x for n, x in arguments.items() if n not in ("mixed_qkv", "z")}
                     replay["mask"] = mask
-                cache.record(family, start_state, start_conv, states, timeline, replay)
+                cache.record(family, start_state, start_conv, states, timeline, S, replay)
             cache.advance(S)
         return getattr(self, family.output)(out.reshape(B, S, -1))
 

@@ -113,20 +113,19 @@ def _rewindable_cache_class() -> type:
             """Drop the recorded steps: the cache cannot rewind past its current state."""
             self._segments = []
 
-        def record(self, family, start_state, start_conv, states, timeline, replay=None):
+        def record(self, family, start_state, start_conv, states, timeline, steps,
+                   replay=None):
             """A mixer call of ``family`` from ``start_state`` / ``start_conv`` (``[B, C,
             K-1]``, as the mixer takes it) with the conv timeline ``[B, K-1+T, C]`` (the
-            mixer's `_conv_timeline`): ``states`` ``[B, T, Hv, Dv, Dk]``, or ``replay`` (the
-            mixer's keywords but mixed_qkv, z and the states: `_Segment`), None both for a
-            barrier."""
+            mixer's `_conv_timeline`) of its ``steps`` tokens: ``states`` ``[B, T, Hv, Dv,
+            Dk]``, or ``replay`` (the mixer's keywords but mixed_qkv, z and the states:
+            `_Segment`), None both for a barrier."""
             segments = getattr(self, "_segments", [])
             self._family = family
             recorded = states is not None or replay is not None
             if not recorded or start_state is not getattr(self, "_head", None):
                 segments = []  # a barrier, or the state changed since the latest record
             if recorded:
-                steps = timeline.shape[1] - (int(replay["conv_weight"].shape[1]) - 1) \
-                    if states is None else int(states.shape[1])
                 segments.append(_Segment(start_state, start_conv, states, timeline, steps,
                                          replay))
                 while len(segments) > 1 and sum(g.steps for g in segments[1:]) >= self.max_steps:
