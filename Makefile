@@ -32,7 +32,7 @@ postgres-server:
 # are built once).
 TEST_WORKERS ?= 2
 test: install postgres-server lint
-	$(BIN)/python -m pytest -q -rs -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=30
+	$(BIN)/python -m pytest -q -rs -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=0 --durations-min=15
 
 # `make test-all` also installs the NVIDIA compiler (the `cuda` extra, ~550 MB: jax's CUDA plugin
 # and ptxas) for tests/test_real_compile_gpu.py; `make test` leaves it out (those tests skip).

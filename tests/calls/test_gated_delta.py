@@ -102,12 +102,14 @@ def test_battery_float32(case):
     assert set(result.errors) >= set(validate.QUANTITIES) - {"dinitial_state"}
 
 
-# bfloat16 on xla keeps [jax-hard_decay-bfloat16]; gva3 and padding_mask run in float32 on every
-# backend, their bfloat16 xla runs in make test-all
+# xla keeps [jax-hard_decay-bfloat16] and [jax-hard_decay-float16]; gva3 and padding_mask run
+# in float32 on every backend and in both reduced precisions on mlx (the same framework-neutral
+# algebra), their reduced-precision xla runs in make test-all
 @pytest.mark.parametrize(("fw", "case", "dtype"), marked(
     [(f, c, d) for f in FRAMEWORKS for c in ("hard_decay", "padding_mask", "gva3")
      for d in ("bfloat16", "float16")],
-    {("jax", "gva3", "bfloat16"), ("jax", "padding_mask", "bfloat16")}), indirect=["fw"])
+    {("jax", c, d) for c in ("gva3", "padding_mask") for d in ("bfloat16", "float16")}),
+    indirect=["fw"])
 def test_battery_reduced_precision(fw, case, dtype):
     """Reduced-precision inputs (float32 accumulation) meet the 2e-2 threshold."""
     result = validate.check_case(BACKEND_OF[fw.name], get_case(case), dtype=dtype)

@@ -221,10 +221,12 @@ CHUNK_KERNELS = [(n, gate) for n in registry.names() for gate in registry.get(n)
 
 # the VJP is the portable chunk path's on every backend (`gdngen.backends.generated.kernel_chunks`):
 # ffi_cpu's per-channel and pallas_tpu's (interpret mode, ~2-3 min each) in make test-all;
-# [ffi_cpu-scalar], both pallas_gpu and metal's keep the wiring, and the forward states of
-# every kernel stay in test_chunk_boundary_states_match_the_float64_recurrence
+# [ffi_cpu-scalar], [pallas_gpu-scalar] and metal's keep the wiring (pallas_gpu's per-channel,
+# ~2 min in interpret mode, in make test-all), and the forward states of every kernel stay in
+# test_chunk_boundary_states_match_the_float64_recurrence
 @pytest.mark.parametrize(("backend", "gate"), marked(
-    CHUNK_KERNELS, {("ffi_cpu", "vector"), ("pallas_tpu", "scalar"), ("pallas_tpu", "vector")}))
+    CHUNK_KERNELS, {("ffi_cpu", "vector"), ("pallas_tpu", "scalar"), ("pallas_tpu", "vector"),
+                    ("pallas_gpu", "vector")}))
 def test_gradients_through_kernel_chunk_states(backend, gate):
     """A loss on y and every checkpoint, through a backend's chunk-states kernel (its VJP the
     portable chunk path's) and through the portable path itself: equal gradients."""
