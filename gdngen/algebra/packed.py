@@ -60,8 +60,8 @@ class _Plan:
     """Index arrays of one packed row (framework arrays, from possibly traced offsets).
 
     For every step t: ``seq[t]`` its sequence, ``is_start[t]`` whether it is that sequence's
-    first step. Per sequence n, ``first`` / ``last``: ``(index [N, C], valid [N, C])`` of its
-    first and last partial chunks (steps clipped into range where not valid).
+    first step. Per sequence n, its first partial chunk ``starts <= t < first_end`` and its
+    last one ``last_begin <= t < ends``; `_window` gives a window's ``(index, valid)``.
     """
 
     def __init__(self, xp, offsets, T: int, C: int):
@@ -78,13 +78,13 @@ class _Plan:
         self.last_chunk = m.maximum((ends - 1) // C, 0)
         chunk_start = self.last_chunk * C
         self.from_state = (starts < chunk_start) & self.nonempty
-        steps = m.arange(C).astype(i32)[None, :]
-        self.first = self._window(xp, starts, self.first_end, steps, T)
-        self.last = self._window(xp, m.maximum(starts, chunk_start), ends, steps, T)
+        self.last_begin = m.maximum(starts, chunk_start)
         self.C = C
 
     @staticmethod
     def _window(xp, begin, end, steps, T):
+        """``(index [n, W], valid [n, W])`` of windows ``begin <= t < end`` over ``steps``
+        ``[W]`` (steps clipped into range where not valid)."""
         index = begin[:, None] + steps
         return xp.module.minimum(index, T - 1), index < end[:, None]
 
@@ -102,6 +102,70 @@ def _one_chunk(xp, dense, window, q, k, v, g, beta, mask, S0):
     if mask is not None:
         valid = valid & _gather(xp, mask, index)
     return dense(*(_gather(xp, x, index) for x in (q, k, v, g, beta)), S0, valid)
+
+
+#: a window of at most this many steps (a decode row, a verify window) runs the recurrence one
+#: step at a time (`gdngen.algebra.chunkwise.recurrent_forward`) in place of a padded chunk
+SHORT_WINDOW = 16
+
+
+def _concrete(x):
+    """``x`` as a NumPy array, or None while a framework traces it (jit, mx.compile)."""
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError, RuntimeError):  # traced (jit, mx.compile): not known here
+        return None
+
+
+def _short_windows(xp, window, q, k, v, g, beta, mask, S0, *, scale, gate):
+    """The recurrence on each row's ``window`` ``(index [n, W], valid [n, W])`` from S0
+    ``[n, Hv, Dv, Dk]``: ``(y [n, W, Hv, Dv] (0 outside the window), S [n, Hv, Dv, Dk])``."""
+    index, valid = window
+    if mask is not None:
+        valid = valid & _gather(xp, mask, index)
+    q, k, v, g, beta = (_gather(xp, x, index) for x in (q, k, v, g, beta))
+    g, beta = chunkwise.fold_mask(xp, g, beta, valid, gate)
+    y, S = chunkwise.recurrent_forward(xp, q, k, v, g, beta, S0, scale=scale, gate=gate)
+    return xp.where(valid[..., None, None], y, 0.0), S
+
+
+def _windows(xp, dense, scale, begin, end, T, C, q, k, v, g, beta, mask, S0, *, gate):
+    """Each sequence's window ``begin <= t < end`` (at most C steps) from S0 ``[N, Hv, Dv,
+    Dk]``: ``(y [N, W, Hv, Dv], S [N, Hv, Dv, Dk])``, W = C but where every window is short.
+
+    A dense call of one chunk per sequence (`_one_chunk`), except where the lengths are known
+    here (not traced) and the walk's ``scale`` is: rows of at most `SHORT_WINDOW` steps then
+    run the recurrence over their longest window alone (a decode row is one step, not a
+    padded chunk), the others a chunk each."""
+    m = xp.module
+    i32 = m.int32
+    b, e = (None, None) if scale is None else (_concrete(begin), _concrete(end))
+    if b is None or e is None:
+        return _one_chunk(xp, dense, _Plan._window(xp, begin, end, m.arange(C).astype(i32), T),
+                          q, k, v, g, beta, mask, S0)
+    short = (e - b) <= SHORT_WINDOW
+    groups = [(np.flatnonzero(short), max(int((e - b)[short].max(initial=1)), 1), True),
+              (np.flatnonzero(~short), C, False)]
+    parts = []
+    for rows, W, recurrent in groups:
+        if not rows.size:
+            continue
+        at = m.array(rows.astype(np.int32))
+        window = _Plan._window(xp, m.take(begin, at, axis=0), m.take(end, at, axis=0),
+                               m.arange(W).astype(i32)[None, :], T)
+        S0_rows = m.take(S0, at, axis=0)
+        parts.append((rows, *(_short_windows(xp, window, q, k, v, g, beta, mask, S0_rows,
+                                             scale=scale, gate=gate) if recurrent else
+                              _one_chunk(xp, dense, window, q, k, v, g, beta, mask, S0_rows))))
+    if len(parts) == 1:
+        return parts[0][1:]
+    W = max(y.shape[1] for _, y, _ in parts)
+    ys = [y if y.shape[1] == W else m.concatenate(
+        [y, xp.zeros((y.shape[0], W - y.shape[1]) + tuple(y.shape[2:]))], axis=1)
+        for _, y, _ in parts]
+    order = m.array(np.argsort(np.concatenate([rows for rows, _, _ in parts])).astype(np.int32))
+    return (m.take(m.concatenate(ys, axis=0), order, axis=0),
+            m.take(m.concatenate([S for _, _, S in parts], axis=0), order, axis=0))
 
 
 def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
@@ -128,13 +192,14 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
     Hv, Dv = v.shape[2], v.shape[3]
     plan = _Plan(xp, cu_seqlens.astype(m.int32), T, chunk_size)
     N, C = plan.N, plan.C
+    scale = getattr(walk, "scale", None)
     M = -(-T // C)
     S0 = xp.zeros((N, Hv, Dv, Dk)) if initial_state is None else initial_state
     inject = None
     if initial_state is not None:
         # free response of each S0_n over its first partial chunk (v = 0)
-        y_first, S_first = _one_chunk(xp, dense, plan.first, q, k, m.zeros_like(v), g, beta,
-                                      mask, S0)
+        y_first, S_first = _windows(xp, dense, scale, plan.starts, plan.first_end, T, C, q, k,
+                                    m.zeros_like(v), g, beta, mask, S0, gate=gate)
         # chunk j's leaving state gets S_first of the sequence holding the chunk's last step
         # when that sequence started in chunk j and goes on past its end
         j = m.arange(M).astype(m.int32)
@@ -153,13 +218,15 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
         t = m.arange(T).astype(m.int32)
         offset = t - m.take(plan.starts, plan.seq, axis=0)
         inside = t < m.take(plan.first_end, plan.seq, axis=0)
-        flat = y_first.reshape((N * C, Hv, Dv))
-        extra = m.take(flat, plan.seq * C + m.minimum(offset, C - 1), axis=0)
+        W = y_first.shape[1]
+        flat = y_first.reshape((N * W, Hv, Dv))
+        extra = m.take(flat, plan.seq * W + m.minimum(offset, W - 1), axis=0)
         y = y + xp.where(inside[None, :, None, None], extra[None], 0.0)
     if S_end is None:  # each sequence's last partial chunk, from the state entering it
         entering = m.take(S_in, plan.last_chunk, axis=0)
         start = xp.where(plan.from_state[:, None, None, None], entering, S0)
-        return y, _one_chunk(xp, dense, plan.last, q, k, v, g, beta, mask, start)[1]
+        return y, _windows(xp, dense, scale, plan.last_begin, plan.ends, T, C, q, k, v, g, beta,
+                           mask, start, gate=gate)[1]
     if initial_state is not None:  # a sequence ending in its first chunk: plus S0's response
         S_end = S_end + xp.where((plan.ends <= plan.first_end)[:, None, None, None], S_first,
                                  0.0)
@@ -206,6 +273,7 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
         Y, S_end = packed_core(*arrays, chunk, xp.where(last >= 0, last - chunk * C, -1))
         return chunkwise.from_chunks(Y, T), None, S_end.reshape((last.shape[0], Hv, Dv, Dk))
 
+    walk.scale = scale  # `gated_delta` runs short first windows' recurrence at the same scale
     return walk
 
 

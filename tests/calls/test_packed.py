@@ -221,6 +221,46 @@ def test_vmap_over_rows():
             assert _rel(grads[name][row], ref[of]) < 1e-5, name
 
 
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+def test_short_sequences_run_their_own_steps_not_a_chunk(gate, monkeypatch):
+    """A server's mixed batch (decode rows of one token, a verify window, prefill rows) on
+    MLX's portable packed path (eager: the offsets are concrete; xla's packed path is jitted,
+    its offsets traced, so every row takes a chunk there, as in test_traced_offsets_under_jit):
+    the short rows' initial-state responses (and, per-channel, their final states) run the
+    recurrence over their own steps (`gdngen.algebra.packed.SHORT_WINDOW`), the long ones a
+    chunk. Values and every gradient against the float64 reference, a sequence at a time."""
+    framework = "mlx"
+    pytest.importorskip("mlx.core")
+    offsets = np.array([0, 1, 2, 42, 43, 60, 70], np.int32)  # lengths 1, 1, 40, 1, 17, 10
+    raw = _inputs(6, N=len(offsets) - 1)
+    if gate == "vector":
+        raw["g"] = -np.random.default_rng(7).uniform(0.01, 0.5, (1, T, HV, DK))
+    windows = []
+    monkeypatch.setattr(packed, "_short_windows", _counting(windows, packed._short_windows))
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gated_delta = _gated_delta(framework)
+    arrays, cu = _f32(framework, raw), _int32(framework, offsets)
+    variant = registry.default_variant("mlx", Problem(HK, HV, DK, DV, gate=gate)).replace(
+        chunk_size=32)
+
+    def loss(*xs):
+        y, final = gated_delta(*xs, scale=DK ** -0.5, cu_seqlens=cu, variant=variant)
+        return (y ** 2).sum() + (final ** 2).sum()
+
+    y, final = gated_delta(*(arrays[n] for n in names), scale=DK ** -0.5, cu_seqlens=cu,
+                           variant=variant)
+    assert len(windows) == (2 if gate == "vector" else 1)
+    import mlx.core as mx
+
+    grads = mx.grad(loss, argnums=tuple(range(6)))(*(arrays[n] for n in names))
+    y_ref, final_ref = _forward_reference(raw, offsets)
+    assert _rel(y, y_ref) < 5e-6 and _rel(final, final_ref) < 5e-6
+    ref = reference.packed_vjp(*(raw[n] for n in names), 2 * y_ref, 2 * final_ref, offsets,
+                               scale=DK ** -0.5)
+    for name, got in zip(names, grads):
+        assert _rel(got, ref["d" + name]) < 1e-5, name
+
+
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_empty_sequence_returns_its_initial_state(framework):
     """An empty sequence's final state is its initial state exactly, wherever it sits."""
