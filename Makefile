@@ -96,11 +96,12 @@ clean:
 # `make device-wheels`: the wheels benchmarks/device/nvidia.sh installs on a lent NVIDIA machine
 # (Python 3.12, no network; jax, torch, triton, numpy, jinja2, click, rich, matplotlib, pyyaml,
 # tqdm are in its image): gdngen's missing dependencies (optuna and its own, platformdirs) and
-# fla 0.6 for the comparison, each named (--no-deps), into $(DEVICE_WHEELS), which the run tool
-# carries (docs/DEVICE.md). About 4 MiB.
+# fla-core 0.6 (fla's kernels; flash-linear-attention adds only its layers and models, which
+# `import fla` would then load with transformers) for the comparison, each named (--no-deps),
+# into $(DEVICE_WHEELS), which the run tool carries (docs/DEVICE.md). 6.5 MiB.
 DEVICE_WHEELS ?= .device-wheels
 DEVICE_PACKAGES ?= optuna==5.1.0 alembic==1.20.1 sqlalchemy==2.1.9 mako==1.4.3 \
-	colorlog==6.12.0 platformdirs==4.14.9 fla-core==0.6.0 flash-linear-attention==0.6.0
+	colorlog==6.12.0 platformdirs==4.14.9 fla-core==0.6.0
 DEVICE_PIP ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pip
 device-wheels:
 	$(DEVICE_PIP) download --no-deps --python-version 3.12 --implementation cp \

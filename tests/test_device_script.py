@@ -113,8 +113,27 @@ def test_tune_args_and_problems():
 def test_wheels_target_and_ignore():
     makefile = (ROOT / "Makefile").read_text()
     target = makefile[makefile.index("DEVICE_PACKAGES ?="):]
-    for name in ("optuna==", "sqlalchemy==", "alembic==", "platformdirs==", "fla-core==0.6",
-                 "flash-linear-attention==0.6"):
+    for name in ("optuna==", "sqlalchemy==", "alembic==", "platformdirs==", "fla-core==0.6"):
         assert name in target
     assert "--python-version 3.12" in target and "--only-binary=:all:" in target
     assert ".device-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_timing_uses_prepared_inputs(monkeypatch):
+    """``inputs=`` (the compare step draws them on the GPU) replaces `make_inputs`."""
+    from gdngen.tools import timing
+    from gdngen.variant import Problem
+
+    problem = Problem(1, 1, 16, 16, "float32")
+    inputs = timing.make_inputs(problem, 1, 3)
+
+    def drawn_again(*args, **kwargs):
+        raise AssertionError("make_inputs called despite inputs=")
+
+    def stand_in(q, k, v, g, beta, s0, *, scale, gate):
+        return v * scale, s0
+
+    monkeypatch.setattr(timing, "make_inputs", drawn_again)
+    kw = {"batch": 1, "seq_len": 3, "repeats": 1, "inputs": inputs}
+    assert timing.time_forward("jax", {"f": stand_in}, problem, **kw)["f"].median_s >= 0
+    assert timing.time_fwd_bwd("jax", {"f": stand_in}, problem, **kw)["f"].median_s >= 0

@@ -55,7 +55,7 @@ if [ "$DRY_RUN" = 1 ]; then
   : "${BOX_INSTALL:=120}" "${BOX_ENV:=120}" "${BOX_BATTERY:=420}" "${BOX_TUNE_QWEN:=420}"
   : "${BOX_TUNE_KIMI:=420}" "${BOX_COMPARE:=300}"
   : "${TRIALS_QWEN:=2}" "${TRIALS_KIMI:=2}" "${TRIAL_TIMEOUT:=240}"
-  BATTERY_ARGS=(--cases t1,short)
+  BATTERY_ARGS=(--cases t1,short --jobs 2)
   TUNE_EXTRA=(--cases t1)
   COMPARE_ARGS=(--repeats 2 --warmup 1 --dry-run)
   DRY=(--dry-run)
@@ -69,7 +69,7 @@ else
   : "${BOX_INSTALL:=20}" "${BOX_ENV:=30}" "${BOX_BATTERY:=100}" "${BOX_TUNE_QWEN:=135}"
   : "${BOX_TUNE_KIMI:=105}" "${BOX_COMPARE:=110}"
   : "${TRIALS_QWEN:=6}" "${TRIALS_KIMI:=4}" "${TRIAL_TIMEOUT:=60}"
-  BATTERY_ARGS=()
+  BATTERY_ARGS=(--jobs 6)
   TUNE_EXTRA=()
   COMPARE_ARGS=()
   DRY=()

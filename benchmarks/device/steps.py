@@ -158,51 +158,86 @@ def cmd_env(args) -> int:
 # ------------------------------------------------------------------------------ battery
 
 
-def cmd_battery(args) -> int:
+def _battery_plan(args):
+    """(variant, [(dtype, case name)]): what `gdngen validate --backend pallas_gpu` checks (the
+    default variant of its default problem, rendered for each case's shapes) at each dtype."""
     from gdngen import cases as cases_mod
-    from gdngen import registry, validate
+    from gdngen import registry
     from gdngen.variant import Problem
 
-    out = Path(args.out)
-    started = time.monotonic()
-    dtypes = args.dtypes.split(",")
-    # what `gdngen validate --backend pallas_gpu` checks: the default variant of its default
-    # problem, rendered for each case's shapes
     variant = registry.default_variant(BACKEND, Problem.parse("Hk=2,Hv=4,Dk=128,Dv=128"))
     selected = ([cases_mod.get_case(n) for n in args.cases.split(",")] if args.cases
                 else list(cases_mod.BATTERY))
     if "vector" not in registry.get(BACKEND).gates:
         selected = [c for c in selected if not c.vector_gate]
-    report = {"backend": BACKEND, "variant": variant.to_json(), "budget_s": args.budget_s,
-              "interpret": os.environ.get("GDNGEN_INTERPRET") == "1", "dtypes": {}}
-    failed = 0
-    for i, dtype in enumerate(dtypes):
-        deadline = started + args.budget_s * (i + 1) / len(dtypes)
-        rows = report["dtypes"][dtype] = []
-        for case in selected:
-            if time.monotonic() > deadline:
-                rows.append({"case": case.name, "status": "not run (time budget)"})
-                continue
-            t0 = time.monotonic()
-            try:
-                r = validate.check_case(BACKEND, case, dtype=dtype, variant=variant)
-                name, worst = r.worst
-                row = {"case": case.name, "status": "pass" if r.passed else "FAIL",
-                       "worst_quantity": name, "worst": worst, "tolerance": r.tolerance,
-                       "errors": r.errors}
-            except Exception as e:  # noqa: BLE001 - a case that cannot run is a result
-                row = {"case": case.name, "status": "ERROR",
-                       "error": f"{type(e).__name__}: {e}"[:2000]}
-                traceback.print_exc()
-            row["seconds"] = round(time.monotonic() - t0, 2)
-            failed += row["status"] in ("FAIL", "ERROR")
-            rows.append(row)
-            _write(out, report)
-            print(f"{dtype:9s} {case.name:28s} {row['status']:5s} "
-                  f"{row.get('worst', float('nan')):.2e} (tol {row.get('tolerance', 0):.0e}) "
-                  f"{row['seconds']:.1f}s", flush=True)
-    _write(out, report)
+    return variant, [(dtype, c.name) for c in selected for dtype in args.dtypes.split(",")]
+
+
+def _battery_worker(args, variant, items, out: Path) -> int:
+    """Check ``items`` in order until the budget is spent; ``out`` rewritten after each."""
+    from gdngen import validate
+
+    deadline = time.monotonic() + args.budget_s
+    rows, failed = [], 0
+    for dtype, name in items:
+        row = {"dtype": dtype, "case": name}
+        if time.monotonic() > deadline:
+            rows.append({**row, "status": "not run (time budget)"})
+            continue
+        t0 = time.monotonic()
+        try:
+            r = validate.check_case(BACKEND, name, dtype=dtype, variant=variant)
+            quantity, worst = r.worst
+            row.update(status="pass" if r.passed else "FAIL", worst_quantity=quantity,
+                       worst=worst, tolerance=r.tolerance, errors=r.errors)
+        except Exception as e:  # noqa: BLE001 - a case that cannot run is a result
+            row.update(status="ERROR", error=f"{type(e).__name__}: {e}"[:2000])
+            traceback.print_exc()
+        row["seconds"] = round(time.monotonic() - t0, 2)
+        failed += row["status"] in ("FAIL", "ERROR")
+        rows.append(row)
+        _write(out, rows)
+        print(f"{dtype:9s} {name:28s} {row['status']:5s} "
+              f"{row.get('worst', float('nan')):.2e} (tol {row.get('tolerance', 0):.0e}) "
+              f"{row['seconds']:.1f}s", flush=True)
+    _write(out, rows)
     return 1 if failed else 0
+
+
+def cmd_battery(args) -> int:
+    """The battery in ``args.jobs`` processes (the (dtype, case) items dealt round-robin:
+    compiling is one core's work per process), merged into ``args.out`` every few seconds."""
+    import subprocess
+
+    out = Path(args.out)
+    variant, items = _battery_plan(args)
+    if args.worker is not None:
+        index, jobs = (int(x) for x in args.worker.split("/"))
+        return _battery_worker(args, variant, items[index::jobs], out)
+    parts = [out.with_name(f"{out.stem}.part{i}.json") for i in range(args.jobs)]
+    argv = [sys.executable, __file__, "battery", "--dtypes", args.dtypes,
+            "--budget-s", str(args.budget_s)] + (["--cases", args.cases] if args.cases else [])
+    procs = [subprocess.Popen(argv + ["--out", str(part), "--worker", f"{i}/{args.jobs}"])
+             for i, part in enumerate(parts)]
+
+    def merge() -> None:
+        done = {}
+        for part in parts:
+            for row in _read(part) or []:
+                done[row["dtype"], row["case"]] = row
+        report = {"backend": BACKEND, "variant": variant.to_json(), "budget_s": args.budget_s,
+                  "jobs": args.jobs, "interpret": os.environ.get("GDNGEN_INTERPRET") == "1",
+                  "dtypes": {}}
+        for dtype, name in items:
+            report["dtypes"].setdefault(dtype, []).append(
+                done.get((dtype, name), {"dtype": dtype, "case": name, "status": "not run"}))
+        _write(out, report)
+
+    while any(p.poll() is None for p in procs):
+        merge()
+        time.sleep(2)
+    merge()
+    return max(p.returncode for p in procs)
 
 
 # ------------------------------------------------------------------------------ offdevice
@@ -467,14 +502,17 @@ def summarize(work: Path, out: Path) -> dict:
     tuned = results["tuned"]
     if tuned:
         lines += ["", "## Tuned entries", "",
-                  "| problem | variant | best ms | default ms | speedup | trials | worst err |",
+                  ("| problem | variant | best ms | default ms | speedup | "
+                   "trials run/failed/infeasible | worst err |"),
                   "|---|---|---|---|---|---|---|"]
         for _, e in sorted(tuned.get("entries", {}).items()):
             p = e["problem"]
             params = ", ".join(f"{k}={v}" for k, v in sorted(e["variant"]["params"].items()))
+            t = e.get("trials") or {}
             lines.append(f"| Hk={p['Hk']} Hv={p['Hv']} D={p['Dk']} {p['gate']} T={e['seq_len']}"
                          f" | {params} | {_ms(e['best_ms'])} | {_ms(e['default_ms'])} | "
-                         f"{e['speedup']:.2f} | {e.get('trials')} | "
+                         f"{e['speedup']:.2f} | {t.get('run', 0)}/{t.get('failed', 0)}/"
+                         f"{t.get('infeasible', 0)} | "
                          f"{e.get('worst_error', 0):.1e} |")
     compare = results["compare"]
     if compare:
@@ -538,6 +576,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--cases", default=None, help="comma-separated (default: the battery)")
     p.add_argument("--budget-s", type=float, default=150.0)
+    p.add_argument("--jobs", type=int, default=4, help="processes sharing the items")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # I/N: one of --jobs
     p = sub.add_parser("tune-args")
     p.add_argument("model", choices=sorted(FLA_FUNCTIONS))
     p.add_argument("--dry-run", action="store_true")
