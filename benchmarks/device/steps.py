@@ -245,6 +245,8 @@ def cmd_battery(args) -> int:
 
 def cmd_offdevice(args) -> int:
     """``gdngen ARGS`` where the device named need not be attached (dry run only)."""
+    import click
+
     from gdngen import devices
     from gdngen.tools.cli import main
 
@@ -252,7 +254,11 @@ def cmd_offdevice(args) -> int:
         print("offdevice is for dry runs (GDNGEN_INTERPRET=1)", file=sys.stderr)
         return 2
     devices.require_attached = lambda name, framework: devices.get_device(name)
-    return main(args.rest, standalone_mode=False) or 0
+    try:
+        return main(args.rest, standalone_mode=False) or 0
+    except click.ClickException as e:  # as the gdngen command would say it
+        e.show()
+        return e.exit_code
 
 
 # ------------------------------------------------------------------------------ compare
