@@ -92,3 +92,19 @@ lint: install
 clean:
 	rm -rf build dist .pytest_cache .ruff_cache *.egg-info
 	find gdngen tests benchmarks -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# `make device-wheels`: the wheels benchmarks/device/nvidia.sh installs on a lent NVIDIA machine
+# (Python 3.12, no network; jax, torch, triton, numpy, jinja2, click, rich, matplotlib, pyyaml,
+# tqdm are in its image): gdngen's missing dependencies (optuna and its own, platformdirs) and
+# fla-core 0.6 (fla's kernels; flash-linear-attention adds only its layers and models, which
+# `import fla` would then load with transformers) for the comparison, each named (--no-deps),
+# into $(DEVICE_WHEELS), which the run tool carries (docs/DEVICE.md). 6.5 MiB.
+DEVICE_WHEELS ?= .device-wheels
+DEVICE_PACKAGES ?= optuna==5.1.0 alembic==1.20.1 sqlalchemy==2.1.9 mako==1.4.3 \
+	colorlog==6.12.0 platformdirs==4.14.9 fla-core==0.6.0
+DEVICE_PIP ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pip
+device-wheels:
+	$(DEVICE_PIP) download --no-deps --python-version 3.12 --implementation cp \
+	  --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --dest $(DEVICE_WHEELS) $(DEVICE_PACKAGES)
+	@du -sh $(DEVICE_WHEELS)

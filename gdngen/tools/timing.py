@@ -144,9 +144,12 @@ def _mlx_grad_fns(fns, problem, inputs):
 
 def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq_len: int,
                  precision: str = "ieee", repeats: int = 3, warmup: int = 1,
-                 seed: int = 0, settle: bool = False) -> dict[str, Timing]:
+                 seed: int = 0, settle: bool = False, inputs: dict | None = None
+                 ) -> dict[str, Timing]:
     """Time forward+backward of each ``fns[name]`` (signature of `variant_fn`'s result) on the
     same inputs of ``problem`` at ``[batch, seq_len]``; returns ``{name: Timing}``.
+    ``inputs``: the arrays of `make_inputs` made elsewhere (e.g. drawn on the accelerator,
+    which is faster for large shapes than NumPy's generator), used instead of drawing them.
 
     ``settle``: run each callable once, untimed, right before each of its timed runs, so it does
     not pay for what the callable before it left behind (a sequential baseline's gigabytes of
@@ -154,7 +157,7 @@ def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq
     ran 3.5x slower than the one after that)."""
     builders = {"jax": _jax_grad_fns, "mlx": _mlx_grad_fns}
     return _timed(builders[framework], framework, fns, problem, batch, seq_len, precision,
-                  repeats, warmup, seed, settle)
+                  repeats, warmup, seed, settle, inputs)
 
 
 def _jax_forward_fns(fns, problem, inputs):
@@ -183,21 +186,24 @@ def _mlx_forward_fns(fns, problem, inputs):
 
 def time_forward(framework: str, fns: dict, problem: Problem, *, batch: int, seq_len: int,
                  precision: str = "ieee", repeats: int = 3, warmup: int = 1,
-                 seed: int = 0) -> dict[str, Timing]:
+                 seed: int = 0, inputs: dict | None = None) -> dict[str, Timing]:
     """Time the forward alone (no gradient: what generating text runs) of each ``fns[name]``
     with an incoming state, on the same inputs of ``problem`` at ``[batch, seq_len]``, jitted
-    for JAX, eager for MLX (as models call it); interleaved like `time_fwd_bwd`."""
+    for JAX, eager for MLX (as models call it); interleaved like `time_fwd_bwd` (``inputs``
+    likewise)."""
     builders = {"jax": _jax_forward_fns, "mlx": _mlx_forward_fns}
     return _timed(builders[framework], framework, fns, problem, batch, seq_len, precision,
-                  repeats, warmup, seed, False)
+                  repeats, warmup, seed, False, inputs)
 
 
 def _timed(build, framework, fns, problem, batch, seq_len, precision, repeats, warmup, seed,
-           settle):
+           settle, inputs=None):
     """`_interleaved` timings of the callables ``build(fns, problem, inputs)`` makes of
-    ``fns`` on one set of inputs, under the framework's matmul ``precision``."""
+    ``fns`` on one set of inputs (``inputs``, else `make_inputs`'), under the framework's
+    matmul ``precision``."""
     _check_timing(fns, repeats, warmup)
-    inputs = make_inputs(problem, batch, seq_len, seed)
+    if inputs is None:
+        inputs = make_inputs(problem, batch, seq_len, seed)
     with precision_context(framework, precision):
         calls, sync = build(fns, problem, inputs)
         return _interleaved(calls, sync, repeats, warmup, settle)

@@ -52,12 +52,15 @@ from gdngen.tools.commands.options import DTYPE_CHOICE, gate_option, pair, parse
 @click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
               help="Folder of the tuned <device>.json to write (default: the user cache dir).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--crossover/--no-crossover", default=True, show_default=True,
+              help="Measure the chosen variant's recurrent/chunkwise crossover T after the "
+                   "search (--no-crossover keeps the backend's default recurrent_below).")
 @click.option("--dry-run", is_flag=True, help="Render and validate every candidate off-device "
               "(interpret mode / simulator), without timing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
 def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framework, backends,
          trials, timeout, trial_timeout, repeats, cases, storage, workers, heartbeat,
-         heartbeat_grace, cache_dir, seed, dry_run, as_json):
+         heartbeat_grace, cache_dir, seed, crossover, dry_run, as_json):
     """Autotune variants for a device: validate each on the battery, time fwd+bwd, cache the
     best."""
     from gdngen import devices, presets
@@ -93,6 +96,7 @@ def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framewo
                                      "workers", param_hint="--workers")
         settings = tune_mod.Settings(trials=trials, timeout=timeout, trial_timeout=trial_timeout,
                                      repeats=repeats, cases=case_names, seed=seed,
+                                     crossover=crossover,
                                      heartbeat=tune_mod.Heartbeat(heartbeat, heartbeat_grace))
         if tune_mod.is_url(storage):
             tune_mod.check_storage_url(storage)
