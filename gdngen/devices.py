@@ -34,24 +34,36 @@ class Device:
     #: with libtpu) or NVIDIA GPU (one chip, "1x1x1", with jax's CUDA plugin; `gdngen.compilers`),
     #: "" for devices without one
     topology: str = ""
+    #: True where only some libtpu releases know ``topology``: asked of the installed one before
+    #: use (`gdngen.compilers.topology_missing`, `gdngen.jaxcompat.tpu_topology_missing`)
+    topology_checked: bool = False
+    #: a TPU TensorCore's matrix unit (MXU): its systolic array, rows x columns
+    mxu: tuple[int, int] | None = None
 
 
 # VMEM per TensorCore: v4 16 MiB, v5e 128 MiB, v5p 95 MiB, v6e 128 MiB (Pallas TPU docs,
 # "TPU memory spaces" / jax.experimental.pallas.tpu; Mosaic's default scoped-VMEM limit is
-# lower, 16-32 MiB, so variants are planned against `vmem_budget`).
+# lower, 16-32 MiB, so variants are planned against `vmem_budget`). TPU7x (Ironwood): two
+# TensorCores per chip, each its own jax device (Cloud TPU docs, "TPU7x (Ironwood)"), 64 MiB of
+# VMEM and two 256x256 MXUs per TensorCore (jax's TPU hardware table, TpuInfo for
+# ChipVersion.TPU_7X in jax/_src/pallas/mosaic/tpu_info.py, jax 0.10-0.12); budget 32 MiB as
+# v5e-v6e (docs/COMPILE.md, "TPU7x"). MXU: 128x128 before v6e, 256x256 from v6e (the same table).
 # Apple GPUs: 32 KiB threadgroup memory per threadgroup (Metal feature set tables, all families).
 # NVIDIA: 227 KiB shared memory per block on Hopper (H100/H200), 163 KiB on A100 (CUDA guide).
 DEVICES: dict[str, Device] = {
     d.name: d for d in (
         Device("cpu", "cpu"),
         Device("tpu-v4", "tpu", {"vmem": 16 * MiB, "vmem_budget": 16 * MiB},
-               "Pallas TPU docs", topology="v4:2x2x1"),
+               "Pallas TPU docs", topology="v4:2x2x1", mxu=(128, 128)),
         Device("tpu-v5e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB},
-               "Pallas TPU docs", topology="v5e:2x2"),
+               "Pallas TPU docs", topology="v5e:2x2", mxu=(128, 128)),
         Device("tpu-v5p", "tpu", {"vmem": 95 * MiB, "vmem_budget": 32 * MiB},
-               "Pallas TPU docs", topology="v5p:2x2x1"),
+               "Pallas TPU docs", topology="v5p:2x2x1", mxu=(128, 128)),
         Device("tpu-v6e", "tpu", {"vmem": 128 * MiB, "vmem_budget": 32 * MiB},
-               "Pallas TPU docs", topology="v6e:2x2"),
+               "Pallas TPU docs", topology="v6e:2x2", mxu=(256, 256)),
+        Device("tpu-v7x", "tpu", {"vmem": 64 * MiB, "vmem_budget": 32 * MiB},
+               "Cloud TPU7x docs; jax TpuInfo", topology="tpu7x:2x2x1", topology_checked=True,
+               mxu=(256, 256)),
         Device("a100", "gpu", {"shared_memory": 163 * KiB},
                "CUDA programming guide, compute capability 8.0", topology="1x1x1"),
         Device("h100", "gpu", {"shared_memory": 227 * KiB},
@@ -75,11 +87,12 @@ def get_device(name: str) -> Device:
 
 
 # device_kind substrings (lower case) -> registry name, first match wins. JAX reports TPUs as
-# "TPU v4", "TPU v5 lite" (v5e), "TPU v5p" / "TPU v5" (v5p), "TPU v6 lite" / "TPU v6e" (v6e);
-# NVIDIA GPUs as the marketing name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB").
+# "TPU v4", "TPU v5 lite" (v5e), "TPU v5p" / "TPU v5" (v5p), "TPU v6 lite" / "TPU v6e" (v6e),
+# "TPU7x" (Ironwood; not "TPU7", another chip); NVIDIA GPUs as the marketing name ("NVIDIA H100
+# 80GB HBM3", "NVIDIA A100-SXM4-40GB").
 _TPU_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"), ("v5", "tpu-v5p"),
               ("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("trillium", "tpu-v6e"),
-              ("v4", "tpu-v4"))
+              ("v4", "tpu-v4"), ("tpu7x", "tpu-v7x"), ("v7x", "tpu-v7x"))
 _GPU_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))
 
 
@@ -183,19 +196,34 @@ def require_attached(name: str, framework: str) -> Device:
     return device
 
 
-def format_table(detected: dict, backends: dict) -> str:
+def format_table(detected: dict, backends: dict, unavailable: dict | None = None) -> str:
     """``gdngen devices`` table: every registered device with its ``backends`` (device name ->
-    backend names), marking the ones ``detected`` (framework -> `Detected`) found attached."""
+    backend names), its compile-only topology, marking the ones ``detected`` (framework ->
+    `Detected`) found attached; ``unavailable`` (device name -> reason,
+    `gdngen.compilers.topology_missing`): the topologies that cannot be compiled for here, with
+    the reasons below the table."""
     from gdngen.tables import render_table
 
+    unavailable = unavailable or {}
     rows = []
     for dev in DEVICES.values():
         seen = [f"{fw} ({d.description})" for fw, d in detected.items() if d.name == dev.name]
-        limits = ", ".join(f"{k}={v // MiB} MiB" if v >= MiB else f"{k}={v // KiB} KiB"
-                           for k, v in dev.limits.items())
-        rows.append((dev.name, dev.kind, ", ".join(backends.get(dev.name, ())), limits or "-",
+        limits = [f"{k}={v // MiB} MiB" if v >= MiB else f"{k}={v // KiB} KiB"
+                  for k, v in dev.limits.items()]
+        if dev.mxu:
+            limits.append("mxu={}x{}".format(*dev.mxu))
+        topology = dev.topology or "-"
+        if dev.name in unavailable:
+            topology += " (unavailable)"
+        rows.append((dev.name, dev.kind, ", ".join(backends.get(dev.name, ())),
+                     ", ".join(limits) or "-", topology,
                      "* " + "; ".join(seen) if seen else "", dev.source))
     unknown = [f"{fw}: {d.description}" for fw, d in detected.items() if d.name is None]
     footer = ["attached but not registered: " + "; ".join(unknown)] if unknown else []
-    return render_table("gdngen devices", ("device", "kind", "backends", "limits", "attached",
-                                           "source"), rows, footer=footer)
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in unavailable.items():
+        by_reason.setdefault(reason, []).append(name)
+    footer += [f"no compile-only topology here for {', '.join(names)}: {reason}"
+               for reason, names in by_reason.items()]
+    return render_table("gdngen devices", ("device", "kind", "backends", "limits", "topology",
+                                           "attached", "source"), rows, footer=footer)

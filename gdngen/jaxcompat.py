@@ -18,14 +18,18 @@ is reached through the functions below, so a new jax release changes this module
   for);
 * `ffi` (``jax.ffi``; ``jax.extend.ffi`` before jax 0.4.38): the FFI_cpu backend's registration
   and calls;
+* `tpu_topology_missing`: whether the installed libtpu knows a compile-only topology (TPU7x's
+  only in some releases); `tpu_hardware`: jax's (private) table of a TPU chip's VMEM and MXU;
 * `pallas`, `pallas_tpu`: the Pallas modules gdngen's own code uses; `tpu_interpreter`: Pallas
   TPU interpret mode's module (private), whose race detector gdngen reads. The generated kernel
   sources import ``jax.experimental.pallas`` themselves (standalone modules; the same spelling
   in every supported release).
 
 `gdngen.devices` maps the TPU device kinds jax reports to the registry, and
-`gdngen.devices.Device.topology` names libtpu's compile-only topologies (the same names in the
-libtpu of every supported jax).
+`gdngen.devices.Device.topology` names libtpu's compile-only topologies: v4 to v6e the same in
+the libtpu of every supported jax; TPU7x's (``tpu7x:2x2x1``) only in some releases (libtpu
+0.0.42.1 of jax 0.10.2 and 0.0.50.1 of jax 0.12.0.1 know it), so `tpu_topology_missing` asks
+the installed libtpu (`gdngen.devices.Device.topology_checked`).
 
 Without importing jax, the process settings gdngen's commands make first (`host_settings`):
 `skip_absent_tpu` keeps jax from starting its TPU platform on a host without a TPU
@@ -48,7 +52,7 @@ __all__ = ["SUPPORTED", "UnsupportedJax", "abstract_gpu", "check_versions",
            "cuda_plugin_without_gpu", "custom_partitioning", "ffi", "get_topology_desc",
            "gpu_target", "host_settings", "libtpu_single_host", "pallas", "pallas_tpu", "release",
            "require", "result_struct", "shard_map", "skip_absent_tpu", "tpu_attached",
-           "tpu_interpreter", "typeof", "varying_axes"]
+           "tpu_hardware", "tpu_interpreter", "tpu_topology_missing", "typeof", "varying_axes"]
 
 #: the (major, minor) releases of jax and jaxlib gdngen is tested with, lowest and highest
 SUPPORTED = ((0, 10), (0, 12))
@@ -148,6 +152,41 @@ def get_topology_desc(**kwargs):
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(**kwargs)
+
+
+def tpu_hardware(device_kind: str):
+    """jax's table of a TPU TensorCore's hardware (a ``TpuInfo``: ``vmem_capacity_bytes``,
+    ``mxu_column_size``, ``num_mxus``, ...) for the chip jax reports as ``device_kind`` ("TPU
+    v5 lite", "TPU7x"), one TensorCore per device; None for a kind the table lacks. Private in
+    every supported release (``jax._src.pallas.mosaic.tpu_info``; from jax 0.12 a forward to
+    ``jax._src.tpu_info``)."""
+    require()
+    from jax._src.pallas.mosaic import tpu_info
+
+    chip = tpu_info.chip_version_from_device_kind(device_kind)
+    return None if chip is None else tpu_info.get_tpu_info_for_chip(chip, 1)
+
+
+@functools.cache
+def tpu_topology_missing(topology: str) -> str | None:
+    """Why libtpu gives no compile-only ``topology`` here (None when it does): libtpu is not
+    installed, or the installed release does not know the name (its own words). Asked by
+    building the topology, once per process and name (libtpu's start, 2-5 s on a busy 2-core
+    host, the first time). libtpu's single-host settings (`libtpu_single_host`) keep its start
+    quiet; `gdngen.compilers` sets them at import."""
+    if importlib.util.find_spec("libtpu") is None:
+        return "libtpu is not installed (pip install 'gdngen[tpu]')"
+    try:
+        get_topology_desc(topology_name=topology, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - libtpu's refusal is the answer
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        try:
+            version = _distribution_version("libtpu")
+        except Exception:  # noqa: BLE001 - a libtpu without distribution metadata
+            version = "(version unknown)"
+        return (f"the installed libtpu {version} does not know the topology {topology!r} "
+                f"({first}); jax[tpu] 0.12.0.1's libtpu 0.0.50.1 does")
+    return None
 
 
 def ffi():

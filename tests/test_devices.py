@@ -20,6 +20,8 @@ from gdngen.tools.cli import main
     ("tpu", "TPU v5p", "tpu-v5p"),
     ("tpu", "TPU v5", "tpu-v5p"),
     ("tpu", "TPU v6 lite", "tpu-v6e"),
+    ("tpu", "TPU7x", "tpu-v7x"),
+    ("tpu", "TPU7", None),
     ("tpu", "TPU v3", None),
     ("gpu", "NVIDIA A100-SXM4-40GB", "a100"),
     ("gpu", "NVIDIA H100 80GB HBM3", "h100"),
@@ -90,3 +92,16 @@ def test_devices_command_marks_the_attached_device():
     assert "* jax" in row
     for name in devices.DEVICES:
         assert name in result.output
+
+
+def test_devices_table_marks_topologies_that_cannot_be_compiled_for_here():
+    """A device whose compile-only topology is missing here (e.g. TPU7x with a libtpu that does
+    not know ``tpu7x:2x2x1``) stays listed, its topology marked unavailable and the reason below
+    the table; every TPU row shows its MXU."""
+    reason = "the installed libtpu 0.0.1 does not know the topology 'tpu7x:2x2x1' (...)"
+    table = devices.format_table({}, {}, {"tpu-v7x": reason, "tpu-v4": reason})
+    row = next(line for line in table.splitlines() if " tpu-v7x " in line)
+    assert "tpu7x:2x2x1 (unavailable)" in row and "vmem=64 MiB" in row and "mxu=256x256" in row
+    assert f"no compile-only topology here for tpu-v7x, tpu-v4: {reason}" in " ".join(
+        table.split())
+    assert "(unavailable)" not in next(line for line in table.splitlines() if " tpu-v5e " in line)

@@ -2,7 +2,9 @@
 topologies (`gdngen.compilers`), for every TPU generation gdngen knows; the footprint model
 against the compiler's VMEM; sharded and context-parallel programs over a 4-chip topology.
 
-Skips (with the reason) when libtpu is not installed (``pip install 'gdngen[tpu]'``).
+Skips (with the reason) when libtpu is not installed (``pip install 'gdngen[tpu]'``); a device's
+tests skip (with libtpu's reason) where the installed libtpu does not know its topology
+(`compilers.topology_missing`: TPU7x's ``tpu7x:2x2x1`` is known only to some releases).
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ SMALL = {"scalar": Problem(1, 2, 128, 128, "bfloat16", "scalar"),
          "vector": Problem(2, 2, 128, 128, "bfloat16", "vector")}
 
 
+def _available(device):
+    """Skip, with the reason, where no compile-only device of ``device`` can be made here."""
+    reason = compilers.topology_missing(device)
+    if reason is not None:
+        pytest.skip(f"no {device} topology here: {reason}")
+
+
 def _check_report(report, device):
     assert report.ok, report.first_error()
     assert report.compiler == "mosaic" and report.device == device
@@ -36,15 +45,18 @@ def _check_report(report, device):
 
 
 def test_every_tpu_device_has_a_topology():
-    assert set(TPUS) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"}
-    kinds = {name: compilers.target_device(name).device_kind for name in TPUS}
-    assert {devices.device_from_jax("tpu", kind) for kind in kinds.values()} == set(TPUS), kinds
+    assert set(TPUS) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v7x"}
+    known = [name for name in TPUS if compilers.topology_missing(name) is None]
+    assert set(TPUS) - set(known) <= {"tpu-v7x"}  # v4 to v6e: every supported libtpu knows them
+    kinds = {name: compilers.target_device(name).device_kind for name in known}
+    assert {devices.device_from_jax("tpu", kind) for kind in kinds.values()} == set(known), kinds
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 @pytest.mark.parametrize("device", TPUS)
 def test_default_variant_compiles_fwd_bwd(device, gate):
     """The default variant's chunk forward + backward and its recurrent forward, compiled."""
+    _available(device)
     problem = SMALL[gate]
     variant = registry.default_variant("pallas_tpu", problem, device)
     report = compilers.compile_variant(variant, problem, device, T=64,
@@ -57,13 +69,17 @@ def test_default_variant_compiles_fwd_bwd(device, gate):
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
-def test_every_program_of_a_call_compiles(gate):
+@pytest.mark.parametrize("device", ["tpu-v5e", pytest.param("tpu-v7x", marks=pytest.mark.slow)])
+def test_every_program_of_a_call_compiles(device, gate):
     """Chunk fwd+bwd, recurrent, packed row (scalar) and the fused-input build (qk_norm,
-    softplus gate; fwd+bwd and recurrent) of the default variant, for TPU v5e."""
+    softplus gate; fwd+bwd and recurrent) of the default variant, for TPU v5e and (slow: 45-85 s
+    on a busy 2-core host; `test_build_compile_records_the_compile` compiles every scalar
+    program for it) TPU7x."""
+    _available(device)
     problem = SMALL[gate]
-    variant = registry.default_variant("pallas_tpu", problem, "tpu-v5e")
-    report = compilers.compile_variant(variant, problem, "tpu-v5e", T=64)
-    _check_report(report, "tpu-v5e")
+    variant = registry.default_variant("pallas_tpu", problem, device)
+    report = compilers.compile_variant(variant, problem, device, T=64)
+    _check_report(report, device)
     expected = {"chunk_fwd_bwd", "recurrent_forward", "fused_fwd_bwd", "fused_recurrent_forward",
                 "steps_forward"}
     assert {p.name for p in report.programs} == expected | (
@@ -88,6 +104,7 @@ def test_footprint_model_admits_what_fits(device):
     model never admits a variant the compiler rejects for size."""
     from gdngen.backends.pallas import tpu as pallas_tpu
 
+    _available(device)
     problem = Problem(16, 32, 128, 128, "float32", "scalar")
     space = registry.variants("pallas_tpu", problem, device)
     budget = devices.get_device(device).limits["vmem_budget"]
@@ -98,6 +115,72 @@ def test_footprint_model_admits_what_fits(device):
                                        only=("chunk_fwd_bwd",))
     _check_report(report, device)
     assert report.vmem_used <= 1.25 * predicted, (largest, report.vmem_used, predicted)
+
+
+def test_tpu7x_topology_is_four_dual_core_chips():
+    """``tpu7x:2x2x1``: 4 TPU7x chips of two TensorCores, each TensorCore its own jax device
+    (Ironwood's dual-chiplet layout); the registry's VMEM and MXU are jax's for "TPU7x"."""
+    from gdngen import jaxcompat
+
+    _available("tpu-v7x")
+    found = compilers.topology_devices("tpu-v7x")
+    assert len(found) == 8 and {d.device_kind for d in found} == {"TPU7x"}
+    assert {d.core_on_chip for d in found} == {0, 1}
+    assert len({tuple(d.coords) for d in found}) == 4
+    assert devices.device_from_jax("tpu", "TPU7x") == "tpu-v7x"
+    device = devices.get_device("tpu-v7x")
+    hardware = jaxcompat.tpu_hardware("TPU7x")
+    assert device.limits["vmem"] == hardware.vmem_capacity_bytes == 64 * devices.MiB
+    assert device.mxu == (hardware.mxu_column_size,) * 2 == (256, 256)
+    assert device.limits["vmem_budget"] <= device.limits["vmem"]
+    for name in TPUS:  # the MXU of every generation, as jax's table has it
+        kind = {"tpu-v4": "TPU v4", "tpu-v5e": "TPU v5 lite", "tpu-v5p": "TPU v5p",
+                "tpu-v6e": "TPU v6 lite", "tpu-v7x": "TPU7x"}[name]
+        assert devices.get_device(name).mxu[1] == jaxcompat.tpu_hardware(kind).mxu_column_size
+
+
+def test_a_topology_libtpu_does_not_know_is_refused_with_its_reason():
+    """A device whose topology the installed libtpu does not know (as TPU7x's to a release
+    without it): `topology_missing` says why, in libtpu's words, and a compile for it is a
+    RuntimeError saying so, before anything is traced."""
+    import dataclasses
+
+    from gdngen import jaxcompat
+
+    reason = jaxcompat.tpu_topology_missing("tpu9z:2x2x1")
+    assert reason is not None and "does not know the topology 'tpu9z:2x2x1'" in reason
+    assert jaxcompat.tpu_topology_missing("v5e:2x2") is None
+    unknown = dataclasses.replace(devices.get_device("tpu-v7x"), topology="tpu9z:2x2x1")
+    assert compilers.topology_missing(unknown) == reason
+    with pytest.raises(RuntimeError, match="cannot compile for tpu-v7x with mosaic: .*tpu9z"):
+        compilers.target_device(unknown)
+    variant = registry.default_variant("pallas_tpu", SMALL["scalar"], "tpu-v7x")
+    with pytest.raises(RuntimeError, match="does not know the topology"):
+        compilers.compile_variant(variant, SMALL["scalar"], unknown)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+def test_tpu7x_admitted_space_compiles_every_program(gate):
+    """Every variant admitted for TPU7x (small heads of each gate kind), every program of a
+    call compiled (what ``gdngen build --compile --device tpu-v7x`` does), the chunk
+    fwd+bwd's largest kernel within the model's estimate plus the margin of its Mosaic limit, as
+    on v5e (docs/COMPILE.md, "TPU7x")."""
+    from gdngen.backends.pallas import tpu as pallas_tpu
+
+    _available("tpu-v7x")
+    problem = SMALL[gate]
+    failed, over = [], []
+    for variant in registry.variants("pallas_tpu", problem, "tpu-v7x"):
+        report = compilers.compile_variant(variant, problem, "tpu-v7x", T=128)
+        if not report.ok:
+            failed.append((variant.name(), report.first_error()))
+            continue
+        chunk = max(k["vmem_used"] for p in report.programs if p.name == "chunk_fwd_bwd"
+                    for k in p.kernels)
+        if chunk > 1.25 * pallas_tpu.vmem_bytes(variant, problem):
+            over.append((variant.name(), chunk))
+    assert not failed and not over, (failed, over)
 
 
 @pytest.mark.slow
@@ -254,25 +337,31 @@ SMALL_VARIANT = ('{"chunk_size": 64, "dv_tile": 128, "head_tile": 2, "precision"
                  '"save_states": true, "recurrent_below": 64}')
 
 
-def _build(tmp_path, *extra):
+def _build(tmp_path, *extra, device="tpu-v5e"):
     from click.testing import CliRunner
 
     from gdngen.tools.cli import main
 
     return CliRunner().invoke(main, [
         "build", "--backend", "pallas_tpu", "--problem", "Hk=1,Hv=2,Dk=128,Dv=128,dtype=bfloat16",
-        "--device", "tpu-v5e", "--compile", "--compile-seq", "64", "--no-validate",
+        "--device", device, "--compile", "--compile-seq", "64", "--no-validate",
         "--variant", SMALL_VARIANT, "--out", str(tmp_path / "out"), "--json", *extra])
 
 
-def test_build_compile_records_the_compile(tmp_path):
-    result = _build(tmp_path)
+@pytest.mark.parametrize("device, target", [("tpu-v5e", "TPU v5 lite"), ("tpu-v7x", "TPU7x")])
+def test_build_compile_records_the_compile(tmp_path, monkeypatch, device, target):
+    # with the first-use check on (a user's default): the compile traces the kernels, not the
+    # portable fallback the check of this CPU host would choose
+    monkeypatch.setenv("GDNGEN_VALIDATE", "first-use")
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
+    _available(device)
+    result = _build(tmp_path, device=device)
     assert result.exit_code == 0, result.output
     printed = json.loads(result.output[result.output.index("["):])
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     entry = manifest["variants"][0]["compile"]
     assert printed[0]["compile"] == entry
-    assert entry["compiler"] == "mosaic" and entry["target"] == "TPU v5 lite"
+    assert entry["compiler"] == "mosaic" and entry["target"] == target
     assert entry["ok"] is True and entry["error"] is None
     assert entry["code_bytes"] > 0 and entry["temp_bytes"] >= 0
     assert [p["name"] for p in entry["programs"]] == [

@@ -70,6 +70,7 @@ from gdngen.compilers.targets import (
                                         missing_reason,
                                         target_device,
                                         topology_devices,
+                                        topology_missing,
 )
 from gdngen.compilers.verdicts import check_space, check_targets, verdict_key
 
@@ -78,4 +79,4 @@ __all__ = ["COLLECTIVES", "COMPILERS", "COMPILER_PACKAGES", "CUDNN_VERSION", "DE
            "check_space", "check_targets", "collective_bytes", "compile_variant",
            "compiler_available", "compiler_of", "compiler_versions", "gpu_target_config",
            "missing_reason", "mosaic_kernels", "programs", "recurrent_length", "target_device",
-           "topology_devices", "triton_kernels", "verdict_key"]
+           "topology_devices", "topology_missing", "triton_kernels", "verdict_key"]

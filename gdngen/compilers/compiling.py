@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from gdngen import jaxcompat
+from gdngen import dispatch, jaxcompat
 from gdngen.compilers.hlo import mosaic_kernels, triton_kernels
 from gdngen.compilers.targets import PLATFORMS, _check_device, compiler_of, target_device
 from gdngen.devices import Device
@@ -195,7 +195,10 @@ def _compile_program(name: str, variant: Variant, problem: Problem, T: int, targ
     try:
         with contextlib.ExitStack() as stack:
             fn, args = _program_fn(name, variant, problem, T, SingleDeviceSharding(target))
-            with real, for_target:
+            # ungated: the first-use check (`gdngen.firstuse`) is of the attached device (this
+            # host's CPU, where the kernels run only interpreted), not of the compile's target;
+            # its failure there would trace the portable fallback, without a kernel to compile
+            with real, for_target, dispatch.ungated():
                 lowered = (jax.jit(fn).trace(*args)
                            .lower(lowering_platforms=(PLATFORMS[compiler],)))
             if compiler == "mosaic":

@@ -89,6 +89,21 @@ def _libdevice():
     return None
 
 
+def topology_missing(device: str | Device) -> str | None:
+    """Why no compile-only device of ``device`` can be made here (None when it can): its
+    compiler's `missing_reason`, or, where only some libtpu releases know its topology
+    (`Device.topology_checked`, TPU7x), the installed libtpu's refusal
+    (`jaxcompat.tpu_topology_missing`: builds the topology once per process)."""
+    device = get_device(device) if isinstance(device, str) else device
+    compiler = next((c for c, kind in COMPILERS.values() if kind == device.kind), None)
+    if compiler is None or not device.topology:
+        return f"{device.name} has no compile-only topology"
+    reason = missing_reason(compiler)
+    if reason is None and device.topology_checked:
+        reason = jaxcompat.tpu_topology_missing(device.topology)
+    return reason
+
+
 def compiler_available(compiler: str) -> bool:
     return missing_reason(compiler) is None
 
@@ -119,7 +134,7 @@ def _check_device(backend: str | None, device: str | Device) -> Device:
     if device.kind != kind or not device.topology:
         raise ValueError(f"device must be a {kind} device with a topology for {backend}'s "
                          f"{compiler} compile, got {device.name!r}")
-    reason = missing_reason(compiler)
+    reason = topology_missing(device)
     if reason:
         raise RuntimeError(f"cannot compile for {device.name} with {compiler}: {reason}")
     return device

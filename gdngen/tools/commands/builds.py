@@ -129,6 +129,6 @@ def _check_compile(backend: str, device: str | None) -> None:
     if dev.kind != kind or not dev.topology:
         raise click.BadParameter(f"{backend} compiles with {compiler} for {kind} devices, got "
                                  f"{device!r} ({dev.kind})", param_hint="--device")
-    reason = compilers.missing_reason(compiler)
+    reason = compilers.topology_missing(dev)
     if reason:
         raise click.UsageError(f"--compile for {device}: {reason}")

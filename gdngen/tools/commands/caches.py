@@ -13,20 +13,25 @@ from gdngen import registry
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the registry and detection as JSON.")
 def devices(as_json):
-    """List the registered devices, marking the attached one(s)."""
+    """List the registered devices and their compile-only topologies (those that cannot be
+    compiled for here marked, with the reason), marking the attached one(s)."""
     import dataclasses
 
+    from gdngen import compilers
     from gdngen import devices as devices_mod
 
     detected = devices_mod.detect_all()
+    unavailable = {d.name: reason for d in devices_mod.DEVICES.values() if d.topology
+                   for reason in [compilers.topology_missing(d)] if reason}
     if as_json:
         click.echo(json.dumps({
-            "devices": [dict(dataclasses.asdict(d), backends=list(registry.backends_for(d)))
+            "devices": [dict(dataclasses.asdict(d), backends=list(registry.backends_for(d)),
+                             topology_unavailable=unavailable.get(d.name))
                         for d in devices_mod.DEVICES.values()],
             "detected": {fw: dataclasses.asdict(d) for fw, d in detected.items()}}, indent=2))
     else:
         backends = {name: registry.backends_for(name) for name in devices_mod.DEVICES}
-        click.echo(devices_mod.format_table(detected, backends).rstrip("\n"))
+        click.echo(devices_mod.format_table(detected, backends, unavailable).rstrip("\n"))
 
 
 @click.command()
