@@ -20,6 +20,10 @@ pytestmark = pytest.mark.skipif(compilers.missing_reason("mosaic") is not None,
                                 reason=str(compilers.missing_reason("mosaic")))
 
 TPUS = [name for name, d in devices.DEVICES.items() if d.kind == "tpu"]
+#: the generations every compile test runs on in `make test` (v5e, the reference of the footprint
+#: model, and the newest); the others' per-channel compiles and footprint checks (~30-45 s each
+#: here) in make test-all: their scalar compiles stay, and they share v5e's VMEM budget
+EVERY_TEST = {"tpu-v5e", "tpu-v7x"}
 # small heads that still run every kernel path: a GVA group of 2 (scalar; head tile 2) and
 # Hk = Hv (per-channel, as Kimi-Linear)
 SMALL = {"scalar": Problem(1, 2, 128, 128, "bfloat16", "scalar"),
@@ -52,8 +56,9 @@ def test_every_tpu_device_has_a_topology():
     assert {devices.device_from_jax("tpu", kind) for kind in kinds.values()} == set(known), kinds
 
 
-@pytest.mark.parametrize("gate", ["scalar", "vector"])
-@pytest.mark.parametrize("device", TPUS)
+@pytest.mark.parametrize(("device", "gate"), [
+    pytest.param(d, g, marks=() if d in EVERY_TEST or g == "scalar" else pytest.mark.slow)
+    for d in TPUS for g in ("scalar", "vector")])
 def test_default_variant_compiles_fwd_bwd(device, gate):
     """The default variant's chunk forward + backward and its recurrent forward, compiled."""
     _available(device)
@@ -96,7 +101,8 @@ def test_qwen3_next_heads_compile():
     _check_report(report, "tpu-v5e")
 
 
-@pytest.mark.parametrize("device", TPUS)
+@pytest.mark.parametrize("device", [pytest.param(d, marks=() if d in EVERY_TEST else
+                                                  pytest.mark.slow) for d in TPUS])
 def test_footprint_model_admits_what_fits(device):
     """The variant the footprint model admits with the largest estimate (closest to the
     device's VMEM budget) compiles for the device, and the VMEM the compiler used is within
