@@ -23,13 +23,13 @@ qwen3 = pytest.importorskip(
     reason="MaxText is not importable here (it needs Python >= 3.12: pip install "
            "'gdngen[maxtext]')")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-from gdngen.algebra import reference  # noqa: E402
-from gdngen.integrations import maxtext as integration  # noqa: E402
-from gdngen.integrations.maxtext import rule  # noqa: E402
+from gdngen.algebra import reference
+from gdngen.integrations import maxtext as integration
+from gdngen.integrations.maxtext import rule
 
 ORIGINAL = qwen3.jax_chunk_gated_delta_rule
 F32_RTOL, BF16_RTOL = 1e-4, 1e-1
@@ -47,13 +47,14 @@ def config(dtype="float32", **overrides):
     from maxtext.configs import pyconfig
     from maxtext.utils.globals import MAXTEXT_PKG_DIR
 
-    settings = dict(run_name="gdngen_maxtext_test", dtype=dtype, weight_dtype="float32",
-                    matmul_precision="highest", decoder_block="qwen3_next", base_emb_dim=64,
-                    base_num_query_heads=4, base_num_kv_heads=4, head_dim=16,
-                    gdn_num_value_heads=4, gdn_num_key_heads=2, gdn_key_head_dim=16,
-                    gdn_value_head_dim=32, gdn_conv_kernel_dim=4, gdn_chunk_size=64,
-                    use_qk_norm_in_gdn=True, normalization_layer_epsilon=1e-6,
-                    skip_jax_distributed_system=True, enable_checkpointing=False)
+    settings = {"run_name": "gdngen_maxtext_test", "dtype": dtype, "weight_dtype": "float32",
+                "matmul_precision": "highest", "decoder_block": "qwen3_next",
+                "base_emb_dim": 64, "base_num_query_heads": 4, "base_num_kv_heads": 4,
+                "head_dim": 16, "gdn_num_value_heads": 4, "gdn_num_key_heads": 2,
+                "gdn_key_head_dim": 16, "gdn_value_head_dim": 32, "gdn_conv_kernel_dim": 4,
+                "gdn_chunk_size": 64, "use_qk_norm_in_gdn": True,
+                "normalization_layer_epsilon": 1e-6, "skip_jax_distributed_system": True,
+                "enable_checkpointing": False}
     settings.update(overrides)
     return pyconfig.initialize([None, os.path.join(MAXTEXT_PKG_DIR, "configs", "base.yml"),
                                 *(f"{k}={v}" for k, v in settings.items())])
@@ -168,8 +169,8 @@ def strong_decay_inputs(seed=0, Bn=1, Tn=256, H=4, Dk=32, Dv=32):
 def float64_reference(q, k, v, g, beta, h0):
     """MaxText's computation in float64: l2-normalised q, k, scale Dk**-0.5, [B,H,Dk,Dv] state."""
     qn, kn = (reference.l2_normalize(np.asarray(x, np.float64))[0] for x in (q, k))
-    y, final = reference.forward(qn, kn, v, g, beta, np.swapaxes(np.asarray(h0, np.float64), -1, -2),
-                                 scale=q.shape[-1] ** -0.5)
+    state = np.swapaxes(np.asarray(h0, np.float64), -1, -2)
+    y, final = reference.forward(qn, kn, v, g, beta, state, scale=q.shape[-1] ** -0.5)
     return y, np.swapaxes(final, -1, -2)
 
 
@@ -250,7 +251,7 @@ def sharded(form):
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     tests = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run([sys.executable, "-c", SHARDED, form, tests], env=env,
+    done = subprocess.run([sys.executable, "-c", SHARDED, form, tests], check=False, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     import json

@@ -56,7 +56,8 @@ def _check_signature(fn) -> None:
 
 def _maxtext_modules() -> list[ModuleType]:
     return [module for name, module in sorted(sys.modules.items())
-            if isinstance(module, ModuleType) and (name == "maxtext" or name.startswith("maxtext."))]
+            if isinstance(module, ModuleType)
+            and (name == "maxtext" or name.startswith("maxtext."))]
 
 
 def patch(*, chunk_size: int | None = None, device: str | None = None,
