@@ -15,7 +15,8 @@ so that the bfloat16 rows measure the computation, not the inputs' rounding) aga
 gradient, MaxText's own function beside the patched one, at compute_dtype float32 and bfloat16.
 
 Run from the repo root in a Python >= 3.12 environment with ``gdngen[maxtext]``:
-``python benchmarks/bench_maxtext.py [--seq 2048] [--emb 512] [--repeats 3] [--acc-seq 512]``.
+``python benchmarks/bench_maxtext.py [--seq 2048] [--emb 512] [--hk 16 --hv 32 --d 128]
+[--dtypes float32,bfloat16] [--repeats 3] [--acc-seq 512] [--no-layer] [--skip-accuracy]``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def time_layer(args, dtype):
     rows = []
     cfg = config(args, dtype)
     x = jax.random.normal(jax.random.key(1), (1, args.seq, cfg.emb_dim)).astype(dtype)
-    for patched in (False, True):
+    for patched in () if args.no_layer else (False, True):
         mesh, params, step = layer_step(cfg)
         with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
             if patched:
@@ -169,6 +170,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--acc-seq", type=int, default=512)
     parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--no-layer", action="store_true", help="time the recurrence only")
+    parser.add_argument("--skip-accuracy", action="store_true")
     args = parser.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"jax {jax.__version__}, device {jax.devices()[0].device_kind}")
@@ -181,6 +184,8 @@ def main():
             for what, dt, patched, med, lo, hi in time_layer(args, dtype):
                 path = "gdngen (patched)" if patched else "MaxText"
                 print(f"| {what} | {dt} | {path} | {med:.3f} | {lo:.3f}..{hi:.3f} |", flush=True)
+    if args.skip_accuracy:
+        return
     print(f"\nstrong decay (log g in [-12, -2]), B=1, T={args.acc_seq}, H=4, D=128: relative L2 "
           "error against float64\n")
     names = ("y", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")

@@ -16,7 +16,8 @@ MaxText's conventions (``maxtext.models.qwen3``, 0.2.5), mapped exactly:
 - q, k, v and beta are cast to ``compute_dtype`` first (MaxText's memory saving, so gdngen sees
   the same rounded inputs), but unlike MaxText's bfloat16 path, which rounds the scaled q, the
   WY factors and the chunk outputs to bfloat16 between float32 matmuls, gdngen accumulates and
-  keeps every intermediate in float32; ``y`` is returned in the query's incoming dtype;
+  keeps every intermediate in float32; ``y`` (gdngen's, in ``compute_dtype``) is returned cast
+  to the query's incoming dtype (in the layer the query already arrives in ``compute_dtype``);
 - ``cp_axis`` (inside MaxText's ``shard_map``: the mesh axis, or a one-name tuple, that splits
   the sequence) becomes gdngen's ``context_axis``;
 - ``chunk_size`` (MaxText's ``gdn_chunk_size``) is a choice of MaxText's implementation, not of
