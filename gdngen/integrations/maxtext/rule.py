@@ -92,6 +92,13 @@ def gdngen_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, ini
         compute_dtype = jnp.bfloat16
     if active is None or not takes(query, key, value, g, beta, initial_state, cp_axis):
         original = active.original if active is not None else _ORIGINAL
+        if original is None:  # never patched: MaxText's function is still in its module
+            from maxtext.models import qwen3
+
+            original = qwen3.jax_chunk_gated_delta_rule
+            if original is gdngen_chunk_gated_delta_rule:
+                raise RuntimeError("maxtext.models.qwen3.jax_chunk_gated_delta_rule was replaced "
+                                   "by hand before any patch(); MaxText's original is unknown")
         return original(query, key, value, g, beta, chunk_size=chunk_size,
                         initial_state=initial_state, use_qk_norm_in_gdn=use_qk_norm_in_gdn,
                         cp_axis=cp_axis, compute_dtype=compute_dtype)
