@@ -56,7 +56,8 @@ LATEST_BIN := $(LATEST_VENV)/bin
 LATEST_STAMP := $(LATEST_VENV)/.installed
 LATEST_TESTS ?= tests/calls/test_conformance.py tests/calls/test_sharding.py \
 	tests/test_real_compile_tpu.py tests/test_mlx_lm_integration.py tests/test_mlx_lm_kda.py \
-	tests/test_mlx_lm_speculative.py tests/test_jaxcompat.py
+	tests/test_mlx_lm_speculative.py tests/test_jaxcompat.py \
+	tests/test_maxtext_integration.py
 find_python312 = { python3.12 -c '' >/dev/null 2>&1 && command -v python3.12; } || \
 	{ root=$$(pyenv root 2>/dev/null) && \
 	  ls -d "$$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; }
