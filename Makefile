@@ -66,7 +66,7 @@ $(LATEST_STAMP): pyproject.toml setup.py
 	@py=$$($(find_python312)); \
 	if [ -z "$$py" ]; then echo "make test-jax-latest: no Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 3; fi; \
 	test -x $(LATEST_BIN)/python || "$$py" -m venv $(LATEST_VENV)
-	$(LATEST_BIN)/python -m pip install -e '.[jax,mlx,dev,tpu]' 'jax[tpu]==$(JAX_LATEST)'
+	$(LATEST_BIN)/python -m pip install -e '.[jax,mlx,dev,tpu,maxtext]' 'jax[tpu]==$(JAX_LATEST)'
 	touch $@
 
 test-jax-latest:
