@@ -29,7 +29,9 @@ the recurrence in its state:
 
 The one-chunk calls are the validated dense chunk path itself (masked beyond each sequence), so
 their gradients and numerics are those of the dense path. Extra work: a chunk per sequence with
-initial states (and one more for per-channel final states) next to the row's T / C.
+initial states (and one more for per-channel final states) next to the row's T / C. Where the
+offsets are concrete (not traced: MLX's eager calls), a window of at most `SHORT_WINDOW` steps
+(a decode row, a verify window) runs the recurrence over its own steps instead of a chunk.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def _windows(xp, dense, scale, begin, end, T, C, q, k, v, g, beta, mask, S0, *, 
         return _one_chunk(xp, dense, _Plan._window(xp, begin, end, m.arange(C).astype(i32), T),
                           q, k, v, g, beta, mask, S0)
     short = (e - b) <= SHORT_WINDOW
-    groups = [(np.flatnonzero(short), max(int((e - b)[short].max(initial=1)), 1), True),
+    groups = [(np.flatnonzero(short), int((e - b)[short].max(initial=1)), True),
               (np.flatnonzero(~short), C, False)]
     parts = []
     for rows, W, recurrent in groups:
