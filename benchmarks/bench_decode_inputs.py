@@ -10,7 +10,7 @@ Both callables get the same raw arrays: q, k un-normalised, ``a`` the gate proje
   dt_bias=)``: where the chosen backend's kernels compute the norm and the gate in their loads
   (`gdngen.backends.kernel_inputs`), no normalised q, k and no log gate exist as arrays;
 * ``outside``: q, k normalised and the log gate computed by the caller
-  (`gdngen.algebra.layer_inputs.normalize_qk`, `gdngen.algebra.layer_inputs.log_gate`), then the
+  (`gdngen.prepare.normalize_qk`, `gdngen.algebra.layer_inputs.log_gate`), then the
   plain call.
 
 JAX: each jitted whole; MLX: eager, as a model calls it. The plain ``gdngen.<framework>.
@@ -30,6 +30,8 @@ import argparse
 import json
 import os
 import sys
+
+from gdngen import prepare
 
 
 def make_inputs(B, T, Hk, Hv, D, vector, seed=0):
@@ -57,14 +59,14 @@ def callables(framework, D, variant):
         from gdngen.jax import gated_delta
     else:
         from gdngen.mlx import gated_delta
-    xp = layer_inputs.namespace(framework)
+    xp = prepare.namespace(framework)
 
     def fused(q, k, v, a, beta, A_log, dt_bias, state):
         return gated_delta(q, k, v, a, beta, state, scale=D ** -0.5, qk_norm=True,
                            gate="softplus", A_log=A_log, dt_bias=dt_bias, variant=variant)
 
     def outside(q, k, v, a, beta, A_log, dt_bias, state):
-        qn, kn = layer_inputs.normalize_qk(framework, q, k)
+        qn, kn = prepare.normalize_qk(framework, q, k)
         if a.ndim == 4:  # per channel: the parameters broadcast over [Hv, Dk]
             A_log, dt_bias = (x.reshape(x.shape[0], -1) for x in (A_log, dt_bias))
         log_g = layer_inputs.log_gate(xp, a, A_log, dt_bias)

@@ -3,7 +3,7 @@ chunk core (`BackendSpec.fused_inputs`) against the same call with that input co
 it (autodiff through it), both at once on the same inputs: peak memory and time. ``--inputs``:
 
 * ``qk_norm``: ``gated_delta(..., qk_norm=True)`` (raw q, k) against q, k normalised before
-  the call (`gdngen.algebra.layer_inputs.normalize_qk`);
+  the call (`gdngen.prepare.normalize_qk`);
 * ``gate``: ``gated_delta(..., gate="softplus", A_log=, dt_bias=)`` (g the raw projection a)
   against the log gate computed before the call (`gdngen.algebra.layer_inputs.log_gate`);
   per-channel gates with Kimi Linear's parameter shapes (A_log ``[Hv, 1]``, dt_bias ``[Hv, Dk]``).
@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+from gdngen import prepare
 
 #: the differentiated arrays of each ``--inputs`` kind, in the order the losses take them
 ARGUMENTS = {"qk_norm": ("q", "k", "v", "g", "beta"),
@@ -82,7 +84,7 @@ def losses(framework, dy, D, kind="qk_norm"):
                                      A_log=A_log, dt_bias=dt_bias))
 
         def outside(q, k, v, a, beta, A_log, dt_bias):
-            log_g = layer_inputs.log_gate(layer_inputs.namespace(framework), a, A_log, dt_bias)
+            log_g = layer_inputs.log_gate(prepare.namespace(framework), a, A_log, dt_bias)
             return loss(*gated_delta(q, k, v, log_g, beta, scale=D ** -0.5))
 
         return {"fused": fused, "outside": outside}
@@ -91,7 +93,7 @@ def losses(framework, dy, D, kind="qk_norm"):
         return loss(*gated_delta(q, k, v, g, beta, scale=D ** -0.5, qk_norm=True))
 
     def outside(q, k, v, g, beta):
-        qn, kn = layer_inputs.normalize_qk(framework, q, k)
+        qn, kn = prepare.normalize_qk(framework, q, k)
         return loss(*gated_delta(qn, kn, v, g, beta, scale=D ** -0.5))
 
     return {"fused": fused, "outside": outside}

@@ -31,6 +31,8 @@ import os
 
 import numpy as np
 
+from gdngen import prepare
+
 ARGS = ("mixed_qkv", "conv_weight", "a", "b", "z", "A_log", "dt_bias", "norm_weight")
 
 
@@ -47,7 +49,6 @@ def make_inputs(T, Hk, Hv, D, K=4, seed=0):
 
 def losses(framework, dout, Hk, Hv, D):
     """``{"mixer", "unfused"}``: the loss of each over ``ARGS``."""
-    from gdngen.algebra import layer_inputs
     from gdngen.algebra import mixer as stages
 
     dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
@@ -100,7 +101,7 @@ def losses(framework, dout, Hk, Hv, D):
                            A_log=A_log, dt_bias=dt_bias, beta_activation="sigmoid")
         return loss(norm(y, z, nw), s)
 
-    xp = layer_inputs.namespace(framework)
+    xp = prepare.namespace(framework)
 
     def shift_conv(x, w):  # the mixer's own conv (shifted multiply-adds), no rematerialisation
         return stages.conv_dense(xp, x, w, None)[0]

@@ -22,7 +22,7 @@ A backend (one per execution target; `gdngen.registry.BACKENDS` lists them) is a
   ``packed(call, operands, variant)``.
 
 `run` is the one path from a checked `gdngen.call.Call` to those hooks: the layer inputs the
-backend does not fuse are computed first (`gdngen.algebra.layer_inputs.computed`), a packed row goes
+backend does not fuse are computed first (`gdngen.prepare.computed`), a packed row goes
 to `packed` or the framework's portable packed path. Nothing re-checks the call.
 `BackendSpec` is the same declaration made from plain functions (plugins, tests).
 """
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import functools
 
+from gdngen import prepare
+from gdngen.config import VECTOR_CHUNK
 from gdngen.devices import Device, get_device
 from gdngen.problem import FLOAT_DTYPES
 from gdngen.variant import Problem, Variant
@@ -56,11 +58,11 @@ class Backend:
     fused_inputs: tuple = ()
     packed_gates: tuple = ()
     #: gate kinds whose per-step states (``return_states="steps"``) its recurrent kernels write
-    #: (the ``steps`` hook); the others run `gdngen.algebra.states.run_steps_portable`
+    #: (the ``steps`` hook); the others run `gdngen.backends.fallback.steps`
     step_states: tuple = ()
     #: gate kinds whose chunk forward kernel gives the chunk-boundary states
     #: (``return_states="chunks"``, the ``chunks`` hook); the others run
-    #: `gdngen.algebra.states.run_chunks_portable`
+    #: `gdngen.backends.fallback.chunks`
     chunk_states: tuple = ()
     #: optional hooks (None: the backend has none): ``render_plan(variant, problem)``,
     #: ``lower_check(variant, problem)``, ``clear_cache()``, ``footprint(variant, problem)``
@@ -176,6 +178,31 @@ class Backend:
         """Whether packed rows of this gate kind run in this backend's own kernels."""
         return ("vector" if vector_gate else "scalar") in self.packed_gates
 
+    def packed_params(self, variant: Variant, vector_gate: bool) -> dict:
+        """Chunk params of the portable path (`gdngen.backends.fallback`) a call of ``variant``
+        runs on when this backend has no kernels for it: its chunk size (scalar gates) or the
+        chunk its per-channel gradients run (`gdngen.config.VECTOR_CHUNK`)."""
+        if vector_gate:
+            return {"chunk_size": VECTOR_CHUNK}
+        return {"chunk_size": int(variant.get("chunk_size", 64))}
+
+    def describe_packed(self, variant: Variant, vector_gate: bool, sequences: int) -> str:
+        """What a packed call of ``variant`` runs (`gdngen.dispatch.Choice.for_length`)."""
+        if self.native_packed(vector_gate):
+            where = f"the {self.name} chunk kernels" + ("" if self.portable else
+                                                        " (their packed build)")
+            chunk = variant.get("chunk_size")
+        else:
+            from gdngen.backends.fallback import PORTABLE_OPS
+
+            module = PORTABLE_OPS[self.framework].rsplit(".", 1)[1]
+            where = (f"the portable {module} chunk path (no packed {self.name} kernels for "
+                     "these gates yet)")
+            chunk = self.packed_params(variant, vector_gate)["chunk_size"]
+        return (f"packed row of {sequences} sequences: {where} at chunk_size={chunk}, resets at "
+                "each start, initial states injected, final states from each sequence's last "
+                "chunk (recurrent_below does not apply; the dense shape class's entry)")
+
     # ------------------------------------------------------------------ configs
 
     def parse(self, variant: Variant):
@@ -206,30 +233,27 @@ class Backend:
         """Run ``variant`` on a `gdngen.call.Call` checked for this backend (`gdngen.entry.bind`
         or `checked_args`) and its `gdngen.call.Operands`
         (beta activated, a parameterised gate's parameters laid out:
-        `gdngen.algebra.layer_inputs.prepared`); returns ``(y, final_state)``. The layer inputs this
+        `gdngen.prepare.prepared`); returns ``(y, final_state)``. The layer inputs this
         backend does not take raw (`fused_inputs`; a packed row: none) are computed first.
         ``options``: keywords of this backend's hooks (e.g. ``templates_dir``)."""
-        from gdngen.algebra import layer_inputs, packed
+        from gdngen.backends import fallback
 
         if call.return_states != "final":
-            from gdngen.algebra import states
-
-            call, operands = layer_inputs.computed(call, operands)
+            call, operands = prepare.computed(call, operands)
             if call.return_states == "chunks":
                 if call.problem.gate in self.chunk_states:
                     return self.chunks(call, operands, variant, **options)
-                return states.run_chunks_portable(
-                    call, operands, packed.chunk_params(self, variant, call.vector_gate))
+                return fallback.chunks(call, operands,
+                                       self.packed_params(variant, call.vector_gate))
             if call.problem.gate in self.step_states:
                 return self.steps(call, operands, variant, **options)
-            return states.run_steps_portable(call, operands)
+            return fallback.steps(call, operands)
         if call.packed:
-            call, operands = layer_inputs.computed(call, operands)
+            call, operands = prepare.computed(call, operands)
             if self.native_packed(call.vector_gate):
                 return self.packed(call, operands, variant, **options)
-            return packed.run_portable(call, operands, packed.chunk_params(self, variant,
-                                                                           call.vector_gate))
-        call, operands = layer_inputs.computed(call, operands, self.fused_inputs)
+            return fallback.packed(call, operands, self.packed_params(variant, call.vector_gate))
+        call, operands = prepare.computed(call, operands, self.fused_inputs)
         return self.forward(call, operands, variant, **options)
 
     def run_packed_kernels(self, call, operands, variant: Variant, **options):

@@ -9,11 +9,15 @@ state storage, variant) and remembers the result; a backend's own entry point ru
 `gdngen.backend.Backend`) takes the `Call` and re-checks nothing. A `Call` holds no arrays, so
 it is hashable and a stage may key its caches on it.
 
+Names: ``Call.shape.vector_gate`` / ``Problem.gate`` is the gate kind (scalar or per-channel),
+``Call.decay`` the decay form ("log" / "linear"), ``Call.gate_form`` the gate's
+parameterisation; the public ``gate=`` argument takes a decay form or a parameterisation.
+
 The gate's parameterisation is a field (``gate_form`` "softplus" / "sigmoid_bound" with
 ``lower_bound``), and its parameters ``A_log`` and ``dt_bias`` are operands of their own. The
 chunk cores of the backends take a parameterised gate as the tuple ``(a, A_log, dt_bias)``
-with a `gdngen.algebra.chunkwise.ParameterGate` as their ``gate`` (`Operands.kernel_gates`,
-`Call.kernel_gate`): that is an operand layout of the cores, not of the call.
+with a `gdngen.algebra.layer_inputs.ParameterGate` as their ``gate`` (`Operands.kernel_gates`,
+`Call.core_gate`): that is an operand layout of the cores, not of the call.
 """
 
 from __future__ import annotations
@@ -22,10 +26,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gdngen.algebra import chunkwise
-from gdngen.problem import CallShape, check_call, check_framework, dtype_name
+from gdngen.algebra import layer_inputs
+from gdngen.problem import (
+    FLOAT_DTYPES,
+    GATES,
+    CallShape,
+    check_call,
+    check_framework,
+    dtype_name,
+)
 
-__all__ = ["Call", "Operands", "check", "of_kernel_args"]
+__all__ = ["BETA_ACTIVATIONS", "LAYER_GATES", "PARAMETER_GATES", "Call", "LayerInputs", "Operands",
+           "check", "check_options", "check_parameters", "of_kernel_args"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,7 @@ class Call:
 
     * ``framework``: "jax" | "mlx"; ``shape``: the `gdngen.problem.CallShape` (B, T, heads,
       head dims, gate kind, packed sequences); ``dtype``: q's dtype name.
-    * ``gate``: the convention of ``g`` as the recurrence reads it, "log" or "linear" ("log"
+    * ``decay``: the decay form of ``g`` as the recurrence reads it, "log" or "linear" ("log"
       for a parameterised gate); ``gate_form``: None, or "softplus" / "sigmoid_bound" when
       ``g`` is the raw projection ``a`` and the operands carry ``A_log``, ``dt_bias``
       (``lower_bound`` for "sigmoid_bound").
@@ -49,7 +61,7 @@ class Call:
     framework: str
     shape: CallShape
     dtype: str
-    gate: str = "log"
+    decay: str = "log"
     gate_form: str | None = None
     lower_bound: float | None = None
     qk_norm: bool = False
@@ -78,12 +90,12 @@ class Call:
         return self.shape.vector_gate
 
     @property
-    def kernel_gate(self):
-        """The ``gate`` of the chunk cores: a `gdngen.algebra.chunkwise.ParameterGate` for a
-        parameterised gate (its gates then `Operands.kernel_gates`' tuple), else `gate`."""
+    def core_gate(self):
+        """The ``gate`` argument of the chunk cores: a `gdngen.algebra.layer_inputs.ParameterGate`
+        for a parameterised gate (its gates then `Operands.kernel_gates`' tuple), else `decay`."""
         if self.gate_form is None:
-            return self.gate
-        return chunkwise.ParameterGate(self.lower_bound)
+            return self.decay
+        return layer_inputs.ParameterGate(self.lower_bound)
 
     def replace(self, **changes) -> Call:
         return dataclasses.replace(self, **changes)
@@ -125,7 +137,7 @@ class Operands(NamedTuple):
 
     def kernel_gates(self):
         """``g`` as the chunk cores take it: ``(a, A_log, dt_bias)`` when the gate has
-        parameters (`Call.kernel_gate`), else ``g``."""
+        parameters (`Call.core_gate`), else ``g``."""
         if self.A_log is None:
             return self.g
         return (self.g, self.A_log, self.dt_bias)
@@ -138,24 +150,22 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     """Check one call's arrays and options (as `gdngen.jax.gated_delta`; ``initial_state``
     float states ``[B|N,Hv,Dv,Dk]``, not a pool); return its `Call` and `Operands`. ValueErrors
     name the argument and what was expected (the checks of
-    `gdngen.algebra.layer_inputs.check_options`, then `gdngen.problem.check_call`, then the
+    `check_options`, then `gdngen.problem.check_call`, then the
     gate's parameters). Only shapes and Python values are read (``cu_seqlens``' values when
     concrete), so it runs under ``jax.jit`` and ``mx.compile``. Nothing is remembered here
     (`gdngen.entry.bind` remembers)."""
-    from gdngen.algebra import layer_inputs
-
     operands = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, cu_seqlens)
     check_framework(framework)
     _check_return_states(return_states, checkpoint_every, cu_seqlens, context_axis)
-    options = layer_inputs.check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
+    options = check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
                                          dt_bias=dt_bias, lower_bound=lower_bound,
                                          beta_activation=beta_activation)
     shape = check_call(q, k, v, g, beta, initial_state, mask, gate=options.call_gate,
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
-    options = layer_inputs.check_parameters(options, shape, g, A_log, dt_bias)
+    options = check_parameters(options, shape, g, A_log, dt_bias)
     found = Call(framework, shape, dtype_name(q), options.call_gate,
-                 options.gate if options.gate in layer_inputs.PARAMETER_GATES else None,
+                 options.gate if options.gate in PARAMETER_GATES else None,
                  options.lower_bound, qk_norm, beta_activation, float(scale), chunk_size,
                  context_axis, return_states, checkpoint_every)
     return found, operands
@@ -187,10 +197,11 @@ def of_kernel_args(framework: str, q, k, v, g, beta, initial_state=None, mask=No
                    ) -> tuple[Call, Operands]:
     """`check` of a backend entry point's arguments (``gdngen.backends.<name>.gated_delta``),
     whose parameterised gate comes in the cores' layout: ``gate`` a
-    `gdngen.algebra.chunkwise.ParameterGate` with ``g = (a, A_log, dt_bias)``, the parameters
-    already broadcast against ``a`` (`gdngen.algebra.chunkwise.parameter_layout`); ``qk_norm``: q, k
+    `gdngen.algebra.layer_inputs.ParameterGate` with ``g = (a, A_log, dt_bias)``, the parameters
+    already broadcast against ``a`` (`gdngen.algebra.layer_inputs.parameter_layout`); ``qk_norm``:
+    q, k
     raw."""
-    if not isinstance(gate, chunkwise.ParameterGate):
+    if not isinstance(gate, layer_inputs.ParameterGate):
         return check(framework, q, k, v, g, beta, initial_state, mask, scale=scale, gate=gate,
                      qk_norm=qk_norm, cu_seqlens=cu_seqlens)
     a, A_log, dt_bias = g
@@ -200,3 +211,100 @@ def of_kernel_args(framework: str, q, k, v, g, beta, initial_state=None, mask=No
     call = Call(framework, shape, dtype_name(q), "log", form, gate.lower_bound, qk_norm, None,
                 float(scale))
     return call, Operands(q, k, v, a, beta, initial_state, mask, A_log, dt_bias, cu_seqlens)
+
+
+# --------------------------------------------------------------------------- layer-input options
+
+
+#: gates given by their parameters (``g`` is the raw projection, plus A_log and dt_bias)
+PARAMETER_GATES = ("softplus", "sigmoid_bound")
+#: every value the ``gate`` argument of ``gated_delta`` takes
+LAYER_GATES = GATES + PARAMETER_GATES
+BETA_ACTIVATIONS = (None, "sigmoid")
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """The checked layer-input options of one call (`check_options`, `check_parameters`).
+
+    ``gate`` is the caller's gate; ``vector_gate`` whether ``g`` is ``[B,T,Hv,Dk]``.
+    """
+
+    qk_norm: bool
+    gate: str
+    lower_bound: float | None
+    beta_activation: str | None
+    vector_gate: bool
+
+    @property
+    def call_gate(self) -> str:
+        """The gate the backends receive: "log" for a parameterised gate, else the caller's."""
+        return "log" if self.gate in PARAMETER_GATES else self.gate
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether the inputs pass through unchanged (no norm, no parameters, no activation)."""
+        return (not self.qk_norm and self.gate not in PARAMETER_GATES
+                and self.beta_activation is None)
+
+
+def _parameter_shapes(Hv: int, Dk: int, vector_gate: bool) -> tuple[tuple[int, ...], ...]:
+    """Accepted shapes of A_log and dt_bias: ``(Hv,)`` per head; per channel also ``(Hv, 1)``
+    and ``(Hv, Dk)``."""
+    return ((Hv,), (Hv, 1), (Hv, Dk)) if vector_gate else ((Hv,),)
+
+
+def _listed(shapes) -> str:
+    names = [str(tuple(s)) for s in shapes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check_options(*, gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_bound=None,
+                  beta_activation=None) -> LayerInputs:
+    """The Python-value checks of the layer-input options (gate name, qk_norm, beta
+    activation, which of A_log / dt_bias / lower_bound the gate takes, lower_bound's value);
+    ``vector_gate`` is not known yet (`check_parameters` sets it)."""
+    if gate not in LAYER_GATES:
+        raise ValueError(f"gate must be one of {LAYER_GATES}, got {gate!r}")
+    if not isinstance(qk_norm, bool):
+        raise ValueError(f"qk_norm must be a bool, got {qk_norm!r}")  # noqa: TRY004 - options: ValueError
+    if beta_activation not in BETA_ACTIVATIONS:
+        raise ValueError(f"beta_activation must be None or 'sigmoid', got {beta_activation!r}")
+    if gate not in PARAMETER_GATES:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if value is not None:
+                raise ValueError(f"{name} is only for gate='softplus' or gate='sigmoid_bound' "
+                                 f"(g is then the raw gate projection); got gate={gate!r}")
+    if gate != "sigmoid_bound" and lower_bound is not None:
+        raise ValueError(f"lower_bound is only for gate='sigmoid_bound', got gate={gate!r}")
+    if gate in PARAMETER_GATES and (A_log is None or dt_bias is None):
+        missing = " and ".join(n for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is None)
+        raise ValueError(f"gate={gate!r} needs A_log and dt_bias ({missing} not given)")
+    if gate == "sigmoid_bound":
+        if lower_bound is None:
+            raise ValueError("gate='sigmoid_bound' needs lower_bound (a negative float)")
+        if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
+            raise ValueError(f"lower_bound must be a Python float, got "
+                             f"{type(lower_bound).__name__}")
+        if not -float("inf") < lower_bound < 0:
+            raise ValueError(f"lower_bound must be < 0 (and finite), got {lower_bound!r}")
+        lower_bound = float(lower_bound)
+    return LayerInputs(qk_norm, gate, lower_bound, beta_activation, vector_gate=False)
+
+
+def check_parameters(options: LayerInputs, shape, g, A_log, dt_bias) -> LayerInputs:
+    """``options`` of a call whose arrays passed `gdngen.problem.check_call` (its
+    `gdngen.problem.CallShape` ``shape``), with the gate's parameters checked: A_log and
+    dt_bias ``[Hv]`` (per channel also ``[Hv, 1]``, ``[Hv, Dk]``), float dtypes."""
+    if options.gate in PARAMETER_GATES:
+        accepted = _parameter_shapes(shape.Hv, shape.Dk, shape.vector_gate)
+        kind = "per-channel g" if shape.vector_gate else "per-head g"
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if tuple(x.shape) not in accepted:
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {_listed(accepted)}"
+                                 f" for Hv={shape.Hv}, Dk={shape.Dk} ({kind} {tuple(g.shape)})")
+            if dtype_name(x) not in FLOAT_DTYPES:
+                raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of "
+                                 f"{FLOAT_DTYPES}")
+    return LayerInputs(options.qk_norm, options.gate, options.lower_bound,
+                       options.beta_activation, shape.vector_gate)

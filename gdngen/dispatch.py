@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gdngen import registry, settings
-from gdngen.algebra import packed
 from gdngen.problem import CallShape
 from gdngen.variant import Problem, Variant, problem_of
 
@@ -57,11 +56,11 @@ class Choice:
         """This choice with ``kernel_path`` saying which kernels a call of ``T`` steps runs:
         the recurrent kernel below the variant's ``recurrent_below`` (the tuned crossover when
         the entry measured one, `gdngen.tune.crossover`), else the chunk kernels; a packed row
-        of ``sequences`` sequences: `gdngen.algebra.packed.describe`."""
+        of ``sequences`` sequences: `gdngen.backend.Backend.describe_packed`."""
         below = self.variant.get("recurrent_below")
         if sequences is not None:
-            text = packed.describe(registry.get(self.variant.backend), self.variant,
-                                   vector_gate, sequences)
+            text = registry.get(self.variant.backend).describe_packed(self.variant, vector_gate,
+                                                                      sequences)
             return dataclasses.replace(self, kernel_path=text)
         if below is None:
             return dataclasses.replace(self, kernel_path="chunk kernels")
@@ -249,7 +248,7 @@ def ungated():
 def run(call, operands, *, variant=None, device=None, precision="ieee"):
     """Choose the variant of the checked `gdngen.call.Call` (`resolve`; then the installed
     gates: a generated one only once it passed on the device, `gdngen.firstuse`) and run it on
-    ``operands`` (`gdngen.algebra.layer_inputs.prepared`) through its backend
+    ``operands`` (`gdngen.prepare.prepared`) through its backend
     (`gdngen.backend.Backend.run`)."""
     chosen = resolve(call.framework, call.shape, call.dtype, variant, call.chunk_size,
                      device=device, precision=precision)

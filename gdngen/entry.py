@@ -10,7 +10,7 @@
 3. `run`: the states' storage (a pool's rows gathered, the final states scattered to
    ``output_state_indices`` or the same rows, `gdngen.state_pool`;
    bfloat16 states widened and rounded), the layer inputs laid out
-   (`gdngen.algebra.layer_inputs.prepared`), the placement on chips (`gdngen.sharding`, JAX) and
+   (`gdngen.prepare.prepared`), the placement on chips (`gdngen.sharding`, JAX) and
    the chosen variant's backend (`gdngen.dispatch.run`).
 
 `load_tuned` is that body with the device and the precision policy fixed.
@@ -23,8 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gdngen import dispatch, registry, state_pool
-from gdngen.algebra import layer_inputs
+from gdngen import dispatch, prepare, registry, state_pool
 from gdngen.call import Call, Operands, check
 from gdngen.problem import check_framework, dtype_name
 
@@ -227,16 +226,16 @@ def run(arrays: dict, call: Call, options: Options, device: str | None = None,
 
 def placed(call: Call, operands: Operands, variant=None, device: str | None = None,
            precision: str | None = None):
-    """``(y, states)``: the layer inputs laid out (`gdngen.algebra.layer_inputs.prepared`),
+    """``(y, states)``: the layer inputs laid out (`gdngen.prepare.prepared`),
     then JAX's dense rows placed on the chips (`gdngen.sharding.run`, each shard's call its
     backend's), else the backend on the whole call (`gdngen.dispatch.run`)."""
     look = {"variant": variant, "device": device, "precision": precision or "ieee"}
     if call.framework != "jax" or call.return_states != "final" or call.packed:
         # packed rows run whole; returned states are plain array ops a sharded jit partitions
-        return dispatch.run(*layer_inputs.prepared(call, operands), **look)
+        return dispatch.run(*prepare.prepared(call, operands), **look)
     from gdngen import sharding
 
-    call, operands = layer_inputs.prepared(
+    call, operands = prepare.prepared(
         call, operands, compute_gate=not sharding.fuses_gate(call.context_axis))
 
     def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None):

@@ -78,7 +78,7 @@ def call_kind(call, backend: str | None = None) -> str:
     convention, packed rows, returned states, the layer inputs its kernels compute
     (`gdngen.backend.Backend.fused_inputs`: ``qk_norm``, the gate form); e.g. "scalar log",
     "vector linear packed", "scalar log steps", "scalar log qk_norm softplus"."""
-    parts = [call.problem.gate, call.gate]
+    parts = [call.problem.gate, call.decay]
     if call.packed:
         parts.append("packed")
     if call.return_states != "final":

@@ -44,14 +44,15 @@ the recurrence's custom VJP keeps what it keeps for a plain call (its q, k, v in
 
 from __future__ import annotations
 
-from gdngen.algebra import layer_inputs
+from gdngen import prepare
 from gdngen.algebra import mixer as stages
+from gdngen.call import PARAMETER_GATES
 from gdngen.problem import FLOAT_DTYPES, dtype_name
 
 __all__ = ["gated_delta_mixer"]
 
-#: gates the mixer takes: both parameterised gates of `gdngen.algebra.layer_inputs`
-MIXER_GATES = layer_inputs.PARAMETER_GATES
+#: gates the mixer takes: both parameterised gates (`gdngen.call.PARAMETER_GATES`)
+MIXER_GATES = PARAMETER_GATES
 
 
 def _shape(x):
@@ -110,7 +111,7 @@ def check(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, norm_weight, conv_
 
 def _framework(framework):
     """``(xp namespace, rematerialise)`` of ``framework``."""
-    xp = layer_inputs.namespace(framework)
+    xp = prepare.namespace(framework)
     if framework == "jax":
         import jax
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gdngen.algebra import chunkwise
+from gdngen.algebra import layer_inputs
 
 #: the frameworks with a ``gated_delta`` entry point (`gdngen.jax`, `gdngen.mlx`).
 FRAMEWORKS = ("jax", "mlx")
@@ -111,10 +111,10 @@ def check_call(q, k, v, g, beta, initial_state=None, mask=None, *, gate="log", c
                scale=1.0, cu_seqlens=None) -> CallShape:
     """`check_call_once`, remembered per shapes, dtypes and options when ``cu_seqlens`` is None
     (then nothing it checks depends on values): a decode loop pays for the checks once.
-    ``gate`` may be a `gdngen.algebra.chunkwise.ParameterGate` with ``g`` its ``(a, A_log,
+    ``gate`` may be a `gdngen.algebra.layer_inputs.ParameterGate` with ``g`` its ``(a, A_log,
     dt_bias)``:
     ``a`` is checked as a log gate (the parameters are `gdngen.algebra.layer_inputs`' to check)."""
-    g, gate = chunkwise.raw_gates(g), chunkwise.convention(gate)
+    g, gate = layer_inputs.raw_gates(g), layer_inputs.convention(gate)
     if cu_seqlens is not None:
         return check_call_once(q, k, v, g, beta, initial_state, mask, gate=gate,
                                chunk_size=chunk_size, scale=scale, cu_seqlens=cu_seqlens)

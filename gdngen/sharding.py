@@ -41,7 +41,8 @@ FACTORS = {"q": "b t k d", "k": "b t k d", "v": "b t (k r) e", "g": "b t (k r)",
            "A_log": "(k r)", "dt_bias": "(k r)", "A_log_vector": "(k r) d",
            "dt_bias_vector": "(k r) d"}
 DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
-#: a parameterised gate's parameters (`gdngen.algebra.chunkwise.ParameterGate`): operands of their
+#: a parameterised gate's parameters (`gdngen.algebra.layer_inputs.ParameterGate`): operands of
+#: their
 # own
 #: (the value heads' entries, no batch axis), so the chunk core computes the log gate per shard
 PARAMETERS = ("A_log", "dt_bias")
@@ -110,7 +111,7 @@ def run(call, arrays: dict, shape, *, context_axis):
 
 def fuses_gate(context_axis) -> bool:
     """Whether a parameterised gate travels to the backend as its raw projection and
-    parameters (`gdngen.algebra.layer_inputs.prepared`), its log gate computed in
+    parameters (`gdngen.prepare.prepared`), its log gate computed in
     the chunk core: on every path of `run` but `context_parallel` (which gets the log gate, split
     over time like g)."""
     return context_axis is None

@@ -28,7 +28,7 @@ class BackendSpec(Backend):
 
     * ``entry``: ``gated_delta(q, k, v, g, beta, initial_state, *, mask, scale, gate, variant)``
       (and ``qk_norm=True`` when ``fused_inputs`` has "qk_norm"; a fused "gate" arrives as a
-      `gdngen.algebra.chunkwise.ParameterGate` with ``g = (a, A_log, dt_bias)``): its `forward`;
+      `gdngen.algebra.layer_inputs.ParameterGate` with ``g = (a, A_log, dt_bias)``): its `forward`;
     * ``packed_entry``: ``gated_delta(..., variant, cu_seqlens)`` running a packed row in its
       own kernels for the gate kinds in ``packed_gates``: its `packed` (without one, packed
       rows run on the framework's portable chunk path).
@@ -69,13 +69,13 @@ class BackendSpec(Backend):
 
     def forward(self, call, operands, variant, **options):
         """``entry`` on the call's arrays (a parameterised gate as ``(a, A_log, dt_bias)`` with
-        a `gdngen.algebra.chunkwise.ParameterGate`; ``qk_norm=True`` only when it is fused)."""
+        a `gdngen.algebra.layer_inputs.ParameterGate`; ``qk_norm=True`` only when it is fused)."""
         extra = {"qk_norm": True} if call.qk_norm else {}
         return self.entry(operands.q, operands.k, operands.v, operands.kernel_gates(),
                           operands.beta, operands.initial_state, mask=operands.mask,
-                          scale=call.scale, gate=call.kernel_gate, variant=variant, **extra)
+                          scale=call.scale, gate=call.core_gate, variant=variant, **extra)
 
     def packed(self, call, operands, variant, **options):
         return self.packed_entry(operands.q, operands.k, operands.v, operands.g, operands.beta,
                                  operands.initial_state, mask=operands.mask, scale=call.scale,
-                                 gate=call.gate, variant=variant, cu_seqlens=operands.cu_seqlens)
+                                 gate=call.decay, variant=variant, cu_seqlens=operands.cu_seqlens)

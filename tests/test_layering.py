@@ -99,3 +99,14 @@ def test_entry_points_sit_above_dispatch_and_the_backends_below_it():
                     "gdngen.tools.timing", "gdngen.tune", "gdngen.tools.build",
                     "gdngen.tools.cli"} & graph[name], name
     assert "gdngen.backends.metal" not in graph["gdngen.backends.metal.sim"]
+
+
+def test_the_algebra_is_math():
+    """`gdngen.algebra` is framework-neutral math: it imports only itself and the array checks
+    of `gdngen.problem` (the float64 reference checks its inputs), never a call, backend,
+    registry or dispatch module."""
+    graph = import_graph()
+    for name, targets in graph.items():
+        if name.startswith("gdngen.algebra."):
+            outside = {t for t in targets if not t.startswith("gdngen.algebra")}
+            assert outside <= {"gdngen.problem"}, (name, sorted(outside))

@@ -1,11 +1,12 @@
 """Framework-neutral chunkwise gated delta rule (WY form), shared by the JAX and MLX backends.
 
-Every function takes ``xp``, a small array namespace (an `ArrayNamespace`:
-`gdngen.backends.portable.jax_chunkwise.XP`, `gdngen.backends.portable.mlx_chunkwise.XP`) exposing
+Every function takes ``xp``, a small array namespace
+(`gdngen.algebra.namespaces.ArrayNamespace`) exposing
 ``exp log where concatenate stack swapaxes einsum repeat zeros(shape) eye(n) pad_time(x, pad,
 value)`` and the framework-specific ``cumsum(x, axis, reverse) cumprod(x, axis, reverse)
 tril_mask(n, k) scan(f, carry, xs, reverse)`` (lax.scan semantics).
-Arrays are float32.
+Arrays are float32. The gates' layouts and the layer inputs are `gdngen.algebra.layer_inputs`';
+the step-at-a-time recurrence is `gdngen.algebra.recurrent`.
 
 Chunk algebra, per value head, chunk of C steps entering with state S0 ``[Dv, Dk]``. Positions
 are 0..C with 0 the chunk boundary; ``D[i, j] = prod_{j < m <= i} g_m`` (i >= j) are the decay
@@ -23,264 +24,10 @@ stable ``segsum``), so no digits are lost to differences of long cumulative sums
 gives an exact 0.
 """
 
+
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass
-
-
-class ArrayNamespace:
-    """Base of the ``xp`` namespaces: subclasses set ``module`` (jax.numpy, mlx.core) and add
-    ``cumsum``, ``cumprod``, ``tril_mask`` and ``scan``; the rest maps onto the module's own
-    functions."""
-
-    module = None
-    _SAME_NAME = ("exp", "log", "where", "concatenate", "stack", "swapaxes", "einsum")
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        for name in cls._SAME_NAME:
-            setattr(cls, name, staticmethod(getattr(cls.module, name)))
-
-    @classmethod
-    def repeat(cls, x, n, axis):
-        return cls.module.repeat(x, n, axis=axis)
-
-    @classmethod
-    def pad_time(cls, x, pad, value):
-        """Pad axis 1 (time) of ``x`` at the end with ``pad`` entries of ``value``."""
-        return cls.module.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
-                              constant_values=value)
-
-    @classmethod
-    def rsqrt(cls, x):
-        return 1.0 / cls.module.sqrt(x)
-
-    @classmethod
-    def sigmoid(cls, x):
-        return 1.0 / (1.0 + cls.module.exp(-x))
-
-    @classmethod
-    def softplus(cls, x):
-        """``log(1 + exp(x))`` as ``logaddexp(x, 0)``: x for large x, exp(x) for very negative
-        x; its derivative is sigmoid(x)."""
-        return cls.module.logaddexp(x, 0.0)
-
-    @staticmethod
-    def barrier(arrays):
-        """``arrays`` (a tuple) through a point the compiler may not merge computations across
-        (a recomputation in a backward stays there, not fused with the forward's)."""
-        return arrays
-
-    @staticmethod
-    def mul_sum(a, b, axis):
-        """``(a * b).sum(axis)`` with numpy broadcasting."""
-        return (a * b).sum(axis=axis)
-
-    @staticmethod
-    def dot_last(a, b):
-        """``(a * b).sum(-1)`` with numpy broadcasting: the recurrent step's state-vector
-        products (`recurrent_forward`)."""
-        return (a * b).sum(axis=-1)
-
-    @classmethod
-    def compiled(cls, step):
-        """``step(xp, *arrays)`` bound to this namespace, as the framework best runs an eagerly
-        called small function (`recurrent_step`); here as it is (JAX traces it anyway)."""
-        return functools.partial(step, cls)
-
-    @classmethod
-    def scatter_add(cls, n, index, values):
-        """``[n, ...]`` zeros plus ``values [m, ...]`` added at rows ``index [m]`` (repeats
-        add up)."""
-        return cls.zeros((n,) + tuple(values.shape[1:])).at[index].add(values)
-
-    @classmethod
-    def zeros(cls, shape):
-        return cls.module.zeros(shape, cls.module.float32)
-
-    @classmethod
-    def eye(cls, n):
-        return cls.module.eye(n, dtype=cls.module.float32)
-
-
-# --------------------------------------------------------------------------- q/k L2 norm
-
-#: added to sum(x^2) over Dk by ``qk_norm=True`` (mlx-lm's ``normalize_qk(..., eps=1e-6)``)
-QK_NORM_EPS = 1e-6
-
-
-def l2_normalize(xp, x):
-    """``x [..., D] -> x * rsqrt(sum_D(x^2) + QK_NORM_EPS)`` (float32 ``x``)."""
-    return x * xp.rsqrt((x * x).sum(axis=-1, keepdims=True) + QK_NORM_EPS)
-
-
-def l2_normalize_vjp(xp, x, dn):
-    """Cotangent of ``x`` from that of ``n = l2_normalize(x)``: with ``r = rsqrt(sum x^2 +
-    eps)``, ``dn/dx = r I - r^3 x x^T``, so ``dx = r (dn - n (n . dn))``."""
-    r = xp.rsqrt((x * x).sum(axis=-1, keepdims=True) + QK_NORM_EPS)
-    n = x * r
-    return r * (dn - n * (n * dn).sum(axis=-1, keepdims=True))
-
-
-def normalized_qk(xp, q, k, qk_scale):
-    """``(q, k)`` as the chunk core uses them: as given when ``qk_scale`` is None, else
-    ``(l2_normalize(q) * qk_scale, l2_normalize(k))`` (the fused ``qk_norm``: the core takes the
-    raw q, k, keeps them, not the normalised ones, for its backward and recomputes these)."""
-    if qk_scale is None:
-        return q, k
-    return l2_normalize(xp, q) * qk_scale, l2_normalize(xp, k)
-
-
-def normalized_qk_vjp(xp, q, k, dq, dk, qk_scale):
-    """Cotangents of the raw q, k of `normalized_qk` from those of its outputs."""
-    if qk_scale is None:
-        return dq, dk
-    return l2_normalize_vjp(xp, q, dq * qk_scale), l2_normalize_vjp(xp, k, dk)
-
-
-# --------------------------------------------------------------------------- gates from parameters
-
-
-@dataclass(frozen=True)
-class ParameterGate:
-    """The ``gate`` of a chunk core (and of the layout functions here) whose gates are the tuple
-    ``(a, A_log, dt_bias)``: the raw gate projection ``a`` and the gate's parameters, broadcast
-    against ``a`` (`parameter_layout`). The core computes the log gate itself (`log_gates`) and
-    keeps only ``a`` for its backward, which recomputes the log gate and maps its cotangent to
-    the three arrays (`gates_vjp`)::
-
-        lower_bound None:   log g = -exp(A_log) * softplus(a + dt_bias)         ("softplus")
-        lower_bound < 0:    log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
-
-    ``a = -inf`` is an identity step for both (log g = 0 exactly, zero cotangents): masked and
-    padded steps (`identity_value`). The log gate is produced in log space (never
-    ``log(exp(..))``), so strong decay keeps its digits and its gradients.
-    """
-
-    lower_bound: float | None = None
-
-    def _terms(self, xp, a, A_log, dt_bias):
-        """``(live, x, rate)``: the steps that are not identity steps, ``a + dt_bias`` there
-        (0 elsewhere, so no inf reaches the arithmetic) and ``exp(A_log)``."""
-        live = a > -math.inf
-        return live, xp.where(live, a + dt_bias, 0.0), xp.exp(A_log)
-
-    def log_gates(self, xp, a, A_log, dt_bias):
-        """The log gate, shaped like ``a`` (float32 arrays)."""
-        live, x, rate = self._terms(xp, a, A_log, dt_bias)
-        if self.lower_bound is None:
-            return xp.where(live, -rate * xp.softplus(x), 0.0)
-        return xp.where(live, self.lower_bound * xp.sigmoid(rate * x), 0.0)
-
-    def vjp(self, xp, a, A_log, dt_bias, dlog_g):
-        """``(da, dA_log, ddt_bias)`` from the log gate's cotangent ``dlog_g`` (like ``a``);
-        the parameters' summed over the axes they broadcast along (`sum_to`).
-
-        softplus: d/dx = -rate sigmoid(x), d/dA_log = log g. sigmoid_bound, z = rate x:
-        d/dx = lower_bound sigmoid'(z) rate, d/dA_log = that times x, with sigmoid'(z) =
-        sigmoid(z) sigmoid(-z) (no 1 - sigmoid(z) to cancel in the saturated tail). d/ddt_bias
-        = d/da.
-        """
-        live, x, rate = self._terms(xp, a, A_log, dt_bias)
-        if self.lower_bound is None:
-            da = -rate * xp.sigmoid(x) * dlog_g
-            dlog_rate = -rate * xp.softplus(x) * dlog_g
-        else:
-            z = rate * x
-            da = self.lower_bound * xp.sigmoid(z) * xp.sigmoid(-z) * rate * dlog_g
-            dlog_rate = da * x
-        da, dlog_rate = (xp.where(live, d, 0.0) for d in (da, dlog_rate))
-        return da, sum_to(dlog_rate, A_log.shape), sum_to(da, dt_bias.shape)
-
-
-def sum_to(x, shape):
-    """``x`` summed down to ``shape``, the shape of an array that broadcast to ``x``'s (the
-    cotangent of a broadcast)."""
-    lead = x.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
-                                      if n == 1 and x.shape[lead + i] != 1)
-    return (x.sum(axis=axes, keepdims=True) if axes else x).reshape(tuple(shape))
-
-
-def log_gates(xp, gates, gate):
-    """``(gates, gate)`` for the chunk algebra: a `ParameterGate`'s ``(a, A_log, dt_bias)`` made
-    its log gate (``gate`` then "log"); other gates as given."""
-    if isinstance(gate, ParameterGate):
-        return gate.log_gates(xp, *gates), "log"
-    return gates, gate
-
-
-def computes_layer_inputs(qk_norm: bool, gate) -> bool:
-    """Whether a chunk core computes layer inputs from its primals (the q/k norm, a
-    `ParameterGate`'s log gate): its backward then recomputes them behind ``xp.barrier`` (not
-    merged with the forward's), and nothing is kept for them."""
-    return qk_norm or isinstance(gate, ParameterGate)
-
-
-def gates_vjp(xp, gates, gate, dgates):
-    """The cotangent of ``gates`` from that of `log_gates`'s output: for a `ParameterGate` the
-    tuple ``(da, dA_log, ddt_bias)``, otherwise ``dgates`` itself."""
-    if isinstance(gate, ParameterGate):
-        return gate.vjp(xp, *gates, dgates)
-    return dgates
-
-
-def identity_value(gate):
-    """The gate value of an identity step (state kept): log g = 0, g = 1, or a raw projection
-    of -inf for a `ParameterGate`."""
-    if isinstance(gate, ParameterGate):
-        return -math.inf
-    return 0.0 if gate == "log" else 1.0
-
-
-def convention(gate):
-    """The convention of the gates the chunk algebra sees: "log" for a `ParameterGate` (its
-    log gate), else ``gate`` ("log" or "linear")."""
-    return "log" if isinstance(gate, ParameterGate) else gate
-
-
-def cast_gates(g, dtype):
-    """Gates ``g`` (an array or a `ParameterGate`'s tuple) cast to ``dtype``."""
-    return tuple(x.astype(dtype) for x in g) if isinstance(g, tuple) else g.astype(dtype)
-
-
-def raw_gates(g):
-    """The array that carries the time axis of gates ``g``: ``a`` of a `ParameterGate`'s tuple,
-    else ``g`` itself."""
-    return g[0] if isinstance(g, tuple) else g
-
-
-def with_raw_gates(g, raw):
-    """``g`` with its time-carrying array (`raw_gates`) replaced by ``raw``."""
-    return (raw, *g[1:]) if isinstance(g, tuple) else raw
-
-
-def linear_decay(xp, g, gate):
-    """The gates as the decay factor itself: exp of a log gate (exactly 0 at -inf; a
-    `ParameterGate`'s computed first), a linear gate as given."""
-    g, gate = log_gates(xp, g, gate)
-    return xp.exp(g) if gate == "log" else g
-
-
-def core_inputs(xp, primals, qk_scale, gate):
-    """``(q, k, v, gates, beta, S0), gate`` as the chunk algebra takes them from a chunk core's
-    primals: q, k normalised (`normalized_qk`), a `ParameterGate`'s gates made log gates
-    (`log_gates`)."""
-    q, k, v, gates, beta, S0 = primals
-    q, k = normalized_qk(xp, q, k, qk_scale)
-    gates, gate = log_gates(xp, gates, gate)
-    return (q, k, v, gates, beta, S0), gate
-
-
-def core_inputs_vjp(xp, primals, cotangents, qk_scale, gate):
-    """The cotangents of a chunk core's primals from those of `core_inputs`'s arrays."""
-    q, k, _, gates, _, _ = primals
-    dq, dk, dv, dgates, dbeta, dS0 = cotangents
-    dq, dk = normalized_qk_vjp(xp, q, k, dq, dk, qk_scale)
-    return dq, dk, dv, gates_vjp(xp, gates, gate, dgates), dbeta, dS0
-
+from gdngen.algebra.layer_inputs import fold_mask, identity_value, raw_gates
 
 # --------------------------------------------------------------------------- decay factors
 
@@ -615,27 +362,6 @@ def from_chunks(y, T):
     return y.transpose((1, 0, 4, 2, 3, 5)).reshape(B, N * C, Hk * r, Dv)[:, :T]
 
 
-def fold_mask(xp, g, beta, mask, gate):
-    """Gates ``g`` [B, T, H] (or per-channel [B, T, H, Dk]; a `ParameterGate`'s tuple) and
-    ``beta`` [B, T, H] with masked steps (``mask`` [B, T] False) made identity steps
-    (`identity_value`: log g = 0, g = 1 for ``gate="linear"``, a = -inf) and beta = 0.
-    ``mask`` None: as is."""
-    if mask is None:
-        return g, beta
-    a = raw_gates(g)
-    return (with_raw_gates(g, xp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 2)), a,
-                                       identity_value(gate))),
-            xp.where(mask[..., None], beta, 0.0))
-
-
-def parameter_layout(A_log, dt_bias, vector_gate):
-    """A `ParameterGate`'s ``A_log``, ``dt_bias`` (``[Hv]``; per-channel also ``[Hv, 1]``,
-    ``[Hv, Dk]``) shaped to broadcast against ``a`` in the API layout: ``[Hv]`` against a
-    per-head ``a [B,T,Hv]``, ``[Hv, 1 or Dk]`` against a per-channel ``a [B,T,Hv,Dk]``."""
-    if vector_gate:
-        return tuple(x.reshape(x.shape[0], 1) if x.ndim == 1 else x for x in (A_log, dt_bias))
-    return A_log, dt_bias
-
 
 def _chunk_parameters(x, Hk, r, vector_gate):
     """A parameter in the API broadcast form (`parameter_layout`) against ``a`` in chunk layout
@@ -646,7 +372,7 @@ def _chunk_parameters(x, Hk, r, vector_gate):
 def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
                 entering=False):
     """Whole-sequence chunkwise gated delta, scalar or per-channel gates
-    (`gdngen.algebra.chunkwise_channel.stages`); float32 arrays, shapes as the API.
+    (`gdngen.algebra.kinds.stages`); float32 arrays, shapes as the API.
 
     ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` is `forward` in chunk layout wrapped with
     `backward` as its VJP by the framework. A masked step folds into the gates (log g = 0 /
@@ -683,98 +409,3 @@ def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate,
     return y, S_final.reshape(B, Hv, Dv, Dk)
 
 
-def recurrent_step(xp, S, q_t, k_t, v_t, a_t, beta_t):
-    """One step of the recurrence on the state grouped by key head, every operand shaped to
-    broadcast against it (`recurrent_forward`): ``S [B,Hk,r,Dv,Dk]``; q_t, k_t ``[B,Hk,1,1,Dk]``
-    (q scaled); v_t ``[B,Hk,r,Dv]``; a_t the step's decay of the state's columns, ``[B,Hk,r,1,1]``
-    (scalar gate) or ``[B,Hk,r,1,Dk]``; beta_t ``[B,Hk,r,1]``. Returns ``(S', y_t [B,Hk,r,Dv])``.
-    It reads the state twice and writes it once: ``u = beta (v - S (a k))``, ``S' = S diag(a) +
-    u k^T`` and ``y = S' q = S (a q) + u (k.q)`` (expanded, so S' is not read again)."""
-    if a_t.shape[-1] == 1:  # a scalar decay scales the products, not the state's operand
-        Sk = a_t[..., 0] * xp.dot_last(S, k_t)  # [B, Hk, r, Dv]
-        Sq = a_t[..., 0] * xp.dot_last(S, q_t)
-    else:
-        Sk = xp.dot_last(S, a_t * k_t)
-        Sq = xp.dot_last(S, a_t * q_t)
-    u = beta_t * (v_t - Sk)
-    y_t = Sq + u * (k_t * q_t).sum(axis=-1)
-    return S * a_t + u[..., None] * k_t, y_t
-
-
-def recurrent_forward(xp, q, k, v, g, beta, initial_state, *, scale, gate, steps=False):
-    """The recurrence's forward one step at a time, the state carried whole (the portable
-    backends' recurrent path; no VJP of its own, see `gdngen.config.recurrent_switch`).
-
-    float32 arrays in the API layout, masked steps already folded into g and beta
-    (`fold_mask`); g scalar ``[B,T,Hv]`` or per-channel ``[B,T,Hv,Dk]``. Returns ``(y [B,T,Hv,Dv],
-    S_T)``. Each step is `recurrent_step` on the value heads grouped by key head (reshapes
-    only: q and k broadcast, never repeated), made one fused kernel where the framework
-    compiles eagerly called functions (``xp.compiled``); a single step (decode) is one such
-    call, its reshapes included (`single_step`). ``steps``: the state after every step,
-    ``[B,T,Hv,Dv,Dk]``, in place of S_T (the scan's output; differentiable by the framework).
-    """
-    a = linear_decay(xp, g, gate)  # exp of log g <= 0 only; -inf gives exactly 0
-    if q.shape[1] == 1:
-        y, S = xp.compiled(single_step)(q, k, v, a, beta, initial_state, scale)
-        return (y, S[:, None]) if steps else (y, S)
-    B, T, Hv, Dv = v.shape
-    S0, xs = _grouped_by_key_head(q, k, v, a, beta, initial_state, scale)
-    step = xp.compiled(recurrent_step)
-    xs = tuple(x.swapaxes(0, 1) for x in xs)
-    if steps:
-        def step_and_state(S, x):
-            S, y = step(S, *x)
-            return S, (y, S)
-
-        _, (y, Ss) = xp.scan(step_and_state, S0, xs, False)
-        states = Ss.swapaxes(0, 1).reshape((B, T) + tuple(initial_state.shape[1:]))
-        return y.swapaxes(0, 1).reshape(B, T, Hv, Dv), states
-    S, y = xp.scan(lambda S, x: step(S, *x), S0, xs, False)
-    return y.swapaxes(0, 1).reshape(B, T, Hv, Dv), S.reshape(initial_state.shape)
-
-
-def single_step(xp, q, k, v, a, beta, initial_state, scale):
-    """`recurrent_forward` of a one-step call (``a`` the decay), in the API layout."""
-    S0, xs = _grouped_by_key_head(q, k, v, a, beta, initial_state, scale)
-    S, y = recurrent_step(xp, S0, *(x.reshape(x.shape[:1] + x.shape[2:]) for x in xs))
-    return y.reshape(v.shape), S.reshape(initial_state.shape)
-
-
-def _grouped_by_key_head(q, k, v, a, beta, initial_state, scale):
-    """``(S0, (q, k, v, a, beta))`` from the API layout, shaped as `recurrent_step` takes them
-    with the time axis after B: value head h = j r + i is (j, i)."""
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2], v.shape[3]
-    r = Hv // Hk
-    return initial_state.reshape(B, Hk, r, Dv, Dk), (
-        (q * scale).reshape(B, T, Hk, 1, 1, Dk), k.reshape(B, T, Hk, 1, 1, Dk),
-        v.reshape(B, T, Hk, r, Dv), a.reshape(B, T, Hk, r, 1, a.shape[3] if a.ndim == 4 else 1),
-        beta.reshape(B, T, Hk, r, 1))
-
-
-def sequential_gated_delta(xp, q, k, v, g, beta, initial_state, mask, *, scale, gate):
-    """The recurrence one step at a time in float32 (the benchmark baseline).
-
-    Shapes as the API; differentiated by the framework's autodiff through ``xp.scan``, so the
-    backward keeps one state per step.
-    """
-    r = v.shape[2] // q.shape[2]
-    a = xp.exp(g) if gate == "log" else g
-    if mask is not None:
-        a = xp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 2)), a, 1.0)
-        beta = xp.where(mask[..., None], beta, 0.0)
-    q, k = (xp.repeat(x, r, axis=2) for x in (q * scale, k))
-    a = a[..., None, :] if a.ndim == 4 else a[..., None, None]  # broadcast over [Dv, Dk]
-
-    def step(S, xs):
-        q_t, k_t, v_t, a_t, beta_t = xs  # [B, Hv, ...]
-        S = a_t * S
-        delta = beta_t[..., None] * (v_t - (S @ k_t[..., None])[..., 0])
-        S = S + delta[..., None] * k_t[..., None, :]
-        return S, (S @ q_t[..., None])[..., 0]
-
-    S, y = xp.scan(step, initial_state, tuple(x.swapaxes(0, 1) for x in (q, k, v, a, beta)), False)
-    y = y.swapaxes(0, 1)
-    if mask is not None:
-        y = xp.where(mask[..., None, None], y, 0.0)
-    return y, S

@@ -42,7 +42,6 @@ in each gate), via `zero_gate_factors`.
 
 from __future__ import annotations
 
-from gdngen.algebra import chunkwise
 from gdngen.algebra.chunkwise import (
     _T,
     _optional,
@@ -54,15 +53,6 @@ from gdngen.algebra.chunkwise import (
 #: tokens per sub-chunk of the decayed products (a divisor of the chunk; smaller chunks use
 #: themselves): pairwise work and memory grow with it, the anchored matmuls shrink
 SUB_CHUNK = 8
-
-
-def stages(gates):
-    """The chunk algebra for ``gates`` in chunk layout: `gdngen.algebra.chunkwise` for scalar gates
-    ``[N,B,H,r,C]``, this module for per-channel ones ``[N,B,H,r,C,Dk]``; both have
-    ``forward(xp, q, k, v, gates, beta, S0, *, gate, solve_block)`` and ``backward``."""
-    import sys
-
-    return chunkwise if gates.ndim == 5 else sys.modules[__name__]
 
 
 def sub_chunk_size(C: int) -> int:

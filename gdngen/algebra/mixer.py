@@ -1,5 +1,5 @@
 """The gated-delta mixer's two array stages around the recurrence, on a framework's ``xp``
-namespace (`gdngen.algebra.layer_inputs.namespace`: its array module ``xp.module``, its stable
+namespace (`gdngen.prepare.namespace`: its array module ``xp.module``, its stable
 ``xp.sigmoid`` and ``xp.rsqrt``), and their float64 NumPy reference with its hand-derived VJP.
 
 Stage 1, the causal depthwise short convolution over ``x [B, T, C]`` (``C = 2 Hk Dk + Hv Dv``,

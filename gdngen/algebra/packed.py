@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gdngen.algebra import chunkwise
-from gdngen.config import VECTOR_CHUNK
-from gdngen.problem import check_cu_seqlens
+from gdngen.algebra import chunkwise, layer_inputs, recurrent
 
-__all__ = ["check_cu_seqlens", "cu_seqlens_from_segment_ids", "gated_delta"]
+__all__ = ["cu_seqlens_from_segment_ids", "gated_delta"]
 
 
 def cu_seqlens_from_segment_ids(segment_ids) -> np.ndarray:
@@ -107,7 +105,7 @@ def _one_chunk(xp, dense, window, q, k, v, g, beta, mask, S0):
 
 
 #: a window of at most this many steps (a decode row, a verify window) runs the recurrence one
-#: step at a time (`gdngen.algebra.chunkwise.recurrent_forward`) in place of a padded chunk
+#: step at a time (`gdngen.algebra.recurrent.recurrent_forward`) in place of a padded chunk
 SHORT_WINDOW = 16
 
 
@@ -126,8 +124,8 @@ def _short_windows(xp, window, q, k, v, g, beta, mask, S0, *, scale, gate):
     if mask is not None:
         valid = valid & _gather(xp, mask, index)
     q, k, v, g, beta = (_gather(xp, x, index) for x in (q, k, v, g, beta))
-    g, beta = chunkwise.fold_mask(xp, g, beta, valid, gate)
-    y, S = chunkwise.recurrent_forward(xp, q, k, v, g, beta, S0, scale=scale, gate=gate)
+    g, beta = layer_inputs.fold_mask(xp, g, beta, valid, gate)
+    y, S = recurrent.recurrent_forward(xp, q, k, v, g, beta, S0, scale=scale, gate=gate)
     return xp.where(valid[..., None, None], y, 0.0), S
 
 
@@ -149,7 +147,7 @@ def _windows(xp, dense, scale, begin, end, T, C, q, k, v, g, beta, mask, S0, *, 
     groups = [(np.flatnonzero(short), int((e - b)[short].max(initial=1)), True),
               (np.flatnonzero(~short), C, False)]
     parts = []
-    for rows, W, recurrent in groups:
+    for rows, W, stepwise in groups:
         if not rows.size:
             continue
         at = m.array(rows.astype(np.int32))
@@ -157,7 +155,7 @@ def _windows(xp, dense, scale, begin, end, T, C, q, k, v, g, beta, mask, S0, *, 
                                m.arange(W).astype(i32)[None, :], T)
         S0_rows = m.take(S0, at, axis=0)
         parts.append((rows, *(_short_windows(xp, window, q, k, v, g, beta, mask, S0_rows,
-                                             scale=scale, gate=gate) if recurrent else
+                                             scale=scale, gate=gate) if stepwise else
                               _one_chunk(xp, dense, window, q, k, v, g, beta, mask, S0_rows))))
     if len(parts) == 1:
         return parts[0][1:]
@@ -209,7 +207,7 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
         goes_on = ((m.take(plan.starts, owner, axis=0) >= j * C)
                    & (m.take(plan.ends, owner, axis=0) > (j + 1) * C))
         inject = (S_first, xp.where(goes_on, owner, -1).astype(m.int32))
-    g_row, beta_row = chunkwise.fold_mask(xp, g, beta, mask, gate)
+    g_row, beta_row = layer_inputs.fold_mask(xp, g, beta, mask, gate)
     reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
     g_row = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
     y, S_in, S_end = walk(q, k, v, g_row, beta_row, inject,
@@ -277,60 +275,3 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
 
     walk.scale = scale  # `gated_delta` runs short first windows' recurrence at the same scale
     return walk
-
-
-# ------------------------------------------------------------------------------ dispatch
-
-#: the portable chunk module a packed row runs on, per framework
-PORTABLE_OPS = {"jax": "gdngen.backends.portable.jax_chunkwise",
-                "mlx": "gdngen.backends.portable.mlx_chunkwise"}
-
-
-def native(spec, vector_gate: bool) -> bool:
-    """Whether backend ``spec`` runs packed rows of this gate kind in its own kernels
-    (`gdngen.backend.Backend.native_packed`), else on the portable chunk path."""
-    return spec.native_packed(vector_gate)
-
-
-def chunk_params(spec, variant, vector_gate: bool) -> dict:
-    """Params of the portable chunk path a packed call of ``variant`` (of backend ``spec``)
-    runs with when not `native`: a portable variant's own (less ``recurrent_below``: a packed
-    row always walks chunks); for a generated backend, its chunk size (scalar gates) or the
-    chunk its per-channel gradients run (`gdngen.config.VECTOR_CHUNK`)."""
-    if spec.portable:
-        return {n: x for n, x in spec.parse(variant).params().items() if n != "recurrent_below"}
-    if vector_gate:
-        return {"chunk_size": VECTOR_CHUNK}
-    return {"chunk_size": int(variant.get("chunk_size", 64))}
-
-
-def describe(spec, variant, vector_gate: bool, sequences: int) -> str:
-    """What a packed call of ``variant`` runs (`gdngen.dispatch.Choice.for_length`)."""
-    if native(spec, vector_gate):
-        where = f"the {spec.name} chunk kernels" + ("" if spec.portable else
-                                                    " (their packed build)")
-        chunk = variant.get("chunk_size")
-    else:
-        where = (f"the portable {PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk path "
-                 f"(no packed {spec.name} kernels for these gates yet)")
-        chunk = chunk_params(spec, variant, vector_gate)["chunk_size"]
-    return (f"packed row of {sequences} sequences: {where} at chunk_size={chunk}, resets at "
-            "each start, initial states injected, final states from each sequence's last "
-            "chunk (recurrent_below does not apply; the dense shape class's entry)")
-
-
-def run_portable(call, operands, params):
-    """A packed `gdngen.call.Call` (layer inputs computed) on the portable chunk path of its
-    framework with chunk ``params`` (``chunk_size``, optionally ``solve_block``,
-    ``save_states``), float32 inside. Returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk]
-    float32)``."""
-    import importlib
-
-    ops = importlib.import_module(PORTABLE_OPS[call.framework])
-    f32 = ops.FLOAT32
-    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
-    y, state = ops.packed_gated_delta(
-        *(x.astype(f32) for x in (q, k, v, g, beta)),
-        None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
-        scale=call.scale, gate=call.gate, **params)
-    return y.astype(q.dtype), state

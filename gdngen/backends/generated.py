@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 
-from gdngen.algebra import chunkwise
-from gdngen.algebra.packed import PORTABLE_OPS
+from gdngen.algebra import chunkwise, layer_inputs
+from gdngen.backends import fallback
+from gdngen.backends.fallback import PORTABLE_OPS
 
 # ------------------------------------------------------------------------------ checks
 
@@ -39,8 +40,8 @@ def _kernel_valued(call, operands, kernel, portable):
     q, k, v, g, beta, initial_state, mask = operands[:7]
     if initial_state is None:
         initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    g, beta = chunkwise.fold_mask(ops.XP, chunkwise.cast_gates(g, f32), beta.astype(f32), mask,
-                                  call.gate)
+    g, beta = layer_inputs.fold_mask(ops.XP, layer_inputs.cast_gates(g, f32), beta.astype(f32),
+                                     mask, call.decay)
     y, states = ops.recurrent_or_chunkwise(kernel, portable)(
         q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
     if mask is not None:
@@ -56,7 +57,7 @@ def kernel_chunks(call, operands, chunk_size: int, chunk_forward):
     ``call.scale``), ``entering`` the states the walk enters each chunk of ``chunk_size`` with
     (`entering_forward` makes one from a chunk-layout core). The checkpoints are read from the
     walk (`gdngen.algebra.states.boundary_states`), nothing recomputed; the VJP is the portable
-    chunk path's (`gdngen.algebra.states.run_chunks_portable`, run under the framework's vjp
+    chunk path's (`gdngen.backends.fallback.chunks`, run under the framework's vjp
     only). Returns ``(y in q's dtype, states [B, ceil(T/N), Hv, Dv, Dk] float32)``."""
     from gdngen.algebra import states
 
@@ -64,13 +65,13 @@ def kernel_chunks(call, operands, chunk_size: int, chunk_forward):
     m = states.checkpoint_stride(call.checkpoint_every, chunk_size)
 
     def kernel(q, k, v, g, beta, S0):
-        log_g = g if call.gate == "log" else xp.module.log(g)
+        log_g = g if call.decay == "log" else xp.module.log(g)
         y, final, entering = chunk_forward(q, k, v, log_g, beta, S0)
         return y, states.boundary_states(xp, entering, final, m)
 
     def portable(q, k, v, g, beta, S0):  # the masks are folded into g and beta
         plain = operands._replace(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0, mask=None)
-        return states.run_chunks_portable(call, plain, {"chunk_size": chunk_size})
+        return fallback.chunks(call, plain, {"chunk_size": chunk_size})
 
     return _kernel_valued(call, operands, kernel, portable)
 
@@ -111,10 +112,10 @@ def kernel_steps(call, operands, recurrent):
     VJP the portable step loop's (the framework's ``recurrent_gated_delta``, run under its vjp
     only). Returns ``(y in q's dtype, states float32)``; masked steps give y = 0."""
     ops = importlib.import_module(PORTABLE_OPS[call.framework])
-    gate, scale = call.gate, call.scale
+    gate, scale = call.decay, call.scale
 
     def kernel(q, k, v, g, beta, S0):
-        return recurrent(q, k, v, chunkwise.linear_decay(ops.XP, g, gate), beta, S0)
+        return recurrent(q, k, v, layer_inputs.linear_decay(ops.XP, g, gate), beta, S0)
 
     def portable(q, k, v, g, beta, S0):
         return ops.recurrent_gated_delta(q, k, v, g, beta, S0, scale=scale, gate=gate,
@@ -135,13 +136,13 @@ def result_type(shape, dtype, like):
 def l2_normalized(xp, x):
     """``x`` L2-normalised over its last axis in float32 and back in its own dtype: the fused
     ``qk_norm`` of a generated backend's chunk core (``xp`` the framework's namespace)."""
-    return chunkwise.l2_normalize(xp, x.astype(xp.module.float32)).astype(x.dtype)
+    return layer_inputs.l2_normalize(xp, x.astype(xp.module.float32)).astype(x.dtype)
 
 
 def l2_normalized_vjp(xp, x, dx):
     """Cotangent of the raw ``x`` of `l2_normalized` from ``dx``, in ``x``'s dtype."""
     f32 = xp.module.float32
-    return chunkwise.l2_normalize_vjp(xp, x.astype(f32), dx.astype(f32)).astype(x.dtype)
+    return layer_inputs.l2_normalize_vjp(xp, x.astype(f32), dx.astype(f32)).astype(x.dtype)
 
 
 def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=False):
@@ -152,11 +153,12 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
     ``qk_norm``: the core takes the raw q, k and L2-normalises them (float32, back in their
     dtype) before ``forward``; it keeps the raw ones, and its backward recomputes the normalised
     ones behind an optimisation barrier (not merged with the forward's) and maps ``backward``'s
-    dq, dk through the norm's VJP (`gdngen.algebra.chunkwise.l2_normalize_vjp`). For kernels whose
+    dq, dk through the norm's VJP (`gdngen.algebra.layer_inputs.l2_normalize_vjp`). For kernels
+    whose
     ``saved`` holds no copy of q, k, so no normalised q, k outlive the forward. ``gate`` a
-    `gdngen.algebra.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``; the core
+    `gdngen.algebra.layer_inputs.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``; the core
     computes the log gate for ``forward`` (built for log gates) the same way, keeps only ``a`` and
-    maps the log gate's cotangent to the three (`gdngen.algebra.chunkwise.gates_vjp`).
+    maps the log gate's cotangent to the three (`gdngen.algebra.layer_inputs.gates_vjp`).
 
     ``forward_fuses``: ``forward`` computes the norm and the log gate in its kernels' loads
     (`gdngen.backends.kernel_inputs`): it receives the raw primals (q, k raw, ``gates`` the
@@ -166,13 +168,13 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
 
     from gdngen.backends.portable.jax_chunkwise import XP
 
-    recomputes = chunkwise.computes_layer_inputs(qk_norm, gate)
+    recomputes = layer_inputs.computes_layer_inputs(qk_norm, gate)
 
     def inputs(primals):
         q, k, v, gates, *rest = primals
         if qk_norm:
             q, k = l2_normalized(XP, q), l2_normalized(XP, k)
-        return (q, k, v, chunkwise.log_gates(XP, gates, gate)[0], *rest)
+        return (q, k, v, layer_inputs.log_gates(XP, gates, gate)[0], *rest)
 
     def forward_inputs(primals):
         return primals if forward_fuses else inputs(primals)
@@ -194,7 +196,7 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
         q, k, _, gates, *_ = primals
         if qk_norm:
             dq, dk = l2_normalized_vjp(XP, q, dq), l2_normalized_vjp(XP, k, dk)
-        return dq, dk, dv, chunkwise.gates_vjp(XP, gates, gate, dgates), *rest
+        return dq, dk, dv, layer_inputs.gates_vjp(XP, gates, gate, dgates), *rest
 
     core.defvjp(core_fwd, core_bwd)
     return core

@@ -1,6 +1,6 @@
 """Layer inputs a generated kernel computes in its own loads (C++, Pallas, Metal).
 
-A call with ``qk_norm=True`` or a parameterised gate (`gdngen.algebra.chunkwise.ParameterGate`)
+A call with ``qk_norm=True`` or a parameterised gate (`gdngen.algebra.layer_inputs.ParameterGate`)
 hands a generated backend the raw q, k and the raw gate projection ``a`` with ``A_log`` and
 ``dt_bias``. A kernel rendered with `KernelInputs.context` computes them where it loads its
 operands, so no normalised q, k and no log gate exist as arrays between kernels::
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gdngen.algebra import chunkwise
+from gdngen.algebra import layer_inputs
 
-#: the parameterised gate forms a kernel computes (`gdngen.algebra.layer_inputs.PARAMETER_GATES`)
+#: the parameterised gate forms a kernel computes (`gdngen.call.PARAMETER_GATES`)
 GATE_FORMS = ("softplus", "sigmoid_bound")
-#: added to sum(x^2) over Dk by a kernel's qk norm (`gdngen.algebra.chunkwise.QK_NORM_EPS`)
-QK_NORM_EPS = chunkwise.QK_NORM_EPS
+#: added to sum(x^2) over Dk by a kernel's qk norm (`gdngen.algebra.layer_inputs.QK_NORM_EPS`)
+QK_NORM_EPS = layer_inputs.QK_NORM_EPS
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class KernelInputs:
     def of(cls, qk_norm: bool, gate) -> KernelInputs:
         """The inputs of a call with ``qk_norm`` and ``gate`` (a `gdngen.algebra.chunkwise.
         ParameterGate` or a plain convention, "log" / "linear", which fuses no gate)."""
-        if isinstance(gate, chunkwise.ParameterGate):
+        if isinstance(gate, layer_inputs.ParameterGate):
             if gate.lower_bound is None:
                 return cls(bool(qk_norm), "softplus")
             return cls(bool(qk_norm), "sigmoid_bound", float(gate.lower_bound))

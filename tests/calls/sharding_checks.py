@@ -32,8 +32,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gdngen
-from gdngen import registry, validate
-from gdngen.algebra import chunkwise
+from gdngen import prepare, registry, validate
 from gdngen.compilers import COLLECTIVES, collective_bytes
 from gdngen.jax import gated_delta
 from gdngen.variant import Problem, Variant
@@ -235,19 +234,19 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
     Hv, g ``[B,T,Hv,Dk]``, A_log ``[Hv]``, dt_bias ``[Hv,Dk]``) under the sharded jit, and
     per-row gradients under ``jax.vmap`` of that jit (the shared parameters' gradients per
     mapped row); how many times the gate was computed outside the chunk core
-    (`gdngen.algebra.layer_inputs.computed_gate`, 0 when every path fuses it); and the bytes
+    (`gdngen.prepare.computed_gate`, 0 when every path fuses it); and the bytes
     ``jax.vjp`` keeps, fused against outside."""
     from gdngen.algebra import layer_inputs
 
     computed = []
-    real_computed_gate = layer_inputs.computed_gate
+    real_computed_gate = prepare.computed_gate
 
     def counting_computed_gate(framework, g, gate):
-        if isinstance(gate, chunkwise.ParameterGate):
+        if isinstance(gate, layer_inputs.ParameterGate):
             computed.append(gate)
         return real_computed_gate(framework, g, gate)
 
-    layer_inputs.computed_gate = counting_computed_gate
+    prepare.computed_gate = counting_computed_gate
     rng = np.random.default_rng(2)
     B, T, Hk, Hv, D = 2, 40, 4, 8, 16  # one key head, two value heads per shard
     q, k = (jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32) for _ in range(2))
@@ -272,9 +271,9 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
         return (y * y).sum() + (S * S).sum()
 
     def outside(q, k, v, a, b, A_log, dt_bias):
-        xp = layer_inputs.namespace("jax")
+        xp = prepare.namespace("jax")
         qn, kn = (layer_inputs.l2_normalize(xp, x) for x in (q, k))
-        log_g = layer_inputs.log_gate(xp, a, *chunkwise.parameter_layout(A_log, dt_bias,
+        log_g = layer_inputs.log_gate(xp, a, *layer_inputs.parameter_layout(A_log, dt_bias,
                                                                          a.ndim == 4))
         y, S = gated_delta(qn, kn, v, log_g, jax.nn.sigmoid(b),
                            variant=variant_vector if a.ndim == 4 else variant)
@@ -301,7 +300,7 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
         return jnp.stack([x, x[::-1] * 0.5]) if x.ndim > 2 else x
 
     mapped_axes = tuple(0 if x.ndim > 2 else None for x in args)
-    xp = layer_inputs.namespace("jax")
+    xp = prepare.namespace("jax")
     want_forward = gated_delta(*(layer_inputs.l2_normalize(xp, x) for x in (q, k)), v,
                                layer_inputs.log_gate(xp, a, A_log, dt_bias), jax.nn.sigmoid(b),
                                variant=variant)
@@ -333,7 +332,7 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
                    for name, out in got.items()}
     differences["vmap_grads"] = largest(got_vmap, want_vmap)
     differences["eager_forward"] = largest(forward(*args), want_forward)
-    layer_inputs.computed_gate = real_computed_gate
+    prepare.computed_gate = real_computed_gate
     return {"differences": differences, "gate_computed_outside": outside_gate,
             "residual_bytes": {"fused": residual_bytes(fused),
                                "outside": residual_bytes(outside)},

@@ -10,7 +10,7 @@ import pytest
 from slow import marked
 
 from gdngen import validate
-from gdngen.algebra import reference
+from gdngen.algebra import recurrent, reference
 from gdngen.cases import BATTERY, get_case
 
 FRAMEWORKS = ("jax", "mlx")
@@ -216,14 +216,13 @@ def test_decode_step_is_one_compiled_call_with_gradients(vector, monkeypatch):
     import mlx.core as mx
 
     from gdngen import Variant
-    from gdngen.algebra import chunkwise
 
     SCALE = 0.2371  # a scale no other test uses: this test's compiled step is its own
     gdngen_mlx = Framework("mlx").gated_delta
 
     traced = []
-    real = chunkwise.single_step
-    monkeypatch.setattr(chunkwise, "single_step",
+    real = recurrent.single_step
+    monkeypatch.setattr(recurrent, "single_step",
                         lambda *a: traced.append(a[1].shape) or real(*a))
     variant = Variant("mlx", {"chunk_size": 16, "solve_block": 8, "save_states": False,
                               "recurrent_below": 2})

@@ -16,7 +16,8 @@ import pytest
 from slow import marked
 
 from gdngen import call as calls
-from gdngen.algebra import chunkwise, layer_inputs, reference
+from gdngen import prepare
+from gdngen.algebra import layer_inputs, reference
 from gdngen.validate import relative_error
 
 FRAMEWORKS = ("jax", "mlx")
@@ -274,7 +275,7 @@ def test_chain_rule_reference_agrees_with_finite_differences():
 def test_log_gate_is_stable_at_extreme_projections(fw):
     """softplus is x for large x and exp(x) for very negative x: no overflow to inf, no
     underflow to 0 while exp(x) is a normal float32; the gradient is -exp(A_log) sigmoid(x)."""
-    xp = layer_inputs.namespace(fw.name)
+    xp = prepare.namespace(fw.name)
     pre = np.array([-80.0, -50.0, -20.0, 0.0, 20.0, 50.0, 80.0])
     A_log = np.array([1.5])
     got = fw.numpy(layer_inputs.log_gate(xp, fw.array(pre), fw.array(A_log), fw.array([0.0])))
@@ -291,12 +292,13 @@ def test_log_gate_is_stable_at_extreme_projections(fw):
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "sigmoid_bound"])
 def test_chunk_core_gate_vjp_at_extreme_projections(fw, lower_bound):
-    """The chunk cores' own gate (`gdngen.algebra.chunkwise.ParameterGate`): log gate and its VJP to
+    """The chunk cores' own gate (`gdngen.algebra.layer_inputs.ParameterGate`): log gate and its
+    VJP to
     a, A_log, dt_bias against float64 from a = -80 to 80, per element within a few float32 ulps of
     each value (the saturated sigmoid tail included: sigmoid'(z) is sigmoid(z) sigmoid(-z));
     a = -inf, a masked or padded step, gives log g = 0 and zero cotangents, never NaN."""
-    xp = layer_inputs.namespace(fw.name)
-    gate = chunkwise.ParameterGate(lower_bound)
+    xp = prepare.namespace(fw.name)
+    gate = layer_inputs.ParameterGate(lower_bound)
     a = np.array([[-80.0, -50.0, -20.0, -1.0, 0.0, 1.0, 20.0, 50.0, 80.0, -np.inf]] * 2)
     A_log, dt_bias = np.array([[1.5], [-0.5]]), np.array([[0.25], [-0.5]])  # [H, 1] vs a [H, 10]
     dlog_g = np.linspace(-1.0, 2.0, a.size).reshape(a.shape)
@@ -332,7 +334,7 @@ def test_qk_norm_matches_mlx_lm_normalize_qk():
     q, k = (mx.array(rng.standard_normal((B, T, Hk, Dk)).astype(np.float32) * 3)
             for _ in range(2))
     ref_q, ref_k = gated_delta.normalize_qk(q, k, inv_scale=Dk ** -0.5, eps=1e-6)
-    xp = layer_inputs.namespace("mlx")
+    xp = prepare.namespace("mlx")
     got_q, got_k = (layer_inputs.l2_normalize(xp, x) for x in (q, k))
     assert relative_error(np.array(got_k), np.array(ref_k)) < 1e-6
     assert relative_error(np.array(got_q) * Dk ** -0.5, np.array(ref_q)) < 1e-6
@@ -362,9 +364,9 @@ def test_defaults_pass_the_arrays_through_unchanged(fw):
                                     np.ones((B, T, Hv)))]
     q, k, v, g, beta = arrays
     call, operands = calls.check(fw.name, q, k, v, g, beta)
-    prepared_call, prepared = layer_inputs.prepared(call, operands)
+    prepared_call, prepared = prepare.prepared(call, operands)
     assert prepared_call is call and prepared is operands
-    out_call, out = layer_inputs.computed(call, operands, fused=())
+    out_call, out = prepare.computed(call, operands, fused=())
     assert out_call == call and all(a is b for a, b in zip(out, operands))
 
 
@@ -485,19 +487,19 @@ def test_layer_inputs_fused_into_the_chunk_core(name, path, framework, backend, 
     tests/backends/pallas/test_pallas_fused_inputs.py), and its backward recomputes them; a short
     call's recurrent path does the same (the portable step loop as array ops, the generated
     recurrent kernels in their loads). Nothing computes the gate outside the backend
-    (`gdngen.algebra.layer_inputs.computed_gate` only passes gates through). Values and gradients
+    (`gdngen.prepare.computed_gate` only passes gates through). Values and gradients
     against float64 (metal: `test_metal_fuses_layer_inputs`)."""
     fw = Framework(framework)
     setup = SETUPS[name]
     variant = _fusing_variant(fw.name, backend, 0 if path == "chunkwise" else T + 1)
     assert setup.options["qk_norm"]
-    computed = layer_inputs.computed_gate
+    computed = prepare.computed_gate
 
     def passes_gates_through(framework, g, gate):
-        assert not isinstance(gate, chunkwise.ParameterGate), "gate computed before the call"
+        assert not isinstance(gate, layer_inputs.ParameterGate), "gate computed before the call"
         return computed(framework, g, gate)
 
-    monkeypatch.setattr(layer_inputs, "computed_gate", passes_gates_through)
+    monkeypatch.setattr(prepare, "computed_gate", passes_gates_through)
     dy, dstate = _cotangents()
     y_ref, state_ref, grads_ref, _ = reference_forward_and_grads(setup, dy, dstate)
     names = [n for n in ARRAY_NAMES if n in setup.arrays]
@@ -556,7 +558,7 @@ def test_metal_fuses_layer_inputs(path, vector, gate):
 
     def run(q, k, v, g, beta, *parameters):
         if parameters:
-            g, parameter_gate = (g, *parameters), chunkwise.ParameterGate()
+            g, parameter_gate = (g, *parameters), layer_inputs.ParameterGate()
         return metal.gated_delta(q, k, v, g, beta, scale=D ** -0.5, variant=variant,
                                  qk_norm=True, gate=parameter_gate if parameters else "log")
 
@@ -612,7 +614,7 @@ def test_fused_qk_norm_keeps_no_normalised_copies_for_the_backward(backend):
         return gated_delta(q, k, v, g, beta, qk_norm=True, variant=variant)
 
     def outside(q, k):
-        return gated_delta(*layer_inputs.normalize_qk("jax", q, k), v, g, beta,
+        return gated_delta(*prepare.normalize_qk("jax", q, k), v, g, beta,
                            variant=variant)
 
     # outside, autodiff keeps the normalised q, k (and per-row factors of the norm's VJP)
@@ -664,7 +666,7 @@ def test_fused_gate_keeps_no_log_gate_for_the_backward(backend, vector):
                            variant=variant)
 
     def outside(a, A_log, dt_bias):
-        log_g = layer_inputs.log_gate(layer_inputs.namespace("jax"), a, A_log, dt_bias)
+        log_g = layer_inputs.log_gate(prepare.namespace("jax"), a, A_log, dt_bias)
         return gated_delta(q, k, v, log_g, beta, variant=variant)
 
     saved = (_residual_bytes(outside, a, A_log, dt_bias)

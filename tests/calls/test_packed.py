@@ -10,6 +10,7 @@ import pytest
 
 from gdngen import registry, validate
 from gdngen.algebra import packed, reference
+from gdngen.backends import fallback
 from gdngen.cases import get_case
 from gdngen.variant import Problem
 
@@ -112,7 +113,7 @@ def test_packed_case_passes(backend, gate, monkeypatch):
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     native, portable = [], []
     monkeypatch.setattr(spec, "packed", _counting(native, spec.packed))
-    monkeypatch.setattr(packed, "run_portable", _counting(portable, packed.run_portable))
+    monkeypatch.setattr(fallback, "packed", _counting(portable, fallback.packed))
     result = validate.check_case(backend, case)
     assert result.passed, result.errors
     assert set(result.errors) >= PACKED_QUANTITIES, sorted(result.errors)
@@ -301,11 +302,11 @@ def test_packed_paths_of_generated_backends():
         np.testing.assert_allclose(np.asarray(final), np.asarray(final_xla), rtol=0, atol=2e-6)
     for name in ("ffi_cpu", "pallas_tpu", "pallas_gpu", "metal"):
         spec = registry.get(name)
-        assert f"{name} chunk kernels (their packed build)" in packed.describe(
-            spec, variant, False, 5)
-        assert f"portable {packed.PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk path " \
-            f"(no packed {name} kernels for these gates yet)" in packed.describe(
-                spec, variant, True, 5)
+        assert f"{name} chunk kernels (their packed build)" in spec.describe_packed(
+            variant, False, 5)
+        assert f"portable {fallback.PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk " \
+            f"path (no packed {name} kernels for these gates yet)" in spec.describe_packed(
+                variant, True, 5)
     text = str(load_tuned("jax").explain(**arrays, cu_seqlens=cu))
     assert "packed row of 5 sequences" in text and "chunk_size=" in text
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 
 from gdngen import settings
-from gdngen.algebra import chunkwise
+from gdngen.algebra import layer_inputs
 from gdngen.backend import Backend
 from gdngen.backends import generated
 from gdngen.backends.ffi_cpu import kernels, vjp
@@ -210,15 +210,15 @@ class FfiCpu(Backend):
 
         from gdngen.backends.portable import jax_chunkwise
 
-        shape, problem, gate, scale = call.shape, call.problem, call.kernel_gate, call.scale
+        shape, problem, gate, scale = call.shape, call.problem, call.core_gate, call.scale
         q, k, v, g, beta, initial_state, mask = operands[:7]
         loaded = self.load_kernels(variant, problem, templates_dir=templates_dir)
         f32 = jnp.float32
         if initial_state is None:
             initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
         # a masked step is an identity step; its output is zeroed below
-        g, beta = chunkwise.fold_mask(jax_chunkwise.XP,
-                                      chunkwise.cast_gates(operands.kernel_gates(), f32),
+        g, beta = layer_inputs.fold_mask(jax_chunkwise.XP,
+                                      layer_inputs.cast_gates(operands.kernel_gates(), f32),
                                       beta.astype(f32), mask, gate)
         poison = settings.flag(ENV_POISON)
         args = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
@@ -241,7 +241,7 @@ class FfiCpu(Backend):
                     return run(q, k, v, a, beta, S0, *kernel_parameters(
                         jnp, A_log, dt_bias, shape.Hv, shape.Dk, shape.vector_gate))
                 # raw q, k when the kernel normalises them (inputs.qk_norm)
-                return run(q, k, v, chunkwise.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
+                return run(q, k, v, layer_inputs.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
 
             y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args)
         else:
@@ -258,7 +258,7 @@ class FfiCpu(Backend):
         from gdngen.algebra import packed
         from gdngen.backends.portable import jax_chunkwise
 
-        gate, scale = call.gate, call.scale
+        gate, scale = call.decay, call.scale
         problem = call.problem
         loaded = self.load_kernels(variant, problem, templates_dir=templates_dir)
         walk_kernels = self.load_packed_kernels(variant, problem, templates_dir=templates_dir)
@@ -267,7 +267,7 @@ class FfiCpu(Backend):
         XP = jax_chunkwise.XP
 
         def dense(q, k, v, g, beta, S0, mask):
-            g, beta = chunkwise.fold_mask(XP, g, beta, mask, gate)
+            g, beta = layer_inputs.fold_mask(XP, g, beta, mask, gate)
             y, S = core(q, k, v, g, beta, S0)
             return jnp.where(mask[..., None, None], y, 0.0), S
 
@@ -314,7 +314,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     as `gdngen.jax.gated_delta`; computes in float32 whatever the input dtype.
     Differentiable (custom VJP) and jit-able. T < the variant's ``recurrent_below``: the
     recurrent kernel forward (`recurrent_forward`), the chunk kernels' VJP; ``qk_norm`` and a
-    `gdngen.algebra.chunkwise.ParameterGate` computed in the kernels' loads (`render_fused`)."""
+    `gdngen.algebra.layer_inputs.ParameterGate` computed in the kernels' loads (`render_fused`)."""
     checked, operands = SPEC.checked_args(q, k, v, g, beta, initial_state, mask,
                                            scale=scale, gate=gate, qk_norm=qk_norm)
     return SPEC.run(checked, operands, variant, templates_dir=templates_dir)
@@ -339,7 +339,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     Float32 q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; ``decay`` the LINEAR decay, ``[B,T,Hv]``
     or ``[B,T,Hv,Dk]`` (per-channel; the problem's gate then "vector"); beta ``[B,T,Hv]``; S0
     ``[B,Hv,Dv,Dk]``; any T >= 1, Hv a multiple of Hk, any Dk, Dv; masked steps already
-    folded (decay 1, beta 0). Per step (`gdngen.algebra.chunkwise.recurrent_forward`), q
+    folded (decay 1, beta 0). Per step (`gdngen.algebra.recurrent.recurrent_forward`), q
     scaled by ``scale``. ``problem`` defaults to the arrays' (gate kind from ``decay``'s
     rank). jit-able; ``jax.vmap`` runs it once per mapped element.
 

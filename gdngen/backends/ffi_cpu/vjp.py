@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from gdngen import jaxcompat
-from gdngen.algebra import chunkwise
+from gdngen.algebra import layer_inputs
 from gdngen.backends import generated
 from gdngen.backends.ffi_cpu import kernels
 from gdngen.backends.ffi_cpu.config import padded
@@ -43,7 +43,7 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
          forward_sha256: str | None = None):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
     (gates ``[B,T,Hv]`` or, on per-channel kernels, ``[B,T,Hv,Dk]``, in their own convention,
-    already masked; for a `gdngen.algebra.chunkwise.ParameterGate` ``(a, A_log, dt_bias)``), with
+    already masked; for a `gdngen.algebra.layer_inputs.ParameterGate` ``(a, A_log, dt_bias)``), with
     the generated backward as its ``jax.custom_vjp`` (`gdngen.backends.generated.custom_vjp_core`).
 
     ``forward_sha256`` None: the core normalises q, k (``qk_norm``) and computes the log gate
@@ -55,7 +55,7 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
     import jax.numpy as jnp
     import numpy as np
 
-    parameter_gate, gate = gate, chunkwise.convention(gate)
+    parameter_gate, gate = gate, layer_inputs.convention(gate)
     loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
     C = loaded.params["chunk_size"]
     inputs = KernelInputs.of(qk_norm, parameter_gate)

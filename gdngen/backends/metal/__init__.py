@@ -224,7 +224,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     T >= the variant's ``recurrent_below``: the chunk kernels (per-channel gates:
     `gdngen.algebra.chunkwise_channel` with its walks on the walk kernels, `ChannelWalks`); below
     it the forward is `recurrent_forward` and the VJP the chunk path's. ``qk_norm`` / ``gate`` a
-    `gdngen.algebra.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): computed in the
+    `gdngen.algebra.layer_inputs.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``): computed in
+    the
     forward kernels' loads (`render_fused`; the package docstring), recomputed for the backward."""
     if variant is None or variant.backend != BACKEND:
         raise ValueError(f"variant must be a metal Variant, got {variant!r}")

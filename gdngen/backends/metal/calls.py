@@ -7,6 +7,7 @@ when called."""
 from __future__ import annotations
 
 from gdngen import settings
+from gdngen.algebra import layer_inputs
 from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
 from gdngen.backends.metal import launch
 from gdngen.backends.metal.config import adapt
@@ -23,30 +24,30 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
 
     float32 mx arrays q, k ``[B,T,Hk,Dk]``, v ``[B,T,Hv,Dv]``, ``decay`` the LINEAR decay in [0, 1]
     ``[B,T,Hv]`` (scalar gate) or ``[B,T,Hv,Dk]`` (per channel), beta ``[B,T,Hv]``, S0
-    ``[B,Hv,Dv,Dk]``, masked steps folded in (`gdngen.algebra.chunkwise.fold_mask`). Returns ``(y
+    ``[B,Hv,Dv,Dk]``, masked steps folded in (`gdngen.algebra.layer_inputs.fold_mask`). Returns ``(y
     [B,T,Hv,Dv], S_T [B,Hv,Dv,Dk])`` float32; value head h reads key head h // (Hv / Hk); per
-    step (`gdngen.algebra.chunkwise.recurrent_forward`) ``u = beta (v - S (a k))``,
+    step (`gdngen.algebra.recurrent.recurrent_forward`) ``u = beta (v - S (a k))``,
     ``y = S (a q) + u (k.q)``, ``S <- S diag(a) + u k^T``, y scaled by ``scale``. ``problem``
     defaults from the shapes; ``launcher`` to `gdngen.backends.metal.launch.default_launcher`;
     ``templates_dir``: a template override folder.
 
     Fused inputs (`render_fused`): ``qk_norm``: q, k raw, normalised in the kernel's loads; ``gate``
-    a `gdngen.algebra.chunkwise.ParameterGate`: ``decay`` is ``(a, A_log, dt_bias)`` (parameters in
+    a `gdngen.algebra.layer_inputs.ParameterGate`: ``decay`` is ``(a, A_log, dt_bias)`` (parameters
+    in
     any form `kernel_parameters` takes), log g and the decay formed per step in the kernel."""
     import mlx.core as mx
 
-    from gdngen.algebra import chunkwise
 
     B, T, Hk, Dk = (int(n) for n in q.shape)
     Hv, Dv = int(v.shape[2]), int(v.shape[3])
-    parameter_gate = isinstance(gate, chunkwise.ParameterGate)
+    parameter_gate = isinstance(gate, layer_inputs.ParameterGate)
     if gate is not None and not parameter_gate:
-        raise ValueError(f"gate must be None or a chunkwise.ParameterGate, got {gate!r}")
+        raise ValueError(f"gate must be None or a layer_inputs.ParameterGate, got {gate!r}")
     if parameter_gate != isinstance(decay, tuple) or (parameter_gate and len(decay) != 3):
         raise ValueError("decay must be the tuple (a, A_log, dt_bias) exactly when gate is a "
                          f"ParameterGate, got {type(decay).__name__} with gate={gate!r}")
     inputs = KernelInputs.of(qk_norm, gate)
-    gate_kind = "vector" if chunkwise.raw_gates(decay).ndim == 4 else "scalar"
+    gate_kind = "vector" if layer_inputs.raw_gates(decay).ndim == 4 else "scalar"
     if problem is None:
         problem = Problem(Hk, Hv, Dk, Dv, "float32", gate_kind)
     got = (problem.Hk, problem.Hv, problem.Dk, problem.Dv, problem.gate)
@@ -57,7 +58,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     plan = recurrent_plan(variant, problem, T, B, templates_dir, inputs)
     f32 = mx.float32
     env = {"q": q.astype(f32), "k": k.astype(f32), "v": v.astype(f32),
-           "a": chunkwise.raw_gates(decay).astype(f32), "beta": beta.astype(f32),
+           "a": layer_inputs.raw_gates(decay).astype(f32), "beta": beta.astype(f32),
            "s0": S0.astype(f32), "prm": mx.array([float(scale)], f32)}
     if inputs.fused:
         env["prm"] = mx.array([float(scale), inputs.lower_bound], f32)
@@ -140,7 +141,8 @@ def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher
                 templates=None, qk_norm=False):
     """``f(q, k, v, g, beta, s0, mask=None) -> (y, S_final)`` on the chunk kernels at any T
     (API layout, inputs cast as `gated_delta` casts them; y in q's dtype); ``qk_norm``: q, k
-    raw, ``gate`` a `gdngen.algebra.chunkwise.ParameterGate` (``g`` then ``(a, A_log, dt_bias)``):
+    raw, ``gate`` a `gdngen.algebra.layer_inputs.ParameterGate` (``g`` then ``(a, A_log,
+    dt_bias)``):
     both computed by the fused forward kernels and recomputed for the backward (`dense_core`)."""
     from gdngen.algebra import chunkwise
     from gdngen.backends.portable.mlx_chunkwise import XP
@@ -166,11 +168,10 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
     (`gdngen.backend.Backend.chunked`): the chunk kernels, else the recurrent kernel forward."""
     import mlx.core as mx
 
-    from gdngen.algebra import chunkwise
     from gdngen.backends.portable import mlx_chunkwise
     from gdngen.backends.portable.mlx_chunkwise import XP
 
-    shape, problem, gate, scale, qk_norm = (call.shape, call.problem, call.kernel_gate,
+    shape, problem, gate, scale, qk_norm = (call.shape, call.problem, call.core_gate,
                                             call.scale, call.qk_norm)
     q, k, v, _, beta, initial_state, mask = operands[:7]
     g = operands.kernel_gates()
@@ -179,7 +180,7 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
     f32 = mx.float32
     if initial_state is None:
         initial_state = mx.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
-    args = (q, k.astype(q.dtype), v.astype(q.dtype), chunkwise.cast_gates(g, f32),
+    args = (q, k.astype(q.dtype), v.astype(q.dtype), layer_inputs.cast_gates(g, f32),
             beta.astype(f32), initial_state.astype(f32))
 
     if shape.vector_gate:
@@ -196,17 +197,17 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
     if chunked:
         return chunkwise_call(*args, mask)
 
-    parameter_gate = gate if isinstance(gate, chunkwise.ParameterGate) else None
+    parameter_gate = gate if isinstance(gate, layer_inputs.ParameterGate) else None
 
     def recurrent(q, k, v, g, beta, s0):
         # the kernel normalises q, k and forms a ParameterGate's decay in its loads
-        decay = g if parameter_gate else chunkwise.linear_decay(XP, g, gate)  # exp(-inf) = 0
+        decay = g if parameter_gate else layer_inputs.linear_decay(XP, g, gate)  # exp(-inf) = 0
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
                                      problem=problem, launcher=launcher, qk_norm=qk_norm,
                                      gate=parameter_gate)
         return y.astype(q.dtype), state
 
-    g, beta = chunkwise.fold_mask(XP, args[3], args[4], mask, gate)
+    g, beta = layer_inputs.fold_mask(XP, args[3], args[4], mask, gate)
     y, state = mlx_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
         *args[:3], g, beta, args[5])
     if mask is not None:
@@ -221,7 +222,7 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     from gdngen.algebra import packed
     from gdngen.backends.portable.mlx_chunkwise import XP
 
-    gate, scale = call.gate, call.scale
+    gate, scale = call.decay, call.scale
     q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
     problem = call.replace(dtype="float32").problem
     variant = adapt(variant, problem)

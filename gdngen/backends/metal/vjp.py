@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from gdngen.algebra import layer_inputs
 from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
 from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
 from gdngen.backends.metal import launch
@@ -112,17 +113,17 @@ def dense_core(variant: Variant, problem: Problem, gate, scale: float, launcher,
     passes them) -> ``(Y, S_final, *saved)``, the Metal backward kernels as its VJP. ``templates``:
     a template override folder (default ``GDNGEN_TEMPLATES`` when the plan is made).
 
-    ``qk_norm`` (q, k raw) / ``gate`` a `gdngen.algebra.chunkwise.ParameterGate` (``gates`` is
+    ``qk_norm`` (q, k raw) / ``gate`` a `gdngen.algebra.layer_inputs.ParameterGate` (``gates`` is
     ``(a, A_log, dt_bias)``, parameters ``[Hk, r, 1]``): the forward runs the fused build
     (`render_fused`); the VJP recomputes normalised q, k (`gdngen.backends.generated.l2_normalized`)
-    and log g (`gdngen.algebra.chunkwise.log_gates`) for the plain backward and maps the cotangents
-    back (`gdngen.algebra.chunkwise.gates_vjp`)."""
+    and log g (`gdngen.algebra.layer_inputs.log_gates`) for the plain backward and maps the
+    cotangents
+    back (`gdngen.algebra.layer_inputs.gates_vjp`)."""
     import mlx.core as mx
 
-    from gdngen.algebra import chunkwise
     from gdngen.backends.portable.mlx_chunkwise import XP
 
-    parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels' gate convention
+    parameter_gate, gate = gate, layer_inputs.convention(gate)  # the kernels' gate convention
 
     def normalized(x):
         return l2_normalized(XP, x) if qk_norm else x
@@ -174,7 +175,7 @@ def dense_core(variant: Variant, problem: Problem, gate, scale: float, launcher,
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         q, k, v, parameters, beta, s0 = primals
-        gates = chunkwise.log_gates(XP, parameters, parameter_gate)[0]
+        gates = layer_inputs.log_gates(XP, parameters, parameter_gate)[0]
         plan = plan_for(v)
         N, B, Hk, r, C, Dv = v.shape
         Dk = q.shape[-1]
@@ -190,7 +191,7 @@ def dense_core(variant: Variant, problem: Problem, gate, scale: float, launcher,
         env = launch.run_launches(plan, plan.backward, env, launcher)
         dq, dk, dv, dgates, dbeta = _input_grads(env, (q, k, v, gates, beta), gate)
         return (raw_cotangent(q, dq), raw_cotangent(k, dk), dv,
-                chunkwise.gates_vjp(XP, parameters, parameter_gate, dgates), dbeta,
+                layer_inputs.gates_vjp(XP, parameters, parameter_gate, dgates), dbeta,
                 env["ds0"].reshape(s0.shape))
 
     return core

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import types
 
-from gdngen.algebra import chunkwise
+from gdngen.algebra import chunkwise, layer_inputs
 from gdngen.backend import Backend
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
 from gdngen.backends.pallas.core import exec_module, fused_gate_operands, jit_pair
@@ -220,7 +220,7 @@ class PallasBackend(Backend):
         float32, masks folded (decay 1, beta 0): q, k ``[B, T, Hk, Dk]`` (q unscaled), v
         ``[B, T, Hv, Dv]``, ``decay`` the linear decay ``[B, T, Hv]`` (``[B, T, Hv, Dk]`` per
         channel), beta ``[B, T, Hv]``, S0 ``[B, Hv, Dv, Dk]``; any T >= 1. Returns ``(y [B, T,
-        Hv, Dv], S_T [B, Hv, Dv, Dk])`` of `gdngen.algebra.chunkwise.recurrent_forward`.
+        Hv, Dv], S_T [B, Hv, Dv, Dk])`` of `gdngen.algebra.recurrent.recurrent_forward`.
         ``problem``: default the float32 one of these shapes. ``inputs`` (a
         `gdngen.backends.kernel_inputs.KernelInputs`) selects the fused build: raw q, k with
         ``qk_norm``; with ``gate_form`` ``decay`` is ``(a, A_log, dt_bias)``."""
@@ -269,7 +269,7 @@ class PallasBackend(Backend):
 
         from gdngen.backends.portable.jax_chunkwise import XP
 
-        shape, problem, gate = call.shape, call.problem, call.kernel_gate
+        shape, problem, gate = call.shape, call.problem, call.core_gate
         q, k, v, _, beta, initial_state, mask = operands[:7]
         self.interpret_mode()  # decided (and warned about) at the caller's frame
         kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
@@ -286,7 +286,7 @@ class PallasBackend(Backend):
                                call.qk_norm, fused_key)
         y, state = chunkwise.gated_delta(
             XP, core, q, k.astype(q.dtype), v.astype(q.dtype),
-            chunkwise.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
+            layer_inputs.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
             initial_state.astype(f32), mask, scale=1.0, gate=gate,
             chunk_size=kernels.params["chunk_size"])
         return y.astype(q.dtype), state
@@ -301,7 +301,7 @@ class PallasBackend(Backend):
 
         from gdngen.backends.portable import jax_chunkwise
 
-        shape, problem, gate, qk_norm = call.shape, call.problem, call.kernel_gate, call.qk_norm
+        shape, problem, gate, qk_norm = call.shape, call.problem, call.core_gate, call.qk_norm
         chunked = self.chunked(call, variant)
         if not shape.vector_gate and chunked:
             return self.chunk_forward(call, operands, variant, templates_dir)
@@ -311,8 +311,8 @@ class PallasBackend(Backend):
         if initial_state is None:
             initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
         q32, k32, v32, beta32, s0 = (x.astype(f32) for x in (q, k, v, beta, initial_state))
-        g32 = chunkwise.cast_gates(operands.kernel_gates(), f32)
-        g32, beta32 = chunkwise.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
+        g32 = layer_inputs.cast_gates(operands.kernel_gates(), f32)
+        g32, beta32 = layer_inputs.fold_mask(jax_chunkwise.XP, g32, beta32, mask, gate)
 
         if shape.vector_gate:
             kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
@@ -322,7 +322,7 @@ class PallasBackend(Backend):
 
         def recurrent(q, k, v, g, beta, S0):  # the fused kernel: raw q, k and (a, A_log, dt_bias)
             if inputs.gate_form is None:
-                g = chunkwise.linear_decay(jax_chunkwise.XP, g, gate)
+                g = layer_inputs.linear_decay(jax_chunkwise.XP, g, gate)
             return self.recurrent_forward(q, k, v, g, beta, S0, scale=call.scale,
                                           variant=variant, problem=problem,
                                           templates_dir=templates_dir, inputs=inputs)
@@ -360,7 +360,7 @@ class PallasBackend(Backend):
         from gdngen.algebra import packed
         from gdngen.backends.portable.jax_chunkwise import XP
 
-        gate = call.gate
+        gate = call.decay
         self.interpret_mode()  # decided (and warned about) at the caller's frame
         kernels = self.load_packed_kernels(variant, call.replace(dtype="float32").problem,
                                            templates_dir=templates_dir)

@@ -7,19 +7,22 @@ tolerance is the generic one per precision policy (`TOLERANCES`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import itertools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gdngen.algebra import layer_inputs
 from gdngen.algebra.chunkwise_channel import SUB_CHUNK
 from gdngen.backend import Backend
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 
+#: the algebra modules a portable variant runs: with this module and the framework module,
+#: the sources whose text is the variant's sha256 (a change retires its tuned entries)
+ALGEBRA_MODULES = tuple(f"gdngen.algebra.{name}" for name in (
+    "chunkwise", "chunkwise_channel", "kinds", "layer_inputs", "namespaces", "recurrent"))
 CHUNK_SIZES = (16, 32, 64, 128)
 SOLVE_BLOCKS = (4, 8, 16, 32)
 #: relative L2 error per precision policy. ieee: float32 throughout (worst measured 8.9e-7,
@@ -71,8 +74,7 @@ class PortableBackend(Backend):
                  fused_inputs: tuple = ()):
         self.name, self.framework, self.ops, self.config = name, framework, ops, config
         self.device_kinds, self.fused_inputs = device_kinds, fused_inputs
-        self.source_modules = ("gdngen.algebra.chunkwise", "gdngen.algebra.chunkwise_channel",
-                               __name__, ops)
+        self.source_modules = (*ALGEBRA_MODULES, __name__, ops)
         super().__init__()
 
     def space(self, problem, device=None):
@@ -86,39 +88,39 @@ class PortableBackend(Backend):
             return self.config(VECTOR_CHUNK, recurrent_below=crossover)
         return self.config(recurrent_below=crossover)
 
+    @functools.cached_property
+    def module(self):
+        """The framework module ``ops``, imported on first use (not at declaration)."""
+        return importlib.import_module(self.ops)
+
     def forward(self, call, operands, variant, **options):
-        module = sys.modules.get(self.ops) or importlib.import_module(self.ops)
-        return gated_delta(module, call, operands, self.parse(variant),
+        return gated_delta(self.module, call, operands, self.parse(variant),
                            self.chunked(call, variant))
 
+    def packed_params(self, variant, vector_gate: bool) -> dict:
+        """A portable variant's own params, less ``recurrent_below`` (a packed row always walks
+        chunks)."""
+        return {n: x for n, x in self.parse(variant).params().items() if n != "recurrent_below"}
+
     def packed(self, call, operands, variant, **options):
-        from gdngen.algebra import packed
+        from gdngen.backends import fallback
 
-        return packed.run_portable(call, operands,
-                                   packed.chunk_params(self, variant, call.vector_gate))
+        return fallback.packed(call, operands, self.packed_params(variant, call.vector_gate))
 
+    def entry(self):
+        """This backend's own entry point, ``gdngen.backends.<name>.gated_delta(q, k, v, g,
+        beta, initial_state=None, *, mask=None, scale=1.0, gate="log", variant, qk_norm=False)``:
+        shapes as `gdngen.jax.gated_delta`; a parameterised gate as
+        `gdngen.call.of_kernel_args` takes it."""
 
-def declare(name: str, framework: str, ops: str, device_kinds: tuple, fused_inputs=()):
-    """``(Config, gated_delta, SPEC)`` of the portable backend ``name`` whose framework code is
-    the module ``ops``."""
-    config_cls = dataclasses.make_dataclass(
-        "Config", [("recurrent_below", int,
-                    recurrent_switch(RECURRENT_BELOW[name]["scalar"]))],
-        bases=(PortableConfig,), frozen=True, namespace={"backend": name})
-    config_cls.__module__ = f"gdngen.backends.portable.{name}"
-    spec = PortableBackend(name, framework, ops, config_cls, device_kinds, fused_inputs)
+        def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
+                        gate="log", variant, qk_norm=False):
+            call, operands = self.checked_args(q, k, v, g, beta, initial_state, mask,
+                                               scale=scale, gate=gate, qk_norm=qk_norm)
+            return self.forward(call, operands, variant)
 
-    def entry(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate="log",
-              variant, qk_norm=False):
-        from gdngen import call as calls
-
-        checked, operands = calls.of_kernel_args(framework, q, k, v, g, beta, initial_state,
-                                                 mask, scale=scale, gate=gate, qk_norm=qk_norm)
-        return spec.forward(checked, operands, variant)
-
-    entry.__doc__ = (f"Run a {name} ``variant`` (shapes as `gdngen.{framework}.gated_delta`; a "
-                     "parameterised gate as `gdngen.call.of_kernel_args` takes it).")
-    return config_cls, entry, spec
+        gated_delta.__doc__ = self.entry.__doc__
+        return gated_delta
 
 
 def short_chunk(T: int, chunk_size: int) -> int:
@@ -141,24 +143,22 @@ def gated_delta(ops, call, operands, config, chunked: bool):
     through the recurrent step loop, differentiated through the chunkwise path.
     ``call.qk_norm`` / a parameterised gate (the backend's ``fused_inputs``): q, k and ``a`` are
     raw; the chunk core computes the norm and the log gate and keeps only the raw arrays
-    (`gdngen.algebra.chunkwise.normalized_qk`); the recurrent path computes them first.
+    (`gdngen.algebra.layer_inputs.normalized_qk`); the recurrent path computes them first.
     Returns ``(y in q's dtype, final_state)``."""
-    from gdngen.algebra import chunkwise
-
     f32 = ops.FLOAT32
-    shape, gate = call.shape, call.kernel_gate
+    shape, gate = call.shape, call.core_gate
     q, k, v, g, beta, initial_state, mask = operands[:7]
     if initial_state is None:
         initial_state = ops.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
     args = (q.astype(f32), k.astype(f32), v.astype(f32),
-            chunkwise.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
+            layer_inputs.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
             initial_state.astype(f32), mask)
     calls = _calls(ops, call.scale, gate, call.qk_norm, config,
                    short_chunk(shape.T, config.chunk_size))
     if chunked:
         y, state = calls.chunkwise(*args)
         return y.astype(q.dtype), state
-    g, beta = chunkwise.fold_mask(ops.XP, args[3], args[4], mask, gate)
+    g, beta = layer_inputs.fold_mask(ops.XP, args[3], args[4], mask, gate)
     switched = calls.single_step if shape.T == 1 else calls.switched
     y, state = switched(*args[:3], g, beta, args[5])
     if mask is not None:
@@ -177,8 +177,6 @@ def _calls(ops, scale: float, gate, qk_norm: bool, config, chunk_size: int) -> _
     """The paths of `gated_delta` for one framework module, scale, gate, q/k norm and config
     (``chunk_size`` the chunk the call runs, `short_chunk`), built once: a decode loop calls
     them per token, its ``mx.custom_function`` included."""
-    from gdngen.algebra import chunkwise
-
     fused = {"qk_norm": True} if qk_norm else {}  # only where the spec declares it fused
     params = {n: x for n, x in config.params().items() if n != "recurrent_below"}
     params["chunk_size"] = chunk_size
@@ -188,7 +186,7 @@ def _calls(ops, scale: float, gate, qk_norm: bool, config, chunk_size: int) -> _
                                          **fused, **params)
 
     def recurrent(q, k, *arrays):
-        q, k = chunkwise.normalized_qk(ops.XP, q, k, 1.0 if qk_norm else None)
+        q, k = layer_inputs.normalized_qk(ops.XP, q, k, 1.0 if qk_norm else None)
         return ops.recurrent_gated_delta(q, k, *arrays, scale=scale, gate=gate)
 
     return _Calls(chunkwise_call, ops.recurrent_or_chunkwise(recurrent, chunkwise_call),

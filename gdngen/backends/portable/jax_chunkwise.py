@@ -14,14 +14,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdngen.algebra import chunkwise, chunkwise_channel, packed
+from gdngen.algebra import (
+    chunkwise,
+    kinds,
+    layer_inputs,
+    namespaces,
+    packed,
+    recurrent,
+)
 
 #: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
 FLOAT32 = jnp.float32
 zeros = jnp.zeros
 
 
-class XP(chunkwise.ArrayNamespace):
+class XP(namespaces.ArrayNamespace):
     """The array namespace `gdngen.algebra.chunkwise` expects, over jax.numpy (float32)."""
 
     module = jnp
@@ -94,9 +101,11 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scal
     ``save_states``: keep the forward's residuals (per-chunk entering states, WY pseudo-values,
     triangular inverses) for the backward, or recompute them there (one more sequential pass,
     less memory). ``qk_scale`` (a float): q, k are the raw ones and the core L2-normalises
-    them itself (`gdngen.algebra.chunkwise.normalized_qk`, q then times ``qk_scale``), keeping the
+    them itself (`gdngen.algebra.layer_inputs.normalized_qk`, q then times ``qk_scale``), keeping
+    the
     raw ones for its backward, which recomputes the normalised ones behind a barrier. ``gate`` a
-    `gdngen.algebra.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` and the log gate
+    `gdngen.algebra.layer_inputs.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)`` and the log
+    gate
     is computed here, likewise kept only as ``a``. ``walks``
     (per-channel gates only): ``(walk_forward, walk_backward)`` replacing
     `gdngen.algebra.chunkwise_channel`'s default chunk walks (a generated backend's kernels;
@@ -108,8 +117,8 @@ def chunk_core(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scal
 def _core_fwd(q, k, v, gates, beta, S0, gate, solve_block, save_states, qk_scale, walks):
     primals = (q, k, v, gates, beta, S0)
     with FLOAT32_MATMULS:
-        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
-        Y, S_final, residuals = chunkwise_channel.stages(arrays[3]).forward(
+        arrays, algebra_gate = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
+        Y, S_final, residuals = kinds.stages(arrays[3]).forward(
             XP, *arrays, gate=algebra_gate, solve_block=solve_block, **_walk(walks, 0))
     return (Y, S_final), (primals, residuals if save_states else None)
 
@@ -118,17 +127,17 @@ def _core_bwd(gate, solve_block, save_states, qk_scale, walks, saved, cotangents
     primals, residuals = saved
     dY, dS_final = cotangents
     with FLOAT32_MATMULS:
-        if chunkwise.computes_layer_inputs(qk_scale is not None, gate):
+        if layer_inputs.computes_layer_inputs(qk_scale is not None, gate):
             primals = XP.barrier(primals)
-        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
-        stages = chunkwise_channel.stages(arrays[3])
+        arrays, algebra_gate = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
+        stages = kinds.stages(arrays[3])
         if residuals is None:
             residuals = stages.forward(XP, *arrays, gate=algebra_gate, solve_block=solve_block,
                                        **_walk(walks, 0))[2]
         q, k, v, gates, beta, _ = arrays
         cotangents = stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final,
                                      gate=algebra_gate, **_walk(walks, 1))
-        return chunkwise.core_inputs_vjp(XP, primals, cotangents, qk_scale, gate)
+        return layer_inputs.core_inputs_vjp(XP, primals, cotangents, qk_scale, gate)
 
 
 chunk_core.defvjp(_core_fwd, _core_bwd)
@@ -144,7 +153,7 @@ def packed_core(q, k, v, gates, beta, inject, gate, solve_block, save_states):
 
 def _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states):
     with FLOAT32_MATMULS:
-        Y, _, residuals = chunkwise_channel.stages(gates).forward(
+        Y, _, residuals = kinds.stages(gates).forward(
             XP, q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32), gate=gate,
             solve_block=solve_block, inject=inject)
     return (Y, residuals[0]), (q, k, v, gates, beta, inject, residuals if save_states else None)
@@ -155,7 +164,7 @@ def _packed_bwd(gate, solve_block, save_states, saved, cotangents):
     dY, dS_in = cotangents
     S0 = jnp.zeros(inject.shape[1:], jnp.float32)
     with FLOAT32_MATMULS:
-        stages = chunkwise_channel.stages(gates)
+        stages = kinds.stages(gates)
         if residuals is None:
             residuals = stages.forward(XP, q, k, v, gates, beta, S0, gate=gate,
                                        solve_block=solve_block, inject=inject)[2]
@@ -263,18 +272,18 @@ def sequential_gated_delta(q, k, v, g, beta, initial_state, mask=None, *, scale=
     """Per-step float32 ``lax.scan`` recurrence differentiated by autodiff (benchmark
     baseline)."""
     with FLOAT32_MATMULS:
-        return chunkwise.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
+        return recurrent.sequential_gated_delta(XP, q, k, v, g, beta, initial_state, mask,
                                                 scale=scale, gate=gate)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate", "steps"))
 def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate, steps=False):
     """Forward of the recurrence one step at a time in a ``lax.scan``
-    (`gdngen.algebra.chunkwise.recurrent_forward`): float32 arrays in the API layout, masks folded
+    (`gdngen.algebra.recurrent.recurrent_forward`): float32 arrays in the API layout, masks folded
     into g and beta; scalar or per-channel gates. Returns ``(y [B,T,Hv,Dv], S_T)``; with
     ``steps`` every step's state ``[B,T,Hv,Dv,Dk]`` in place of S_T."""
     with FLOAT32_MATMULS:
-        return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
+        return recurrent.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
                                            gate=gate, steps=steps)
 
 

@@ -6,8 +6,18 @@ declaration imports no framework.
 
 from __future__ import annotations
 
-from gdngen.backends import portable
+from dataclasses import dataclass
 
-Config, gated_delta, SPEC = portable.declare("mlx", "mlx", "gdngen.backends.portable.mlx_chunkwise",
-                                             device_kinds=("cpu", "apple"),
-                                             fused_inputs=("qk_norm", "gate"))
+from gdngen.backends.portable import RECURRENT_BELOW, PortableBackend, PortableConfig
+from gdngen.config import recurrent_switch
+
+
+@dataclass(frozen=True)
+class Config(PortableConfig):
+    backend = "mlx"
+    recurrent_below: int = recurrent_switch(RECURRENT_BELOW["mlx"]["scalar"])
+
+
+SPEC = PortableBackend("mlx", "mlx", "gdngen.backends.portable.mlx_chunkwise", Config,
+                       device_kinds=("cpu", "apple"), fused_inputs=("qk_norm", "gate"))
+gated_delta = SPEC.entry()

@@ -13,7 +13,15 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from gdngen.algebra import chunkwise, chunkwise_channel, packed
+from gdngen.algebra import (
+    chunkwise,
+    chunkwise_channel,
+    kinds,
+    layer_inputs,
+    namespaces,
+    packed,
+    recurrent,
+)
 
 #: MLX's matmuls are float32 at every precision policy: nothing to set around them
 FLOAT32_MATMULS = contextlib.nullcontext()
@@ -23,7 +31,7 @@ FLOAT32 = mx.float32
 zeros = mx.zeros
 
 
-class XP(chunkwise.ArrayNamespace):
+class XP(namespaces.ArrayNamespace):
     """The array namespace `gdngen.algebra.chunkwise` expects, over mlx.core (float32)."""
 
     module = mx
@@ -108,25 +116,26 @@ def chunk_core(gate, solve_block, save_states, walks=None, qk_scale=None):
     ``(walk_forward, walk_backward)`` with the contracts of `gdngen.algebra.chunkwise_channel`'s
     defaults (a generated backend's walk kernels, `gdngen.backends.metal.ChannelWalks`), passed
     as its ``walk`` to every forward and backward. ``qk_scale`` (a float): q, k are the raw
-    ones and the core L2-normalises them (`gdngen.algebra.chunkwise.normalized_qk`, q then times
+    ones and the core L2-normalises them (`gdngen.algebra.layer_inputs.normalized_qk`, q then times
     ``qk_scale``); its backward recomputes the normalised ones from the raw q, k (no
     normalised copy outlives the forward) and returns the raw ones' cotangents. ``gate`` a
-    `gdngen.algebra.chunkwise.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``, the log gate is
+    `gdngen.algebra.layer_inputs.ParameterGate`: ``gates`` is ``(a, A_log, dt_bias)``, the log gate
+    is
     computed here and recomputed in the backward the same way.
     """
     fwd, bwd = ({}, {}) if walks is None else ({"walk": walks[0]}, {"walk": walks[1]})
 
     @mx.custom_function
     def core(*primals):
-        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
-        Y, S_final, residuals = chunkwise_channel.stages(arrays[3]).forward(
+        arrays, algebra_gate = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
+        Y, S_final, residuals = kinds.stages(arrays[3]).forward(
             XP, *arrays, gate=algebra_gate, solve_block=solve_block, **fwd)
         return (Y, S_final, *residuals)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
-        arrays, algebra_gate = chunkwise.core_inputs(XP, primals, qk_scale, gate)
-        stages = chunkwise_channel.stages(arrays[3])
+        arrays, algebra_gate = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
+        stages = kinds.stages(arrays[3])
         if save_states:
             residuals = tuple(outputs[2:])
         else:
@@ -136,7 +145,7 @@ def chunk_core(gate, solve_block, save_states, walks=None, qk_scale=None):
         dY, dS_final = cotangents[0], cotangents[1]
         grads = stages.backward(XP, q, k, v, gates, beta, residuals, dY, dS_final,
                                 gate=algebra_gate, **bwd, **_grouped(stages))
-        return chunkwise.core_inputs_vjp(XP, primals, grads, qk_scale, gate)
+        return layer_inputs.core_inputs_vjp(XP, primals, grads, qk_scale, gate)
 
     return core
 
@@ -149,7 +158,7 @@ def packed_core(gate, solve_block, save_states):
     a cotangent of their own (`gdngen.algebra.chunkwise.backward`'s ``dS_in``)."""
 
     def run(q, k, v, gates, beta, inject):
-        return chunkwise_channel.stages(gates).forward(
+        return kinds.stages(gates).forward(
             XP, q, k, v, gates, beta, mx.zeros(inject.shape[1:]), gate=gate,
             solve_block=solve_block, inject=inject)
 
@@ -162,9 +171,9 @@ def packed_core(gate, solve_block, save_states):
     def core_vjp(primals, cotangents, outputs):
         q, k, v, gates, beta, inject = primals
         residuals = tuple(outputs[1:]) if save_states else run(*primals)[2]
-        dq, dk, dv, dgates, dbeta, _, dinject = chunkwise_channel.stages(gates).backward(
+        dq, dk, dv, dgates, dbeta, _, dinject = kinds.stages(gates).backward(
             XP, q, k, v, gates, beta, residuals, cotangents[0], mx.zeros(inject.shape[1:]),
-            gate=gate, dS_in=cotangents[1], **_grouped(chunkwise_channel.stages(gates)))
+            gate=gate, dS_in=cotangents[1], **_grouped(kinds.stages(gates)))
         return dq, dk, dv, dgates, dbeta, dinject
 
     return core
@@ -276,9 +285,9 @@ def recurrent_or_chunkwise(recurrent, chunkwise_call, single_step=False):
 
 
 def recurrent_gated_delta(q, k, v, g, beta, initial_state, *, scale, gate, steps=False):
-    """Forward of the recurrence one step at a time (`gdngen.algebra.chunkwise.recurrent_step`):
+    """Forward of the recurrence one step at a time (`gdngen.algebra.recurrent.recurrent_step`):
     float32 arrays in the API layout, masks folded into g and beta; scalar or per-channel gates.
     Returns ``(y [B,T,Hv,Dv], S_T)``; with ``steps`` every step's state ``[B,T,Hv,Dv,Dk]`` in
     place of S_T."""
-    return chunkwise.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
+    return recurrent.recurrent_forward(XP, q, k, v, g, beta, initial_state, scale=scale,
                                        gate=gate, steps=steps)

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from gdngen import mlx as gdngen_mlx
+from gdngen import prepare
 from gdngen.algebra import layer_inputs
 from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM, CallShape, dtype_name
 
@@ -22,7 +23,7 @@ def log_decay(A_log, a, dt_bias, lower_bound=None):
     ``gdngen.mlx.gated_delta(..., gate="softplus" | "sigmoid_bound")`` applies. No exp/log round
     trip: it cannot underflow, and its gradients to A_log, a and dt_bias are exact.
     """
-    return layer_inputs.log_gate(layer_inputs.namespace("mlx"), a, A_log, dt_bias, lower_bound)
+    return layer_inputs.log_gate(prepare.namespace("mlx"), a, A_log, dt_bias, lower_bound)
 
 
 def gdngen_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,

@@ -20,7 +20,7 @@ from spies import spy_calls
 
 import gdngen.jax
 from gdngen import sources
-from gdngen.algebra import chunkwise, reference
+from gdngen.algebra import chunkwise, layer_inputs, reference
 from gdngen.backends import ffi_cpu
 from gdngen.backends.kernel_inputs import KernelInputs
 from gdngen.validate import relative_error
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
 B, T, Hk, Hv, DK, DV = 2, 37, 2, 4, 20, 24
 SCALE = DK ** -0.5
 RTOL = 5e-5  # relative L2 error of y, the final state and every gradient (float32)
-EPS = chunkwise.QK_NORM_EPS
+EPS = layer_inputs.QK_NORM_EPS
 #: T at and above which the chunk kernels run (the recurrent path: every T here is below)
 PATHS = {"chunkwise": 0, "recurrent": 1000}
 
@@ -199,8 +199,8 @@ def test_fused_values_and_gradients_match_float64(name, path):
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_forward_only_call_computes_no_layer_inputs_as_arrays(path, vector, monkeypatch):
     """A forward-only call with qk_norm and a parameterised gate runs kernels that take the raw
-    q, k and (a, A_log, dt_bias): neither `chunkwise.l2_normalize` nor
-    `chunkwise.ParameterGate.log_gates` runs (under jit, eagerly, and on both paths); the
+    q, k and (a, A_log, dt_bias): neither `layer_inputs.l2_normalize` nor
+    `layer_inputs.ParameterGate.log_gates` runs (under jit, eagerly, and on both paths); the
     gradient's backward does recompute them (the spies see it)."""
     x, options, _ = _setup(5, True, "softplus", vector=vector,
                            A_shape=(Hv, 1) if vector else (Hv,),
@@ -213,7 +213,7 @@ def test_forward_only_call_computes_no_layer_inputs_as_arrays(path, vector, monk
     ffi_cpu.vjp.recurrent.cache_clear()
     arrays_ran = spy_calls(monkeypatch, chunkwise,
                            ["l2_normalize", "normalized_qk", "linear_decay"])
-    gate_ran = spy_calls(monkeypatch, chunkwise.ParameterGate, ["log_gates", "vjp"])
+    gate_ran = spy_calls(monkeypatch, layer_inputs.ParameterGate, ["log_gates", "vjp"])
     y, S = _call(arrays, options, None, variant)
     jax.jit(lambda a: _call(a, options, None, variant))(arrays)
     assert arrays_ran == [] and gate_ran == [], (arrays_ran, gate_ran)

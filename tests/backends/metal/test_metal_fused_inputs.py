@@ -18,7 +18,7 @@ import pytest
 from spies import spy_calls
 
 from gdngen import Problem, Variant, registry, sources
-from gdngen.algebra import chunkwise, reference
+from gdngen.algebra import chunkwise, layer_inputs, reference
 from gdngen.backends import metal
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
 from gdngen.backends.metal import launch as metal_launch
@@ -47,7 +47,7 @@ def _softplus(x):
 
 
 def _log_gate(a, A_log, dt_bias, lower_bound):
-    """float64 log gate of a `chunkwise.ParameterGate` (parameters broadcast against ``a``),
+    """float64 log gate of a `layer_inputs.ParameterGate` (parameters broadcast against ``a``),
     0 where ``a`` is -inf."""
     live = np.isfinite(a) | (a > 0)
     x = np.where(live, a + dt_bias, 0.0)
@@ -69,7 +69,7 @@ def _sum_to(x, shape):
 def _reference(x, gate, lower_bound, dy, dS):
     """float64 ``(y, final_state, grads)`` of ``<y, dy> + <final_state, dS>`` w.r.t. the raw
     q, k, v, g (the raw projection for a parameterised gate), beta, A_log, dt_bias; masked steps
-    are identity steps (log g = 0, beta = 0) with y = 0, as `chunkwise.fold_mask` folds them."""
+    are identity steps (log g = 0, beta = 0) with y = 0, as `layer_inputs.fold_mask` folds them."""
     live_t = x["mask"]  # [B, T]
     vector = x["g"].ndim == 4
     live = live_t.reshape(live_t.shape + (1,) * (x["g"].ndim - 2))
@@ -300,7 +300,7 @@ def _spied_forward(monkeypatch, vector, path):
     arrays = {n: mx.array(v.astype(np.float32)) for n, v in x.items() if n != "mask"}
     arrays["mask"] = mx.array(x["mask"])
     ran = spy_calls(monkeypatch, chunkwise, ["l2_normalize", "linear_decay"])
-    ran += spy_calls(monkeypatch, chunkwise.ParameterGate, ["log_gates"])
+    ran += spy_calls(monkeypatch, layer_inputs.ParameterGate, ["log_gates"])
     variant = _variant(vector, T + 1 if path == "recurrent" else 0)
     launcher = metal.default_launcher()
     launcher.threadgroup_bytes.clear()
@@ -439,7 +439,7 @@ def test_fused_kernels_at_extreme_projections(lower_bound, path, vector):
     q, k = rng.standard_normal((1, T, 1, D)) * 3.0, rng.standard_normal((1, T, 1, D))
     v, beta = rng.standard_normal((1, T, Hv1, D)), rng.uniform(0.1, 1.0, (1, T, Hv1))
     S0 = rng.standard_normal((1, Hv1, D, D))
-    gate = chunkwise.ParameterGate(lower_bound)
+    gate = layer_inputs.ParameterGate(lower_bound)
     f32 = [mx.array(z.astype(np.float32)) for z in (q, k, v, a, A_log, dt_bias, beta, S0)]
     problem = Problem(1, Hv1, D, D, gate="vector" if vector else "scalar")
     if path == "recurrent":
@@ -489,7 +489,7 @@ def test_fused_recurrent_decay_per_element(lower_bound, vector):
                                    problem=Problem(1, Hv1, D, D, gate="vector" if vector
                                                    else "scalar"),
                                    launcher=metal.SimLauncher(), qk_norm=True,
-                                   gate=chunkwise.ParameterGate(lower_bound))
+                                   gate=layer_inputs.ParameterGate(lower_bound))
     log_g, _, _ = _log_gate(np.asarray(a, np.float32).astype(np.float64),
                             _broadcast_parameter(A_log, vector),
                             _broadcast_parameter(np.float32(dt_bias).astype(np.float64),
@@ -508,8 +508,8 @@ def test_recurrent_forward_rejects_a_gate_without_its_parameters():
          mx.zeros((1, 2, 1)), mx.zeros((1, 2, 1)), mx.zeros((1, 1, D, D))]
     with pytest.raises(ValueError, match="decay must be the tuple"):
         metal.recurrent_forward(*x, scale=1.0, variant=_variant(False, 100),
-                                gate=chunkwise.ParameterGate())
-    with pytest.raises(ValueError, match="gate must be None or a chunkwise.ParameterGate"):
+                                gate=layer_inputs.ParameterGate())
+    with pytest.raises(ValueError, match="gate must be None or a layer_inputs.ParameterGate"):
         metal.recurrent_forward(*x, scale=1.0, variant=_variant(False, 100), gate="softplus")
 
 

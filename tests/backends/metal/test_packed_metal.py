@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from gdngen import Problem, registry, settings, validate
-from gdngen.algebra import packed
 from gdngen.backends import metal
 from gdngen.backends.metal import launch as metal_launch
 from gdngen.backends.metal import sim as metal_sim
@@ -53,8 +52,8 @@ def _check_packed_case(name, monkeypatch, params=None):
     """``name`` on the default variant (with ``params`` changed) with outputs poisoned,
     asserting that the walk ran the packed kernels (not the portable path) and every quantity
     passed."""
-    assert packed.native(registry.get("metal"), vector_gate=False)
-    assert not packed.native(registry.get("metal"), vector_gate=True)
+    assert registry.get("metal").native_packed(vector_gate=False)
+    assert not registry.get("metal").native_packed(vector_gate=True)
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     ran = []
     run = metal_launch.run_launches

@@ -14,7 +14,6 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 from gdngen import Problem, Variant, default_variant, registry, settings, validate
-from gdngen.algebra import packed
 from gdngen.cases import Case, get_case
 
 BACKENDS = ("pallas_tpu", "pallas_gpu")
@@ -31,7 +30,7 @@ def _check(backend, case, monkeypatch, **changes):
     ``changes``), outputs poisoned; asserts every quantity passes and the packed core ran."""
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     spec = registry.get(backend)
-    assert packed.native(spec, False) and not packed.native(spec, True)
+    assert spec.native_packed(False) and not spec.native_packed(True)
     core = _module(backend).packed_core
     calls = core.cache_info().hits + core.cache_info().misses
     variant = None
@@ -216,7 +215,7 @@ def test_packed_kernels_lower_for_the_device(backend):
 
 def test_packed_entry_checks_its_call():
     """The packed entries take scalar gates only (per-channel packed rows dispatch to the
-    portable path: `gdngen.algebra.packed.native`) and check the offsets."""
+    portable path: `gdngen.backend.Backend.native_packed`) and check the offsets."""
     shape_args = {"q": jnp.zeros((1, 8, 1, 16)), "k": jnp.zeros((1, 8, 1, 16)),
                   "v": jnp.zeros((1, 8, 2, 16)), "beta": jnp.ones((1, 8, 2))}
     cu = jnp.asarray([0, 3, 8], jnp.int32)

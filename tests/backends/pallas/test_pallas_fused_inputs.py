@@ -30,7 +30,7 @@ from spies import spy_calls
 
 import gdngen.jax as gjax
 from gdngen import Problem, Variant, default_variant, settings, sources
-from gdngen.algebra import chunkwise, reference
+from gdngen.algebra import chunkwise, layer_inputs, reference
 from gdngen.backends.kernel_inputs import KernelInputs
 from gdngen.backends.pallas import gpu as pallas_gpu
 from gdngen.backends.pallas import tpu as pallas_tpu
@@ -41,7 +41,7 @@ BACKENDS = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}
 CHUNK = {"pallas_tpu": 32, "pallas_gpu": 16}
 B, T, Hk, Hv, Dk, Dv = 2, 40, 1, 2, 16, 32  # GVA: two value heads read the key head
 SCALE = Dk ** -0.5
-EPS = 1e-6  # the qk norm's (gdngen.algebra.chunkwise.QK_NORM_EPS)
+EPS = 1e-6  # the qk norm's (gdngen.algebra.layer_inputs.QK_NORM_EPS)
 RTOL = 5e-5  # y, final state and every gradient, float32
 GRAD_NAMES = ("q", "k", "v", "a", "beta", "A_log", "dt_bias")
 SETUPS = ("qk_norm_only", "softplus_per_head", "sigmoid_bound_per_head",
@@ -201,14 +201,14 @@ def test_fused_values_and_gradients_against_float64(backend, name):
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_fused_forward_computes_no_layer_inputs_as_array_ops(backend, monkeypatch):
     """A forward-only call with qk_norm and a parameterised gate, on the recurrent path and on
-    the scalar chunk path, loads the fused build and calls neither `chunkwise.l2_normalize`
-    nor `chunkwise.ParameterGate.log_gates`; the backward of the chunk path does (it
+    the scalar chunk path, loads the fused build and calls neither `layer_inputs.l2_normalize`
+    nor `layer_inputs.ParameterGate.log_gates`; the backward of the chunk path does (it
     recomputes both for the plain backward kernels), so the spies do see them there."""
     module = BACKENDS[backend]
     x, options, mask = _setup("sigmoid_bound_per_head", seed=7)
     arrays = {n: jnp.asarray(v, jnp.float32) for n, v in x.items()}
     norms = spy_calls(monkeypatch, chunkwise, ["l2_normalize"])
-    gates = spy_calls(monkeypatch, chunkwise.ParameterGate, ["log_gates"])
+    gates = spy_calls(monkeypatch, layer_inputs.ParameterGate, ["log_gates"])
     loads = spy_calls(monkeypatch, type(module.SPEC), ["load_fused_kernels"])
     for recurrent_below in (T + 1, 0):  # the recurrent kernel, the chunk kernels
         variant = _variant(backend, recurrent_below)
@@ -289,7 +289,7 @@ def test_extreme_projections_through_the_fused_recurrent_kernel(backend):
             a = a[..., None] + np.linspace(-1.0, 1.0, Dk)
             params = (A_log[:, None], dt_bias[:, None] + np.zeros(Dk))
         for lower_bound in (None, -5.0):
-            inputs = KernelInputs.of(True, chunkwise.ParameterGate(lower_bound))
+            inputs = KernelInputs.of(True, layer_inputs.ParameterGate(lower_bound))
             log_g = _log_gate(a, *(p.reshape(Hv, -1) if vector else p for p in params),
                               lower_bound)[0]
             norm = [x / np.sqrt((x ** 2).sum(-1, keepdims=True) + EPS) for x in (q, k)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from gdngen.algebra import chunkwise
+from gdngen.algebra import layer_inputs
 from gdngen.backends import generated
 from gdngen.backends.kernel_inputs import KernelInputs
 from gdngen.backends.pallas.core import (
@@ -152,12 +152,12 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
     (sha256, interpret mode), the generated backward as its ``jax.custom_vjp``
     (`gdngen.backends.generated.custom_vjp_core`; the backward lays the primals out again).
     ``fused_key``: the loaded fused build of ``qk_norm`` and ``gate`` (a convention or a
-    `gdngen.algebra.chunkwise.ParameterGate`), whose forward takes the raw primals; the
+    `gdngen.algebra.layer_inputs.ParameterGate`), whose forward takes the raw primals; the
     backward (and a recomputing variant's residuals) runs the plain kernels on the recomputed
     inputs."""
     import jax.numpy as jnp
 
-    parameter_gate, gate = gate, chunkwise.convention(gate)  # the kernels take log gates
+    parameter_gate, gate = gate, layer_inputs.convention(gate)  # the kernels take log gates
     kernels = LOADED[key]
     interpret, p = kernels.interpret, kernels.params
     if fused_key is None:
