@@ -71,8 +71,8 @@ def measure(backend: str, gate: str, seed: int = 0) -> dict:
     """``{output: worst relative error}`` of ``backend`` at ``gate`` ("scalar" | "vector")."""
     from gdngen import registry
     from gdngen.algebra import reference
+    from gdngen.problem import Problem
     from gdngen.validate import relative_error
-    from gdngen.variant import Problem
 
     spec = registry.get(backend)
     problem = Problem(HK, HV, DK, DV, gate=gate)
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     import warnings
 
     from gdngen import registry
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default=",".join(registry.names()))

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     from gdngen import registry
     from gdngen.jax import gated_delta
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     Hk, Hv, D = (int(n) for n in args.heads.split(","))
     T, rng = args.seq, np.random.default_rng(0)

@@ -16,7 +16,8 @@ import time
 
 from gdngen import compilers
 from gdngen.backends.pallas import gpu as pallas_gpu
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 BASE = {"bk": 64, "bv": 64, "chunk_size": 16, "num_stages": 2, "num_warps": 4,
         "precision": "ieee", "save_states": True, "recurrent_below": 64}

@@ -13,7 +13,7 @@ import time
 
 from gdngen import compilers, registry
 from gdngen.backends.pallas import tpu as pallas_tpu
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 
 def main(argv):

@@ -77,8 +77,8 @@ def callables(framework, D, variant):
 
 def run(framework, T, Hk, Hv, D, vector, backend, repeats):
     from gdngen import registry
+    from gdngen.problem import Problem
     from gdngen.tools import timing
-    from gdngen.variant import Problem
 
     raw = make_inputs(1, T, Hk, Hv, D, vector)
     order = ("q", "k", "v", "a", "beta", "A_log", "dt_bias", "state")

@@ -32,8 +32,8 @@ HK, HV, D = 16, 32, 128
 
 
 def inputs(T: int, seed: int = 0):
+    from gdngen.problem import Problem
     from gdngen.tools.timing import make_inputs
-    from gdngen.variant import Problem
 
     arrays = make_inputs(Problem(HK, HV, D, D), 1, T, seed)
     return {n: arrays[n] for n in ("q", "k", "v", "g", "beta", "initial_state")}

@@ -114,8 +114,8 @@ def main(argv=None) -> int:
 
     from gdngen.entry import TunedGatedDelta
     from gdngen.jax import gated_delta
+    from gdngen.problem import Problem
     from gdngen.tools import timing
-    from gdngen.variant import Problem
 
     hk, hv = (int(x) for x in args.heads.split(","))
     problem = Problem(hk, hv, args.dim, args.dim)

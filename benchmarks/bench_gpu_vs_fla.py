@@ -233,8 +233,8 @@ def main(argv=None) -> int:
     from gdngen import devices
     from gdngen.backends.pallas import gpu as pallas_gpu
     from gdngen.fileio import atomic_write_text
+    from gdngen.problem import Problem
     from gdngen.registry import default_variant
-    from gdngen.variant import Problem
 
     device = devices.detect("jax")
     if device not in ("a100", "h100", "h200") and not args.dry_run:

@@ -75,8 +75,8 @@ def _fns(framework: str, problem, offsets: np.ndarray):
 
 def run(frameworks, seq_len, sequences, heads, dim, repeats, seed):
     from gdngen.entry import load_tuned
+    from gdngen.problem import Problem
     from gdngen.tools.timing import time_fwd_bwd
-    from gdngen.variant import Problem
 
     Hk, Hv = heads
     problem = Problem(Hk, Hv, dim, dim, "float32", "scalar")

@@ -57,7 +57,7 @@ def mlx_lm_ops(q, k, v, g, beta, initial_state, *, scale, gate="log"):
 def run(framework: str, problem, seq_lens, repeats: int) -> list[dict]:
     import gdngen
     from gdngen import dispatch
-    from gdngen.problem import CallShape
+    from gdngen.shape import CallShape
     from gdngen.tools.timing import time_forward, variant_fn
 
     tuned = gdngen.load_tuned(framework)
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args(argv)
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     hk, hv = (int(x) for x in ns.heads.split(","))
     problem = Problem(hk, hv, ns.dim, ns.dim)

@@ -49,7 +49,7 @@ def planned_lengths(framework: str, device: str, preset, seq_lens) -> list[int]:
 def measure(framework: str, models, seq_lens, repeats: int, baseline_max_t: int) -> list[dict]:
     """Rows for one framework, measured in this process."""
     from gdngen import devices, dispatch, presets
-    from gdngen.problem import CallShape
+    from gdngen.shape import CallShape
     from gdngen.tools import timing
 
     device = devices.detect(framework)

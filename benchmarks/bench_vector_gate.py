@@ -159,8 +159,8 @@ def check_baseline(baseline=textbook_chunked, B=1, T=100, Hk=2, Hv=4, D=32,
 
     from gdngen.algebra import reference
     from gdngen.precision import precision_context
+    from gdngen.problem import Problem
     from gdngen.tools.timing import make_inputs
-    from gdngen.variant import Problem
 
     x = make_inputs(Problem(Hk, Hv, D, D, gate="vector"), B, T, seed)
     names = ("q", "k", "v", "g", "beta", "initial_state")
@@ -195,7 +195,7 @@ def run(framework: str, problem, seq_lens, repeats: int, baseline_max_T: int,
     import gdngen
     from gdngen import dispatch
     from gdngen.precision import precision_context
-    from gdngen.problem import CallShape
+    from gdngen.shape import CallShape
     from gdngen.tools import timing
 
     tuned = gdngen.load_tuned(framework)
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
                         help="do not check the JAX baselines against gdngen.algebra.reference")
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args(argv)
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     hk, hv = (int(x) for x in ns.heads.split(","))
     problem = Problem(hk, hv, ns.dim, ns.dim, gate="vector")

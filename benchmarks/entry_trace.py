@@ -55,7 +55,7 @@ def trace(backend: str, tuned: bool = False, T: int = 256) -> dict:
 
     from gdngen import registry
     from gdngen.jax import gated_delta
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     B, Hk, Hv, D = 1, 2, 4, 64
     rng = np.random.default_rng(0)

@@ -49,8 +49,8 @@ def admitted_cost(n: int = 20000) -> float:
     os.environ["GDNGEN_VALIDATE"] = "first-use"
     from gdngen import firstuse, registry
     from gdngen.call import Call
-    from gdngen.problem import CallShape
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
+    from gdngen.shape import CallShape
 
     problem = Problem(2, 4, 64, 64, "float32", "scalar")
     call = Call("jax", CallShape(1, 1, 2, 4, 64, 64, False), "float32")

@@ -9,9 +9,10 @@ backends are declared in `gdngen.registry`.
 from gdngen._version import __version__
 from gdngen.entry import load_tuned
 from gdngen.firstuse import FirstUseWarning  # installs the first-use check
+from gdngen.problem import Problem
 from gdngen.registry import default_variant, variants
 from gdngen.render import Rendered, render
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 __all__ = ["FirstUseWarning", "Problem", "Rendered", "Variant", "__version__", "default_variant",
            "load_tuned", "render", "variants"]

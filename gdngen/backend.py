@@ -34,8 +34,9 @@ import functools
 from gdngen import prepare
 from gdngen.config import VECTOR_CHUNK
 from gdngen.devices import Device, get_device
-from gdngen.problem import FLOAT_DTYPES
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.shape import FLOAT_DTYPES
+from gdngen.variant import Variant
 
 __all__ = ["Backend", "parse_variant"]
 

@@ -37,7 +37,8 @@ from pathlib import Path
 
 from gdngen import settings
 from gdngen.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401 (re-exported)
-from gdngen.variant import Problem, Variant, dumps
+from gdngen.problem import Problem
+from gdngen.variant import Variant, dumps
 
 #: 2: typed variant configs (metal's ``policy``/``save`` became ``precision``/``save_states``).
 FORMAT = 2

@@ -27,14 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gdngen.algebra import layer_inputs
-from gdngen.problem import (
-    FLOAT_DTYPES,
-    GATES,
-    CallShape,
-    check_call,
-    check_framework,
-    dtype_name,
-)
+from gdngen.shape import FLOAT_DTYPES, GATES, CallShape, check_call, check_framework, dtype_name
 
 __all__ = ["BETA_ACTIVATIONS", "LAYER_GATES", "PARAMETER_GATES", "Call", "LayerInputs", "Operands",
            "check", "check_options", "check_parameters", "of_kernel_args"]
@@ -44,7 +37,7 @@ __all__ = ["BETA_ACTIVATIONS", "LAYER_GATES", "PARAMETER_GATES", "Call", "LayerI
 class Call:
     """What one ``gated_delta`` call computes (shapes as `gdngen.jax.gated_delta`).
 
-    * ``framework``: "jax" | "mlx"; ``shape``: the `gdngen.problem.CallShape` (B, T, heads,
+    * ``framework``: "jax" | "mlx"; ``shape``: the `gdngen.shape.CallShape` (B, T, heads,
       head dims, gate kind, packed sequences); ``dtype``: q's dtype name.
     * ``decay``: the decay form of ``g`` as the recurrence reads it, "log" or "linear" ("log"
       for a parameterised gate); ``gate_form``: None, or "softplus" / "sigmoid_bound" when
@@ -74,8 +67,8 @@ class Call:
 
     @property
     def problem(self):
-        """The shape class (`gdngen.variant.Problem`) the kernels are specialised for."""
-        from gdngen.variant import problem_of
+        """The shape class (`gdngen.problem.Problem`) the kernels are specialised for."""
+        from gdngen.problem import problem_of
 
         return problem_of(self.shape, self.dtype)
 
@@ -106,7 +99,7 @@ class Call:
         extended values of a context-parallel shard; the one-chunk rows or the float32 copies a
         stage makes), nothing checked again; ``packed=False`` drops the packed sequences (a
         dense call of them)."""
-        from gdngen.problem import dtype_name
+        from gdngen.shape import dtype_name
 
         B, T, Hk, Dk = (int(s) for s in q.shape)
         Hv, Dv, dtype = int(v.shape[2]), int(v.shape[3]), dtype_name(q)
@@ -150,7 +143,7 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     """Check one call's arrays and options (as `gdngen.jax.gated_delta`; ``initial_state``
     float states ``[B|N,Hv,Dv,Dk]``, not a pool); return its `Call` and `Operands`. ValueErrors
     name the argument and what was expected (the checks of
-    `check_options`, then `gdngen.problem.check_call`, then the
+    `check_options`, then `gdngen.shape.check_call`, then the
     gate's parameters). Only shapes and Python values are read (``cu_seqlens``' values when
     concrete), so it runs under ``jax.jit`` and ``mx.compile``. Nothing is remembered here
     (`gdngen.entry.bind` remembers)."""
@@ -293,8 +286,8 @@ def check_options(*, gate="log", qk_norm=False, A_log=None, dt_bias=None, lower_
 
 
 def check_parameters(options: LayerInputs, shape, g, A_log, dt_bias) -> LayerInputs:
-    """``options`` of a call whose arrays passed `gdngen.problem.check_call` (its
-    `gdngen.problem.CallShape` ``shape``), with the gate's parameters checked: A_log and
+    """``options`` of a call whose arrays passed `gdngen.shape.check_call` (its
+    `gdngen.shape.CallShape` ``shape``), with the gate's parameters checked: A_log and
     dt_bias ``[Hv]`` (per channel also ``[Hv, 1]``, ``[Hv, Dk]``), float dtypes."""
     if options.gate in PARAMETER_GATES:
         accepted = _parameter_shapes(shape.Hv, shape.Dk, shape.vector_gate)

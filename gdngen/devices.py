@@ -16,7 +16,7 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 
-from gdngen.problem import FRAMEWORKS, check_framework
+from gdngen.shape import FRAMEWORKS, check_framework
 
 KiB, MiB = 1024, 1024 * 1024
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gdngen import registry, settings
-from gdngen.problem import CallShape
-from gdngen.variant import Problem, Variant, problem_of
+from gdngen.problem import Problem, problem_of
+from gdngen.shape import CallShape
+from gdngen.variant import Variant
 
 ENV_NO_TUNED = settings.ENV_NO_TUNED
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from gdngen import dispatch, prepare, registry, state_pool
 from gdngen.call import Call, Operands, check
-from gdngen.problem import check_framework, dtype_name
+from gdngen.shape import check_framework, dtype_name
 
 __all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "gated_delta",
            "load_tuned", "run"]

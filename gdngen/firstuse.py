@@ -32,7 +32,8 @@ import warnings
 from pathlib import Path
 
 from gdngen import dispatch, registry, settings
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 __all__ = ["ENV_VALIDATE", "MODES", "FirstUseWarning", "Verdict", "admitted", "call_kind",
            "check", "clear_memo", "mode", "planned", "probe_cases", "stored", "verdict_dir",

@@ -47,7 +47,7 @@ from __future__ import annotations
 from gdngen import prepare
 from gdngen.algebra import mixer as stages
 from gdngen.call import PARAMETER_GATES
-from gdngen.problem import FLOAT_DTYPES, dtype_name
+from gdngen.shape import FLOAT_DTYPES, dtype_name
 
 __all__ = ["gated_delta_mixer"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from gdngen.problem import check_framework
+from gdngen.shape import check_framework
 
 PRECISIONS = ("ieee", "tf32", "bf16")
 JAX_MATMUL_PRECISION = {"ieee": "float32", "tf32": "tensorfloat32", "bf16": "bfloat16"}

@@ -10,7 +10,7 @@ import functools
 
 from gdngen.algebra import layer_inputs
 from gdngen.algebra.layer_inputs import l2_normalize, log_gate
-from gdngen.problem import check_framework
+from gdngen.shape import check_framework
 
 
 @functools.cache

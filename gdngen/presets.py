@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 
 @dataclass(frozen=True)

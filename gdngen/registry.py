@@ -22,8 +22,9 @@ from __future__ import annotations
 import importlib
 
 from gdngen.devices import Device, get_device
+from gdngen.problem import Problem
 from gdngen.spec import BackendSpec
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 __all__ = ["BACKENDS", "BackendSpec", "backends_for", "check_variant", "default_variant",
            "framework_of", "get", "names", "portable", "register", "runnable", "unregister",

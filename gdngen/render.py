@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 
 from gdngen import registry
+from gdngen.problem import Problem
 from gdngen.sources import Rendered, environment, sources_sha256
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 __all__ = ["Rendered", "environment", "render", "sources_sha256"]
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import jinja2
 
 from gdngen import settings
+from gdngen.problem import Problem
 from gdngen.resources import template_folders
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 
 @dataclass(frozen=True)

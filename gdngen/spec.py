@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gdngen.backend import Backend
-from gdngen.problem import FLOAT_DTYPES
+from gdngen.shape import FLOAT_DTYPES
 
 
 def _always() -> bool:

@@ -33,7 +33,7 @@ import contextlib
 
 import numpy as np
 
-from gdngen.problem import dtype_name
+from gdngen.shape import dtype_name
 
 __all__ = ["STATE_DTYPES", "as_dtype", "check_pool", "check_state_dtype", "gather", "scatter"]
 

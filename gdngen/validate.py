@@ -154,7 +154,7 @@ _GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
 
 
 def _case_problem(inputs: dict, dtype: str):
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     _, _, Hk, Dk = inputs["q"].shape
     _, _, Hv, Dv = inputs["v"].shape

@@ -168,8 +168,8 @@ def test_config_validation():
 def test_time_fwd_bwd_interleaves_and_settles(settle, monkeypatch):
     """Each callable: one compile run, then ``repeats`` timed runs in rotating order; with
     ``settle`` an untimed run of the same callable right before each timed one."""
+    from gdngen.problem import Problem
     from gdngen.tools import timing
-    from gdngen.variant import Problem
 
     runs = []
 

@@ -13,9 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from gdngen import cache
+from gdngen.problem import Problem
 from gdngen.registry import default_variant
 from gdngen.tools.cli import main
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = Problem(1, 2, 16, 16)
@@ -99,7 +100,8 @@ WRITER = """
 import sys
 from gdngen import cache
 from gdngen.registry import default_variant
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 writer, count = int(sys.argv[1]), int(sys.argv[2])
 problem = Problem(1, 2, 16, 16)
 for i in range(count):

@@ -12,8 +12,9 @@ import pytest
 from tuned_cache import isolated_cache
 
 from gdngen import cache, registry, tune
+from gdngen.problem import Problem
 from gdngen.tune import crossover
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 PROBLEM = Problem(1, 2, 16, 16)
 

@@ -121,8 +121,8 @@ def test_wheels_target_and_ignore():
 
 def test_timing_uses_prepared_inputs(monkeypatch):
     """``inputs=`` (the compare step draws them on the GPU) replaces `make_inputs`."""
+    from gdngen.problem import Problem
     from gdngen.tools import timing
-    from gdngen.variant import Problem
 
     problem = Problem(1, 1, 16, 16, "float32")
     inputs = timing.make_inputs(problem, 1, 3)

@@ -14,8 +14,9 @@ import pytest
 
 from gdngen import firstuse, registry
 from gdngen.backends.ffi_cpu import kernels as ffi_kernels
+from gdngen.problem import Problem
 from gdngen.resources import templates_dir
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 SCRIPT = Path(__file__).parent / "firstuse_call.py"
 PROBLEM = Problem(1, 2, 16, 16, "float32", "scalar")
@@ -135,7 +136,7 @@ def test_an_active_tuned_entry_counts_as_passed(fresh, monkeypatch):
     """The variant of an active tuned entry on this device is admitted without a check."""
     from gdngen import cache
     from gdngen.call import Call
-    from gdngen.problem import CallShape
+    from gdngen.shape import CallShape
 
     monkeypatch.delenv("GDNGEN_NO_TUNED")
     entries = [e for e in cache.load("cpu").entries.values() if e["backend"] == "ffi_cpu"]
@@ -191,7 +192,7 @@ def test_every_generated_backend_goes_through_the_same_check(fresh, backend):
     checks the variant on its first call and stores a passed verdict (metal's gate called
     while ``mx.compile`` traces: the check runs on a thread of its own)."""
     from gdngen.call import Call
-    from gdngen.problem import CallShape
+    from gdngen.shape import CallShape
 
     problem = Problem(1, 2, 32, 32, "float32", "scalar")
     variant = registry.default_variant(backend, problem)
@@ -240,7 +241,7 @@ def test_validate_device_attached_checks_what_would_run(fresh, monkeypatch):
 
 def test_the_call_kind_names_the_inputs_the_kernels_compute():
     from gdngen.call import Call
-    from gdngen.problem import CallShape
+    from gdngen.shape import CallShape
 
     call = Call("jax", CallShape(1, 8, 1, 2, 16, 16, True), "float32", qk_norm=True,
                 gate_form="softplus", return_states="steps")

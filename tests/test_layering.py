@@ -103,10 +103,10 @@ def test_entry_points_sit_above_dispatch_and_the_backends_below_it():
 
 def test_the_algebra_is_math():
     """`gdngen.algebra` is framework-neutral math: it imports only itself and the array checks
-    of `gdngen.problem` (the float64 reference checks its inputs), never a call, backend,
+    of `gdngen.shape` (the float64 reference checks its inputs), never a call, backend,
     registry or dispatch module."""
     graph = import_graph()
     for name, targets in graph.items():
         if name.startswith("gdngen.algebra."):
             outside = {t for t in targets if not t.startswith("gdngen.algebra")}
-            assert outside <= {"gdngen.problem"}, (name, sorted(outside))
+            assert outside <= {"gdngen.shape"}, (name, sorted(outside))

@@ -15,7 +15,8 @@ import json
 import pytest
 
 from gdngen import compilers, devices, registry
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 pytestmark = pytest.mark.skipif(compilers.missing_reason("xla-gpu") is not None,
                                 reason=str(compilers.missing_reason("xla-gpu")))

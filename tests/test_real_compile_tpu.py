@@ -14,7 +14,7 @@ import json
 import pytest
 
 from gdngen import compilers, devices, registry
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 pytestmark = pytest.mark.skipif(compilers.missing_reason("mosaic") is not None,
                                 reason=str(compilers.missing_reason("mosaic")))

@@ -322,7 +322,7 @@ def test_bad_worker_and_heartbeat_options_are_named(args, hint):
 
 def test_merge_takes_the_entry_that_saw_more_of_its_study(tmp_path, monkeypatch):
     from gdngen import cache, registry
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "root"))
     problem = Problem(1, 2, 16, 16)

@@ -12,9 +12,10 @@ import pytest
 from gdngen import registry, tolerance, validate
 from gdngen.backends import portable
 from gdngen.config import VariantConfig
+from gdngen.problem import Problem
 from gdngen.spec import BackendSpec
 from gdngen.tools import build
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 NAME = "planted_error"
 #: the planted backend's own tolerance per precision (looser than float32's 5e-5 from tf32 on)

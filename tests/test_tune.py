@@ -21,8 +21,9 @@ import pytest
 from polling import wait_for
 
 from gdngen import cache, registry, tune
+from gdngen.problem import Problem
 from gdngen.tune import search
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -175,7 +175,7 @@ def test_runner_checks_the_path_the_call_did_not_take(monkeypatch, recurrent_bel
     forwards meet the reference, and each path runs forward-only once per gate convention."""
     from gdngen import registry
     from gdngen.backends.portable import mlx_chunkwise
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     calls = spy_calls(monkeypatch, mlx_chunkwise,
                       ("recurrent_gated_delta", "chunkwise_gated_delta"))

@@ -73,7 +73,7 @@ PUBLISHED_SOURCE = ("FlashQLA benchmark/benchmark_results_H200.txt (H200, fla 0.
 def problem_of(model: str, dry_run: bool):
     """The `Problem` a model is tuned and timed for (toy heads in a dry run)."""
     from gdngen import presets
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     if dry_run:
         hk, hv, d = DRY_HEADS[model]
@@ -163,7 +163,7 @@ def _battery_plan(args):
     default variant of its default problem, rendered for each case's shapes) at each dtype."""
     from gdngen import cases as cases_mod
     from gdngen import registry
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     variant = registry.default_variant(BACKEND, Problem.parse("Hk=2,Hv=4,Dk=128,Dv=128"))
     selected = ([cases_mod.get_case(n) for n in args.cases.split(",")] if args.cases

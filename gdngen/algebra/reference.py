@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gdngen.problem import check_call
+from gdngen.shape import check_call
 
 __all__ = ["forward", "vjp"]
 

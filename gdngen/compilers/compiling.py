@@ -11,7 +11,8 @@ from gdngen import dispatch, jaxcompat
 from gdngen.compilers.hlo import mosaic_kernels, triton_kernels
 from gdngen.compilers.targets import PLATFORMS, _check_device, compiler_of, target_device
 from gdngen.devices import Device
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 #: the default sequence length of the chunk programs (two chunks of the largest chunk size)
 DEFAULT_T = 256

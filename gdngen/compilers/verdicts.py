@@ -17,7 +17,8 @@ from gdngen.compilers.targets import (
     gpu_target_config,
 )
 from gdngen.devices import Device, get_device
-from gdngen.variant import Problem, Variant, dumps
+from gdngen.problem import Problem
+from gdngen.variant import Variant, dumps
 
 
 def _memo_path():

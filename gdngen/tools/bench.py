@@ -53,7 +53,7 @@ import numpy as np
 from gdngen import worker_protocol
 from gdngen.fileio import atomic_write_text
 from gdngen.flops import chunkwise_flops
-from gdngen.problem import FRAMEWORKS
+from gdngen.shape import FRAMEWORKS
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROW_KEYS = (
@@ -107,14 +107,14 @@ class BenchConfig:
             raise ValueError(f"backend must be 'auto' or one of {known}, got {self.backend!r}")
         if self.matmul_n < 0:
             raise ValueError(f"matmul_n must be >= 0 (0 skips it), got {self.matmul_n}")
-        from gdngen.variant import GATE_KINDS
+        from gdngen.problem import GATE_KINDS
 
         if self.gate not in GATE_KINDS:
             raise ValueError(f"gate must be one of {GATE_KINDS}, got {self.gate!r}")
 
     def problem(self):
-        """The `gdngen.variant.Problem` benchmarked: heads, head dims, dtype and gate kind."""
-        from gdngen.variant import Problem
+        """The `gdngen.problem.Problem` benchmarked: heads, head dims, dtype and gate kind."""
+        from gdngen.problem import Problem
 
         return Problem(self.hk, self.hv, self.dk, self.dv, self.dtype, self.gate)
 

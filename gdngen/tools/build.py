@@ -46,9 +46,10 @@ from pathlib import Path
 
 from gdngen import registry, settings
 from gdngen.fileio import atomic_write_text as write_atomic
+from gdngen.problem import Problem
 from gdngen.render import render
 from gdngen.tolerance import allowed_error
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 __all__ = ["VariantBuild", "build", "normalize_backend", "variant_tolerance", "write_atomic"]
 

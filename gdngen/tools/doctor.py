@@ -258,7 +258,8 @@ class UnreadableVerdict(Exception):
 def read_verdict(path: Path) -> dict:
     """One verdict file as a dict (with ``path``, ``problem_key`` and ``variant_name`` added);
     `UnreadableVerdict` saying why it cannot be read."""
-    from gdngen.variant import Problem, Variant
+    from gdngen.problem import Problem
+    from gdngen.variant import Variant
 
     try:
         data = json.loads(path.read_text())

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from gdngen import cache
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 
 def _parse_study(name: str):

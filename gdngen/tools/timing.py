@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gdngen.precision import PRECISIONS, check_precision, precision_context  # noqa: F401
-from gdngen.problem import FRAMEWORKS, check_framework
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.shape import FRAMEWORKS, check_framework
+from gdngen.variant import Variant
 
 
 def make_inputs(problem: Problem, batch: int, seq_len: int, seed: int = 0) -> dict:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gdngen import cache
+from gdngen.problem import Problem
 from gdngen.registry import default_variant, variants
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 
 def _precision_allowed(variant: Variant, policy: str) -> bool:

@@ -26,9 +26,10 @@ import sys
 import traceback
 
 from gdngen import dispatch, settings, worker_protocol
+from gdngen.problem import Problem
 from gdngen.settings import ENV_TUNER_PID
 from gdngen.tune.memo import summarize_validation
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 RESULT_TAG = "GDNGEN_TRIAL_RESULT "
 

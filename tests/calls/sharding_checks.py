@@ -35,7 +35,8 @@ import gdngen
 from gdngen import prepare, registry, validate
 from gdngen.compilers import COLLECTIVES, collective_bytes
 from gdngen.jax import gated_delta
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 SEQ_SHARDS = 4
 

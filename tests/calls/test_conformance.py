@@ -19,8 +19,9 @@ from generated_kernels import check_entry_point_under_jit, small_call_inputs
 from gdngen import registry, tolerance, validate
 from gdngen.cases import BATTERY, get_case
 from gdngen.devices import DEVICES
-from gdngen.problem import FLOAT_DTYPES, FRAMEWORKS
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.shape import FLOAT_DTYPES, FRAMEWORKS
+from gdngen.variant import Variant
 
 BACKENDS = registry.names()
 #: a shape every backend implements (metal needs head dims that are multiples of 32).

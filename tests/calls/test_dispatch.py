@@ -11,8 +11,9 @@ import pytest
 
 from gdngen import cache, dispatch, registry
 from gdngen.backends import ffi_cpu
-from gdngen.problem import CallShape
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.shape import CallShape
+from gdngen.variant import Variant
 
 UNTUNED = Problem(4, 8, 128, 128)
 

@@ -16,8 +16,8 @@ import gdngen
 import gdngen.jax
 from gdngen import eager, entry, registry
 from gdngen.algebra import reference
+from gdngen.problem import Problem
 from gdngen.validate import relative_error
-from gdngen.variant import Problem
 
 B, T, HK, HV, D = 2, 5, 1, 2, 32
 TOL = 5e-5

@@ -134,7 +134,7 @@ def test_head_dims(fw, dims, path):
     split)."""
     from gdngen import registry
     from gdngen.config import RECURRENT_ALWAYS
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     Dk, Dv = dims
     x = _inputs(T=9, Dk=Dk, Dv=Dv)

@@ -430,7 +430,7 @@ def test_load_tuned_takes_the_layer_input_keywords(fw):
 
 def _fusing_variant(framework, backend, recurrent_below):
     from gdngen import Variant, registry
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     backend = registry.portable(framework) if backend == "portable" else backend
     spec = registry.get(backend)
@@ -535,7 +535,7 @@ def test_metal_fuses_layer_inputs(path, vector, gate):
     from gdngen import Variant, registry
     from gdngen.algebra import reference
     from gdngen.backends import metal
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     Tm, Hkm, Hvm, D = 40, 1, 2, 32
     rng = np.random.default_rng(21)

@@ -13,8 +13,9 @@ import pytest
 from tuned_cache import isolated_cache
 
 from gdngen import cache, dispatch, registry
+from gdngen.problem import Problem
 from gdngen.registry import default_variant
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = Problem(1, 2, 16, 16)

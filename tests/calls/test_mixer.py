@@ -14,8 +14,8 @@ import pytest
 
 from gdngen import registry, settings
 from gdngen.algebra import mixer as stages
+from gdngen.problem import Problem
 from gdngen.validate import relative_error
-from gdngen.variant import Problem
 
 #: B, T, Hk, Hv, Dk, Dv, K: GVA 2x, Dk != Dv (metal: multiples of 32), T not a multiple of
 #: the chunk

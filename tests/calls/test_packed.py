@@ -12,7 +12,7 @@ from gdngen import registry, validate
 from gdngen.algebra import packed, reference
 from gdngen.backends import fallback
 from gdngen.cases import get_case
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 T, HK, HV, DK, DV = 70, 1, 2, 16, 16
 OFFSETS = np.array([0, 5, 5, 33, 64, 70], np.int32)
@@ -287,7 +287,7 @@ def test_packed_paths_of_generated_backends():
     from gdngen import registry
     from gdngen.entry import load_tuned
     from gdngen.jax import gated_delta
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     arrays = _f32("jax", _inputs(4))
     cu = jnp.asarray(OFFSETS)

@@ -19,7 +19,7 @@ import pytest
 from gdngen import registry, settings, validate
 from gdngen.cases import get_case
 from gdngen.config import RECURRENT_ALWAYS
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 CASES = {"scalar": "short_masked", "vector": "vector_short_masked"}
 #: (backend, gate) pairs behind the slow marker: each compiles the per-channel chunk VJP on JAX

@@ -11,8 +11,8 @@ from slow import marked
 
 from gdngen import registry, settings
 from gdngen.algebra import reference
+from gdngen.problem import Problem
 from gdngen.validate import relative_error
-from gdngen.variant import Problem
 
 B, T, HK, HV, DK, DV = 2, 6, 1, 3, 32, 32
 TOL = 5e-5

@@ -12,8 +12,8 @@ from framework_arrays import dtype, entry
 
 from gdngen import registry
 from gdngen.algebra import reference
+from gdngen.problem import Problem
 from gdngen.validate import relative_error
-from gdngen.variant import Problem
 
 HK, HV, DK, DV, P = 1, 2, 32, 32, 6
 TOL = 5e-5

@@ -53,7 +53,8 @@ from gdngen.backends.ffi_cpu.kernels import (
     recurrent_rows,
 )
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs, kernel_parameters
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 #: this package's names: its own and those of the modules it is made of
 __all__ = [

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 BACKEND = "ffi_cpu"
 CHUNK_SIZES = (32, 64, 128)

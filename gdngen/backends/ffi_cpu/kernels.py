@@ -17,7 +17,8 @@ from gdngen import jaxcompat, settings
 from gdngen.algebra import chunkwise_channel
 from gdngen.backends.ffi_cpu.config import BACKEND, padded
 from gdngen.backends.kernel_inputs import KernelInputs
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 TEMPLATE = "ffi_cpu/gated_delta.cc.j2"
 SOURCE_NAME = "gated_delta.cc"

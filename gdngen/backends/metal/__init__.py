@@ -151,7 +151,7 @@ from gdngen.backends.metal.plan import (
     steps_plan,
 )
 from gdngen.backends.metal.vjp import ChannelWalks
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 #: this package's names: its own and those of its role modules re-exported (`default_launcher`
 #: is read from `gdngen.backends.metal.launch` when called: patch it there)

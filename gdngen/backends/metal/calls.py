@@ -13,7 +13,8 @@ from gdngen.backends.metal import launch
 from gdngen.backends.metal.config import adapt
 from gdngen.backends.metal.plan import recurrent_plan, steps_plan
 from gdngen.backends.metal.vjp import ChannelWalks, dense_core, packed_core
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,

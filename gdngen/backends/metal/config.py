@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from gdngen.backend import parse_variant
 from gdngen.config import VECTOR_CHUNK, VariantConfig, recurrent_switch
 from gdngen.devices import KiB
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 BACKEND = "metal"
 CHUNK_SIZES = (16, 32, 64)

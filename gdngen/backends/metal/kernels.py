@@ -9,7 +9,8 @@ import functools
 from gdngen import settings
 from gdngen.backends.kernel_inputs import KernelInputs
 from gdngen.backends.metal.config import CHANNEL_BLOCK, CHANNEL_KERNELS, adapt, intra_tile, parse
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 
 def _context(variant: Variant, problem: Problem) -> dict:

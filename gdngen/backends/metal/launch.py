@@ -24,8 +24,9 @@ from gdngen.backends.metal.plan import (
     recurrent_plan,
     steps_plan,
 )
-from gdngen.problem import dtype_name
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.shape import dtype_name
+from gdngen.variant import Variant
 
 
 class MLXLauncher:

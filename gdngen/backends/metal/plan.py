@@ -20,7 +20,8 @@ from gdngen.backends.metal.kernels import (
     render_packed,
     render_steps,
 )
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 
 @dataclass(frozen=True)

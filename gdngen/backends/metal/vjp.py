@@ -21,7 +21,8 @@ from gdngen.backends.metal.plan import (
     launch_plan,
     packed_launch_plan,
 )
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 
 @dataclass(frozen=True)

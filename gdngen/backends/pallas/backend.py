@@ -14,7 +14,7 @@ from gdngen.algebra import chunkwise, layer_inputs
 from gdngen.backend import Backend
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
 from gdngen.backends.pallas.core import exec_module, fused_gate_operands, jit_pair
-from gdngen.variant import Problem
+from gdngen.problem import Problem
 
 #: ``jit_pair`` statics of a kernel taking a scale
 SCALED = ("scale", "interpret")

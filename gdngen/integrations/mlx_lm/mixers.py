@@ -13,7 +13,7 @@ from gdngen import mlx as gdngen_mlx
 from gdngen.integrations.mlx_lm import rewind as rewind_mod
 from gdngen.integrations.mlx_lm import route
 from gdngen.integrations.mlx_lm.update import _training_variant
-from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM, CallShape, dtype_name
+from gdngen.shape import MAX_HEAD_DIM, MIN_HEAD_DIM, CallShape, dtype_name
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import numpy as np
 from gdngen import mlx as gdngen_mlx
 from gdngen import prepare
 from gdngen.algebra import layer_inputs
-from gdngen.problem import MAX_HEAD_DIM, MIN_HEAD_DIM, CallShape, dtype_name
+from gdngen.shape import MAX_HEAD_DIM, MIN_HEAD_DIM, CallShape, dtype_name
 
 
 def log_decay(A_log, a, dt_bias, lower_bound=None):

@@ -50,8 +50,8 @@ def build(backend, problem, out_dir, templates_dir, variant_jsons, case_names, s
     """Enumerate, render, write and validate a backend's variants (with --compile, also
     compile them for --device); exit 1 if any fails."""
     from gdngen import cases as cases_mod
+    from gdngen.problem import Problem
     from gdngen.tools import build as build_mod
-    from gdngen.variant import Problem
 
     try:
         backend = build_mod.normalize_backend(backend)

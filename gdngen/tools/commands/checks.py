@@ -81,8 +81,8 @@ def validate(backend, device, variant_json, problem, dtype, case_names, seed, ch
 
 def _validate_attached(device: str, problem_spec: str | None, dtype: str, as_json: bool):
     from gdngen import devices, firstuse
+    from gdngen.problem import Problem
     from gdngen.tables import render_table
-    from gdngen.variant import Problem
 
     if device != "attached":
         raise click.BadParameter(f"expected 'attached', got {device!r}", param_hint="--device")

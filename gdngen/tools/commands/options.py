@@ -7,7 +7,7 @@ import json
 
 import click
 
-from gdngen.variant import GATE_KINDS
+from gdngen.problem import GATE_KINDS
 
 DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
 
@@ -26,8 +26,9 @@ def backend_names(names) -> list[str]:
 def parse_variant(backend: str, variant_json: str | None, problem: str | None):
     """The `Variant` named by ``--variant`` (a JSON params object) or, failing that, the default
     variant of ``--problem`` (default Hk=2,Hv=4,Dk=128,Dv=128)."""
+    from gdngen.problem import Problem
     from gdngen.registry import check_variant, default_variant
-    from gdngen.variant import Problem, Variant
+    from gdngen.variant import Variant
 
     try:
         if variant_json is not None:

@@ -66,7 +66,7 @@ def tune(device, models, heads, dim, gate, dtype, seq, batch, precision, framewo
     from gdngen import devices, presets
     from gdngen import tune as tune_mod
     from gdngen.cases import BATTERY
-    from gdngen.variant import Problem
+    from gdngen.problem import Problem
 
     tune_mod.load_plugins()
     try:

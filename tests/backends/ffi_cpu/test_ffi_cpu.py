@@ -18,9 +18,10 @@ import jax.numpy as jnp
 from gdngen import settings, validate
 from gdngen.backends import ffi_cpu
 from gdngen.cases import Case
+from gdngen.problem import Problem
 from gdngen.registry import default_variant, variants
 from gdngen.render import render
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
                                 reason="the ffi_cpu backend needs a C++ compiler (g++ or $CXX)")

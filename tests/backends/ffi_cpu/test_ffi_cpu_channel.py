@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from gdngen import validate
 from gdngen.backends import ffi_cpu
 from gdngen.cases import BATTERY, Case
+from gdngen.problem import Problem
 from gdngen.render import render
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
                                 reason="the ffi_cpu backend needs a C++ compiler (g++ or $CXX)")

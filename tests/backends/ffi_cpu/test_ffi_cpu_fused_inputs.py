@@ -23,8 +23,9 @@ from gdngen import sources
 from gdngen.algebra import chunkwise, layer_inputs, reference
 from gdngen.backends import ffi_cpu
 from gdngen.backends.kernel_inputs import KernelInputs
+from gdngen.problem import Problem
 from gdngen.validate import relative_error
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
                                 reason="the ffi_cpu backend needs a C++ compiler (g++ or $CXX)")

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from gdngen import validate
 from gdngen.algebra import reference
 from gdngen.backends import ffi_cpu
+from gdngen.problem import Problem
 from gdngen.render import render
-from gdngen.variant import Problem, Variant
+from gdngen.variant import Variant
 
 pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
                                 reason="the ffi_cpu backend needs a C++ compiler (g++ or $CXX)")

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from gdngen import settings
 from gdngen.backends.pallas.backend import PallasBackend
 from gdngen.config import VariantConfig, recurrent_switch
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 BACKEND = "pallas_gpu"
 CHUNK_SIZES = (16, 32, 64)

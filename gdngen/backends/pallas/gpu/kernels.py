@@ -11,7 +11,8 @@ from gdngen import jaxcompat, settings
 from gdngen.backends.pallas.backend import SCALED
 from gdngen.backends.pallas.core import fused_gate_specs, jit_pair
 from gdngen.backends.pallas.gpu.config import BACKEND, ENV_INTERPRET, GPUPlanning
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 #: the loaded builds (`gdngen.backends.pallas.backend.PallasBackend.load_kernels`), by (sha256,
 #: interpret mode)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from gdngen.backends.pallas.backend import PallasBackend
 from gdngen.config import VariantConfig, recurrent_switch
 from gdngen.devices import MiB
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 BACKEND = "pallas_tpu"
 CHUNK_SIZES = (32, 64, 128)

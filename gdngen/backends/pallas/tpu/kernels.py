@@ -16,7 +16,8 @@ from gdngen.backends.pallas.tpu.config import (
     _padded_bytes,
     _vmem_limit,
 )
-from gdngen.variant import Problem, Variant
+from gdngen.problem import Problem
+from gdngen.variant import Variant
 
 #: the loaded builds (`gdngen.backends.pallas.backend.PallasBackend.load_kernels`), by (sha256,
 #: interpret parameters)
