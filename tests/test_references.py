@@ -1,7 +1,6 @@
 """Every dotted ``gdngen.*`` name in the package's code and docstrings, the README and docs/
-names something that exists (a module, or an attribute or dataclass field of one), so a rename
-cannot leave a stale reference behind. The templates' rendered comments are not scanned yet:
-their text is part of each variant's sha256 (tuned entries would retire)."""
+and the kernel templates names something that exists (a module, or an attribute or dataclass
+field of one), so a rename cannot leave a stale reference behind."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ REFERENCE = re.compile(r"(?<![\w.\-/])gdngen(?:\.[A-Za-z_]\w*)+")
 
 
 def scanned() -> list[Path]:
-    return sorted([*ROOT.glob("gdngen/**/*.py"), ROOT / "README.md", *ROOT.glob("docs/*.md")])
+    return sorted([*ROOT.glob("gdngen/**/*.py"), *ROOT.glob("gdngen/**/*.j2"),
+                   ROOT / "README.md", *ROOT.glob("docs/*.md")])
 
 
 def resolves(reference: str) -> bool:
