@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from types import ModuleType
 
+from gdngen.integrations._rebind import rebind, restore
 from gdngen.integrations.maxtext import rule
 
 SUPPORTED_MAXTEXT = ">=0.2.5,<0.3"
@@ -99,11 +100,8 @@ def patch(*, chunk_size: int | None = None, device: str | None = None,
     if rule._ACTIVE is None:
         rule._ACTIVE = rule._Patch(original, tuned, chunk_size)
     rule._ACTIVE.tuned, rule._ACTIVE.chunk_size = tuned, chunk_size
-    for module in _maxtext_modules():
-        for name, value in list(vars(module).items()):
-            if value is original:
-                setattr(module, name, rule.gdngen_chunk_gated_delta_rule)
-                rule._ACTIVE.replaced.append((module, name))
+    rule._ACTIVE.replaced += rebind(_maxtext_modules(), original,
+                                    rule.gdngen_chunk_gated_delta_rule)
     return patched_modules()
 
 
@@ -111,8 +109,7 @@ def unpatch() -> None:
     """Put MaxText's original function back wherever `patch` replaced it; no-op if unpatched."""
     if rule._ACTIVE is None:
         return
-    for module, name in rule._ACTIVE.replaced:
-        setattr(module, name, rule._ACTIVE.original)
+    restore(rule._ACTIVE.replaced, rule._ACTIVE.original)
     rule._ACTIVE = None
 
 

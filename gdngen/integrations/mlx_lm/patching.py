@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator
 from types import ModuleType
 
+from gdngen.integrations._rebind import rebind, restore
 from gdngen.integrations.mlx_lm import mixers, rewind, route
 
 SUPPORTED_MLX_LM = ">=0.32,<0.33"
@@ -142,11 +143,8 @@ def patch(*, inference: bool = False, chunk_size: int | None = None,
     route._ACTIVE.inference, route._ACTIVE.chunk_size = bool(inference), chunk_size
     route._ACTIVE.mixer = bool(mixer)
     _patch_layers(route._ACTIVE)
-    for module in _modules_to_scan():
-        for name, value in list(vars(module).items()):
-            if value is original:
-                setattr(module, name, route._routed_gated_delta_update)
-                route._ACTIVE.replaced.append((module, name))
+    route._ACTIVE.replaced += rebind(_modules_to_scan(), original,
+                                     route._routed_gated_delta_update)
     return patched_modules()
 
 
@@ -154,8 +152,7 @@ def unpatch() -> None:
     """Put mlx-lm's original function back wherever `patch` replaced it; no-op if unpatched."""
     if route._ACTIVE is None:
         return
-    for module, name in route._ACTIVE.replaced:
-        setattr(module, name, route._ACTIVE.original)
+    restore(route._ACTIVE.replaced, route._ACTIVE.original)
     for cls, original in route._ACTIVE.layers:
         cls.__call__ = original
     for cls, original in route._ACTIVE.caches:
