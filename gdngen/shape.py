@@ -31,8 +31,8 @@ class CallShape:
     Dk: int
     Dv: int
     vector_gate: bool
-    #: N, the number of packed sequences of a ``cu_seqlens`` call (`gdngen.algebra.packed`), else
-    # None
+    #: N, the number of packed sequences of a ``cu_seqlens`` call (`gdngen.algebra.packed`),
+    #: else None
     sequences: int | None = None
 
     @property
