@@ -3,7 +3,7 @@
 Outside any JAX transformation the body of a call would run op by op, each jnp op dispatched
 from Python: at decode lengths that is ~25 ms a call on a CPU against ~0.3 ms for the same
 call under ``jax.jit`` (``benchmarks/bench_decode_step.py``). The entry body
-(`gdngen.entry.gated_delta`) binds the call and chooses its variant in Python, as for any call
+(`gdngen.entry.body`) binds the call and chooses its variant in Python, as for any call
 (so a new tuned entry is picked up on the next call: the variant is part of the key), then
 `run` runs the rest as one ``jax.jit``, built once per function and static arguments (the bound
 `gdngen.call.Call`, the options with the chosen variant, device, precision); jit's own cache

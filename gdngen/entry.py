@@ -1,7 +1,7 @@
-"""The one entry body of ``gated_delta``: `Options`, `bind`, `gated_delta`, and `load_tuned`.
+"""The one entry body of ``gated_delta``: `Options`, `bind`, `body`, and `load_tuned`.
 
 ``gdngen.jax.gated_delta``, ``gdngen.mlx.gated_delta``, ``load_tuned()``'s callable (and its
-``explain``) and the mixer's recurrence all run `gated_delta` here:
+``explain``) and the mixer's recurrence all run `body` here:
 
 1. `bind`: the arrays and every option checked once (`gdngen.call.check`, the pool and state
    storage, the variant), remembered per shapes, dtypes and `Options`;
@@ -27,7 +27,7 @@ from gdngen import dispatch, prepare, registry, state_pool
 from gdngen.call import Call, Operands, check
 from gdngen.shape import check_framework, dtype_name
 
-__all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "gated_delta",
+__all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "body",
            "load_tuned", "run"]
 
 #: the array arguments of ``gated_delta``, in its signature's order
@@ -173,7 +173,7 @@ def _check_pool(framework: str, call: Call, pool, state_indices, written=None) -
 # ------------------------------------------------------------------------------ the body
 
 
-def gated_delta(framework: str, arrays: dict, options: Options, *, device: str | None = None,
+def body(framework: str, arrays: dict, options: Options, *, device: str | None = None,
                 precision: str | None = None):
     """``(y, final_state)`` of one ``gated_delta`` call (``arrays`` by name, `ARRAYS`).
     ``device`` / ``precision``: the tuned entries to look up (default: the attached device,
@@ -253,7 +253,7 @@ def placed(call: Call, operands: Operands, variant=None, device: str | None = No
 class TunedGatedDelta:
     """``gated_delta`` for one framework, device and precision policy: per call, the tuned
     variant of the call's shape class and T bucket (else the default variant), through the
-    one entry body (`gated_delta`: pools, sharding and every option as the plain call)."""
+    one entry body (`body`: pools, sharding and every option as the plain call)."""
 
     def __init__(self, framework: str, device: str, precision: str):
         self.framework, self.device, self.precision = framework, device, precision
@@ -265,7 +265,7 @@ class TunedGatedDelta:
     def __call__(self, q, k, v, g, beta, initial_state=None, **options):
         """Same contract as `gdngen.jax.gated_delta` / `gdngen.mlx.gated_delta`."""
         arrays, options = _split_call(q, k, v, g, beta, initial_state, options)
-        return gated_delta(self.framework, arrays, options, device=self.device,
+        return body(self.framework, arrays, options, device=self.device,
                            precision=self.precision)
 
     def explain(self, q, k, v, g, beta, initial_state=None, **options) -> dispatch.Choice:

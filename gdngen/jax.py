@@ -72,10 +72,10 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
     Called eagerly (no argument traced, no ``context_axis``), the call runs as one compiled step
     (`gdngen.eager`): checked and dispatched in Python as always, then one cached ``jax.jit``.
-    The body is `gdngen.entry.gated_delta`, as for ``load_tuned()``'s callable.
+    The body is `gdngen.entry.body`, as for ``load_tuned()``'s callable.
     """
     arrays, options = Options.split(locals())
-    return entry.gated_delta("jax", arrays, options)
+    return entry.body("jax", arrays, options)
 
 
 def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,

@@ -42,7 +42,7 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     ``checkpoint_every``.
     """
     arrays, options = Options.split(locals())
-    return entry.gated_delta("mlx", arrays, options)
+    return entry.body("mlx", arrays, options)
 
 
 def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,

@@ -369,7 +369,7 @@ def _chunk_parameters(x, Hk, r, vector_gate):
     return x.reshape((Hk, r, 1) + tuple(x.shape[1:]) if vector_gate else (Hk, r, 1))
 
 
-def gated_delta(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
+def whole_sequence(xp, core, q, k, v, g, beta, initial_state, mask, *, scale, gate, chunk_size,
                 entering=False):
     """Whole-sequence chunkwise gated delta, scalar or per-channel gates
     (`gdngen.algebra.kinds.stages`); float32 arrays, shapes as the API.

@@ -40,7 +40,7 @@ import numpy as np
 
 from gdngen.algebra import chunkwise, layer_inputs, recurrent
 
-__all__ = ["cu_seqlens_from_segment_ids", "gated_delta"]
+__all__ = ["cu_seqlens_from_segment_ids", "packed_row"]
 
 
 def cu_seqlens_from_segment_ids(segment_ids) -> np.ndarray:
@@ -168,7 +168,7 @@ def _windows(xp, dense, scale, begin, end, T, C, q, k, v, g, beta, mask, S0, *, 
             m.take(m.concatenate([S for _, _, S in parts], axis=0), order, axis=0))
 
 
-def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
+def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
                 gate, chunk_size):
     """Packed-row gated delta (module docstring); q ``[1, T, Hk, Dk]`` etc. float32,
     ``initial_state [N, Hv, Dv, Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]`` (checked by the
@@ -234,7 +234,7 @@ def gated_delta(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqle
 
 
 def chunk_injection(xp, inject, shape):
-    """The per-chunk ``[N_chunks, Hv, Dv, Dk]`` of `gated_delta`'s ``inject`` pair (zeros where
+    """The per-chunk ``[N_chunks, Hv, Dv, Dk]`` of `packed_row`'s ``inject`` pair (zeros where
     no state is injected; None: all zeros)."""
     if inject is None:
         return xp.zeros(shape)
@@ -244,7 +244,7 @@ def chunk_injection(xp, inject, shape):
 
 
 def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
-    """The ``walk`` of `gated_delta` over a chunk-layout ``packed_core(q, k, v, gates, beta,
+    """The ``walk`` of `packed_row` over a chunk-layout ``packed_core(q, k, v, gates, beta,
     inject) -> (Y, S_in)`` (`gdngen.algebra.chunkwise.forward` with ``inject`` from a zero state),
     or,
     ``extracts``, ``packed_core(q, k, v, gates, beta, inject, chunk, row) -> (Y, S_end)``
@@ -273,5 +273,5 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
         Y, S_end = packed_core(*arrays, chunk, xp.where(last >= 0, last - chunk * C, -1))
         return chunkwise.from_chunks(Y, T), None, S_end.reshape((last.shape[0], Hv, Dv, Dk))
 
-    walk.scale = scale  # `gated_delta` runs short first windows' recurrence at the same scale
+    walk.scale = scale  # `packed_row` runs short first windows' recurrence at the same scale
     return walk

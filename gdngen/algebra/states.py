@@ -33,7 +33,7 @@ RETURN_STATES = ("final", "steps", "chunks")
 
 def entering_core(xp, gate: str, *, solve_block: int = 8, walk=None):
     """``core(q, k, v, gates, beta, S0) -> (Y, S_final, S_in)`` in chunk layout (the
-    ``entering`` core of `gdngen.algebra.chunkwise.gated_delta`): the chunk stages of the gates'
+    ``entering`` core of `gdngen.algebra.chunkwise.whole_sequence`): the chunk stages of the gates'
     kind (`gdngen.algebra.kinds.stages`), ``S_in`` their first residual. ``walk``
     (per-channel gates only): a backend's kernel in place of the sequential stage
     (`gdngen.algebra.chunkwise_channel.walk_forward`'s contract)."""

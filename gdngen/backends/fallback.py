@@ -70,7 +70,7 @@ def chunks(call, operands, params):
     core = states.entering_core(module.XP, call.decay,
                                 solve_block=int(params.get("solve_block", 8)))
     with module.FLOAT32_MATMULS:
-        y, final, entering = chunkwise.gated_delta(
+        y, final, entering = chunkwise.whole_sequence(
             module.XP, core, q, k, v, g, beta, initial_state, mask, scale=call.scale,
             gate=call.decay, chunk_size=C, entering=True)
     return y.astype(operands.q.dtype), states.boundary_states(module.XP, entering, final, m)

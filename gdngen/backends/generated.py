@@ -78,7 +78,7 @@ def kernel_chunks(call, operands, chunk_size: int, chunk_forward):
 
 def entering_forward(call, chunk_size: int, core, *, core_scales: bool):
     """A `kernel_chunks` ``chunk_forward`` from ``core(q, k, v, log_gates, beta, S0) -> (Y,
-    S_final, S_in)`` in the chunk layout of `gdngen.algebra.chunkwise.gated_delta` (its
+    S_final, S_in)`` in the chunk layout of `gdngen.algebra.chunkwise.whole_sequence` (its
     ``entering`` core; S_in ``[N, B, Hk, r, Dv, Dk]``), which lays the call out in chunks
     around it. ``core_scales``: the core's kernels apply ``call.scale`` themselves."""
     ops = importlib.import_module(PORTABLE_OPS[call.framework])
@@ -86,7 +86,7 @@ def entering_forward(call, chunk_size: int, core, *, core_scales: bool):
 
     def chunk_forward(q, k, v, log_g, beta, S0):
         with ops.FLOAT32_MATMULS:
-            return chunkwise.gated_delta(ops.XP, core, q, k, v, log_g, beta, S0, None,
+            return chunkwise.whole_sequence(ops.XP, core, q, k, v, log_g, beta, S0, None,
                                          scale=scale, gate="log", chunk_size=chunk_size,
                                          entering=True)
 

@@ -274,7 +274,7 @@ class FfiCpu(Backend):
 
         f32 = jnp.float32
         q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
-        y, state = packed.gated_delta(
+        y, state = packed.packed_row(
             XP, dense, vjp.packed_walk(walk_kernels.sha256, gate, scale, poison),
             *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,

@@ -105,7 +105,7 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
 @functools.cache
 def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
-    `gdngen.algebra.packed.gated_delta` on the packed kernels ``sha256`` (B = 1, API layout,
+    `gdngen.algebra.packed.packed_row` on the packed kernels ``sha256`` (B = 1, API layout,
     float32): ``inject`` None or ``(states [n_seq, Hv, Dv, Dk], at [N] int32)``, the state
     injected at each chunk's end; ``last`` int32 ``[n_seq]`` each sequence's last step, -1 for
     an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state after it (not written for an empty

@@ -7,7 +7,7 @@ launches (kernel, grid, threadgroup, template args, buffers, output shapes) of t
 the backward; the same plan runs on an Apple GPU through MLX (`MLXLauncher`) or, anywhere, in
 `gdngen.backends.metal.sim` (`SimLauncher`), so the simulated path is the shipped path.
 
-Around the kernels everything is `gdngen.algebra.chunkwise`: ``chunkwise.gated_delta`` folds the
+Around the kernels everything is `gdngen.algebra.chunkwise`: ``chunkwise.whole_sequence`` folds the
 mask, pads T and lays the sequence out in chunks, and the O(C^2) gate epilogue is
 ``chunkwise.decay_factors_{log,linear}_vjp`` in mx ops on the dD the kernels produce.
 

@@ -156,7 +156,7 @@ def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher
 
     def chunkwise_call(q, k, v, g, beta, s0, mask=None):
         # The scale is applied inside the kernels (in float32), so the layout glue runs with 1.
-        y, state = chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, s0, mask,
+        y, state = chunkwise.whole_sequence(XP, core_outputs, q, k, v, g, beta, s0, mask,
                                          scale=1.0, gate=gate, chunk_size=variant["chunk_size"])
         return y.astype(q.dtype), state
 
@@ -239,7 +239,7 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     walk = packed.chunk_walk(XP, lambda *a: walk_core(*a)[:2], scale=scale, gate=gate,
                              chunk_size=variant["chunk_size"])
     f32 = mx.float32
-    y, state = packed.gated_delta(
+    y, state = packed.packed_row(
         XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
         gate=gate, chunk_size=variant["chunk_size"])

@@ -110,7 +110,7 @@ def _input_grads(env: dict, primals, gate: str) -> tuple:
 @functools.lru_cache(maxsize=128)
 def dense_core(variant: Variant, problem: Problem, gate, scale: float, launcher,
           templates=None, qk_norm=False):
-    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.algebra.chunkwise.gated_delta`
+    """``mx.custom_function`` over chunk-layout arrays (as `gdngen.algebra.chunkwise.whole_sequence`
     passes them) -> ``(Y, S_final, *saved)``, the Metal backward kernels as its VJP. ``templates``:
     a template override folder (default ``GDNGEN_TEMPLATES`` when the plan is made).
 

@@ -263,7 +263,7 @@ class PallasBackend(Backend):
 
     def chunk_forward(self, call, operands, variant, templates_dir=None):
         """A dense `gdngen.call.Call` on the scalar chunk kernels through
-        `gdngen.algebra.chunkwise.gated_delta` with `chunk_core` (the fused build's forward where
+        `gdngen.algebra.chunkwise.whole_sequence` with `chunk_core` (the fused build's forward where
         ``call`` has layer inputs): ``(y [B, T, Hv, Dv] in q's dtype, final_state float32)``."""
         import jax.numpy as jnp
 
@@ -284,7 +284,7 @@ class PallasBackend(Backend):
             initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
         core = self.chunk_core((kernels.sha256, kernels.interpret), gate, call.scale,
                                call.qk_norm, fused_key)
-        y, state = chunkwise.gated_delta(
+        y, state = chunkwise.whole_sequence(
             XP, core, q, k.astype(q.dtype), v.astype(q.dtype),
             layer_inputs.cast_gates(operands.kernel_gates(), f32), beta.astype(f32),
             initial_state.astype(f32), mask, scale=1.0, gate=gate,
@@ -376,7 +376,7 @@ class PallasBackend(Backend):
                                  scale=call.scale, gate=gate, chunk_size=chunk)
         f32 = jnp.float32
         q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
-        y, state = packed.gated_delta(
+        y, state = packed.packed_row(
             XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
             gate=gate, chunk_size=chunk)

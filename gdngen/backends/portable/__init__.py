@@ -30,15 +30,8 @@ SOLVE_BLOCKS = (4, 8, 16, 32)
 #: mantissa bits, bfloat16 7); the chunk core itself always traces its matmuls at float32.
 TOLERANCES = {"ieee": 5e-5, "tf32": 1e-2, "bf16": 2e-2}
 
-#: untuned crossover T per portable backend and gate kind (`gdngen.config.recurrent_switch`),
-#: measured on the 2-core AVX2 development host at the Qwen3-Next head shape (B=1, Hk=16, Hv=32,
-#: D=128), the forward with a state, the default variant's chunk path (a short call in one
-#: chunk of its own length, `short_chunk`) against the step loop: xla's ``lax.scan`` loses from
-#: T=4 (13.1 vs 10.6 ms; 2.7 vs 9.9 at T=1); mlx (the loop's products as split sums,
-#: `gdngen.backends.portable.mlx_chunkwise.XP.dot_last`), scalar gates: the loop wins through T=128
-#: (T=1 2.0 vs 2.6 ms, T=16 15 vs 17, T=64 62 vs 85, T=128 218 vs 255) and loses at T=256 (404
-#: vs 355); per-channel gates: the loop wins through T=256 (T=16 17 vs 23 ms, T=128 135 vs
-#: 191, T=256 287 vs 384), the switch kept at the longest T measured
+#: untuned crossover T per portable backend and gate kind (`gdngen.config.recurrent_switch`);
+#: how they were measured: docs/DECODE.md, "Untuned defaults"
 RECURRENT_BELOW = {"xla": {"scalar": 4, "vector": 4}, "mlx": {"scalar": 256, "vector": 256}}
 
 @dataclass(frozen=True)
@@ -94,7 +87,7 @@ class PortableBackend(Backend):
         return importlib.import_module(self.ops)
 
     def forward(self, call, operands, variant, **options):
-        return gated_delta(self.module, call, operands, self.parse(variant),
+        return run_call(self.module, call, operands, self.parse(variant),
                            self.chunked(call, variant))
 
     def packed_params(self, variant, vector_gate: bool) -> dict:
@@ -127,14 +120,13 @@ def short_chunk(T: int, chunk_size: int) -> int:
     """The chunk a call of T steps runs: a call shorter than the variant's chunk is one chunk
     of its own length (rounded up to a multiple of `SUB_CHUNK` past it, so per-channel
     sub-chunks stay whole) instead of a chunk padded with identity steps; the algebra is the
-    same at any C. Measured (MLX CPU, Qwen3-Next heads, forward with a state): T=16 19 ms in a
-    chunk of 16 against 150 ms padded to 64, T=4 5.9 ms against 137 ms."""
+    same at any C (docs/DECODE.md, "Untuned defaults")."""
     if T >= chunk_size:
         return chunk_size
     return T if T <= SUB_CHUNK else min(chunk_size, -(-T // SUB_CHUNK) * SUB_CHUNK)
 
 
-def gated_delta(ops, call, operands, config, chunked: bool):
+def run_call(ops, call, operands, config, chunked: bool):
     """Whole-call body of a portable backend over its framework module ``ops`` (with
     ``FLOAT32``, ``XP``, ``zeros``, ``chunkwise_gated_delta``, ``recurrent_gated_delta`` and
     ``recurrent_or_chunkwise``) for a checked `gdngen.call.Call`: float32 inputs, zero initial

@@ -23,7 +23,7 @@ from gdngen.algebra import (
     recurrent,
 )
 
-#: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
+#: the float32 dtype and zeros of this framework (`gdngen.backends.portable.run_call`)
 FLOAT32 = jnp.float32
 zeros = jnp.zeros
 
@@ -234,7 +234,7 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
     def core(*arrays):
         return chunk_core(*arrays, gate, solve_block, save_states, qk_scale, walks)
 
-    return chunkwise.gated_delta(XP, core, q, k, v, g, beta, initial_state, mask,
+    return chunkwise.whole_sequence(XP, core, q, k, v, g, beta, initial_state, mask,
                                  scale=1.0 if qk_norm else scale, gate=gate,
                                  chunk_size=chunk_size)
 
@@ -251,7 +251,7 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
         return chunk_core(*arrays, gate, solve_block, save_states)
 
     def dense(q, k, v, g, beta, S0, mask):
-        return chunkwise.gated_delta(XP, core, q, k, v, g, beta, S0, mask, scale=scale,
+        return chunkwise.whole_sequence(XP, core, q, k, v, g, beta, S0, mask, scale=scale,
                                      gate=gate, chunk_size=chunk_size)
 
     if g.ndim == 3:
@@ -263,7 +263,7 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
 
     walk = packed.chunk_walk(XP, walk_core, scale=scale, gate=gate, chunk_size=chunk_size,
                              extracts=g.ndim == 3)
-    return packed.gated_delta(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
+    return packed.packed_row(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
                               cu_seqlens, gate=gate, chunk_size=chunk_size)
 
 

@@ -26,7 +26,7 @@ from gdngen.algebra import (
 #: MLX's matmuls are float32 at every precision policy: nothing to set around them
 FLOAT32_MATMULS = contextlib.nullcontext()
 
-#: the float32 dtype and zeros of this framework (`gdngen.backends.portable.gated_delta`)
+#: the float32 dtype and zeros of this framework (`gdngen.backends.portable.run_call`)
 FLOAT32 = mx.float32
 zeros = mx.zeros
 
@@ -222,12 +222,12 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
     walk_core = (packed_scalar_core if extracts else packed_core)(gate, solve_block, save_states)
 
     def dense(q, k, v, g, beta, S0, mask):
-        return chunkwise.gated_delta(XP, lambda *a: core(*a)[:2], q, k, v, g, beta, S0, mask,
+        return chunkwise.whole_sequence(XP, lambda *a: core(*a)[:2], q, k, v, g, beta, S0, mask,
                                      scale=scale, gate=gate, chunk_size=chunk_size)
 
     walk = packed.chunk_walk(XP, lambda *a: walk_core(*a)[:2], scale=scale, gate=gate,
                              chunk_size=chunk_size, extracts=extracts)
-    return packed.gated_delta(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
+    return packed.packed_row(XP, dense, walk, q, k, v, g, beta, initial_state, mask,
                               cu_seqlens, gate=gate, chunk_size=chunk_size)
 
 
@@ -246,7 +246,7 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
         Y, S_final, *_ = core(*arrays)
         return Y, S_final
 
-    return chunkwise.gated_delta(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
+    return chunkwise.whole_sequence(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
                                  scale=1.0 if qk_norm else scale, gate=gate,
                                  chunk_size=chunk_size)
 

@@ -207,7 +207,7 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
 @functools.cache
 def entering_core(key: tuple, scale: float):
     """``core(q, k, v, log_gates, beta, S0) -> (Y, S_final, S_in)`` in the chunk layout of
-    `gdngen.algebra.chunkwise.gated_delta` (its ``entering`` core; S_in ``[N, B, Hk, r, Dv,
+    `gdngen.algebra.chunkwise.whole_sequence` (its ``entering`` core; S_in ``[N, B, Hk, r, Dv,
     Dk]``) on the loaded ``save_states`` kernels ``key`` (sha256, interpret): one forward kernel
     call, its saved entering states returned. Forward only (`PallasBackend.chunks` takes the
     portable VJP)."""
