@@ -116,7 +116,7 @@ def test_registry_import_pulls_in_no_framework():
     import sys
 
     code = ("import sys; from gdngen import registry\n"
-            "from gdngen.variant import Problem\n"
+            "from gdngen.problem import Problem\n"
             "p = Problem(2, 4, 64, 64)\n"
             "[registry.variants(n, p) for n in registry.names()]\n"
             "print(sorted(m for m in ('jax', 'mlx') if m in sys.modules))")

@@ -18,7 +18,7 @@ import pytest
 from spies import spy_calls
 
 from gdngen import Problem, Variant, registry, sources
-from gdngen.algebra import chunkwise, layer_inputs, reference
+from gdngen.algebra import layer_inputs, recurrent, reference
 from gdngen.backends import metal
 from gdngen.backends.kernel_inputs import QK_NORM_EPS, KernelInputs
 from gdngen.backends.metal import launch as metal_launch
@@ -299,7 +299,8 @@ def _spied_forward(monkeypatch, vector, path):
     x = _inputs(name, T)
     arrays = {n: mx.array(v.astype(np.float32)) for n, v in x.items() if n != "mask"}
     arrays["mask"] = mx.array(x["mask"])
-    ran = spy_calls(monkeypatch, chunkwise, ["l2_normalize", "linear_decay"])
+    ran = spy_calls(monkeypatch, layer_inputs, ["l2_normalize", "linear_decay"])
+    ran += spy_calls(monkeypatch, recurrent, ["linear_decay"])  # its own binding
     ran += spy_calls(monkeypatch, layer_inputs.ParameterGate, ["log_gates"])
     variant = _variant(vector, T + 1 if path == "recurrent" else 0)
     launcher = metal.default_launcher()

@@ -30,7 +30,7 @@ from spies import spy_calls
 
 import gdngen.jax as gjax
 from gdngen import Problem, Variant, default_variant, settings, sources
-from gdngen.algebra import chunkwise, layer_inputs, reference
+from gdngen.algebra import layer_inputs, reference
 from gdngen.backends.kernel_inputs import KernelInputs
 from gdngen.backends.pallas import gpu as pallas_gpu
 from gdngen.backends.pallas import tpu as pallas_tpu
@@ -207,7 +207,7 @@ def test_fused_forward_computes_no_layer_inputs_as_array_ops(backend, monkeypatc
     module = BACKENDS[backend]
     x, options, mask = _setup("sigmoid_bound_per_head", seed=7)
     arrays = {n: jnp.asarray(v, jnp.float32) for n, v in x.items()}
-    norms = spy_calls(monkeypatch, chunkwise, ["l2_normalize"])
+    norms = spy_calls(monkeypatch, layer_inputs, ["l2_normalize"])
     gates = spy_calls(monkeypatch, layer_inputs.ParameterGate, ["log_gates"])
     loads = spy_calls(monkeypatch, type(module.SPEC), ["load_fused_kernels"])
     for recurrent_below in (T + 1, 0):  # the recurrent kernel, the chunk kernels
