@@ -14,24 +14,27 @@ the recurrence in its state:
   step replaced by an exact zero (log g = -inf): every decay that straddles a boundary is an
   exact 0 (`gdngen.algebra.chunkwise.segment_sums`), so each sequence sees only its own steps, from
   a zero state. Its output is exact wherever the sequences' initial states are zero.
-* **Initial states** (only when given): a one-chunk call per sequence over its first partial
-  chunk ``s_n .. min(e_n, end of s_n's chunk)``, from ``S0_n`` with v = 0 and the real gates:
-  the free response of S0_n. Its outputs are added to y there, and its state at that chunk's end
-  is injected into the main pass's state leaving that chunk (`gdngen.algebra.chunkwise.forward`'s
-  ``inject``), which carries it on through the sequence's later chunks.
+* **Initial states** (only when given), folded into the same walk (`_fold_initial_states`):
+  sequence n's state is ``F_t S0_n + R_t`` with ``F_t`` the product of its gates since its
+  first step. ``R`` is the walk's own state once each step of n's first partial chunk has
+  ``v_t - S0_n F_t k_t`` for ``v_t`` (the walk resets the state at the sequence's start), y
+  gains ``scale * S0_n F_t q_t`` there, and ``F S0_n`` at that chunk's end is injected into
+  the state leaving it (`gdngen.algebra.chunkwise.forward`'s ``inject``), which carries it on
+  through the sequence's later chunks. No extra chunk call and no extra triangular solve:
+  two small products per step of a first partial chunk.
 * **Final states**, scalar gates: taken inside the walk, each the chunk-end formula cut at the
   sequence's last step (`gdngen.algebra.chunkwise.extract_states`; the ffi_cpu packed kernels do the
-  same), plus, for a sequence inside its first chunk, S0_n's response there. Per-channel gates:
+  same), plus, for a sequence inside its first chunk, ``F S0_n`` there. Per-channel gates:
   a one-chunk call per sequence over its last partial chunk ``max(s_n, c_n) .. e_n`` (``c_n``
   the start of the chunk holding step e_n - 1) from the walk's state entering that chunk (the
   sequence's own state there, injection included) or, for a sequence that starts inside that
   chunk, from S0_n.
 
 The one-chunk calls are the validated dense chunk path itself (masked beyond each sequence), so
-their gradients and numerics are those of the dense path. Extra work: a chunk per sequence with
-initial states (and one more for per-channel final states) next to the row's T / C. Where the
-offsets are concrete (not traced: MLX's eager calls), a window of at most `SHORT_WINDOW` steps
-(a decode row, a verify window) runs the recurrence over its own steps instead of a chunk.
+their gradients and numerics are those of the dense path. Where the offsets are concrete (not
+traced: MLX's eager calls), a window of at most `SHORT_WINDOW` steps (a decode row, a verify
+window) runs the recurrence over its own steps instead of a chunk, and the folded initial
+states' products span the longest first window rather than a whole chunk.
 """
 
 from __future__ import annotations
@@ -169,7 +172,7 @@ def _windows(xp, dense, scale, begin, end, T, C, q, k, v, g, beta, mask, S0, *, 
 
 
 def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
-                gate, chunk_size):
+               gate, chunk_size, scale=None):
     """Packed-row gated delta (module docstring); q ``[1, T, Hk, Dk]`` etc. float32,
     ``initial_state [N, Hv, Dv, Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]`` (checked by the
     caller). The backend provides, both scaling q themselves and differentiable in every input
@@ -192,45 +195,144 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
     Hv, Dv = v.shape[2], v.shape[3]
     plan = _Plan(xp, cu_seqlens.astype(m.int32), T, chunk_size)
     N, C = plan.N, plan.C
-    scale = getattr(walk, "scale", None)
+    scale = getattr(walk, "scale", None) if scale is None else scale
+    if scale is None:
+        raise ValueError("packed_row: scale is None and the walk has no .scale, expected the "
+                         "call's scale")
     M = -(-T // C)
     S0 = xp.zeros((N, Hv, Dv, Dk)) if initial_state is None else initial_state
-    inject = None
+    g_row, beta_row = layer_inputs.fold_mask(xp, g, beta, mask, gate)
+    inject = folded = None
     if initial_state is not None:
-        # free response of each S0_n over its first partial chunk (v = 0)
-        y_first, S_first = _windows(xp, dense, scale, plan.starts, plan.first_end, T, C, q, k,
-                                    m.zeros_like(v), g, beta, mask, S0, gate=gate)
-        # chunk j's leaving state gets S_first of the sequence holding the chunk's last step
-        # when that sequence started in chunk j and goes on past its end
+        folded = _fold_initial_states(xp, plan, q, k, g_row, S0, mask, scale=scale, gate=gate)
+        # chunk j's leaving state gets the decayed S0 of the sequence holding the chunk's last
+        # step when that sequence started in chunk j and goes on past its end
         j = m.arange(M).astype(m.int32)
         owner = m.take(plan.seq, m.minimum((j + 1) * C, T) - 1, axis=0)
         goes_on = ((m.take(plan.starts, owner, axis=0) >= j * C)
                    & (m.take(plan.ends, owner, axis=0) > (j + 1) * C))
-        inject = (S_first, xp.where(goes_on, owner, -1).astype(m.int32))
-    g_row, beta_row = layer_inputs.fold_mask(xp, g, beta, mask, gate)
+        inject = (folded.S_first, xp.where(goes_on, owner, -1).astype(m.int32))
     reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
-    g_row = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
-    y, S_in, S_end = walk(q, k, v, g_row, beta_row, inject,
+    g_reset = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
+    y, S_in, S_end = walk(q, k, v if folded is None else v - folded.v_shift, g_reset, beta_row,
+                          inject,
                           xp.where(plan.nonempty, plan.ends - 1, -1).astype(m.int32))
+    if folded is not None:
+        y = y + folded.y_shift
     if mask is not None:
         y = xp.where(mask[..., None, None], y, 0.0)
-    if initial_state is not None:
-        t = m.arange(T).astype(m.int32)
-        offset = t - m.take(plan.starts, plan.seq, axis=0)
-        inside = t < m.take(plan.first_end, plan.seq, axis=0)
-        W = y_first.shape[1]
-        flat = y_first.reshape((N * W, Hv, Dv))
-        extra = m.take(flat, plan.seq * W + m.minimum(offset, W - 1), axis=0)
-        y = y + xp.where(inside[None, :, None, None], extra[None], 0.0)
     if S_end is None:  # each sequence's last partial chunk, from the state entering it
         entering = m.take(S_in, plan.last_chunk, axis=0)
         start = xp.where(plan.from_state[:, None, None, None], entering, S0)
         return y, _windows(xp, dense, scale, plan.last_begin, plan.ends, T, C, q, k, v, g, beta,
                            mask, start, gate=gate)[1]
-    if initial_state is not None:  # a sequence ending in its first chunk: plus S0's response
-        S_end = S_end + xp.where((plan.ends <= plan.first_end)[:, None, None, None], S_first,
-                                 0.0)
+    if folded is not None:  # a sequence ending in its first chunk: plus S0's decayed part
+        S_end = S_end + xp.where((plan.ends <= plan.first_end)[:, None, None, None],
+                                 folded.S_first, 0.0)
     return y, xp.where(plan.nonempty[:, None, None, None], S_end, S0)
+
+
+class _Folded:
+    """`_fold_initial_states`' result: ``v_shift``, ``y_shift`` (row layout, zero outside
+    the sequences' first partial chunks) and ``S_first [N, Hv, Dv, Dk]``."""
+
+    def __init__(self, v_shift, y_shift, S_first):
+        self.v_shift, self.y_shift, self.S_first = v_shift, y_shift, S_first
+
+
+def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate):
+    """Each sequence's initial state folded into the walk (no extra chunk call, no solve).
+
+    Write sequence n's state as ``S_t = F_t S0_n + R_t`` with ``F_t`` the product of its gates
+    from its first step s_n through t (per channel: ``S0_n diag(F_t)``). Then R follows the
+    same recurrence from a zero state with ``v_t`` replaced by ``v_t - S0_n F_t k_t``, which is
+    what the walk runs (the walk resets the state at s_n), and ``y_t`` gains
+    ``scale * S0_n F_t q_t``. Both terms are formed on the sequence's first partial chunk
+    only; where the sequence goes on past that chunk, ``F S0_n`` at its end (``S_first``) is
+    injected into the state leaving the chunk, and the walk carries it on exactly.
+
+    ``F_t`` is a cumulative product over at most C gates from s_n (a direct sum of log gates,
+    never a difference of cumulative sums; a zero gate an exact 0). ``g`` the row's gates,
+    masks folded; masked steps get no shift. Returns a `_Folded`."""
+    m = xp.module
+    T = q.shape[1]
+    Hv, Dv = S0.shape[1], S0.shape[2]
+    vector = g.ndim == 4
+    flats_k, flats_q, firsts = [], [], []
+    base, width = [], []  # per group: [n] where each sequence's window starts in the flat
+    groups = _fold_groups(plan)
+    for rows, W in groups:
+        at = None if rows is None else m.array(rows.astype(np.int32))
+        starts, first_end, S0_rows = (x if at is None else m.take(x, at, axis=0)
+                                      for x in (plan.starts, plan.first_end, S0))
+        n = int(starts.shape[0])
+        index, valid = _Plan._window(xp, starts, first_end, m.arange(W).astype(m.int32)[None, :],
+                                     T)  # [n, W]
+        gw = _gather(xp, g, index)  # [n, W, Hv(, Dk)]
+        valid_g = valid.reshape(valid.shape + (1,) * (gw.ndim - 2))
+        if gate == "log":
+            F = xp.exp(xp.cumsum(xp.where(valid_g, gw, 0.0), axis=1, reverse=False))
+        else:
+            F = xp.cumprod(xp.where(valid_g, gw, 1.0), axis=1, reverse=False)
+        F = xp.where(valid_g, F, 0.0)  # [n, W, Hv(, Dk)]
+        flats_k.append(_response(xp, S0_rows, F, _gather(xp, k, index)).reshape((n * W, Hv, Dv)))
+        flats_q.append(_response(xp, S0_rows, F, _gather(xp, q, index)).reshape((n * W, Hv, Dv)))
+        last = m.maximum(first_end - starts - 1, 0)  # [n] the window's last step
+        F_last = m.take_along_axis(F, last.reshape((n, 1) + (1,) * (F.ndim - 2)), axis=1)[:, 0]
+        firsts.append(S0_rows * (F_last[:, :, None, :] if vector else F_last[:, :, None, None]))
+        offset = sum(int(x.shape[0]) for x in flats_k[:-1])
+        base.append(offset + W * (m.arange(n).astype(m.int32)))
+        width.append(m.full((n,), W, m.int32))
+    if len(groups) == 1:
+        flat_k, flat_q, S_first, base, width = flats_k[0], flats_q[0], firsts[0], base[0], width[0]
+    else:  # back to sequence order
+        order = m.array(np.argsort(np.concatenate([rows for rows, _ in groups])).astype(np.int32))
+        flat_k, flat_q = m.concatenate(flats_k, axis=0), m.concatenate(flats_q, axis=0)
+        S_first, base, width = (m.take(m.concatenate(x, axis=0), order, axis=0)
+                                for x in (firsts, base, width))
+
+    # windows -> row steps: each step of a first partial chunk belongs to exactly one window
+    t = m.arange(T).astype(m.int32)
+    offset = t - m.take(plan.starts, plan.seq, axis=0)
+    W_t = m.take(width, plan.seq, axis=0)
+    inside = (offset < W_t) & (t < m.take(plan.first_end, plan.seq, axis=0))
+    if mask is not None:
+        inside = inside & mask[0]
+    at = m.take(base, plan.seq, axis=0) + m.minimum(offset, W_t - 1)
+
+    def to_row(flat):  # [windows' steps, Hv, Dv] -> [1, T, Hv, Dv]
+        return xp.where(inside[None, :, None, None], m.take(flat, at, axis=0)[None], 0.0)
+
+    return _Folded(to_row(flat_k), to_row(flat_q) * scale, S_first)
+
+
+def _fold_groups(plan):
+    """``[(rows, W)]``: the sequences whose first windows `_fold_initial_states` forms together,
+    W steps each. Traced offsets: all of them (rows None), W = C. Concrete ones (MLX's eager
+    calls): the windows of at most `SHORT_WINDOW` steps (decode rows) and the others, each
+    group as wide as its longest window."""
+    b, e = _concrete(plan.starts), _concrete(plan.first_end)
+    if b is None or e is None:
+        return [(None, plan.C)]
+    lengths = e - b
+    short = lengths <= SHORT_WINDOW
+    groups = [(np.flatnonzero(sel), max(int(lengths[sel].max(initial=1)), 1))
+              for sel in (short, ~short) if sel.any()]
+    return [(None, groups[0][1])] if len(groups) == 1 else groups
+
+
+def _response(xp, S0, F, x):
+    """``[n, W, Hv, Dv]``: ``S0_n (F_t * x_t)`` per value head, for ``S0 [n, Hv, Dv, Dk]``, the
+    products of gates ``F [n, W, Hv(, Dk)]`` and key-head vectors ``x [n, W, Hk, Dk]``."""
+    n, W, Hk, Dk = x.shape
+    Hv, Dv = S0.shape[1], S0.shape[2]
+    r = Hv // Hk
+    S0g = S0.reshape((n, Hk, r, Dv, Dk))
+    if F.ndim == 4:
+        out = xp.einsum("ngrvk,nwgrk->nwgrv", S0g, F.reshape((n, W, Hk, r, Dk)) * x[:, :, :, None])
+    else:
+        out = xp.einsum("ngrvk,nwgk->nwgrv", S0g, x) * F.reshape((n, W, Hk, r))[..., None]
+    return out.reshape((n, W, Hv, Dv))
 
 
 def chunk_injection(xp, inject, shape):

@@ -8,11 +8,8 @@ parameterised gate computed in it) and the result types of their kernel calls un
 
 from __future__ import annotations
 
-import importlib
-
 from gdngen.algebra import chunkwise, layer_inputs
 from gdngen.backends import fallback
-from gdngen.backends.fallback import PORTABLE_OPS
 
 # ------------------------------------------------------------------------------ checks
 
@@ -35,7 +32,7 @@ def _kernel_valued(call, operands, kernel, portable):
     none; the ``recurrent_or_chunkwise`` of the call's framework,
     `gdngen.backends.portable.jax_chunkwise` or `gdngen.backends.portable.mlx_chunkwise`); masked
     steps give y = 0."""
-    ops = importlib.import_module(PORTABLE_OPS[call.framework])
+    ops = fallback.ops(call.framework)
     shape, f32 = call.shape, ops.FLOAT32
     q, k, v, g, beta, initial_state, mask = operands[:7]
     if initial_state is None:
@@ -61,7 +58,7 @@ def kernel_chunks(call, operands, chunk_size: int, chunk_forward):
     only). Returns ``(y in q's dtype, states [B, ceil(T/N), Hv, Dv, Dk] float32)``."""
     from gdngen.algebra import states
 
-    xp = importlib.import_module(PORTABLE_OPS[call.framework]).XP
+    xp = fallback.ops(call.framework).XP
     m = states.checkpoint_stride(call.checkpoint_every, chunk_size)
 
     def kernel(q, k, v, g, beta, S0):
@@ -81,7 +78,7 @@ def entering_forward(call, chunk_size: int, core, *, core_scales: bool):
     S_final, S_in)`` in the chunk layout of `gdngen.algebra.chunkwise.whole_sequence` (its
     ``entering`` core; S_in ``[N, B, Hk, r, Dv, Dk]``), which lays the call out in chunks
     around it. ``core_scales``: the core's kernels apply ``call.scale`` themselves."""
-    ops = importlib.import_module(PORTABLE_OPS[call.framework])
+    ops = fallback.ops(call.framework)
     scale = 1.0 if core_scales else call.scale
 
     def chunk_forward(q, k, v, log_g, beta, S0):
@@ -99,7 +96,7 @@ def walk_chunk_forward(call, chunk_size: int, walk):
     states are the ones the kernel's walk writes."""
     from gdngen.algebra import states
 
-    xp = importlib.import_module(PORTABLE_OPS[call.framework]).XP
+    xp = fallback.ops(call.framework).XP
     return entering_forward(call, chunk_size, states.entering_core(xp, "log", walk=walk),
                             core_scales=False)
 
@@ -111,7 +108,7 @@ def kernel_steps(call, operands, recurrent):
     framework, masks folded (decay 1, beta 0), ``decay`` linear. Its value is the kernel's; its
     VJP the portable step loop's (the framework's ``recurrent_gated_delta``, run under its vjp
     only). Returns ``(y in q's dtype, states float32)``; masked steps give y = 0."""
-    ops = importlib.import_module(PORTABLE_OPS[call.framework])
+    ops = fallback.ops(call.framework)
     gate, scale = call.decay, call.scale
 
     def kernel(q, k, v, g, beta, S0):

@@ -223,21 +223,24 @@ def test_vmap_over_rows():
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
-def test_short_sequences_run_their_own_steps_not_a_chunk(gate, monkeypatch):
+def test_mixed_batch_folds_initial_states_and_runs_short_windows_stepwise(gate, monkeypatch):
     """A server's mixed batch (decode rows of one token, a verify window, prefill rows) on
-    MLX's portable packed path (eager: the offsets are concrete; xla's packed path is jitted,
-    its offsets traced, so every row takes a chunk there, as in test_traced_offsets_under_jit):
-    the short rows' initial-state responses (and, per-channel, their final states) run the
-    recurrence over their own steps (`gdngen.algebra.packed.SHORT_WINDOW`), the long ones a
-    chunk. Values and every gradient against the float64 reference, a sequence at a time."""
+    MLX's portable packed path (eager: the offsets are concrete): the initial states fold into
+    the row's walk (`gdngen.algebra.packed._fold_initial_states`; no window call at all with
+    scalar gates), and the per-channel final states of short rows run the recurrence over their
+    own steps (`gdngen.algebra.packed.SHORT_WINDOW`), the long ones a chunk. Values and every
+    gradient against the float64 reference, a sequence at a time."""
     framework = "mlx"
     pytest.importorskip("mlx.core")
     offsets = np.array([0, 1, 2, 42, 43, 60, 70], np.int32)  # lengths 1, 1, 40, 1, 17, 10
     raw = _inputs(6, N=len(offsets) - 1)
     if gate == "vector":
         raw["g"] = -np.random.default_rng(7).uniform(0.01, 0.5, (1, T, HV, DK))
-    windows = []
+    windows, chunks, folds = [], [], []
     monkeypatch.setattr(packed, "_short_windows", _counting(windows, packed._short_windows))
+    monkeypatch.setattr(packed, "_one_chunk", _counting(chunks, packed._one_chunk))
+    monkeypatch.setattr(packed, "_fold_initial_states",
+                        _counting(folds, packed._fold_initial_states))
     names = ("q", "k", "v", "g", "beta", "initial_state")
     gated_delta = _gated_delta(framework)
     arrays, cu = _f32(framework, raw), _int32(framework, offsets)
@@ -250,7 +253,10 @@ def test_short_sequences_run_their_own_steps_not_a_chunk(gate, monkeypatch):
 
     y, final = gated_delta(*(arrays[n] for n in names), scale=DK ** -0.5, cu_seqlens=cu,
                            variant=variant)
-    assert len(windows) == (2 if gate == "vector" else 1)
+    # per-channel final states: rows 1, 1, 40 (last window 10 steps), 1 and 10 stepwise, the
+    # 17-step window a chunk
+    assert (len(folds), len(windows), len(chunks)) == ((1, 1, 1) if gate == "vector"
+                                                       else (1, 0, 0))
     import mlx.core as mx
 
     grads = mx.grad(loss, argnums=tuple(range(6)))(*(arrays[n] for n in names))

@@ -278,7 +278,7 @@ class FfiCpu(Backend):
             XP, dense, vjp.packed_walk(walk_kernels.sha256, gate, scale, poison),
             *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
-            gate=gate, chunk_size=loaded.params["chunk_size"])
+            gate=gate, chunk_size=loaded.params["chunk_size"], scale=scale)
         return y.astype(q.dtype), state
 
     def steps(self, call, operands, variant, templates_dir=None):
