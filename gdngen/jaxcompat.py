@@ -50,9 +50,10 @@ import re
 
 __all__ = ["SUPPORTED", "UnsupportedJax", "abstract_gpu", "check_versions",
            "cuda_plugin_without_gpu", "custom_partitioning", "ffi", "get_topology_desc",
-           "gpu_target", "host_settings", "libtpu_single_host", "pallas", "pallas_tpu", "release",
-           "require", "result_struct", "shard_map", "skip_absent_tpu", "tpu_attached",
-           "tpu_hardware", "tpu_interpreter", "tpu_topology_missing", "typeof", "varying_axes"]
+           "gpu_target", "host_settings", "libtpu_single_host", "pallas", "pallas_tpu",
+           "quiet_host", "release", "require", "result_struct", "shard_map", "skip_absent_tpu",
+           "tpu_attached", "tpu_hardware", "tpu_interpreter", "tpu_topology_missing", "typeof",
+           "varying_axes"]
 
 #: the (major, minor) releases of jax and jaxlib gdngen is tested with, lowest and highest
 SUPPORTED = ((0, 10), (0, 12))
@@ -170,23 +171,43 @@ def tpu_hardware(device_kind: str):
 @functools.cache
 def tpu_topology_missing(topology: str) -> str | None:
     """Why libtpu gives no compile-only ``topology`` here (None when it does): libtpu is not
-    installed, or the installed release does not know the name (its own words). Asked by
+    installed, the installed release does not know the name (its own words), or it is a release
+    gdngen refuses for that topology (`TOPOLOGY_LIBTPU_REFUSED`, with why). Asked by
     building the topology, once per process and name (libtpu's start, 2-5 s on a busy 2-core
     host, the first time). libtpu's single-host settings (`libtpu_single_host`) keep its start
     quiet; `gdngen.compilers` sets them at import."""
     if importlib.util.find_spec("libtpu") is None:
         return "libtpu is not installed (pip install 'gdngen[tpu]')"
     try:
+        version = _distribution_version("libtpu")
+    except Exception:  # noqa: BLE001 - a libtpu without distribution metadata
+        version = "(version unknown)"
+    try:
         get_topology_desc(topology_name=topology, platform="tpu")
     except Exception as e:  # noqa: BLE001 - libtpu's refusal is the answer
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        try:
-            version = _distribution_version("libtpu")
-        except Exception:  # noqa: BLE001 - a libtpu without distribution metadata
-            version = "(version unknown)"
         return (f"the installed libtpu {version} does not know the topology {topology!r} "
                 f"({first}); jax[tpu] 0.12.0.1's libtpu 0.0.50.1 does")
+    for (first_bad, first_good), why in TOPOLOGY_LIBTPU_REFUSED.get(topology, ()):
+        found = tuple(int(n) for n in re.findall(r"\d+", version)[:len(first_bad)])
+        if first_bad <= found < first_good:
+            return (f"the installed libtpu {version} knows the topology {topology!r}, but "
+                    f"gdngen does not compile for it with libtpu {_dotted(first_bad)} up to (not "
+                    f"including) {_dotted(first_good)}: {why}")
     return None
+
+
+#: libtpu releases gdngen does not compile a topology with: ((first bad, first good), why)
+TOPOLOGY_LIBTPU_REFUSED = {
+    "tpu7x:2x2x1": [(((0, 0, 48), (0, 0, 50)),
+                     ("its Mosaic uses 1.47x the VMEM the footprint model admits for the "
+                     "backward, where libtpu 0.0.42 and 0.0.50 stay within the render's 1.25x "
+                     "margin (docs/COMPILE.md, TPU7x)"))],
+}
+
+
+def _dotted(release: tuple) -> str:
+    return ".".join(map(str, release))
 
 
 def ffi():
@@ -351,3 +372,29 @@ def host_settings(environ=None) -> dict:
     `cuda_plugin_without_gpu`. Returns what was set."""
     environ = os.environ if environ is None else environ
     return {**skip_absent_tpu(environ), **cuda_plugin_without_gpu(environ)}
+
+
+def quiet_host(environ=None) -> dict:
+    """`host_settings` for a library user: ``import gdngen.jax`` calls it, so a script's first
+    jit on a host with libtpu installed but no TPU prints no libtpu start-up errors. Before jax
+    is imported it sets the environment (`host_settings`); after, where jax has started no
+    platform yet and neither ``JAX_PLATFORMS`` nor ``jax_platforms`` was set, it sets jax's
+    ``jax_platforms`` option to the same value. Returns what it set."""
+    import sys
+
+    environ = os.environ if environ is None else environ
+    if "jax" not in sys.modules:
+        return host_settings(environ)
+    jax = sys.modules["jax"]
+    from jax._src import xla_bridge
+
+    user_set = "JAX_PLATFORMS" in environ or jax.config.jax_platforms is not None
+    if user_set or xla_bridge.backends_are_initialized():
+        return cuda_plugin_without_gpu(environ)
+    added = host_settings(dict(environ))
+    platforms = added.pop("JAX_PLATFORMS", None)
+    environ.update(added)
+    if platforms is not None:
+        jax.config.update("jax_platforms", platforms)
+        added["jax_platforms"] = platforms
+    return added

@@ -197,3 +197,69 @@ def test_compile_for_a_topology_on_a_cpu_host_prints_no_libtpu_errors(tmp_path):
     entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["variants"][0]
     assert entry["compile"]["ok"] is True and entry["compile"]["target"] == "TPU v5 lite"
     assert entry["compile"]["vmem_used"] > 0
+
+
+@needs_libtpu
+@no_tpu_here
+@pytest.mark.parametrize("order", ["jax_first", "gdngen_first"])
+def test_a_script_importing_gdngen_jax_prints_no_libtpu_errors(order):
+    """A library user's script (no gdngen command, no settings of its own): with libtpu
+    installed and no TPU, its first jit prints libtpu's start-up errors without gdngen, and
+    none once it imports ``gdngen.jax``, before or after jax (`jaxcompat.quiet_host`)."""
+    jit = "print(jax.jit(lambda x: x + 1)(jnp.ones(2)))"
+    scripts = {"plain": f"import jax, jax.numpy as jnp; {jit}",
+               "jax_first": f"import jax, jax.numpy as jnp; import gdngen.jax; {jit}",
+               "gdngen_first": f"import gdngen.jax; import jax, jax.numpy as jnp; {jit}"}
+    runs = {name: subprocess.run([sys.executable, "-c", scripts[name]], capture_output=True,
+                                 text=True, cwd=ROOT, env=_clean_env(), check=False)
+            for name in ("plain", order)}
+    for proc in runs.values():
+        assert proc.returncode == 0 and proc.stdout.strip() == "[2. 2.]", proc.stderr[-2000:]
+    assert _noise(runs["plain"].stderr), "libtpu started quietly without gdngen: nothing to show"
+    assert _noise(runs[order].stderr) == [], runs[order].stderr[-2000:]
+
+
+def test_quiet_host_keeps_what_the_user_set(monkeypatch):
+    """After jax is imported, `quiet_host` sets jax's ``jax_platforms`` (to `skip_absent_tpu`'s
+    choice) only where neither the environment nor jax's option names the platforms and jax
+    has started none."""
+    import jax
+    from jax._src import xla_bridge
+
+    before = jax.config.jax_platforms
+    started = {"yes": True}
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: started["yes"])
+    environ = {}
+    assert "jax_platforms" not in jaxcompat.quiet_host(environ)
+    assert "JAX_PLATFORMS" not in environ and jax.config.jax_platforms == before
+    started["yes"] = False
+    assert "jax_platforms" not in jaxcompat.quiet_host({"JAX_PLATFORMS": ""})
+    assert jax.config.jax_platforms == before
+    if before is not None:
+        return
+    expected = jaxcompat.skip_absent_tpu({}).get("JAX_PLATFORMS")
+    try:
+        added = jaxcompat.quiet_host({})
+        assert added.get("jax_platforms") == expected
+        assert jax.config.jax_platforms == expected
+    finally:
+        jax.config.update("jax_platforms", before)
+
+
+def test_a_libtpu_release_refused_for_a_topology_says_why(monkeypatch):
+    """TPU7x with libtpu 0.0.48 (jax 0.11): the topology builds, but its Mosaic's backward
+    exceeds the footprint model's margin, so `tpu_topology_missing` refuses it with why;
+    0.0.42 (jax 0.10) and 0.0.50 (jax 0.12) are used."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(jaxcompat, "get_topology_desc", lambda **kw: object())
+    for version, refused in (("0.0.42.1", False), ("0.0.48.1", True), ("0.0.49", True),
+                             ("0.0.50.1", False)):
+        monkeypatch.setattr(jaxcompat, "_distribution_version", lambda name, v=version: v)
+        jaxcompat.tpu_topology_missing.cache_clear()
+        reason = jaxcompat.tpu_topology_missing("tpu7x:2x2x1")
+        assert (reason is not None) == refused, (version, reason)
+        if refused:
+            assert f"libtpu {version} knows the topology 'tpu7x:2x2x1'" in reason
+            assert "1.47x the VMEM" in reason
+        assert jaxcompat.tpu_topology_missing("v5e:2x2") is None
+    jaxcompat.tpu_topology_missing.cache_clear()
