@@ -11,6 +11,8 @@ asked about.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import re
@@ -185,10 +187,28 @@ def detect(framework: str | None = None) -> str:
     return "cpu"
 
 
+#: the devices traced for ahead of time here (`targeted`): taken as attached by `require_attached`
+_TARGETED: contextvars.ContextVar = contextvars.ContextVar("gdngen_targeted", default=())
+
+
+@contextlib.contextmanager
+def targeted(name: str):
+    """Within it, `require_attached` takes device ``name`` as attached: a trace for its
+    compile-only topology (`gdngen.compilers.targeting`, which checks the topology)."""
+    token = _TARGETED.set((*_TARGETED.get(), get_device(name).name))
+    try:
+        yield
+    finally:
+        _TARGETED.reset(token)
+
+
 def require_attached(name: str, framework: str) -> Device:
-    """The registered device ``name``, checked to be what ``framework`` runs on here; a
-    ValueError saying what was found instead otherwise (fail fast before tuning)."""
+    """The registered device ``name``, checked to be what ``framework`` runs on here (or the
+    device of a `targeted` trace); a ValueError saying what was found instead otherwise (fail
+    fast before tuning)."""
     device = get_device(name)
+    if name in _TARGETED.get():
+        return device
     found = detect_framework(framework)
     if found.name != name:
         raise ValueError(f"device {name!r} is not attached: {framework} runs on "

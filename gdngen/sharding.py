@@ -297,8 +297,12 @@ def _op(fun, operand_names: tuple, result_names: tuple, shape):
 
     rule = ", ".join(FACTORS[n] for n in operand_names) + " -> " + \
         ", ".join(FACTORS[n] for n in result_names)
-    if shape.group == 1:  # Hk = Hv: Shardy takes no compound factor with a factor of size 1
+    # Shardy takes no compound factor with a factor of size 1: Hk = Hv, or one key head (every
+    # value head reads it; its head axis stays whole)
+    if shape.group == 1:
         op.def_partition(partition, sharding_rule=rule.replace("(k r)", "k"))
+    elif shape.Hk == 1:
+        op.def_partition(partition, sharding_rule=rule.replace("(k r)", "r"))
     else:
         op.def_partition(partition, sharding_rule=rule, r=shape.group)
     return op

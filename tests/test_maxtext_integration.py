@@ -268,3 +268,64 @@ def test_sharded_layer_context_parallel():
     found = sharded("cp")
     assert found["worst"] < F32_RTOL, found
     assert sum(found["gdngen"].values()) <= sum(found["maxtext"].values()), found
+
+
+def compiled_for_v5e(patched: bool) -> str:
+    """The compiled HLO of MaxText's layer fwd+bwd (float32, B = 4, T = 128), data-parallel
+    over the v5e 2x2 topology's 4 chips, traced within `gdngen.compilers.targeting`."""
+    from flax.linen import partitioning as nn_partitioning
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from gdngen import compilers
+
+    with compilers.targeting("tpu-v5e") as chips:
+        cfg = config("float32", ici_fsdp_parallelism=1, ici_data_parallelism=len(chips))
+        mesh = mesh_for(cfg, chips, data=len(chips))
+        abstract = nnx.eval_shape(lambda: qwen3.Qwen3NextGatedDeltaNet(
+            config=cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+
+        def placed(a, spec=None):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=NamedSharding(mesh, spec or PartitionSpec()))
+
+        def loss(params, rest, x):
+            out, _ = nnx.merge(graphdef, params, rest)(x)
+            return jnp.sum(out ** 2)
+
+        x = placed(jax.ShapeDtypeStruct((len(chips), 128, 64), jnp.float32),
+                   PartitionSpec("data"))
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))
+        with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+            if patched:
+                integration.patch(device="tpu-v5e")
+            try:
+                lowered = step.trace(jax.tree.map(placed, params), jax.tree.map(placed, rest),
+                                     x).lower(lowering_platforms=("tpu",))
+            finally:
+                integration.unpatch()
+    return lowered.compile().as_text()
+
+
+def test_layer_compiles_for_a_v5e_topology_with_the_pallas_kernels():
+    """MaxText's layer fwd+bwd compiled for a v5e 2x2 topology from this CPU host ahead of time
+    (`compiled_for_v5e`, as MaxText's ``train_compile``): patched, the program holds gdngen's
+    Mosaic kernels (pallas_tpu, the v5e's variant), where unpatched MaxText's has none, and the
+    same collectives (the gradients' all-reduce over the data axis)."""
+    import collections
+    import re
+
+    from gdngen import compilers
+
+    reason = compilers.topology_missing("tpu-v5e")
+    if reason is not None:
+        pytest.skip(f"no tpu-v5e topology here: {reason}")
+    collective = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|"
+                            r"all-to-all)(-start)?\(")
+    found = {}
+    for patched in (False, True):
+        text = compiled_for_v5e(patched)
+        found[patched] = (compilers.mosaic_kernels(text), collections.Counter(
+            m.group(1) for m in collective.finditer(text)))
+    assert found[False][0] == [] and found[True][0], found
+    assert found[True][1] == found[False][1], found

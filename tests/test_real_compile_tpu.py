@@ -292,19 +292,23 @@ def test_load_tuned_callable_over_a_topology_mesh_compiles_without_collectives()
     assert compilers.collective_bytes(text, per_channel=True) == {}
 
 
-def test_sharded_jit_over_auto_axes_takes_the_partitioned_path():
+@pytest.mark.parametrize("Hk, Hv", [(2, 4), (1, 2)])
+def test_sharded_jit_over_auto_axes_takes_the_partitioned_path(Hk, Hv):
     """Auto mesh axes of a 4-chip topology traced on this one-device host: the call is the
     custom-partitioned op (`gdngen.sharding.partitioned`), not one Mosaic call the
-    partitioner cannot split ("Mosaic kernels cannot be automatically partitioned")."""
+    partitioner cannot split ("Mosaic kernels cannot be automatically partitioned"). One key
+    head too: its sharding rule has no compound head factor with a factor of size 1, which
+    Shardy's verifier refuses."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     from gdngen.backends.pallas import tpu as pallas_tpu
 
-    problem = Problem(2, 4, 128, 128, "bfloat16", "scalar")
+    problem = Problem(Hk, Hv, 128, 128, "bfloat16", "scalar")
     variant = registry.default_variant("pallas_tpu", problem, "tpu-v5e")
     mesh = _mesh((2, 2), ("data", "heads"), explicit=False)
-    args = _specs(mesh, 2, 128, problem, P("data", None, "heads"), P("data", "heads"))
+    heads = "heads" if Hk > 1 else None  # one key head: the batch sharded only
+    args = _specs(mesh, 2, 128, problem, P("data", None, heads), P("data", heads))
     with pallas_tpu.interpreting(False):
         text = jax.jit(_fwd_bwd(variant)).trace(*args).lower(
             lowering_platforms=("tpu",)).as_text()
@@ -435,3 +439,37 @@ def test_tune_space_drops_what_does_not_compile(tmp_path, monkeypatch):
     compiled.clear()
     ((again, dropped_again),) = compilers.check_targets([target])
     assert compiled == [] and dropped_again == dropped and again.space() == checked.space()
+
+
+def test_load_tuned_traces_ahead_of_time_for_a_topology():
+    """The public route of the test above (MaxText's ``train_compile`` from a CPU host): within
+    `compilers.targeting`, ``load_tuned("jax", "tpu-v5e")`` (refused outside it: not attached)
+    takes the v5e's variant, and its sharded jit compiles for the 4 chips with Mosaic kernels
+    and no collective; the interpret mode and the first-use gate come back after it."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import gdngen
+    from gdngen import dispatch
+    from gdngen.backends.pallas import tpu as pallas_tpu
+
+    with pytest.raises(ValueError, match="'tpu-v5e' is not attached"):
+        gdngen.load_tuned("jax", device="tpu-v5e")
+    interpret = pallas_tpu.interpret_mode()
+    problem = Problem(2, 4, 128, 128, "bfloat16", "scalar")
+    with compilers.targeting("tpu-v5e") as chips:
+        assert [c.device_kind for c in chips] == ["TPU v5 lite"] * 4
+        assert pallas_tpu.interpret_mode() is False and dispatch._LOCAL.ungated
+        tuned = gdngen.load_tuned("jax", device="tpu-v5e")
+        mesh = _mesh((2, 2), ("data", "heads"))
+        args = _specs(mesh, 2, 128, problem, P("data", None, "heads"), P("data", "heads"))
+        assert tuned.explain(*args[:5]).variant.backend == "pallas_tpu"
+        with jax.set_mesh(mesh):
+            lowered = jax.jit(_fwd_bwd(None, tuned)).trace(*args).lower(
+                lowering_platforms=("tpu",))
+    text = lowered.compile().as_text()
+    assert compilers.mosaic_kernels(text), "no Mosaic kernel in the compiled program"
+    assert compilers.collective_bytes(text, per_channel=True) == {}
+    assert pallas_tpu.interpret_mode() == interpret and not dispatch._LOCAL.ungated
+    with pytest.raises(ValueError, match="'tpu-v5e' is not attached"):
+        gdngen.load_tuned("jax", device="tpu-v5e")

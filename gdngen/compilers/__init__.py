@@ -54,6 +54,7 @@ from gdngen.compilers.compiling import (
                                         compile_variant,
                                         programs,
                                         recurrent_length,
+                                        targeting,
 )
 from gdngen.compilers.hlo import COLLECTIVES, collective_bytes, mosaic_kernels, triton_kernels
 from gdngen.compilers.targets import (
@@ -79,4 +80,4 @@ __all__ = ["COLLECTIVES", "COMPILERS", "COMPILER_PACKAGES", "CUDNN_VERSION", "DE
            "check_space", "check_targets", "collective_bytes", "compile_variant",
            "compiler_available", "compiler_of", "compiler_versions", "gpu_target_config",
            "missing_reason", "mosaic_kernels", "programs", "recurrent_length", "target_device",
-           "topology_devices", "topology_missing", "triton_kernels", "verdict_key"]
+           "targeting", "topology_devices", "topology_missing", "triton_kernels", "verdict_key"]

@@ -4,12 +4,19 @@ the programs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
-from gdngen import dispatch, jaxcompat
+from gdngen import devices, dispatch, jaxcompat
 from gdngen.compilers.hlo import mosaic_kernels, triton_kernels
-from gdngen.compilers.targets import PLATFORMS, _check_device, compiler_of, target_device
+from gdngen.compilers.targets import (
+    PLATFORMS,
+    _check_device,
+    compiler_of,
+    target_device,
+    topology_devices,
+)
 from gdngen.devices import Device
 from gdngen.problem import Problem
 from gdngen.variant import Variant
@@ -176,9 +183,45 @@ def _backend_module(backend: str):
     return {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[backend]
 
 
+@contextlib.contextmanager
+def _lowering_for(backend: str, target):
+    """``backend``'s kernels lower for the compile-only jax device ``target`` (no interpret
+    mode; Triton's for ``target`` as jax's default device), ungated: the first-use check
+    (`gdngen.firstuse`) is of the attached device (this host's CPU, where the kernels run only
+    interpreted), not of the compile's target, and its failure there would trace the portable
+    fallback, without a kernel to compile."""
+    compiler, _ = compiler_of(backend)
+    module = _backend_module(backend)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(module.interpreting(False) if compiler == "mosaic"
+                            else module.compiling_for_gpu())
+        if compiler != "mosaic":
+            stack.enter_context(jaxcompat.gpu_target(target))
+        stack.enter_context(dispatch.ungated())
+        yield
+
+
+@contextlib.contextmanager
+def targeting(device: str | Device, backend: str | None = None):
+    """Trace for ``device``'s compile-only topology from this host, ahead of time (as MaxText's
+    ``train_compile``): within it, ``gdngen.load_tuned(framework, device)`` takes ``device``
+    though it is not attached, the generated kernels of ``backend`` (None: the one compiling
+    for the device's kind, e.g. pallas_tpu) lower for its compiler, not in interpret mode, and
+    the first-use check is skipped, as in `compile_variant` (nothing runs; the verdicts are of
+    a device a kernel runs on). Yields the topology's jax devices: build the mesh on them and
+    lower with ``lowering_platforms`` of the device ("tpu", "cuda"). ValueError for a device
+    without a topology, RuntimeError where its compiler or topology is missing here."""
+    device = _check_device(backend, device)
+    if backend is None:
+        backend = next(b for b in ("pallas_tpu", "pallas_gpu")
+                       if compiler_of(b)[1] == device.kind)
+    found = topology_devices(device, backend)
+    with devices.targeted(device.name), _lowering_for(backend, found[0]):
+        yield found
+
+
 def _compile_program(name: str, variant: Variant, problem: Problem, T: int, target,
                      device: Device, dump_to=None) -> Program:
-    import contextlib
     import pathlib
     import tempfile
 
@@ -186,20 +229,12 @@ def _compile_program(name: str, variant: Variant, problem: Problem, T: int, targ
     from jax.sharding import SingleDeviceSharding
 
     compiler, _ = compiler_of(variant.backend)
-    module = _backend_module(variant.backend)
-    real = (module.interpreting(False) if compiler == "mosaic"
-            else module.compiling_for_gpu())
-    for_target = (contextlib.nullcontext() if compiler == "mosaic"
-                  else jaxcompat.gpu_target(target))
     program = Program(name, T)
     start = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
             fn, args = _program_fn(name, variant, problem, T, SingleDeviceSharding(target))
-            # ungated: the first-use check (`gdngen.firstuse`) is of the attached device (this
-            # host's CPU, where the kernels run only interpreted), not of the compile's target;
-            # its failure there would trace the portable fallback, without a kernel to compile
-            with real, for_target, dispatch.ungated():
+            with _lowering_for(variant.backend, target):
                 lowered = (jax.jit(fn).trace(*args)
                            .lower(lowering_platforms=(PLATFORMS[compiler],)))
             if compiler == "mosaic":
