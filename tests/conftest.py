@@ -37,6 +37,27 @@ def _release_compiled_executables():
         gc.collect()
 
 
+@pytest.fixture(scope="module")
+def unoptimized_xla():
+    """XLA on a CPU host without its backend optimizations (``jax_disable_most_optimizations``:
+    LLVM at -O0) for a module that asks for it (``pytestmark =
+    pytest.mark.usefixtures("unoptimized_xla")``): modules whose tests are compile-bound (about
+    half their time) and whose checks (values against float64 within tolerance, shapes,
+    residuals) do not depend on LLVM's optimizations. Every other module keeps them on."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        try:
+            import jax
+        except ImportError:
+            yield
+            return
+    flag = "jax_disable_most_optimizations"
+    previous = jax.config.values.get(flag, False)
+    jax.config.update(flag, previous or jax.default_backend() == "cpu")
+    yield
+    jax.config.update(flag, previous)
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """Counts calls of gdngen.mlx.gated_delta and of mlx-lm's per-token gated_delta_ops (the

@@ -25,10 +25,28 @@ WRONG = ("dbeta[step * s.Hv + h] = db[t];", "dbeta[step * s.Hv + h] = -db[t];")
 needs_ffi = pytest.mark.skipif(not ffi_kernels.available(), reason="ffi_cpu needs a C++ compiler")
 
 
+@pytest.fixture(scope="module")
+def ffi_cpu_builds(tmp_path_factory) -> Path:
+    """The module's compiled ffi_cpu libraries (`gdngen.backends.ffi_cpu.kernels.library_path`,
+    keyed by the rendered sources' sha256 and the toolchain): each cache root below links its
+    ffi_cpu folder here, so a process that needs the shipped kernels (or a planted template's,
+    a key of its own) finds them compiled once per module (~20 s of g++ each) instead of
+    once per process. Verdicts stay in each test's own cache root."""
+    return tmp_path_factory.mktemp("ffi_cpu_builds")
+
+
+def _cache_root(root: Path, builds: Path) -> Path:
+    """``root`` with no verdicts, its ffi_cpu folder linked to ``builds``."""
+    root.mkdir(parents=True)
+    (root / ffi_kernels.BACKEND).symlink_to(builds, target_is_directory=True)
+    return root
+
+
 @pytest.fixture
-def fresh(tmp_path, monkeypatch):
-    """A checking process of its own: empty cache root, GDNGEN_VALIDATE=first-use, no memo."""
-    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
+def fresh(tmp_path, monkeypatch, ffi_cpu_builds):
+    """A checking process of its own: a cache root with no verdicts (compiled ffi_cpu libraries
+    shared, `ffi_cpu_builds`), GDNGEN_VALIDATE=first-use, no memo."""
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(_cache_root(tmp_path / "cache", ffi_cpu_builds)))
     monkeypatch.setenv("GDNGEN_VALIDATE", "first-use")
     monkeypatch.setenv("GDNGEN_NO_TUNED", "1")
     firstuse.clear_memo()
@@ -77,7 +95,7 @@ def test_mode_and_call_kind(monkeypatch):
 
 
 @needs_ffi
-def test_a_passing_kernel_is_checked_once_and_its_verdict_reused(fresh, monkeypatch):
+def test_a_passing_kernel_is_checked_once_and_its_verdict_reused(fresh, ffi_cpu_builds):
     """The first call (under jit and grad) checks the default ffi_cpu variant and stores a
     passed verdict; a new process (the memo cleared) reads it and checks nothing."""
     result = _result(_process(_env(fresh)))
@@ -91,8 +109,8 @@ def test_a_passing_kernel_is_checked_once_and_its_verdict_reused(fresh, monkeypa
     assert again["checks"] == [] and again["errors"] == pytest.approx(result["errors"])
     always = _result(_process(_env(fresh, GDNGEN_VALIDATE="always")))
     assert always["checks"] == ["scalar log"]
-    off = _result(_process(_env(fresh, GDNGEN_VALIDATE="off",
-                                GDNGEN_CACHE_DIR=str(fresh / "other"))))
+    other = _cache_root(fresh / "other", ffi_cpu_builds)
+    off = _result(_process(_env(fresh, GDNGEN_VALIDATE="off", GDNGEN_CACHE_DIR=str(other))))
     assert off["checks"] == [] and not (fresh / "other" / "verdicts").exists()
 
 
@@ -194,12 +212,13 @@ def test_every_generated_backend_goes_through_the_same_check(fresh, backend):
     from gdngen.call import Call
     from gdngen.shape import CallShape
 
-    problem = Problem(1, 2, 32, 32, "float32", "scalar")
+    D = 16 if backend == "pallas_gpu" else 32  # metal's kernels: head dims multiples of 32
+    problem = Problem(1, 2, D, D, "float32", "scalar")
     variant = registry.default_variant(backend, problem)
-    if backend != "pallas_tpu":
-        variant = variant.replace(chunk_size=16 if backend == "metal" else 32)
+    if backend != "pallas_tpu":  # probes of 16 + 8 + 3 steps: two chunks, the second ragged
+        variant = variant.replace(chunk_size=16)
     spec = registry.get(backend)
-    call = Call(spec.framework, CallShape(1, 8, 1, 2, 32, 32, False), "float32")
+    call = Call(spec.framework, CallShape(1, 8, 1, 2, D, D, False), "float32")
     if backend == "metal":
         import mlx.core as mx
 
@@ -258,7 +277,9 @@ def test_fused_layer_inputs_are_checked_from_the_raw_inputs(fresh, monkeypatch, 
     """A call whose kernels compute qk_norm and the softplus gate is checked through those
     kernels against the float64 layer composition: a planted half-rate gate in ffi_cpu's
     layer-input loads fails, the shipped one passes."""
-    problem = Problem(1, 2, 16, 24 if planted else 32, "float32", "scalar")
+    # planted: PROBLEM, whose plain library (the gradients' kernels) the module's first calls
+    # left in `ffi_cpu_builds`; only the planted fused build is compiled here
+    problem = PROBLEM if planted else Problem(1, 2, 16, 32, "float32", "scalar")
     if planted:
         old = "return -rate * (std::max(x, 0.f) + std::log1p(std::exp(-std::fabs(x))));"
         text = (templates_dir("ffi_cpu") / "layer_inputs.cc.j2").read_text()

@@ -36,6 +36,9 @@ def _poisoned_outputs(monkeypatch):
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
 
 
+pytestmark = pytest.mark.usefixtures("unoptimized_xla")  # compile-bound: conftest
+
+
 def _runnable(backend: str, problem: Problem):
     spec = registry.get(backend)
     if importlib.util.find_spec(spec.framework) is None:

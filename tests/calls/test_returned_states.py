@@ -16,6 +16,7 @@ from gdngen.validate import relative_error
 
 B, T, HK, HV, DK, DV = 2, 6, 1, 3, 32, 32
 TOL = 5e-5
+pytestmark = pytest.mark.usefixtures("unoptimized_xla")  # compile-bound: conftest
 
 
 def _inputs(seed, vector=False, T=T, decay=(0.02, 0.6), reset=(0, 2), masked=((1, 3), (0, 0))):
@@ -115,14 +116,16 @@ GRADIENT_CASES = [("jax", None), ("mlx", None)] + [
     (registry.get(n).framework, n) for n in registry.names() if registry.get(n).step_states]
 
 
-def _grad(framework, f, arrays, jit=False):
-    """The gradient of ``f`` at ``arrays``; ``jit``: a JAX one compiled (one program instead
-    of hundreds of eager ops)."""
+def _grad(framework, f, arrays):
+    """The gradient of ``f`` at ``arrays``, a JAX one compiled: one program instead of hundreds
+    of eager ops (the Pallas interpreters discharge their kernels into jnp ops, each compiled on
+    its own when eager: several times slower). Under jit pallas_tpu skips its race check; the
+    forward kernels these gradients run (the backward is the portable path's) run eagerly, on
+    the same shapes, in test_window_states_... and test_chunk_boundary_states_..."""
     if framework == "jax":
         import jax
 
-        grad = jax.grad(f, argnums=tuple(range(len(arrays))))
-        return (jax.jit(grad) if jit else grad)(*arrays)
+        return jax.jit(jax.grad(f, argnums=tuple(range(len(arrays)))))(*arrays)
     import mlx.core as mx
 
     return mx.grad(f, argnums=list(range(len(arrays))))(*arrays)
@@ -220,10 +223,10 @@ CHUNK_KERNELS = [(n, gate) for n in registry.names() for gate in registry.get(n)
 
 
 # the VJP is the portable chunk path's on every backend (`gdngen.backends.generated.kernel_chunks`):
-# ffi_cpu's per-channel and pallas_tpu's (interpret mode, ~2-3 min each) in make test-all;
-# [ffi_cpu-scalar], [pallas_gpu-scalar] and metal's keep the wiring (pallas_gpu's per-channel,
-# ~2 min in interpret mode, in make test-all), and the forward states of every kernel stay in
-# test_chunk_boundary_states_match_the_float64_recurrence
+# ffi_cpu's per-channel and pallas_tpu's (interpret mode; compiled, ~20 s scalar, ~70 s
+# per-channel) in make test-all; [ffi_cpu-scalar], [pallas_gpu-scalar] and metal's keep the
+# wiring (pallas_gpu's per-channel, ~40 s in interpret mode, in make test-all), and the forward
+# states of every kernel stay in test_chunk_boundary_states_match_the_float64_recurrence
 @pytest.mark.parametrize(("backend", "gate"), marked(
     CHUNK_KERNELS, {("ffi_cpu", "vector"), ("pallas_tpu", "scalar"), ("pallas_tpu", "vector"),
                     ("pallas_gpu", "vector")}))
@@ -252,10 +255,8 @@ def test_gradients_through_kernel_chunk_states(backend, gate):
             return (y ** 2).sum() + (w[:, :s.shape[1]] * s).sum()
         return f
 
-    # compiled where the kernels run natively; Pallas interpret mode compiles slower than it runs
-    jit = backend == "ffi_cpu"
-    got = _grad(framework, loss(variant=variant), arrays, jit=jit)
-    want = _grad(framework, loss(chunk_size=chunk), arrays, jit=jit)
+    got = _grad(framework, loss(variant=variant), arrays)
+    want = _grad(framework, loss(chunk_size=chunk), arrays)
     for name, a, b in zip(names, got, want):
         assert relative_error(numpy(a), numpy(b)) <= 1e-4, name
 
