@@ -6,6 +6,12 @@ modules: problem -> variant -> render -> build -> validate -> time -> cache -> l
 backends are declared in `gdngen.registry`.
 """
 
+from gdngen import jaxcompat
+
+# a CPU host with libtpu installed prints libtpu's start-up errors on jax's first platform
+# start: every gdngen import keeps it quiet unless the user chose the platforms (`quiet_host`)
+jaxcompat.quiet_host()
+
 from gdngen._version import __version__
 from gdngen.entry import load_tuned
 from gdngen.firstuse import FirstUseWarning  # installs the first-use check

@@ -375,7 +375,7 @@ def host_settings(environ=None) -> dict:
 
 
 def quiet_host(environ=None) -> dict:
-    """`host_settings` for a library user: ``import gdngen.jax`` calls it, so a script's first
+    """`host_settings` for a library user: ``import gdngen`` calls it, so a script's first
     jit on a host with libtpu installed but no TPU prints no libtpu start-up errors. Before jax
     is imported it sets the environment (`host_settings`); after, where jax has started no
     platform yet and neither ``JAX_PLATFORMS`` nor ``jax_platforms`` was set, it sets jax's

@@ -201,15 +201,17 @@ def test_compile_for_a_topology_on_a_cpu_host_prints_no_libtpu_errors(tmp_path):
 
 @needs_libtpu
 @no_tpu_here
-@pytest.mark.parametrize("order", ["jax_first", "gdngen_first"])
+@pytest.mark.parametrize("order", ["jax_first", "gdngen_first", "package_only"])
 def test_a_script_importing_gdngen_jax_prints_no_libtpu_errors(order):
     """A library user's script (no gdngen command, no settings of its own): with libtpu
     installed and no TPU, its first jit prints libtpu's start-up errors without gdngen, and
-    none once it imports ``gdngen.jax``, before or after jax (`jaxcompat.quiet_host`)."""
+    none once it imports ``gdngen.jax``, before or after jax, or only the package (`import
+    gdngen`, as an MLX user's or a benchmark's script does: `jaxcompat.quiet_host`)."""
     jit = "print(jax.jit(lambda x: x + 1)(jnp.ones(2)))"
     scripts = {"plain": f"import jax, jax.numpy as jnp; {jit}",
                "jax_first": f"import jax, jax.numpy as jnp; import gdngen.jax; {jit}",
-               "gdngen_first": f"import gdngen.jax; import jax, jax.numpy as jnp; {jit}"}
+               "gdngen_first": f"import gdngen.jax; import jax, jax.numpy as jnp; {jit}",
+               "package_only": f"import gdngen; import jax, jax.numpy as jnp; {jit}"}
     runs = {name: subprocess.run([sys.executable, "-c", scripts[name]], capture_output=True,
                                  text=True, cwd=ROOT, env=_clean_env(), check=False)
             for name in ("plain", order)}
