@@ -32,9 +32,12 @@ the recurrence in its state:
 
 The one-chunk calls are the validated dense chunk path itself (masked beyond each sequence), so
 their gradients and numerics are those of the dense path. Where the offsets are concrete (not
-traced: MLX's eager calls), a window of at most `SHORT_WINDOW` steps (a decode row, a verify
-window) runs the recurrence over its own steps instead of a chunk, and the folded initial
-states' products span the longest first window rather than a whole chunk.
+traced: MLX's eager calls), a window of at most `SHORT_WINDOW` steps runs the recurrence over its
+own steps instead of a chunk, and the folded initial states' products span the longest first
+window rather than a whole chunk. A whole sequence that short (a decode row, a verify window)
+then runs only its recurrence, for y and its final state, from S0 (one step for a decode row):
+the walk neither folds its initial state nor extracts its final state (each a product over a
+chunk's width per sequence), where the walk takes ``last`` for a subset of the sequences.
 """
 
 from __future__ import annotations
@@ -185,7 +188,8 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
       Dv, Dk], at [N_chunks] int32)``: ``states[at[j]]`` added to the state leaving chunk j
       where ``at[j] >= 0`` (`chunk_injection`); then either ``S_end [N, Hv, Dv,
       Dk]``, the state after each sequence's last step (``last`` int32 ``[N]``, -1 for an
-      empty sequence, whose S_end is not read), with S_in None; or S_end None and ``S_in
+      empty sequence, whose S_end is not read; a subset of the sequences where the walk has
+      ``short_rows_apart``), with S_in None; or S_end None and ``S_in
       [N_chunks, Hv, Dv, Dk]``, the states entering the chunks (each sequence's last chunk
       then runs through ``dense`` from them).
 
@@ -202,9 +206,19 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
     M = -(-T // C)
     S0 = xp.zeros((N, Hv, Dv, Dk)) if initial_state is None else initial_state
     g_row, beta_row = layer_inputs.fold_mask(xp, g, beta, mask, gate)
+    # where the offsets are concrete, sequences of at most SHORT_WINDOW steps (decode rows)
+    # run their own recurrence (y and final state) and the walk serves the others, for a walk
+    # that takes ``last`` for any of the sequences (``walk.short_rows_apart``)
+    short = _short_sequences(plan) if getattr(walk, "short_rows_apart", False) else None
+    rows = None if short is None else np.setdiff1d(np.arange(N), short).astype(np.int32)
+
+    def of(x):  # x [N, ...] on the sequences the walk serves
+        return x if rows is None else m.take(x, m.array(rows), axis=0)
+
     inject = folded = None
-    if initial_state is not None:
-        folded = _fold_initial_states(xp, plan, q, k, g_row, S0, mask, scale=scale, gate=gate)
+    if initial_state is not None and (rows is None or rows.size):
+        folded = _fold_initial_states(xp, plan, q, k, g_row, S0, mask, scale=scale, gate=gate,
+                                      skip=short)
         # chunk j's leaving state gets the decayed S0 of the sequence holding the chunk's last
         # step when that sequence started in chunk j and goes on past its end
         j = m.arange(M).astype(m.int32)
@@ -214,22 +228,61 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
         inject = (folded.S_first, xp.where(goes_on, owner, -1).astype(m.int32))
     reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
     g_reset = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
+    last = xp.where(plan.nonempty, plan.ends - 1, -1).astype(m.int32)
     y, S_in, S_end = walk(q, k, v if folded is None else v - folded.v_shift, g_reset, beta_row,
-                          inject,
-                          xp.where(plan.nonempty, plan.ends - 1, -1).astype(m.int32))
+                          inject, of(last))
     if folded is not None:
         y = y + folded.y_shift
+    if short is not None:
+        at = m.array(short.astype(np.int32))
+        y_short, S_short = _windows(xp, dense, scale, m.take(plan.starts, at, axis=0),
+                                    m.take(plan.ends, at, axis=0), T, C, q, k, v, g, beta, mask,
+                                    m.take(S0, at, axis=0), gate=gate)
+        y = _with_windows(xp, plan, y, y_short, short)
     if mask is not None:
         y = xp.where(mask[..., None, None], y, 0.0)
     if S_end is None:  # each sequence's last partial chunk, from the state entering it
-        entering = m.take(S_in, plan.last_chunk, axis=0)
-        start = xp.where(plan.from_state[:, None, None, None], entering, S0)
-        return y, _windows(xp, dense, scale, plan.last_begin, plan.ends, T, C, q, k, v, g, beta,
-                           mask, start, gate=gate)[1]
-    if folded is not None:  # a sequence ending in its first chunk: plus S0's decayed part
-        S_end = S_end + xp.where((plan.ends <= plan.first_end)[:, None, None, None],
-                                 folded.S_first, 0.0)
-    return y, xp.where(plan.nonempty[:, None, None, None], S_end, S0)
+        entering = m.take(S_in, of(plan.last_chunk), axis=0)
+        start = xp.where(of(plan.from_state)[:, None, None, None], entering, of(S0))
+        S_end = _windows(xp, dense, scale, of(plan.last_begin), of(plan.ends), T, C, q, k, v,
+                         g, beta, mask, start, gate=gate)[1]
+    else:
+        if folded is not None:  # a sequence ending in its first chunk: plus S0's decayed part
+            S_end = S_end + xp.where(of(plan.ends <= plan.first_end)[:, None, None, None],
+                                     of(folded.S_first), 0.0)
+        S_end = xp.where(of(plan.nonempty)[:, None, None, None], S_end, of(S0))
+    if short is None:
+        return y, S_end
+    order = m.array(np.argsort(np.concatenate([rows, short])).astype(np.int32))
+    return y, m.take(m.concatenate([S_end, S_short], axis=0), order, axis=0)
+
+
+def _with_windows(xp, plan, y, y_short, short):
+    """The row ``y [1, T, Hv, Dv]`` with the steps of the sequences ``short`` (NumPy indices)
+    taken from their windows ``y_short [n, W, Hv, Dv]`` (window i: sequence short[i] from its
+    first step)."""
+    m = xp.module
+    T, W = y.shape[1], y_short.shape[1]
+    slot = np.full(plan.N, -1, np.int32)
+    slot[short] = np.arange(short.size, dtype=np.int32)
+    slot_t = m.take(m.array(slot), plan.seq, axis=0)  # [T]: the step's window, -1 for none
+    offset = m.arange(T).astype(m.int32) - m.take(plan.starts, plan.seq, axis=0)
+    at = m.maximum(slot_t, 0) * W + m.minimum(offset, W - 1)
+    taken = m.take(y_short.reshape((-1,) + tuple(y_short.shape[2:])), at, axis=0)[None]
+    return xp.where((slot_t >= 0)[None, :, None, None], taken, y)
+
+
+def _short_sequences(plan):
+    """NumPy indices of the sequences of at most `SHORT_WINDOW` steps (decode rows, verify
+    windows), where the offsets are concrete (MLX's eager calls); None where they are traced
+    or no sequence is that short. `packed_row` runs these by the recurrence over their own
+    steps (`_windows`: one step for a decode row), not through the walk's chunk-wide products
+    (the initial state's fold, the final state's extraction)."""
+    b, e = _concrete(plan.starts), _concrete(plan.ends)
+    if b is None or e is None:
+        return None
+    short = np.flatnonzero((e - b) <= SHORT_WINDOW)
+    return short if short.size else None
 
 
 class _Folded:
@@ -240,7 +293,7 @@ class _Folded:
         self.v_shift, self.y_shift, self.S_first = v_shift, y_shift, S_first
 
 
-def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate):
+def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate, skip=None):
     """Each sequence's initial state folded into the walk (no extra chunk call, no solve).
 
     Write sequence n's state as ``S_t = F_t S0_n + R_t`` with ``F_t`` the product of its gates
@@ -253,15 +306,24 @@ def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate):
 
     ``F_t`` is a cumulative product over at most C gates from s_n (a direct sum of log gates,
     never a difference of cumulative sums; a zero gate an exact 0). ``g`` the row's gates,
-    masks folded; masked steps get no shift. Returns a `_Folded`."""
+    masks folded; masked steps get no shift. ``skip``: NumPy indices of sequences left out
+    (no shift, a zero ``S_first``: `packed_row` runs them on their own). Returns a
+    `_Folded`."""
     m = xp.module
     T = q.shape[1]
     Hv, Dv = S0.shape[1], S0.shape[2]
     vector = g.ndim == 4
     flats_k, flats_q, firsts = [], [], []
     base, width = [], []  # per group: [n] where each sequence's window starts in the flat
-    groups = _fold_groups(plan)
+    groups = _fold_groups(plan, skip)
+    offset = 0  # steps of the windows formed so far
     for rows, W in groups:
+        if W == 0:  # skipped sequences: no window
+            n = int(rows.size)
+            firsts.append(xp.zeros((n, Hv, Dv, S0.shape[3])))
+            base.append(m.zeros((n,), m.int32))
+            width.append(m.zeros((n,), m.int32))
+            continue
         at = None if rows is None else m.array(rows.astype(np.int32))
         starts, first_end, S0_rows = (x if at is None else m.take(x, at, axis=0)
                                       for x in (plan.starts, plan.first_end, S0))
@@ -280,9 +342,9 @@ def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate):
         last = m.maximum(first_end - starts - 1, 0)  # [n] the window's last step
         F_last = m.take_along_axis(F, last.reshape((n, 1) + (1,) * (F.ndim - 2)), axis=1)[:, 0]
         firsts.append(S0_rows * (F_last[:, :, None, :] if vector else F_last[:, :, None, None]))
-        offset = sum(int(x.shape[0]) for x in flats_k[:-1])
         base.append(offset + W * (m.arange(n).astype(m.int32)))
         width.append(m.full((n,), W, m.int32))
+        offset += n * W
     if len(groups) == 1:
         flat_k, flat_q, S_first, base, width = flats_k[0], flats_q[0], firsts[0], base[0], width[0]
     else:  # back to sequence order
@@ -298,7 +360,7 @@ def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate):
     inside = (offset < W_t) & (t < m.take(plan.first_end, plan.seq, axis=0))
     if mask is not None:
         inside = inside & mask[0]
-    at = m.take(base, plan.seq, axis=0) + m.minimum(offset, W_t - 1)
+    at = m.maximum(m.take(base, plan.seq, axis=0) + m.minimum(offset, W_t - 1), 0)
 
     def to_row(flat):  # [windows' steps, Hv, Dv] -> [1, T, Hv, Dv]
         return xp.where(inside[None, :, None, None], m.take(flat, at, axis=0)[None], 0.0)
@@ -306,18 +368,23 @@ def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate):
     return _Folded(to_row(flat_k), to_row(flat_q) * scale, S_first)
 
 
-def _fold_groups(plan):
+def _fold_groups(plan, skip=None):
     """``[(rows, W)]``: the sequences whose first windows `_fold_initial_states` forms together,
     W steps each. Traced offsets: all of them (rows None), W = C. Concrete ones (MLX's eager
-    calls): the windows of at most `SHORT_WINDOW` steps (decode rows) and the others, each
-    group as wide as its longest window."""
+    calls): the windows of at most `SHORT_WINDOW` steps and the others, each group as wide as
+    its longest window, and ``skip`` (NumPy indices, concrete offsets only) as ``(skip, 0)``."""
     b, e = _concrete(plan.starts), _concrete(plan.first_end)
     if b is None or e is None:
         return [(None, plan.C)]
     lengths = e - b
+    kept = np.ones(plan.N, bool)
+    if skip is not None:
+        kept[skip] = False
     short = lengths <= SHORT_WINDOW
     groups = [(np.flatnonzero(sel), max(int(lengths[sel].max(initial=1)), 1))
-              for sel in (short, ~short) if sel.any()]
+              for sel in (short & kept, ~short & kept) if sel.any()]
+    if skip is not None and skip.size:
+        groups.append((np.asarray(skip), 0))
     return [(None, groups[0][1])] if len(groups) == 1 else groups
 
 
@@ -376,4 +443,5 @@ def chunk_walk(xp, packed_core, *, scale, gate, chunk_size, extracts=False):
         return chunkwise.from_chunks(Y, T), None, S_end.reshape((last.shape[0], Hv, Dv, Dk))
 
     walk.scale = scale  # `packed_row` runs short first windows' recurrence at the same scale
+    walk.short_rows_apart = True  # ``last`` may name any of the sequences (`packed_row`)
     return walk

@@ -83,8 +83,9 @@ PACKED_QUANTITIES = {"y", "final_state", "dinitial_state", "dq", "dk", "dv", "db
 
 
 def _counting(calls, fn):
+    """``fn``, appending each call's keyword arguments to ``calls``."""
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs)
         return fn(*args, **kwargs)
     return counted
 
@@ -225,11 +226,12 @@ def test_vmap_over_rows():
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 def test_mixed_batch_folds_initial_states_and_runs_short_windows_stepwise(gate, monkeypatch):
     """A server's mixed batch (decode rows of one token, a verify window, prefill rows) on
-    MLX's portable packed path (eager: the offsets are concrete): the initial states fold into
-    the row's walk (`gdngen.algebra.packed._fold_initial_states`; no window call at all with
-    scalar gates), and the per-channel final states of short rows run the recurrence over their
-    own steps (`gdngen.algebra.packed.SHORT_WINDOW`), the long ones a chunk. Values and every
-    gradient against the float64 reference, a sequence at a time."""
+    MLX's portable packed path (eager: the offsets are concrete): the sequences of at most
+    `gdngen.algebra.packed.SHORT_WINDOW` steps run the recurrence over their own steps (y and
+    final state, one call for all of them), the initial states of the others fold into the
+    row's walk (`gdngen.algebra.packed._fold_initial_states`, the short ones skipped), and
+    their per-channel final states run their last windows stepwise where short, else as a
+    chunk. Values and every gradient against the float64 reference, a sequence at a time."""
     framework = "mlx"
     pytest.importorskip("mlx.core")
     offsets = np.array([0, 1, 2, 42, 43, 60, 70], np.int32)  # lengths 1, 1, 40, 1, 17, 10
@@ -253,10 +255,12 @@ def test_mixed_batch_folds_initial_states_and_runs_short_windows_stepwise(gate, 
 
     y, final = gated_delta(*(arrays[n] for n in names), scale=DK ** -0.5, cu_seqlens=cu,
                            variant=variant)
-    # per-channel final states: rows 1, 1, 40 (last window 10 steps), 1 and 10 stepwise, the
-    # 17-step window a chunk
-    assert (len(folds), len(windows), len(chunks)) == ((1, 1, 1) if gate == "vector"
-                                                       else (1, 0, 0))
+    # the short sequences 0, 1, 3, 5 stepwise, skipped by the fold; per-channel final states
+    # of the others: the 40-step sequence's last window (10 steps) stepwise, the 17-step one a
+    # chunk
+    assert (len(folds), len(windows), len(chunks)) == ((1, 2, 1) if gate == "vector"
+                                                       else (1, 1, 0))
+    assert list(folds[0]["skip"]) == [0, 1, 3, 5]
     import mlx.core as mx
 
     grads = mx.grad(loss, argnums=tuple(range(6)))(*(arrays[n] for n in names))
