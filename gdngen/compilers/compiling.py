@@ -14,6 +14,7 @@ from gdngen.compilers.targets import (
     PLATFORMS,
     _check_device,
     compiler_of,
+    compiling_backend,
     target_device,
     topology_devices,
 )
@@ -212,9 +213,7 @@ def targeting(device: str | Device, backend: str | None = None):
     lower with ``lowering_platforms`` of the device ("tpu", "cuda"). ValueError for a device
     without a topology, RuntimeError where its compiler or topology is missing here."""
     device = _check_device(backend, device)
-    if backend is None:
-        backend = next(b for b in ("pallas_tpu", "pallas_gpu")
-                       if compiler_of(b)[1] == device.kind)
+    backend = compiling_backend(device) if backend is None else backend
     found = topology_devices(device, backend)
     with devices.targeted(device.name), _lowering_for(backend, found[0]):
         yield found

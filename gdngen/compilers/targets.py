@@ -121,15 +121,21 @@ def compiler_versions(compiler: str) -> dict:
     return versions
 
 
-def _check_device(backend: str | None, device: str | Device) -> Device:
-    """``device`` checked for ``backend``'s compiler (None: the backend compiling for its
-    kind)."""
-    device = get_device(device) if isinstance(device, str) else device
+def compiling_backend(device: Device) -> str:
+    """The backend whose generated kernels a real compiler builds for ``device``'s kind
+    (pallas_tpu for TPUs, pallas_gpu for NVIDIA GPUs); ValueError for a kind none compiles
+    for."""
+    backend = next((b for b, (_, kind) in COMPILERS.items() if kind == device.kind), None)
     if backend is None:
-        backend = next((b for b, (_, kind) in COMPILERS.items() if kind == device.kind), None)
-        if backend is None:
-            raise ValueError(f"no backend has a real compiler for {device.kind} devices, got "
-                             f"{device.name!r}")
+        raise ValueError(f"no backend has a real compiler for {device.kind} devices, got "
+                         f"{device.name!r}")
+    return backend
+
+
+def _check_device(backend: str | None, device: str | Device) -> Device:
+    """``device`` checked for ``backend``'s compiler (None: `compiling_backend`)."""
+    device = get_device(device) if isinstance(device, str) else device
+    backend = compiling_backend(device) if backend is None else backend
     compiler, kind = compiler_of(backend)
     if device.kind != kind or not device.topology:
         raise ValueError(f"device must be a {kind} device with a topology for {backend}'s "
