@@ -123,6 +123,12 @@ def _concrete(x):
         return None
 
 
+def _sequence_order(m, groups):
+    """int32 indices that put the concatenation of groups of sequences (NumPy indices, each
+    sequence in one group) back in sequence order: ``take(concatenated, order, axis=0)``."""
+    return m.array(np.argsort(np.concatenate(groups)).astype(np.int32))
+
+
 def _short_windows(xp, window, q, k, v, g, beta, mask, S0, *, scale, gate):
     """The recurrence on each row's ``window`` ``(index [n, W], valid [n, W])`` from S0
     ``[n, Hv, Dv, Dk]``: ``(y [n, W, Hv, Dv] (0 outside the window), S [n, Hv, Dv, Dk])``."""
@@ -169,7 +175,7 @@ def _windows(xp, dense, scale, begin, end, T, C, q, k, v, g, beta, mask, S0, *, 
     ys = [y if y.shape[1] == W else m.concatenate(
         [y, xp.zeros((y.shape[0], W - y.shape[1]) + tuple(y.shape[2:]))], axis=1)
         for _, y, _ in parts]
-    order = m.array(np.argsort(np.concatenate([rows for rows, _, _ in parts])).astype(np.int32))
+    order = _sequence_order(m, [rows for rows, _, _ in parts])
     return (m.take(m.concatenate(ys, axis=0), order, axis=0),
             m.take(m.concatenate([S for _, _, S in parts], axis=0), order, axis=0))
 
@@ -253,7 +259,7 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
         S_end = xp.where(of(plan.nonempty)[:, None, None, None], S_end, of(S0))
     if short is None:
         return y, S_end
-    order = m.array(np.argsort(np.concatenate([rows, short])).astype(np.int32))
+    order = _sequence_order(m, [rows, short])
     return y, m.take(m.concatenate([S_end, S_short], axis=0), order, axis=0)
 
 
@@ -348,7 +354,7 @@ def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate, skip=None)
     if len(groups) == 1:
         flat_k, flat_q, S_first, base, width = flats_k[0], flats_q[0], firsts[0], base[0], width[0]
     else:  # back to sequence order
-        order = m.array(np.argsort(np.concatenate([rows for rows, _ in groups])).astype(np.int32))
+        order = _sequence_order(m, [rows for rows, _ in groups])
         flat_k, flat_q = m.concatenate(flats_k, axis=0), m.concatenate(flats_q, axis=0)
         S_first, base, width = (m.take(m.concatenate(x, axis=0), order, axis=0)
                                 for x in (firsts, base, width))
