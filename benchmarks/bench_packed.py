@@ -11,10 +11,10 @@ initial state; median of ``--repeats``):
   variant: on a CPU host with a compiler JAX's default is the generated ffi_cpu kernels);
 * ``dense_portable``: the dense call of the portable backend's default variant (xla / mlx),
   the chunk path the packed row runs on;
-* ``packed``: the same arrays with ``cu_seqlens`` and one initial state per sequence (the
-  row's initial state repeated; the loss pairs every final state with the row's
-  ``dfinal_state``), so every per-sequence initial and final state is computed and
-  differentiated;
+* ``packed``: the same arrays with ``cu_seqlens`` and one initial state per sequence, an
+  input of its own ``[N, Hv, Dv, Dk]`` as a packed training step has them (the row's initial
+  state repeated as data, and its ``dfinal_state`` as every final state's cotangent), so every
+  per-sequence initial and final state is computed and differentiated;
 * ``packed_no_state``: ``cu_seqlens`` with ``initial_state=None`` (fla's packed training),
   the final states still in the loss.
 
@@ -52,19 +52,16 @@ def _fns(framework: str, problem, offsets: np.ndarray):
 
         from gdngen.jax import gated_delta
         cu = jnp.asarray(offsets)
-        repeat = jnp.repeat
     else:
         import mlx.core as mx
 
         from gdngen.mlx import gated_delta
         cu = mx.array(offsets)
-        repeat = mx.repeat
-    N = len(offsets) - 1
     portable = registry.default_variant(registry.portable(framework), problem)
 
     def packed(q, k, v, g, beta, initial_state, *, scale, gate):
-        return gated_delta(q, k, v, g, beta, repeat(initial_state, N, axis=0), scale=scale,
-                           gate=gate, cu_seqlens=cu)
+        return gated_delta(q, k, v, g, beta, initial_state, scale=scale, gate=gate,
+                           cu_seqlens=cu)
 
     def packed_no_state(q, k, v, g, beta, initial_state, *, scale, gate):
         return gated_delta(q, k, v, g, beta, None, scale=scale, gate=gate, cu_seqlens=cu)
@@ -76,7 +73,7 @@ def _fns(framework: str, problem, offsets: np.ndarray):
 def run(frameworks, seq_len, sequences, heads, dim, repeats, seed):
     from gdngen.entry import load_tuned
     from gdngen.problem import Problem
-    from gdngen.tools.timing import time_fwd_bwd
+    from gdngen.tools.timing import make_inputs, time_fwd_bwd
 
     Hk, Hv = heads
     problem = Problem(Hk, Hv, dim, dim, "float32", "scalar")
@@ -84,8 +81,13 @@ def run(frameworks, seq_len, sequences, heads, dim, repeats, seed):
     rows = []
     for framework in frameworks:
         fns = _fns(framework, problem, offsets)
+        inputs = make_inputs(problem, 1, seq_len)
+        N = len(offsets) - 1  # the packed row's own initial states and their cotangents
+        per_sequence = {n: np.repeat(inputs[n], N, axis=0)
+                        for n in ("initial_state", "dfinal_state")}
         timings = time_fwd_bwd(framework, fns, problem, batch=1, seq_len=seq_len,
-                               repeats=repeats, settle=True)
+                               repeats=repeats, settle=True, inputs=inputs,
+                               call_inputs={"packed": per_sequence})
         medians = {name: t.median_s for name, t in timings.items()}
         spread = max(max(t.times_s) / min(t.times_s) for t in timings.values())
         dense_path = str(load_tuned(framework).explain(

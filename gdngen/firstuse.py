@@ -244,6 +244,7 @@ def _verdict(framework: str, variant: Variant, problem: Problem, device: str | N
         "sha256": cache.variant_sha256(variant, problem),
         "versions": cache.current_versions(framework),
         "toolchain": _short(registry.get(variant.backend).toolchain()),
+        **_own_build(variant, problem, kind),
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     path = verdict_dir(device) / f"{variant.backend}-{digest}.json"
@@ -251,7 +252,9 @@ def _verdict(framework: str, variant: Variant, problem: Problem, device: str | N
         found = _read(path)
         if found is not None:
             return Verdict(bool(found["passed"]), found, path)
-        tuned = _tuned(device, variant, problem, precision)
+        # a tuned entry vouches for the variant's own kernels, not for a build of its own
+        tuned = None if "packed_sha256" in identity else _tuned(device, variant, problem,
+                                                                 precision)
         if tuned is not None:
             return tuned
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -268,6 +271,16 @@ def _verdict(framework: str, variant: Variant, problem: Problem, device: str | N
 
 
 _STARTED = time.time()
+
+
+def _own_build(variant: Variant, problem: Problem, kind: str) -> dict:
+    """``{"packed_sha256": ...}`` where ``kind``'s calls run the backend's packed build
+    (``render_packed``, sources of its own: a change to them is checked again), else {}."""
+    spec = registry.get(variant.backend)
+    if "packed" not in kind.split() or spec.portable or not hasattr(spec, "render_packed") \
+            or not spec.native_packed(problem.gate == "vector"):
+        return {}
+    return {"packed_sha256": spec.render_packed(variant, problem).sha256}
 
 
 def _short(toolchain: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from gdngen import entry, jaxcompat, mixer
 from gdngen.entry import Options
 
-jaxcompat.quiet_host()  # no libtpu start-up errors on a host without a TPU
 jaxcompat.require()  # the installed jax is in the supported range, else UnsupportedJax here
 
 __all__ = ["gated_delta", "gated_delta_mixer"]

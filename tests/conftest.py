@@ -44,13 +44,11 @@ def unoptimized_xla():
     pytest.mark.usefixtures("unoptimized_xla")``): modules whose tests are compile-bound (about
     half their time) and whose checks (values against float64 within tolerance, shapes,
     residuals) do not depend on LLVM's optimizations. Every other module keeps them on."""
-    jax = sys.modules.get("jax")
-    if jax is None:
-        try:
-            import jax
-        except ImportError:
-            yield
-            return
+    try:
+        import jax
+    except ImportError:
+        yield
+        return
     flag = "jax_disable_most_optimizations"
     previous = jax.config.values.get(flag, False)
     jax.config.update(flag, previous or jax.default_backend() == "cpu")

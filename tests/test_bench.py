@@ -185,6 +185,31 @@ def test_time_fwd_bwd_interleaves_and_settles(settle, monkeypatch):
     assert runs == expected
 
 
+
+def test_time_fwd_bwd_call_inputs_replace_arrays_for_one_callable(monkeypatch):
+    """``call_inputs`` gives one callable arrays of its own (a packed row's per-sequence
+    initial states); the others keep the shared ones; a name not in ``fns`` is refused."""
+    import numpy as np
+
+    from gdngen.problem import Problem
+    from gdngen.tools import timing
+
+    seen = {}
+
+    def fake_grad_fns(fns, problem, inputs):
+        for name in fns:
+            seen[name] = inputs["initial_state"].shape
+        return {name: (lambda: None) for name in fns}, lambda x: x
+
+    monkeypatch.setattr(timing, "_jax_grad_fns", fake_grad_fns)
+    own = {"initial_state": np.zeros((3, 2, 16, 16), np.float32)}
+    res = timing.time_fwd_bwd("jax", {"a": None, "b": None}, Problem(1, 2, 16, 16), batch=1,
+                              seq_len=8, repeats=2, call_inputs={"b": own})
+    assert seen == {"a": (1, 2, 16, 16), "b": (3, 2, 16, 16)} and list(res) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"call_inputs names \['c'\]"):
+        timing.time_fwd_bwd("jax", {"a": None}, Problem(1, 2, 16, 16), batch=1, seq_len=8,
+                            call_inputs={"c": own})
+
 def _benchmark(name):
     path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)

@@ -170,6 +170,44 @@ def test_an_active_tuned_entry_counts_as_passed(fresh, monkeypatch):
     assert firstuse.stored("cpu") == []
 
 
+def test_a_packed_build_is_checked_on_its_own_sources(fresh, monkeypatch):
+    """A packed call of ffi_cpu runs its packed build (sources of their own): its verdict is
+    keyed by that build's sha256 as well, a tuned entry of the variant does not vouch for it,
+    and a changed packed build is checked again."""
+    from gdngen import cache
+    from gdngen.call import Call
+    from gdngen.shape import CallShape
+
+    checked = []
+    monkeypatch.setattr(firstuse, "check", lambda *a, **k: checked.append(a[2]) or {
+        "passed": True, "worst_error": 0.0, "worst_case": "packed_boundaries",
+        "worst_quantity": "y", "tolerance": 5e-5, "cases": {}, "seconds": 0.0})
+    tuned = []
+    monkeypatch.setattr(firstuse, "_tuned", lambda *a: tuned.append(a) or firstuse.Verdict(
+        True, {"passed": True, "source": "tuned"}, None))
+    spec = registry.get("ffi_cpu")
+    variant = registry.default_variant("ffi_cpu", PROBLEM)
+    packed = Call("jax", CallShape(1, 8, 1, 2, 16, 16, False, sequences=3), "float32")
+    dense = packed.replace(shape=CallShape(1, 8, 1, 2, 16, 16, False))
+    assert firstuse.admitted(dense, variant, "cpu", "ieee") == variant
+    assert (checked, len(tuned)) == ([], 1)  # the dense kernels: the tuned entry vouches
+    assert firstuse.admitted(packed, variant, "cpu", "ieee") == variant
+    assert (checked, len(tuned)) == (["scalar log packed"], 1)
+    (record,) = firstuse.stored("cpu")
+    assert record["packed_sha256"] == spec.render_packed(variant, PROBLEM).sha256
+    assert record["sha256"] == cache.variant_sha256(variant, PROBLEM)
+
+    class Changed:  # another packed build of the same variant
+        sha256 = "0" * 64
+
+    monkeypatch.setattr(spec, "render_packed", lambda *a, **k: Changed())
+    firstuse.clear_memo()
+    assert firstuse.admitted(packed, variant, "cpu", "ieee") == variant
+    assert checked == ["scalar log packed"] * 2
+    assert sorted(r["packed_sha256"] for r in firstuse.stored("cpu")) == sorted(
+        [record["packed_sha256"], Changed.sha256])
+
+
 @needs_ffi
 def test_portable_backends_and_ungated_calls_are_not_checked(fresh, monkeypatch):
     """xla is never checked; the battery's runners (`gdngen.dispatch.ungated`) run an explicit

@@ -197,7 +197,10 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
       empty sequence, whose S_end is not read; a subset of the sequences where the walk has
       ``short_rows_apart``), with S_in None; or S_end None and ``S_in
       [N_chunks, Hv, Dv, Dk]``, the states entering the chunks (each sequence's last chunk
-      then runs through ``dense`` from them).
+      then runs through ``dense`` from them). A walk with ``folds_initial_states`` (ffi_cpu's
+      packed kernels) gets ``inject = (S0_n g_first_n [N, Hv, Dv, Dk], starts [N] int32)``
+      instead, and folds each sequence's initial state into its first chunk itself (no
+      `_fold_initial_states` pass; its S_end includes it).
 
     Returns ``(y [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``."""
     m = xp.module
@@ -222,7 +225,14 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
         return x if rows is None else m.take(x, m.array(rows), axis=0)
 
     inject = folded = None
-    if initial_state is not None and (rows is None or rows.size):
+    if initial_state is not None and getattr(walk, "folds_initial_states", False):
+        # the walk reads S0_n from sequence n's first step p, where the row's gate is reset:
+        # the step's own gate g_p goes into the state it reads
+        first = m.take(g_row[0], m.minimum(plan.starts, T - 1), axis=0)  # [N, Hv(, Dk)]
+        factor = xp.exp(first) if gate == "log" else first
+        inject = (S0 * (factor[:, :, None, :] if factor.ndim == 3 else factor[..., None, None]),
+                  plan.starts)
+    elif initial_state is not None and (rows is None or rows.size):
         folded = _fold_initial_states(xp, plan, q, k, g_row, S0, mask, scale=scale, gate=gate,
                                       skip=short)
         # chunk j's leaving state gets the decayed S0 of the sequence holding the chunk's last

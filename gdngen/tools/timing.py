@@ -145,19 +145,35 @@ def _mlx_grad_fns(fns, problem, inputs):
 
 def time_fwd_bwd(framework: str, fns: dict, problem: Problem, *, batch: int, seq_len: int,
                  precision: str = "ieee", repeats: int = 3, warmup: int = 1,
-                 seed: int = 0, settle: bool = False, inputs: dict | None = None
-                 ) -> dict[str, Timing]:
+                 seed: int = 0, settle: bool = False, inputs: dict | None = None,
+                 call_inputs: dict | None = None) -> dict[str, Timing]:
     """Time forward+backward of each ``fns[name]`` (signature of `variant_fn`'s result) on the
     same inputs of ``problem`` at ``[batch, seq_len]``; returns ``{name: Timing}``.
     ``inputs``: the arrays of `make_inputs` made elsewhere (e.g. drawn on the accelerator,
     which is faster for large shapes than NumPy's generator), used instead of drawing them.
+    ``call_inputs``: ``{name: {array name: array}}``, arrays that replace the shared ones for
+    that callable alone (a packed row's per-sequence initial states and their cotangents).
 
     ``settle``: run each callable once, untimed, right before each of its timed runs, so it does
     not pay for what the callable before it left behind (a sequential baseline's gigabytes of
     buffers are released after it returns: measured here, the call after a 3 GB ``lax.scan``
     ran 3.5x slower than the one after that)."""
     builders = {"jax": _jax_grad_fns, "mlx": _mlx_grad_fns}
-    return _timed(builders[framework], framework, fns, problem, batch, seq_len, precision,
+    build = builders[framework]
+    if call_inputs:
+        unknown = sorted(set(call_inputs) - set(fns))
+        if unknown:
+            raise ValueError(f"call_inputs names {unknown}, not among fns {sorted(fns)}")
+        shared = build
+
+        def per_call(fns, problem, inputs):  # the shared inputs, then each call's own
+            calls, sync = shared({n: f for n, f in fns.items() if n not in call_inputs},
+                                 problem, inputs)
+            for name, own in call_inputs.items():
+                calls.update(shared({name: fns[name]}, problem, {**inputs, **own})[0])
+            return {n: calls[n] for n in fns}, sync
+        build = per_call
+    return _timed(build, framework, fns, problem, batch, seq_len, precision,
                   repeats, warmup, seed, settle, inputs)
 
 

@@ -106,70 +106,68 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
 def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
     `gdngen.algebra.packed.packed_row` on the packed kernels ``sha256`` (B = 1, API layout,
-    float32): ``inject`` None or ``(states [n_seq, Hv, Dv, Dk], at [N] int32)``, the state
-    injected at each chunk's end; ``last`` int32 ``[n_seq]`` each sequence's last step, -1 for
-    an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state after it (not written for an empty
-    one). A ``jax.custom_vjp`` per presence of ``inject``, its backward the packed kernel's."""
+    float32), a walk that folds the initial states itself (``folds_initial_states``):
+    ``inject`` None or ``(states [n_seq, Hv, Dv, Dk], starts [n_seq] int32)``, each sequence's
+    initial state times its first step's gate and its first step; ``last`` int32 ``[n_seq]``
+    each sequence's last step, -1 for an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state
+    after it (not written for an empty one). A ``jax.custom_vjp`` per presence of ``inject``,
+    its backward the packed kernel's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
 
-    def per_head(x):  # [N, Hv, Dv, Dk] <-> the kernels' [1, Hv, N, Dv, Dk]
-        return x.swapaxes(0, 1)[None]
+    def no_initial(last):
+        return jnp.zeros((0,), jnp.float32), jnp.zeros_like(last)
 
     def forward(q, k, v, g, beta, inject, last):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         N, n_seq = -(-T // loaded.params["chunk_size"]), last.shape[0]
+        initial, starts = no_initial(last) if inject is None else (inject[0][None], inject[1])
         y, _, states, ends = jaxcompat.ffi().ffi_call(loaded.target_forward, (
             f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
-            f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, Hv, n_seq, Dv, Dk), q)),
+            f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, n_seq, Hv, Dv, Dk), q)),
             vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
-                jnp.zeros((0,), jnp.float32) if inject is None else per_head(inject[0]),
-                jnp.full((N,), -1, jnp.int32) if inject is None else inject[1], last,
-                **attrs,
+                initial, starts, last, **attrs,
                 splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
-        return (y, ends[0].swapaxes(0, 1)), states
+        return (y, ends[0]), states
 
-    def backward(primals, states, cotangents, inject_at):
+    def backward(primals, states, cotangents, inject):
         q, k, v, g, beta, last = primals
         dy, dS_end = cotangents
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         P = head_splits(1, Hk, Hv // Hk, workers)
-        N, n_seq = states.shape[2], last.shape[0]
-        injects = inject_at is not None
-        inject_shape = (1, Hv, n_seq, Dv, Dk) if injects else (0,)
-        dq, dk, dv, dbeta, dg, _, dinject = jaxcompat.ffi().ffi_call(loaded.target_backward, (
+        initial, starts = no_initial(last) if inject is None else (inject[0][None], inject[1])
+        dq, dk, dv, dbeta, dg, _, dinitial = jaxcompat.ffi().ffi_call(loaded.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
-            f32(inject_shape, q)), vmap_method="sequential")(
+            f32(initial.shape, q)), vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
-                jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
-                inject_at if injects else jnp.full((N,), -1, jnp.int32), last,
-                per_head(dS_end.astype(jnp.float32)), linear=gate == "linear",
+                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), initial, starts, last,
+                dS_end.astype(jnp.float32)[None], linear=gate == "linear",
                 splits=np.int64(P), **attrs)
         if P > 1:
             dq, dk = (x.reshape(1, T, Hk, P, Dk).sum(3) for x in (dq, dk))
-        return (dq, dk, dv, dg, dbeta), dinject
+        return (dq, dk, dv, dg, dbeta), dinitial
 
     @jax.custom_vjp
-    def injected(q, k, v, g, beta, states, at, last):
-        return forward(q, k, v, g, beta, (states, at), last)[0]
+    def folding(q, k, v, g, beta, states, starts, last):
+        return forward(q, k, v, g, beta, (states, starts), last)[0]
 
-    def injected_fwd(q, k, v, g, beta, states, at, last):
-        outputs, chunk_states = forward(q, k, v, g, beta, (states, at), last)
-        return outputs, ((q, k, v, g, beta, last), chunk_states, at)
+    def folding_fwd(q, k, v, g, beta, states, starts, last):
+        outputs, chunk_states = forward(q, k, v, g, beta, (states, starts), last)
+        return outputs, ((q, k, v, g, beta, last), chunk_states, (states, starts))
 
-    def injected_bwd(saved, cotangents):
-        primals, chunk_states, at = saved
-        grads, dinject = backward(primals, chunk_states, cotangents, at)
-        return (*grads, dinject[0].swapaxes(0, 1), None, None)
+    def folding_bwd(saved, cotangents):
+        primals, chunk_states, inject = saved
+        grads, dinitial = backward(primals, chunk_states, cotangents, inject)
+        return (*grads, dinitial[0], None, None)
 
-    injected.defvjp(injected_fwd, injected_bwd)
+    folding.defvjp(folding_fwd, folding_bwd)
 
     @jax.custom_vjp
     def plain(q, k, v, g, beta, last):
@@ -188,9 +186,10 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         if inject is None:
             y, S_end = plain(q, k, v, g, beta, last)
         else:
-            y, S_end = injected(q, k, v, g, beta, *inject, last)
+            y, S_end = folding(q, k, v, g, beta, *inject, last)
         return y, None, S_end
 
+    walk.folds_initial_states = True  # `packed_row` hands it (S0 g_first, starts)
     return walk
 
 
