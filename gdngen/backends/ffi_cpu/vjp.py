@@ -121,11 +121,14 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     def no_initial(last):
         return jnp.zeros((0,), jnp.float32), jnp.zeros_like(last)
 
+    def transposed(inject):  # the kernels read S0'^T [1, n_seq, Hv, Dk, Dv]
+        return inject[0].swapaxes(-1, -2)[None], inject[1]
+
     def forward(q, k, v, g, beta, inject, last):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         N, n_seq = -(-T // loaded.params["chunk_size"]), last.shape[0]
-        initial, starts = no_initial(last) if inject is None else (inject[0][None], inject[1])
+        initial, starts = no_initial(last) if inject is None else transposed(inject)
         y, _, states, ends = jaxcompat.ffi().ffi_call(loaded.target_forward, (
             f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
             f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, n_seq, Hv, Dv, Dk), q)),
@@ -141,13 +144,14 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         P = head_splits(1, Hk, Hv // Hk, workers)
-        initial, starts = no_initial(last) if inject is None else (inject[0][None], inject[1])
+        initial, starts = no_initial(last) if inject is None else transposed(inject)
+        rows = initial if inject is None else inject[0][None]  # and S0' [1, n_seq, Hv, Dv, Dk]
         dq, dk, dv, dbeta, dg, _, dinitial = jaxcompat.ffi().ffi_call(loaded.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
             f32(initial.shape, q)), vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
-                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), initial, starts, last,
+                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), initial, rows, starts, last,
                 dS_end.astype(jnp.float32)[None], linear=gate == "linear",
                 splits=np.int64(P), **attrs)
         if P > 1:
@@ -165,7 +169,7 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     def folding_bwd(saved, cotangents):
         primals, chunk_states, inject = saved
         grads, dinitial = backward(primals, chunk_states, cotangents, inject)
-        return (*grads, dinitial[0], None, None)
+        return (*grads, dinitial[0].swapaxes(-1, -2), None, None)
 
     folding.defvjp(folding_fwd, folding_bwd)
 
