@@ -278,14 +278,26 @@ def _with_windows(xp, plan, y, y_short, short):
     taken from their windows ``y_short [n, W, Hv, Dv]`` (window i: sequence short[i] from its
     first step)."""
     m = xp.module
-    T, W = y.shape[1], y_short.shape[1]
+    W = y_short.shape[1]
     slot = np.full(plan.N, -1, np.int32)
     slot[short] = np.arange(short.size, dtype=np.int32)
-    slot_t = m.take(m.array(slot), plan.seq, axis=0)  # [T]: the step's window, -1 for none
-    offset = m.arange(T).astype(m.int32) - m.take(plan.starts, plan.seq, axis=0)
-    at = m.maximum(slot_t, 0) * W + m.minimum(offset, W - 1)
+    at, _, _ = _window_steps(xp, plan, m.array(np.maximum(slot, 0) * W),
+                             m.full((plan.N,), W, m.int32))
     taken = m.take(y_short.reshape((-1,) + tuple(y_short.shape[2:])), at, axis=0)[None]
-    return xp.where((slot_t >= 0)[None, :, None, None], taken, y)
+    inside = m.take(m.array(slot), plan.seq, axis=0) >= 0  # [T]: the step has a window
+    return xp.where(inside[None, :, None, None], taken, y)
+
+
+def _window_steps(xp, plan, base, width):
+    """Each row step's place in windows laid end to end, sequence n's ``width[n]`` steps from
+    its first step at ``base[n]`` (int32 ``[N]``): ``(at, offset, width_t)``, each ``[T]``:
+    ``at`` clamped into the step's window (the caller masks the steps outside it), the step's
+    offset into its sequence and its window's width."""
+    m = xp.module
+    offset = m.arange(plan.seq.shape[0]).astype(m.int32) - m.take(plan.starts, plan.seq, axis=0)
+    width_t = m.take(width, plan.seq, axis=0)
+    at = m.maximum(m.take(base, plan.seq, axis=0) + m.minimum(offset, width_t - 1), 0)
+    return at, offset, width_t
 
 
 def _short_sequences(plan):
@@ -370,13 +382,11 @@ def _fold_initial_states(xp, plan, q, k, g, S0, mask, *, scale, gate, skip=None)
                                 for x in (firsts, base, width))
 
     # windows -> row steps: each step of a first partial chunk belongs to exactly one window
-    t = m.arange(T).astype(m.int32)
-    offset = t - m.take(plan.starts, plan.seq, axis=0)
-    W_t = m.take(width, plan.seq, axis=0)
-    inside = (offset < W_t) & (t < m.take(plan.first_end, plan.seq, axis=0))
+    at, offset, W_t = _window_steps(xp, plan, base, width)
+    inside = (offset < W_t) & (m.arange(T).astype(m.int32) <
+                                m.take(plan.first_end, plan.seq, axis=0))
     if mask is not None:
         inside = inside & mask[0]
-    at = m.maximum(m.take(base, plan.seq, axis=0) + m.minimum(offset, W_t - 1), 0)
 
     def to_row(flat):  # [windows' steps, Hv, Dv] -> [1, T, Hv, Dv]
         return xp.where(inside[None, :, None, None], m.take(flat, at, axis=0)[None], 0.0)
