@@ -327,6 +327,13 @@ BATTERY: tuple[Case, ...] = (
          "GVA 3x, Dk != Dv, initial states",
          B=1, T=150, Hk=2, Hv=6, Dk=64, Dv=32, vector_gate=True, gates="channel_zero_and_one",
          has_initial_state=True, cu_seqlens=(0, 30, 30, 64, 65, 150)),
+    Case("packed_vector_long_masked",
+         "packed row with per-channel gates whose sequences span chunks (100..230 starts and "
+         "ends inside chunks: its initial state is carried through several chunk ends), with "
+         "the padding mask: steps 0..16 (sequence 0's first steps) and a hole 70..74 inside "
+         "it; x100 padded v must not leak",
+         B=1, T=256, Hk=1, Hv=2, Dk=32, Dv=32, vector_gate=True, has_initial_state=True,
+         padding=True, cu_seqlens=(0, 100, 230, 256)),
 )
 
 _BY_NAME = {case.name: case for case in BATTERY}

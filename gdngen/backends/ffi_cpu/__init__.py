@@ -77,7 +77,7 @@ class FfiCpu(Backend):
     name, framework, config = BACKEND, "jax", Config
     tolerances, device_kinds, dtypes = TOLERANCES, ("cpu",), INPUT_DTYPES
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
 
     # ------------------------------------------------------------------ variants
@@ -126,16 +126,14 @@ class FfiCpu(Backend):
         return kernels.plan(self.kernel_params(variant, problem), problem)
 
     def render_packed(self, variant: Variant, problem: Problem, *, templates_dir=None):
-        """The packed-row chunk kernels (`gdngen.algebra.packed`, scalar gates): the chunk
-        template with ``packed`` set. The forward also takes the injected states ``[B, Hv,
-        n_seq, Dv, Dk]`` (or empty), ``inject_at`` int32 ``[N]`` (the sequence whose state is
-        added to the state leaving each chunk, -1 none) and each sequence's last step, and
-        returns the state after it; the backward takes that state's cotangent and returns the
-        injected states'. The dense renders do not depend on it."""
+        """The packed-row chunk kernels (`gdngen.algebra.packed`, scalar and per-channel
+        gates): the chunk template with ``packed`` set. The forward also takes each sequence's
+        initial state times its first step's gate, transposed, ``[B, n_seq, Hv, Dk, Dv]`` (or
+        empty), its first and its last step (int32 ``[n_seq]``), folds the initial states into
+        the walk and returns each sequence's state after its last step ``[B, n_seq, Hv, Dv,
+        Dk]``; the backward takes that state's cotangent and returns the initial states'
+        (`gdngen.backends.ffi_cpu.vjp.packed_walk`). The dense renders do not depend on it."""
         self.parse(variant)
-        if problem.gate == "vector":
-            raise ValueError(f"{BACKEND}: packed rows of per-channel gates run on the portable "
-                             "path")
         template, context = self.render_plan(variant, problem)[SOURCE_NAME]
         return kernels.render_source(variant, problem, PACKED_SOURCE_NAME, template,
                                      dict(context, packed=True), templates_dir)
@@ -252,7 +250,7 @@ class FfiCpu(Backend):
         return y.astype(q.dtype), state
 
     def packed(self, call, operands, variant, templates_dir=None):
-        """A packed row, scalar gates: its chunk walk on the packed kernels
+        """A packed row, scalar or per-channel gates: its chunk walk on the packed kernels
         (`render_packed`), each sequence's one-chunk calls on the dense chunk kernels."""
         import jax.numpy as jnp
 
@@ -323,7 +321,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
 
 def packed_gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0,
                        gate="log", variant, cu_seqlens, templates_dir=None):
-    """A packed row (`gdngen.algebra.packed`) on ``variant``'s kernels, scalar gates.
+    """A packed row (`gdngen.algebra.packed`) on ``variant``'s kernels, scalar or per-channel
+    gates.
     Arguments as `gdngen.jax.gated_delta` with ``cu_seqlens``; float32 throughout; returns
     ``(y in q's dtype, final_state [N, Hv, Dv, Dk])``."""
     checked, operands = SPEC.checked_args(q, k, v, g, beta, initial_state, mask,

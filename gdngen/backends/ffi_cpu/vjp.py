@@ -106,9 +106,10 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
 def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
     `gdngen.algebra.packed.packed_row` on the packed kernels ``sha256`` (B = 1, API layout,
-    float32), a walk that folds the initial states itself (``folds_initial_states``):
-    ``inject`` None or ``(states [n_seq, Hv, Dv, Dk], starts [n_seq] int32)``, each sequence's
-    initial state times its first step's gate and its first step; ``last`` int32 ``[n_seq]``
+    float32; gates ``[1, T, Hv]`` or, on per-channel kernels, ``[1, T, Hv, Dk]``), a walk
+    that folds the initial states itself (``folds_initial_states``): ``inject`` None or
+    ``(states [n_seq, Hv, Dv, Dk], starts [n_seq] int32)``, each sequence's initial state
+    times its first step's gate (per channel: ``S0 diag(g_first)``) and its first step; ``last`` int32 ``[n_seq]``
     each sequence's last step, -1 for an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state
     after it (not written for an empty one). A ``jax.custom_vjp`` per presence of ``inject``,
     its backward the packed kernel's."""
@@ -148,7 +149,7 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         rows = initial if inject is None else inject[0][None]  # and S0' [1, n_seq, Hv, Dv, Dk]
         dq, dk, dv, dbeta, dg, _, dinitial = jaxcompat.ffi().ffi_call(loaded.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
-            f32((1, T, Hv), q), f32((1, T, Hv), q), f32((1, Hv, Dv, Dk), q),
+            f32((1, T, Hv), q), f32(g.shape, q), f32((1, Hv, Dv, Dk), q),
             f32(initial.shape, q)), vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
                 jnp.zeros((1, Hv, Dv, Dk), jnp.float32), initial, rows, starts, last,

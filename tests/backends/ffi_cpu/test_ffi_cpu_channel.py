@@ -29,9 +29,11 @@ from gdngen.variant import Variant
 pytestmark = pytest.mark.skipif(not ffi_cpu.available(),
                                 reason="the ffi_cpu backend needs a C++ compiler (g++ or $CXX)")
 
-#: every per-channel battery case that runs through the dense kernels (packed per-channel rows
-#: take the portable path: ``packed_gates``)
+#: every per-channel battery case that runs through the dense kernels
 VECTOR_CASES = [c.name for c in BATTERY if c.name.startswith("vector_")]
+#: the per-channel packed rows (``cu_seqlens``): the packed build's walk (`render_packed`);
+#: packed_vector runs in tests/calls/test_packed.py
+PACKED_VECTOR_CASES = [c.name for c in BATTERY if c.vector_gate and c.cu_seqlens is not None]
 
 
 @pytest.fixture(autouse=True)
@@ -79,8 +81,11 @@ def test_vector_gates_render_their_own_chunk_kernels():
     for shared in ("static void gemm(", "static void solve_unit_lower(", "ffi::Error forward_impl(",
                    "constexpr int DK = 32;", "constexpr int DV = 48;"):
         assert shared in scalar and shared in vector
-    with pytest.raises(ValueError, match="per-channel gates run on the portable path"):
-        ffi_cpu.render_packed(_variant(), Problem(1, 2, 24, 40, gate="vector"))
+    packed = ffi_cpu.render_packed(_variant(), Problem(1, 2, 24, 40, gate="vector"))
+    scalar_packed = ffi_cpu.render_packed(_variant(), Problem(1, 2, 24, 40))
+    for walk in ("static void anchored_products(", "static void ending_products_vjp("):
+        assert walk in packed.sources["gated_delta_packed.cc"] and walk not in vector
+        assert walk not in scalar_packed.sources["gated_delta_packed.cc"]
 
 
 @pytest.mark.parametrize("recurrent_below", [0, 1000])
@@ -118,6 +123,26 @@ def test_kernel_rejects_scalar_gates():
                                    threads=np.int64(1), splits=np.int64(1), poison=False))
 
 
+def test_packed_rows_run_the_per_channel_packed_kernels():
+    """A per-channel packed row (initial states, cu_seqlens) runs the packed build's walk,
+    forward and backward, and nothing of the portable path or the dense kernels."""
+    q, k, v, g, beta, _ = _inputs(B=1)
+    S0 = jnp.ones((3, 4, 32, 32), jnp.float32)
+    cu = jnp.array([0, 5, 40, 70], jnp.int32)
+    variant = _variant()
+    problem = Problem(2, 4, 32, 32, gate="vector")
+    packed, dense = (ffi_cpu.load_packed_kernels(variant, problem),
+                     ffi_cpu.load_kernels(variant, problem))
+
+    def loss(*a):
+        y, S = ffi_cpu.packed_gated_delta(*a, scale=0.25, variant=variant, cu_seqlens=cu)
+        return y.sum() + S.sum()
+
+    grad = str(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, g, beta, S0))
+    assert packed.target_forward in grad and packed.target_backward in grad
+    assert dense.target_forward not in grad and "dot_general" not in grad
+
+
 # ----------------------------------------------------------------------------- numerics
 
 
@@ -128,10 +153,18 @@ def test_exact_zero_gates_through_the_chunk_kernels():
     _check([validate.check_case("ffi_cpu", "vector_exact_zero", variant=_variant())])
 
 
+def test_packed_rows_carry_initial_states_through_chunk_ends():
+    """Per-channel packed rows whose sequences span several chunks, with a padding mask: each
+    initial state folded into its first chunk and carried on, each final state taken at its
+    sequence's last step (`PACKED_VECTOR_CASES`)."""
+    _check([validate.check_case("ffi_cpu", "packed_vector_long_masked", variant=_variant())])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", ffi_cpu.CHUNK_SIZES)
 def test_every_vector_case_at_every_chunk_size(chunk_size):
-    _check(validate.run_battery(None, variant=_variant(chunk_size), cases=VECTOR_CASES))
+    _check(validate.run_battery(None, variant=_variant(chunk_size),
+                                cases=VECTOR_CASES + PACKED_VECTOR_CASES))
 
 
 @pytest.mark.slow
