@@ -20,8 +20,8 @@ initial state; median of ``--repeats``):
 
 ``--gate vector`` runs per-channel gates ``[B, T, Hv, Dk]`` (Kimi Delta Attention).
 Ratios are ``packed / dense`` (<= 1.2 scalar, <= 1.25 per-channel: `TARGETS`): of the
-medians, and the median of the ratios within each round (``paired``: the calls of one round run back to back, so a slow
-spell of a noisy host weighs on both). Run from the repo root::
+medians, and the median of the ratios within each round (``paired``: the calls of one round
+run back to back, so a slow spell of a noisy host weighs on both). Run from the repo root::
 
     python benchmarks/bench_packed.py [--frameworks jax,mlx] [--seq-len 4096]
         [--sequences 16] [--heads 4,8] [--dim 128] [--gate scalar|vector] [--repeats 5]
