@@ -110,9 +110,9 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     that folds the initial states itself (``folds_initial_states``): ``inject`` None or
     ``(states [n_seq, Hv, Dv, Dk], starts [n_seq] int32)``, each sequence's initial state
     times its first step's gate (per channel: ``S0 diag(g_first)``) and its first step;
-    ``last`` int32 ``[n_seq]`` each sequence's last step, -1 for an empty one; ``S_end [n_seq, Hv, Dv, Dk]`` the state
-    after it (not written for an empty one). A ``jax.custom_vjp`` per presence of ``inject``,
-    its backward the packed kernel's."""
+    ``last`` int32 ``[n_seq]`` each sequence's last step, -1 for an empty one; ``S_end
+    [n_seq, Hv, Dv, Dk]`` the state after it (not written for an empty one). A
+    ``jax.custom_vjp`` per presence of ``inject``, its backward the packed kernel's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
