@@ -289,9 +289,9 @@ def test_empty_sequence_returns_its_initial_state(framework):
 def test_packed_paths_of_generated_backends():
     """ffi_cpu runs packed rows in its own kernels and matches xla's packed row (the Pallas
     and Metal packed builds: tests/backends/pallas/test_packed_pallas.py,
-    tests/backends/metal/test_packed_metal.py); per-channel gates, which no generated backend has
-    packed kernels for, run on the portable path at the variant's chunk; `explain` / `describe` say
-    which ran."""
+    tests/backends/metal/test_packed_metal.py); per-channel gates run in ffi_cpu's packed build
+    (tests/backends/ffi_cpu/test_ffi_cpu_channel.py) and on the portable path at the variant's
+    chunk on the other generated backends; `explain` / `describe` say which ran."""
     import jax.numpy as jnp
 
     from gdngen import registry
@@ -310,10 +310,14 @@ def test_packed_paths_of_generated_backends():
         y, final = gated_delta(**arrays, cu_seqlens=cu, variant=variant)
         np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=0, atol=2e-6)
         np.testing.assert_allclose(np.asarray(final), np.asarray(final_xla), rtol=0, atol=2e-6)
+    assert "ffi_cpu chunk kernels (their packed build)" in registry.get(
+        "ffi_cpu").describe_packed(variant, True, 5)
     for name in ("ffi_cpu", "pallas_tpu", "pallas_gpu", "metal"):
         spec = registry.get(name)
         assert f"{name} chunk kernels (their packed build)" in spec.describe_packed(
             variant, False, 5)
+        if name == "ffi_cpu":
+            continue
         assert f"portable {fallback.PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk " \
             f"path (no packed {name} kernels for these gates yet)" in spec.describe_packed(
                 variant, True, 5)
