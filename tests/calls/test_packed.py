@@ -71,13 +71,14 @@ def _forward_reference(arrays, offsets):
 
 
 PACKED_CASES = {"scalar": "packed_boundaries", "vector": "packed_vector"}
-#: per-channel packed rows of JAX backends without per-channel packed kernels run the portable
-#: packed path, whose compile takes ~2-4 min on 2 cores: behind the slow marker; mlx runs the
-#: same framework-neutral algebra (`gdngen.algebra.packed`) in `make test` (ffi_cpu has its
-#: own). xla's scalar case too: the portable packed path keeps [mlx-scalar], xla's packed rows
-#: test_vmap_over_rows
+#: per-channel packed rows on JAX compile the shared jnp chunk stages (the portable packed path;
+#: the Pallas backends' packed walks between them), ~2-4 min on 2 cores: behind the slow
+#: marker; mlx runs the same framework-neutral algebra (`gdngen.algebra.packed`) in `make
+#: test`, ffi_cpu its own kernels, and the Pallas packed walks a small row in
+#: tests/backends/pallas/test_packed_pallas.py. xla's scalar case too: the portable packed path
+#: keeps [mlx-scalar], xla's packed rows test_vmap_over_rows
 SLOW_PACKED = {(b, "vector") for b in registry.names() if registry.get(b).framework == "jax"
-               and not registry.get(b).native_packed(True)} | {("xla", "scalar")}
+               and b != "ffi_cpu"} | {("xla", "scalar")}
 PACKED_QUANTITIES = {"y", "final_state", "dinitial_state", "dq", "dk", "dv", "dbeta", "dg",
                      "dg_linear"}
 
@@ -289,9 +290,9 @@ def test_empty_sequence_returns_its_initial_state(framework):
 def test_packed_paths_of_generated_backends():
     """ffi_cpu runs packed rows in its own kernels and matches xla's packed row (the Pallas
     and Metal packed builds: tests/backends/pallas/test_packed_pallas.py,
-    tests/backends/metal/test_packed_metal.py); per-channel gates run in ffi_cpu's packed build
-    (tests/backends/ffi_cpu/test_ffi_cpu_channel.py) and on the portable path at the variant's
-    chunk on the other generated backends; `explain` / `describe` say which ran."""
+    tests/backends/metal/test_packed_metal.py); per-channel gates run in the packed builds of
+    ffi_cpu, pallas_tpu and pallas_gpu and on the portable path at the variant's chunk on
+    metal; `explain` / `describe` say which ran."""
     import jax.numpy as jnp
 
     from gdngen import registry
@@ -310,13 +311,12 @@ def test_packed_paths_of_generated_backends():
         y, final = gated_delta(**arrays, cu_seqlens=cu, variant=variant)
         np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=0, atol=2e-6)
         np.testing.assert_allclose(np.asarray(final), np.asarray(final_xla), rtol=0, atol=2e-6)
-    assert "ffi_cpu chunk kernels (their packed build)" in registry.get(
-        "ffi_cpu").describe_packed(variant, True, 5)
     for name in ("ffi_cpu", "pallas_tpu", "pallas_gpu", "metal"):
         spec = registry.get(name)
-        assert f"{name} chunk kernels (their packed build)" in spec.describe_packed(
-            variant, False, 5)
-        if name == "ffi_cpu":
+        for vector in (False, True) if name != "metal" else (False,):
+            assert f"{name} chunk kernels (their packed build)" in spec.describe_packed(
+                variant, vector, 5)
+        if name != "metal":
             continue
         assert f"portable {fallback.PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk " \
             f"path (no packed {name} kernels for these gates yet)" in spec.describe_packed(

@@ -30,7 +30,7 @@ class PallasBackend(Backend):
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
     loaded: dict
     caches: tuple = ()
@@ -100,15 +100,14 @@ class PallasBackend(Backend):
         return Rendered(variant, problem, texts, sources_sha256(texts))
 
     def render_packed(self, variant, problem, *, templates_dir=None):
-        """The packed build (`gdngen.algebra.packed`, scalar gates): ``forward.py`` and
-        ``backward.py`` rendered with ``packed`` set (and `packed_context`) as
-        ``packed_<name>``. Unset, the templates render the dense kernels byte for byte."""
+        """The packed build (`gdngen.algebra.packed`): ``forward.py`` and ``backward.py``
+        rendered with ``packed`` set (and `packed_context`) as ``packed_<name>``: the chunk
+        kernels' walks (per-channel gates: the chunk walks of `chunk_walks`) also take the
+        states injected at chunk ends and the entering states' cotangent. Unset, the templates
+        render the dense kernels byte for byte."""
         from gdngen.sources import Rendered, environment, sources_sha256
 
         self.parse(variant)
-        if problem.gate != "scalar":
-            raise ValueError(f"{self.name} has packed kernels for scalar gates only, got "
-                             f"{problem.key()}")
         context = self.packed_context(variant, problem)
         plan = self.render_plan(variant, problem)
         env = environment(templates_dir)
@@ -184,16 +183,19 @@ class PallasBackend(Backend):
 
     def load_packed_kernels(self, variant, problem, *, templates_dir=None):
         """`render_packed`, loaded (cached as `load_kernels`): ``forward``, ``backward``,
-        ``run_forward``, ``run_backward``, the recomputing walk of `add_recompute`."""
+        ``run_forward``, ``run_backward`` (vector gates: the chunk walks, ``interpret`` only),
+        the recomputing walk of `add_recompute`, ``packed`` True."""
         rendered = self.render_packed(variant, problem, templates_dir=templates_dir)
         interpret = self.interpret_mode()
         key = (rendered.sha256, interpret)
         if key not in self.loaded:
             fwd, bwd = (self._exec(rendered, name)
                         for name in ("packed_forward.py", "packed_backward.py"))
+            walk = ("interpret",) if problem.gate == "vector" else SCALED
             kernels = self._namespace(rendered, {"forward": fwd, "backward": bwd}, interpret,
-                                      run_forward=jit_pair(fwd.forward, SCALED, interpret),
-                                      run_backward=jit_pair(bwd.backward, SCALED, interpret))
+                                      run_forward=jit_pair(fwd.forward, walk, interpret),
+                                      run_backward=jit_pair(bwd.backward, walk, interpret),
+                                      packed=True)
             self.add_recompute(kernels)
             self.loaded[key] = kernels
         return self.loaded[key]
@@ -351,13 +353,16 @@ class PallasBackend(Backend):
         return y.astype(q.dtype), state
 
     def packed(self, call, operands, variant, templates_dir=None):
-        """A packed row (`gdngen.algebra.packed`, scalar gates), float32 inside: the row's chunk
+        """A packed row (`gdngen.algebra.packed`), float32 inside: scalar gates, the row's chunk
         walk on the packed build (`packed_core`), each sequence's one-chunk calls on
-        `chunk_forward`. Returns ``(y [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk]
-        float32)``."""
+        `chunk_forward`; per-channel gates, the portable packed path
+        (`gdngen.backends.portable.jax_chunkwise.packed_gated_delta`) with the packed build's
+        chunk walks (`chunk_walks`). Returns ``(y [1, T, Hv, Dv] in q's dtype, final_state
+        [N, Hv, Dv, Dk] float32)``."""
         import jax.numpy as jnp
 
         from gdngen.algebra import packed
+        from gdngen.backends.portable import jax_chunkwise
         from gdngen.backends.portable.jax_chunkwise import XP
 
         gate = call.decay
@@ -365,6 +370,16 @@ class PallasBackend(Backend):
         kernels = self.load_packed_kernels(variant, call.replace(dtype="float32").problem,
                                            templates_dir=templates_dir)
         chunk = kernels.params["chunk_size"]
+        f32 = jnp.float32
+        q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+        if call.vector_gate:
+            y, state = jax_chunkwise.packed_gated_delta(
+                *(x.astype(f32) for x in (q, k, v, g, beta)),
+                None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+                scale=call.scale, gate=gate, chunk_size=chunk,
+                save_states=kernels.params["save_states"],
+                walks=self.chunk_walks((kernels.sha256, kernels.interpret)))
+            return y.astype(q.dtype), state
 
         def dense(q, k, v, g, beta, S0, mask):
             return self.chunk_forward(
@@ -374,8 +389,6 @@ class PallasBackend(Backend):
 
         walk = packed.chunk_walk(XP, self.packed_core((kernels.sha256, kernels.interpret), gate),
                                  scale=call.scale, gate=gate, chunk_size=chunk)
-        f32 = jnp.float32
-        q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
         y, state = packed.packed_row(
             XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,

@@ -1,6 +1,7 @@
 """Native packed kernels of the Pallas backends (pallas_tpu, pallas_gpu): packed battery cases
 through each backend's packed build (`render_packed`: the walk takes the injected states and
-returns the entering ones; `gdngen.algebra.packed`), run as the dense kernels are validated
+returns the entering ones; `gdngen.algebra.packed`; per-channel gates: the packed build's chunk
+walks between the shared jnp stages), run as the dense kernels are validated
 off-device (TPU / Pallas interpret mode, buffers NaN-filled, TPU race detection on), their lowering
 for the real compilers, and the dense renders left byte for byte as they were."""
 
@@ -30,7 +31,7 @@ def _check(backend, case, monkeypatch, **changes):
     ``changes``), outputs poisoned; asserts every quantity passes and the packed core ran."""
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     spec = registry.get(backend)
-    assert spec.native_packed(False) and not spec.native_packed(True)
+    assert spec.native_packed(False) and spec.native_packed(True)
     core = _module(backend).packed_core
     calls = core.cache_info().hits + core.cache_info().misses
     variant = None
@@ -148,7 +149,7 @@ def _variant(backend, problem, changes=()):
 
 def test_dense_renders_unchanged_and_packed_build_differs():
     """Every dense render keeps its sha256; each packed build is its own source (its own
-    cache entry), deterministic, and only for scalar gates."""
+    cache entry) and deterministic, for both gate kinds."""
     for (backend, dims, changes), sha in DENSE_SHA256.items():
         problem = Problem(*dims)
         variant = _variant(backend, problem, changes)
@@ -160,8 +161,71 @@ def test_dense_renders_unchanged_and_packed_build_differs():
         assert set(packed_build.sources) == {"packed_forward.py", "packed_backward.py"}
     for backend in BACKENDS:
         vector = Problem(1, 2, 32, 32, gate="vector")
-        with pytest.raises(ValueError, match="scalar gates only"):
-            _module(backend).render_packed(_variant(backend, Problem(1, 2, 32, 32)), vector)
+        variant = _variant(backend, vector)
+        dense = registry.get(backend).render(variant, vector)
+        packed_build = _module(backend).render_packed(variant, vector)
+        assert packed_build.sha256 != dense.sha256
+        assert "inj_ref" in packed_build.sources["packed_forward.py"]
+        assert "inj_ref" not in dense.sources["forward.py"]
+        assert "dsin" in packed_build.sources["packed_backward.py"]
+
+
+#: a small per-channel packed row: a sequence inside chunk 0, an empty one, one across the
+#: chunk end (its initial state injected there), exact per-channel zeros and ones
+PACKED_VECTOR = Case("packed_vector_small", "per-channel packed row, three sequences", B=1,
+                     T=70, Hk=1, Hv=2, Dk=16, Dv=16, vector_gate=True,
+                     gates="channel_zero_and_one", has_initial_state=True,
+                     cu_seqlens=(0, 7, 7, 45, 70), chunk_size=32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_channel_packed_rows_run_the_packed_walks(backend, monkeypatch):
+    """A per-channel packed row runs the packed build's chunk walks (``inject`` / ``dS_in``
+    taken in the kernels) between the shared jnp stages, not the portable path, and matches
+    float64 (log gates here; both conventions and the packed_vector case: test_packed.py's
+    slow cases)."""
+    from gdngen.backends import fallback
+
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    spec = registry.get(backend)
+    native, portable = [], []
+    monkeypatch.setattr(spec, "packed", lambda *a, **k: native.append(1) or
+                        type(spec).packed(spec, *a, **k))
+    monkeypatch.setattr(fallback, "packed", lambda *a, **k: portable.append(1))
+    result = validate.check_case(backend, PACKED_VECTOR, gates=("log",))
+    assert result.passed, result.errors
+    assert set(result.errors) >= QUANTITIES - {"dg_linear"}, result.errors
+    assert native and not portable
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_channel_packed_walks_lower_for_the_device(backend):
+    """The per-channel packed build's walks (``inject`` in, ``dsin`` in, ``dinject`` out)
+    lower through Mosaic (TPU) / the Triton lowering (CUDA), no device needed."""
+    module = _module(backend)
+    problem = Problem(1, 2, 32, 32, gate="vector")
+    kernels = module.load_packed_kernels(_variant(backend, problem), problem)
+    spec, f32 = jax.ShapeDtypeStruct, jnp.float32
+    B, N, Hv, C = 1, 2, 2, kernels.params["chunk_size"]
+    if backend == "pallas_tpu":
+        Dk, Dv = problem.Dk, problem.Dv
+        values, keys = spec((N, B, Hv, C, Dv), f32), spec((N, B, Hv, C, Dk), f32)
+        pm, dcc = spec((N, B, Hv, C, C), f32), spec((N, B, Hv, 1, Dk), f32)
+        platform, marker = "tpu", "tpu_custom_call"
+    else:
+        Dk, Dv, T = kernels.params["dk"], kernels.params["dv"], N * C
+        values, keys = spec((B, Hv, T, Dv), f32), spec((B, Hv, T, Dk), f32)
+        pm, dcc = spec((B, Hv, T, C), f32), spec((B, Hv, N, Dk), f32)
+        platform, marker = "cuda", "triton"
+    state = spec((B, Hv, Dv, Dk), f32)
+    states = spec((N, B, Hv, Dv, Dk) if backend == "pallas_tpu" else (B, Hv, N, Dv, Dk), f32)
+    calls = [(kernels.forward.forward, (values, keys, keys, keys, pm, dcc, state, states)),
+             (kernels.backward.backward, (values, keys, keys, values, states, values, keys, dcc,
+                                          state, states))]
+    for fn, args in calls:
+        text = (jax.jit(fn, static_argnames=("interpret",)).trace(*args, interpret=False)
+                .lower(lowering_platforms=(platform,)).as_text())
+        assert marker in text
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -215,15 +279,12 @@ def test_packed_kernels_lower_for_the_device(backend):
 
 
 def test_packed_entry_checks_its_call():
-    """The packed entries take scalar gates only (per-channel packed rows dispatch to the
-    portable path: `gdngen.backend.Backend.native_packed`) and check the offsets."""
+    """The packed entries check the offsets."""
     shape_args = {"q": jnp.zeros((1, 8, 1, 16)), "k": jnp.zeros((1, 8, 1, 16)),
                   "v": jnp.zeros((1, 8, 2, 16)), "beta": jnp.ones((1, 8, 2))}
     cu = jnp.asarray([0, 3, 8], jnp.int32)
     for backend in BACKENDS:
         entry = registry.get(backend).packed_entry
         variant = default_variant(backend, Problem(1, 2, 16, 16))
-        with pytest.raises(ValueError, match="scalar gates"):
-            entry(**shape_args, g=jnp.zeros((1, 8, 2, 16)), variant=variant, cu_seqlens=cu)
         with pytest.raises(ValueError, match="int32 array"):
             entry(**shape_args, g=jnp.zeros((1, 8, 2)), variant=variant, cu_seqlens=[0, 3, 8])

@@ -331,20 +331,29 @@ def chunk_walks(key: tuple):
     (grid batch * value head x Dv tiles, the chunks in order in one program, the state in
     registers); the reverse walk two (the state-cotangent walk likewise, then the sums over Dv
     chunk-parallel). Inputs go to the kernels' layout (value heads merged, time rows, head dims
-    zero-padded: one copy each) and back. Packed rows (``inject`` / ``dS_in``) are not taken:
-    per-channel packed rows run on the portable path."""
+    zero-padded: one copy each) and back. ``inject`` / ``dS_in`` (packed rows) are taken by the
+    packed build's walks (`render_packed`; zeros where None), refused by the dense build's."""
     kernels = LOADED[key]
     interpret, p = kernels.interpret, kernels.params
     dk, dv = p["dk"], p["dv"]
+    packed = getattr(kernels, "packed", False)
+
+    def chunk_states(states, like, state):  # inject / dS_in in the kernel layout
+        import jax.numpy as jnp
+
+        if states is None:
+            states = jnp.zeros(like.shape[:1] + state.shape, jnp.float32)
+        return (_chunk_states_to_kernel(states, dk, dv),)
 
     def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         del xp  # the kernels' own arrays
-        generated.refuse_injection(BACKEND, inject)
+        if not packed:
+            generated.refuse_injection(BACKEND, inject)
         y, s_final, s_in, w = call_jitted(
             kernels.run_forward, _rows_to_kernel(U, dv),
             *(_rows_to_kernel(x, dk) for x in (Wk, Kc, Qd)), _rows_to_kernel(Pm, Pm.shape[-1]),
             _chunk_vectors_to_kernel(dCC, dk), states_to_kernel(S0, dk, dv),
-            interpret=interpret)
+            *(chunk_states(inject, U, S0) if packed else ()), interpret=interpret)
         N, B, Hk, r = U.shape[:4]
         Dv, Dk = S0.shape[-2:]
         s_in = s_in[..., :Dv, :Dk].reshape(B, Hk, r, N, Dv, Dk).transpose(3, 0, 1, 2, 4, 5)
@@ -353,17 +362,21 @@ def chunk_walks(key: tuple):
 
     def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
         del xp
-        generated.refuse_injection(BACKEND, dS_in)
-        dw, dwk, dqd, dkc, ddcc, ds0 = call_jitted(
+        if not packed:
+            generated.refuse_injection(BACKEND, dS_in)
+        dw, dwk, dqd, dkc, ddcc, ds0, *dinject = call_jitted(
             kernels.run_backward, _rows_to_kernel(G, dv),
             *(_rows_to_kernel(x, dk) for x in (Kc, Wk)), _rows_to_kernel(W, dv),
             _chunk_states_to_kernel(S_in, dk, dv), _rows_to_kernel(dY, dv),
             _rows_to_kernel(Qd, dk), _chunk_vectors_to_kernel(dCC, dk),
-            states_to_kernel(dS_final, dk, dv), interpret=interpret)
+            states_to_kernel(dS_final, dk, dv),
+            *(chunk_states(dS_in, G, dS_final) if packed else ()), interpret=interpret)
         Dv, Dk = dS_final.shape[-2:]
         N, B, Hk, r = dCC.shape[:4]
+        dJ = (_chunk_states_from_kernel(dinject[0], S_in) if dinject and dS_in is not None
+              else None)
         return (ds0[:, :, :Dv, :Dk].reshape(dS_final.shape), _rows_from_kernel(dw, G),
                 *(_rows_from_kernel(x, like) for x, like in ((dwk, Wk), (dqd, Qd), (dkc, Kc))),
-                ddcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4), None)
+                ddcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4), dJ)
 
     return walk_forward, walk_backward

@@ -298,6 +298,17 @@ def packed_core(key: tuple, gate: str):
     return generated.custom_vjp_core(forward, backward)
 
 
+def _chunk_states(states, like, state):
+    """``states`` [N, B, Hk, r, Dv, Dk], or zeros of that shape where None (a packed walk's
+    ``inject`` / ``dS_in``); ``like`` a chunk-layout array [N, B, Hk, r, ...], ``state`` one
+    state [B, Hk, r, Dv, Dk]."""
+    import jax.numpy as jnp
+
+    if states is not None:
+        return states
+    return jnp.zeros(like.shape[:1] + state.shape, jnp.float32)
+
+
 def _heads_merged(x, axis):
     """``x`` with its key-head axis ``axis`` and the next (r) merged into one Hv axis."""
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
@@ -310,30 +321,39 @@ def chunk_walks(key: tuple):
     ...], float32) on the loaded per-channel kernels ``key`` (sha256, interpret parameters): the
     forward and backward templates rendered with ``per_channel``, each one ``pallas_call``
     walking the chunks in order (in reverse) with the state (its cotangent) in VMEM. Only the
-    value heads are merged (reshapes, no transposes). Packed rows (``inject`` / ``dS_in``) are
-    not taken: per-channel packed rows run on the portable path."""
+    value heads are merged (reshapes, no transposes). ``inject`` / ``dS_in`` (packed rows) are
+    taken by the packed build's walks (`render_packed`; zeros where None), refused by the
+    dense build's."""
     kernels = LOADED[key]
     interpret = kernels.interpret
+    packed = getattr(kernels, "packed", False)
 
     def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         del xp  # the kernels' own arrays
-        generated.refuse_injection(BACKEND, inject)
+        if not packed:
+            generated.refuse_injection(BACKEND, inject)
+        states_in = (_heads_merged(_chunk_states(inject, U, S0), 2),) if packed else ()
         y, s_final, s_in, w = run_kernel(
             kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
                                                                  dCC[..., None, :])),
-            _heads_merged(S0, 1), what="per-channel forward walk", interpret=interpret)
+            _heads_merged(S0, 1), *states_in, what="per-channel forward walk",
+            interpret=interpret)
         return (y.reshape(U.shape), s_final.reshape(S0.shape),
                 s_in.reshape(U.shape[:4] + S0.shape[-2:]), w.reshape(U.shape))
 
     def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
         del xp
-        generated.refuse_injection(BACKEND, dS_in)
-        dw, dwk, dqd, dkc, ddcc, ds0 = run_kernel(
+        if not packed:
+            generated.refuse_injection(BACKEND, dS_in)
+        states_in = (_heads_merged(_chunk_states(dS_in, G, dS_final), 2),) if packed else ()
+        dw, dwk, dqd, dkc, ddcc, ds0, *dinject = run_kernel(
             kernels.run_backward, *(_heads_merged(x, 2) for x in (G, Kc, Wk, W, S_in, dY, Qd,
                                                                   dCC[..., None, :])),
-            _heads_merged(dS_final, 1), what="per-channel backward walk", interpret=interpret)
+            _heads_merged(dS_final, 1), *states_in, what="per-channel backward walk",
+            interpret=interpret)
+        dJ = dinject[0].reshape(S_in.shape) if dinject and dS_in is not None else None
         return (ds0.reshape(dS_final.shape), dw.reshape(G.shape), dwk.reshape(Wk.shape),
-                dqd.reshape(Qd.shape), dkc.reshape(Kc.shape), ddcc.reshape(dCC.shape), None)
+                dqd.reshape(Qd.shape), dkc.reshape(Kc.shape), ddcc.reshape(dCC.shape), dJ)
 
     return walk_forward, walk_backward
 
