@@ -282,9 +282,12 @@ def test_packed_entry_checks_its_call():
     """The packed entries check the offsets."""
     shape_args = {"q": jnp.zeros((1, 8, 1, 16)), "k": jnp.zeros((1, 8, 1, 16)),
                   "v": jnp.zeros((1, 8, 2, 16)), "beta": jnp.ones((1, 8, 2))}
-    cu = jnp.asarray([0, 3, 8], jnp.int32)
+    short = jnp.asarray([0, 3, 7], jnp.int32)
     for backend in BACKENDS:
         entry = registry.get(backend).packed_entry
         variant = default_variant(backend, Problem(1, 2, 16, 16))
         with pytest.raises(ValueError, match="int32 array"):
             entry(**shape_args, g=jnp.zeros((1, 8, 2)), variant=variant, cu_seqlens=[0, 3, 8])
+        for g in (jnp.zeros((1, 8, 2)), jnp.zeros((1, 8, 2, 16))):  # both gate kinds
+            with pytest.raises(ValueError, match="must end at T=8"):
+                entry(**shape_args, g=g, variant=variant, cu_seqlens=short)
