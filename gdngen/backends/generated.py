@@ -15,12 +15,12 @@ from gdngen.backends import fallback
 
 
 def refuse_injection(backend: str, injected) -> None:
-    """Guard of a generated backend's per-channel chunk walks: ValueError unless ``injected``
-    (the walk's ``inject`` / ``dS_in``) is None; per-channel packed rows run on the portable
-    path."""
+    """Guard of a generated backend's dense per-channel chunk walks: ValueError unless
+    ``injected`` (the walk's ``inject`` / ``dS_in``) is None (packed rows take the packed
+    build's walks, or on metal the portable path)."""
     if injected is not None:
-        raise ValueError(f"the {backend} per-channel chunk walks take no injected states "
-                         "(per-channel packed rows run on the portable path)")
+        raise ValueError(f"the {backend} dense per-channel chunk walks take no injected states "
+                         "(packed rows run walks of their own)")
 
 
 # ------------------------------------------------------------------------------ calling
