@@ -290,9 +290,8 @@ def test_empty_sequence_returns_its_initial_state(framework):
 def test_packed_paths_of_generated_backends():
     """ffi_cpu runs packed rows in its own kernels and matches xla's packed row (the Pallas
     and Metal packed builds: tests/backends/pallas/test_packed_pallas.py,
-    tests/backends/metal/test_packed_metal.py); per-channel gates run in the packed builds of
-    ffi_cpu, pallas_tpu and pallas_gpu and on the portable path at the variant's chunk on
-    metal; `explain` / `describe` say which ran."""
+    tests/backends/metal/test_packed_metal.py), per-channel gates too; `explain` / `describe`
+    say which ran."""
     import jax.numpy as jnp
 
     from gdngen import registry
@@ -313,14 +312,13 @@ def test_packed_paths_of_generated_backends():
         np.testing.assert_allclose(np.asarray(final), np.asarray(final_xla), rtol=0, atol=2e-6)
     for name in ("ffi_cpu", "pallas_tpu", "pallas_gpu", "metal"):
         spec = registry.get(name)
-        for vector in (False, True) if name != "metal" else (False,):
+        for vector in (False, True):
             assert f"{name} chunk kernels (their packed build)" in spec.describe_packed(
                 variant, vector, 5)
-        if name != "metal":
-            continue
-        assert f"portable {fallback.PORTABLE_OPS[spec.framework].rsplit('.', 1)[1]} chunk " \
-            f"path (no packed {name} kernels for these gates yet)" in spec.describe_packed(
-                variant, True, 5)
+    for name in ("xla", "mlx"):  # the portable backends' packed path is their chunk path
+        for vector in (False, True):
+            assert f"the {name} chunk kernels at" in registry.get(name).describe_packed(
+                variant, vector, 5)
     text = str(load_tuned("jax").explain(**arrays, cu_seqlens=cu))
     assert "packed row of 5 sequences" in text and "chunk_size=" in text
 

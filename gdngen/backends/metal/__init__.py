@@ -49,7 +49,8 @@ states S_in (an output); ``bwd_scan`` adds their cotangent ``dsin[n]`` at chunk 
 its ``dsout`` is the injection's cotangent. Each sequence's initial-state response and its
 final state (from its last chunk's S_in) are one-chunk calls of the dense chunk kernels. The
 dense render does not change with the flag (tuned entries are keyed on its sha256).
-Per-channel packed rows run the portable path (``packed_gates`` is scalar only).
+Per-channel packed rows run the portable packed path with the packed build's walk kernels
+(`ChannelWalks` with ``packed``: ``inject`` / ``dsin`` taken in the walks).
 
 Fused layer inputs (`gdngen.backends.kernel_inputs`; ``qk_norm``, ``gate="softplus"`` /
 ``"sigmoid_bound"``): the fused build (`render_fused`, the templates' ``qk_norm`` /
@@ -178,7 +179,7 @@ class Metal(Backend):
     name, framework, config, tolerances = BACKEND, "mlx", Config, POLICY_TOLERANCES
     device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar",)
+    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
 
     def space(self, problem, device=None):

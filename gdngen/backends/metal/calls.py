@@ -217,10 +217,14 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
 
 
 def packed_call(call, operands, variant, launcher=None, templates_dir=None):
-    """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`."""
+    """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`: scalar gates on the
+    packed build's chunk kernels; per-channel gates the portable packed path
+    (`gdngen.backends.portable.mlx_chunkwise.packed_gated_delta`) with the packed build's walk
+    kernels (`ChannelWalks` with ``packed``)."""
     import mlx.core as mx
 
     from gdngen.algebra import packed
+    from gdngen.backends.portable import mlx_chunkwise
     from gdngen.backends.portable.mlx_chunkwise import XP
 
     gate, scale = call.decay, call.scale
@@ -229,6 +233,15 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     variant = adapt(variant, problem)
     launcher = launch.default_launcher() if launcher is None else launcher
     templates = settings.templates_override() if templates_dir is None else templates_dir
+    f32 = mx.float32
+    if call.vector_gate:
+        walks = ChannelWalks(variant, problem, launcher, templates, packed=True)
+        y, state = mlx_chunkwise.packed_gated_delta(
+            *(x.astype(f32) for x in (q, k, v, g, beta)),
+            None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
+            scale=scale, gate=gate, chunk_size=variant["chunk_size"],
+            save_states=variant["save_states"], walks=(walks.forward, walks.backward))
+        return y.astype(q.dtype), state
     chunk_call = _chunk_call(variant, problem, gate, scale, launcher, templates)
     walk_core = packed_core(variant, problem, gate, launcher, templates)
 
@@ -238,7 +251,6 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
 
     walk = packed.chunk_walk(XP, lambda *a: walk_core(*a)[:2], scale=scale, gate=gate,
                              chunk_size=variant["chunk_size"])
-    f32 = mx.float32
     y, state = packed.packed_row(
         XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,

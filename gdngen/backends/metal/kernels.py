@@ -87,12 +87,12 @@ def render_packed(variant: Variant, problem: Problem, *, templates_dir=None):
     the same templates with ``packed`` set. Its forward scans take ``inject [N, B, Hv, Dv,
     Dk]`` (added to the state leaving each chunk) and always write the entering states
     ``states`` (S_in); its ``bwd_scan`` takes their cotangent ``dsin`` (same layout), so its
-    ``dsout`` is the injection's cotangent. With ``packed`` unset the templates render the dense
-    kernels byte for byte: the dense sha256 (and tuned entries) do not depend on this build."""
+    ``dsout`` is the injection's cotangent. A per-channel problem's build is its walk kernels
+    (`CHANNEL_KERNELS`) with the same two additions. With ``packed`` unset the templates render
+    the dense kernels byte for byte: the dense sha256 (and tuned entries) do not depend on this
+    build."""
     from gdngen.sources import render_planned
 
-    if problem.gate != "scalar":
-        raise ValueError(f"the metal packed kernels take scalar gates only, got {problem.key()}")
     variant = adapt(variant, problem)
     plan = {name: (template, dict(context, packed=True))
             for name, (template, context) in render_plan(variant, problem).items()

@@ -235,16 +235,18 @@ def recurrent_input_metas(plan: Plan) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=None) -> Plan:
+def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=None,
+                 packed: bool = False) -> Plan:
     """The walk kernels of per-channel gates (`CHANNEL_KERNELS`) for N chunks and batch B:
     ``forward`` is the one launch of `ChannelWalks.forward` (fwd_scan_channel), ``backward``
     the one of `ChannelWalks.backward` (bwd_scan_channel); both on grid (32 * simdgroups,
     Dv / dv_tile, B * Hv), every buffer float32 (names and shapes in the templates' headers).
     ``variant`` must be adapted to ``problem`` (a vector-gate `Problem`); ``templates``: a
-    template override folder (None: the shipped templates)."""
+    template override folder (None: the shipped templates). ``packed``: the packed build's
+    walks (`render_packed`), the forward also taking ``inject``, the backward ``dsin``."""
     if problem.gate != "vector":
         raise ValueError(f"the metal walk kernels take vector gates, got {problem.key()}")
-    rendered = render(variant, problem, templates_dir=templates)
+    rendered = (render_packed if packed else render)(variant, problem, templates_dir=templates)
     p = variant.as_dict()
     C, nt, dvt = p["chunk_size"], 32 * p["simdgroups"], p["dv_tile"]
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
@@ -259,6 +261,8 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
         body = rendered.sources[f"{name}.metal"]
         tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
         ins, outs = _KERNEL_IO[name]
+        if packed:
+            ins = ins + ("inject" if name == "fwd_scan_channel" else "dsin",)
         kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", ins, outs, body, header)
         launches.append(Launch(kernel=name, inputs=ins, outputs=outs,
                                output_shapes=tuple(shapes[o] for o in outs),
@@ -267,7 +271,7 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
                                template=(("InT", "float32"),)))
     tg = threadgroup_bytes(p, problem)
     return Plan(variant, problem, N, B, kernels, (launches[0],), (launches[1],), (),
-                {name: tg[name] for name in kernels})
+                {name: tg[name] for name in kernels}, packed)
 
 
 def channel_input_metas(plan: Plan) -> dict:
@@ -280,7 +284,8 @@ def channel_input_metas(plan: Plan) -> dict:
         (f32, 6, heads * C * pb.Dk)
     return {"s0": state, "dsf": state, "u": rows_v, "ptdy": rows_v, "w": rows_v, "dy": rows_v,
             "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
-            "dccv": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk)}
+            "dccv": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk),
+            "inject": (f32, 6, heads * pb.Dv * pb.Dk), "dsin": (f32, 6, heads * pb.Dv * pb.Dk)}
 
 
 @functools.lru_cache(maxsize=64)

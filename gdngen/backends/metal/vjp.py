@@ -32,17 +32,27 @@ class ChannelWalks:
     `chunkwise_channel.walk_forward`'s contract, ``backward`` `walk_backward`'s (mx arrays in chunk
     layout; float32 inside). The intra-chunk stages (factors, decayed products, WY, the backward's
     adjoints and straddle sums) stay `gdngen.algebra.chunkwise_channel`'s shared mx code; fusing
-    them into kernels is a later step. Injected states (packed rows) are not taken: per-channel
-    packed rows run the portable walk. Hashable, so
+    them into kernels is a later step. ``packed``: the packed build's walks (`render_packed`),
+    which take ``inject`` / ``dS_in`` (zeros where None; a packed row's walk and its
+    sequences' one-chunk calls); the dense build's refuse them. Hashable, so
     `gdngen.backends.portable.mlx_chunkwise.chunk_core` caches one core per walks."""
 
     variant: Variant
     problem: Problem
     launcher: object
     templates: object = None
+    packed: bool = False
 
     def _plan(self, N: int, B: int) -> Plan:
-        return channel_plan(self.variant, self.problem, N, B, self.templates)
+        return channel_plan(self.variant, self.problem, N, B, self.templates, self.packed)
+
+    def _states(self, states, like, state):
+        """A packed walk's ``inject`` / ``dS_in`` [N, B, Hk, r, Dv, Dk], zeros where None."""
+        import mlx.core as mx
+
+        if states is not None:
+            return states
+        return mx.zeros(tuple(like.shape[:1]) + tuple(state.shape), mx.float32)
 
     def _launch(self, plan: Plan, launches, env: dict) -> dict:
         import mlx.core as mx
@@ -55,31 +65,38 @@ class ChannelWalks:
     def forward(self, xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         """``(Y, S_final, S_in, W)``: one launch of fwd_scan_channel (shapes as
         `gdngen.algebra.chunkwise_channel.walk_forward`)."""
-        refuse_injection(BACKEND, inject)
+        if not self.packed:
+            refuse_injection(BACKEND, inject)
         N, B = int(U.shape[0]), int(U.shape[1])
         plan = self._plan(N, B)
-        env = self._launch(plan, plan.forward, {"s0": S0, "u": U, "wk": Wk, "kc": Kc, "qd": Qd,
-                                                "pm": Pm, "dccv": dCC})
+        inputs = {"s0": S0, "u": U, "wk": Wk, "kc": Kc, "qd": Qd, "pm": Pm, "dccv": dCC}
+        if self.packed:
+            inputs["inject"] = self._states(inject, U, S0)
+        env = self._launch(plan, plan.forward, inputs)
         return (env["y_out"].reshape(U.shape), env["final_state"].reshape(S0.shape),
                 env["states"].reshape((N,) + tuple(S0.shape)), env["w_out"].reshape(U.shape))
 
     def backward(self, xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
-        """``(dS0, dW, dWk, dQd, dKc, ddCC, None)``: one launch of bwd_scan_channel (shapes as
-        `gdngen.algebra.chunkwise_channel.walk_backward`); the Dk-wide products come back one part
+        """``(dS0, dW, dWk, dQd, dKc, ddCC, dinject)``: one launch of bwd_scan_channel (shapes
+        as `gdngen.algebra.chunkwise_channel.walk_backward`; ``dinject`` the packed walk's
+        ``dsout`` where ``dS_in`` is given, else None); the Dk-wide products come back one part
         per Dv tile and are summed here."""
-        refuse_injection(BACKEND, dS_in)
+        if not self.packed:
+            refuse_injection(BACKEND, dS_in)
         N, B = int(W.shape[0]), int(W.shape[1])
         plan = self._plan(N, B)
-        env = self._launch(plan, plan.backward, {
-            "dsf": dS_final, "ptdy": G, "kc": Kc, "wk": Wk, "w": W, "states": S_in, "dy": dY,
-            "qd": Qd, "dccv": dCC})
+        inputs = {"dsf": dS_final, "ptdy": G, "kc": Kc, "wk": Wk, "w": W, "states": S_in,
+                  "dy": dY, "qd": Qd, "dccv": dCC}
+        if self.packed:
+            inputs["dsin"] = self._states(dS_in, W, dS_final)
+        env = self._launch(plan, plan.backward, inputs)
 
         def summed(name, like):
             return env[name].sum(axis=0).reshape(like.shape)
 
         return (env["ds0"].reshape(dS_final.shape), env["dw"].reshape(W.shape),
                 summed("dwk", Wk), summed("dqd", Qd), summed("dkc", Kc), summed("ddcc", dCC),
-                None)
+                env["dsout"].reshape(S_in.shape) if self.packed and dS_in is not None else None)
 
 
 def _input_grads(env: dict, primals, gate: str) -> tuple:

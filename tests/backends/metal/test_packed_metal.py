@@ -54,7 +54,6 @@ def _check_packed_case(name, monkeypatch, params=None):
     asserting that the walk ran the packed kernels (not the portable path) and every quantity
     passed."""
     assert registry.get("metal").native_packed(vector_gate=False)
-    assert not registry.get("metal").native_packed(vector_gate=True)
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     ran = []
     run = metal_launch.run_launches
@@ -89,23 +88,54 @@ def test_packed_long_masked_passes(params, monkeypatch):
     _check_packed_case("packed_long_masked", monkeypatch, params)
 
 
+@pytest.mark.parametrize("name", ["packed_vector", "packed_vector_long_masked"])
+def test_per_channel_packed_rows_run_the_packed_walks(name, monkeypatch):
+    """Per-channel packed battery cases (outputs poisoned, both gate conventions) on the packed
+    build's walk kernels: fwd_scan_channel / bwd_scan_channel with ``inject`` / ``dsin``
+    (`ChannelWalks` with ``packed``), the row's walk and each sequence's one-chunk calls."""
+    assert registry.get("metal").native_packed(vector_gate=True)
+    monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
+    ran = []
+    run = metal_launch.run_launches
+
+    def spy(plan, launches, env, launcher):
+        ran.extend((plan.packed, launch.kernel, "inject" in env or "dsin" in env)
+                   for launch in launches)
+        return run(plan, launches, env, launcher)
+
+    monkeypatch.setattr(metal_launch, "run_launches", spy)
+    result = validate.check_case("metal", name)
+    assert result.passed, result.errors
+    assert set(result.errors) >= {"y", "final_state", "dinitial_state", "dq", "dk", "dv",
+                                  "dbeta", "dg", "dg_linear"}
+    assert set(ran) == {(True, "fwd_scan_channel", True), (True, "bwd_scan_channel", True)}
+
+
+def test_per_channel_packed_build_changes_only_the_walks():
+    problem = Problem(1, 2, 32, 32, "float32", "vector")
+    variant = registry.default_variant("metal", problem)
+    dense, build = metal.SPEC.render(variant, problem), metal.render_packed(variant, problem)
+    assert build.sha256 != dense.sha256
+    assert set(build.sources) == set(dense.sources) - {"recurrent.metal"}
+    changed = {n for n in build.sources if build.sources[n] != dense.sources[n]}
+    assert changed == {"fwd_scan_channel.metal", "bwd_scan_channel.metal"}
+    assert "inject" in build.sources["fwd_scan_channel.metal"]
+    assert "inject" not in dense.sources["fwd_scan_channel.metal"]
+
+
 def test_packed_entry_checks_its_call():
-    """Scalar gates and a metal variant only; the offsets are checked (`check_call`)."""
+    """A metal variant only; the offsets are checked (`check_call`)."""
     import mlx.core as mx
 
     variant = registry.default_variant("metal", Problem(1, 2, 32, 32))
     arrays = {"q": mx.zeros((1, 8, 1, 32)), "k": mx.zeros((1, 8, 1, 32)),
               "v": mx.zeros((1, 8, 2, 32)), "beta": mx.ones((1, 8, 2))}
     cu = mx.array([0, 3, 8], mx.int32)
-    with pytest.raises(ValueError, match="scalar gates only"):
-        metal.packed_gated_delta(**arrays, g=mx.zeros((1, 8, 2, 32)), variant=variant,
-                                 cu_seqlens=cu)
     with pytest.raises(ValueError, match="metal Variant"):
         metal.packed_gated_delta(**arrays, g=mx.zeros((1, 8, 2)),
                                  variant=registry.default_variant("mlx", Problem(1, 2, 32, 32)),
                                  cu_seqlens=cu)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        metal.packed_gated_delta(**arrays, g=mx.zeros((1, 8, 2)), variant=variant,
-                                 cu_seqlens=mx.array([0, 3, 7], mx.int32))
-    with pytest.raises(ValueError, match="scalar gates only"):
-        metal.render_packed(variant, Problem(1, 2, 32, 32, "float32", "vector"))
+    for g in (mx.zeros((1, 8, 2)), mx.zeros((1, 8, 2, 32))):  # both gate kinds
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            metal.packed_gated_delta(**arrays, g=g, variant=variant,
+                                     cu_seqlens=mx.array([0, 3, 7], mx.int32))
