@@ -16,7 +16,10 @@ initial state; median of ``--repeats``):
   state repeated as data, and its ``dfinal_state`` as every final state's cotangent), so every
   per-sequence initial and final state is computed and differentiated;
 * ``packed_no_state``: ``cu_seqlens`` with ``initial_state=None`` (fla's packed training),
-  the final states still in the loss.
+  the final states still in the loss;
+* ``dense_scalar_gates`` (``--gate vector`` only): the dense call with scalar gates ``[B, T,
+  Hv]`` at the same shape, in the same rotation: what per-channel gates cost over scalar ones
+  (``vector_over_scalar``).
 
 ``--gate vector`` runs per-channel gates ``[B, T, Hv, Dk]`` (Kimi Delta Attention).
 Ratios are ``packed / dense`` (<= 1.2 scalar, <= 1.25 per-channel: `TARGETS`): of the
@@ -90,9 +93,13 @@ def run(frameworks, seq_len, sequences, heads, dim, repeats, seed, gate="scalar"
         N = len(offsets) - 1  # the packed row's own initial states and their cotangents
         per_sequence = {n: np.repeat(inputs[n], N, axis=0)
                         for n in ("initial_state", "dfinal_state")}
+        call_inputs = {"packed": per_sequence}
+        if gate == "vector":  # the dense call at scalar gates, same shape and rotation
+            fns["dense_scalar_gates"] = fns["dense"]
+            call_inputs["dense_scalar_gates"] = {"g": np.ascontiguousarray(inputs["g"][..., 0])}
         timings = time_fwd_bwd(framework, fns, problem, batch=1, seq_len=seq_len,
                                repeats=repeats, settle=True, inputs=inputs,
-                               call_inputs={"packed": per_sequence})
+                               call_inputs=call_inputs)
         medians = {name: t.median_s for name, t in timings.items()}
         dense_times = np.array(timings["dense"].times_s)
         paired = {name: float(np.median(np.array(timings[name].times_s) / dense_times))
@@ -100,6 +107,9 @@ def run(frameworks, seq_len, sequences, heads, dim, repeats, seed, gate="scalar"
         spread = max(max(t.times_s) / min(t.times_s) for t in timings.values())
         dense_path = str(load_tuned(framework).explain(
             *_shapes(framework, problem, seq_len), scale=dim ** -0.5, gate="log"))
+        if gate == "vector":
+            paired["vector_over_scalar"] = float(np.median(
+                dense_times / np.array(timings["dense_scalar_gates"].times_s)))
         rows.append({"framework": framework, "gate": gate, "T": seq_len,
                      "lengths": np.diff(offsets).tolist(),
                      "median_s": medians, "max_over_min": spread, "dense_choice": dense_path,
@@ -109,6 +119,10 @@ def run(frameworks, seq_len, sequences, heads, dim, repeats, seed, gate="scalar"
                      "packed_no_state_over_dense": medians["packed_no_state"] / medians["dense"],
                      "packed_over_dense_paired": paired["packed"],
                      "packed_no_state_over_dense_paired": paired["packed_no_state"],
+                     **({"vector_over_scalar": medians["dense"]
+                         / medians["dense_scalar_gates"],
+                         "vector_over_scalar_paired": paired["vector_over_scalar"]}
+                        if gate == "vector" else {}),
                      "timings": {n: t.to_json() for n, t in timings.items()}})
     return rows
 
@@ -154,6 +168,9 @@ def main(argv=None):
             target = TARGETS[row["gate"]]
             ok = "met" if row[key] <= target else "NOT met"
             print(f"  {key:34s} {row[key]:.3f}  (target <= {target}: {ok})")
+        for key in ("vector_over_scalar", "vector_over_scalar_paired"):
+            if key in row:  # dense per-channel over dense scalar gates (no target)
+                print(f"  {key:34s} {row[key]:.3f}")
         print(f"  noise: worst max/min over repeats {row['max_over_min']:.2f}")
 
 
