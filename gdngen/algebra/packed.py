@@ -197,10 +197,12 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
       empty sequence, whose S_end is not read; a subset of the sequences where the walk has
       ``short_rows_apart``), with S_in None; or S_end None and ``S_in
       [N_chunks, Hv, Dv, Dk]``, the states entering the chunks (each sequence's last chunk
-      then runs through ``dense`` from them). A walk with ``folds_initial_states`` (ffi_cpu's
-      packed kernels) gets ``inject = (S0_n g_first_n [N, Hv, Dv, Dk], starts [N] int32)``
-      instead, and folds each sequence's initial state into its first chunk itself (no
-      `_fold_initial_states` pass; its S_end includes it).
+      then runs through ``dense`` from them). A walk with ``resets_at_starts`` (ffi_cpu's
+      packed kernels) gets the row's gates as they are (masks folded, no reset) and ``inject =
+      (S0 [N, Hv, Dv, Dk] or None, starts [N] int32)``: it resets the state at each sequence's
+      first step, folds each initial state (times that step's gate) into its first chunk and
+      returns every S_end, an empty sequence's its S0 (no `_fold_initial_states` pass, no
+      reset of the gates here).
 
     Returns ``(y [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``."""
     m = xp.module
@@ -213,8 +215,12 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
         raise ValueError("packed_row: scale is None and the walk has no .scale, expected the "
                          "call's scale")
     M = -(-T // C)
-    S0 = xp.zeros((N, Hv, Dv, Dk)) if initial_state is None else initial_state
     g_row, beta_row = layer_inputs.fold_mask(xp, g, beta, mask, gate)
+    last = xp.where(plan.nonempty, plan.ends - 1, -1).astype(m.int32)
+    if getattr(walk, "resets_at_starts", False):  # the walk does the rest (ffi_cpu)
+        y, _, S_end = walk(q, k, v, g_row, beta_row, (initial_state, plan.starts), last)
+        return (y if mask is None else xp.where(mask[..., None, None], y, 0.0)), S_end
+    S0 = xp.zeros((N, Hv, Dv, Dk)) if initial_state is None else initial_state
     # where the offsets are concrete, sequences of at most SHORT_WINDOW steps (decode rows)
     # run their own recurrence (y and final state) and the walk serves the others, for a walk
     # that takes ``last`` for any of the sequences (``walk.short_rows_apart``)
@@ -225,14 +231,7 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
         return x if rows is None else m.take(x, m.array(rows), axis=0)
 
     inject = folded = None
-    if initial_state is not None and getattr(walk, "folds_initial_states", False):
-        # the walk reads S0_n from sequence n's first step p, where the row's gate is reset:
-        # the step's own gate g_p goes into the state it reads
-        first = m.take(g_row[0], m.minimum(plan.starts, T - 1), axis=0)  # [N, Hv(, Dk)]
-        factor = xp.exp(first) if gate == "log" else first
-        inject = (S0 * (factor[:, :, None, :] if factor.ndim == 3 else factor[..., None, None]),
-                  plan.starts)
-    elif initial_state is not None and (rows is None or rows.size):
+    if initial_state is not None and (rows is None or rows.size):
         folded = _fold_initial_states(xp, plan, q, k, g_row, S0, mask, scale=scale, gate=gate,
                                       skip=short)
         # chunk j's leaving state gets the decayed S0 of the sequence holding the chunk's last
@@ -244,7 +243,6 @@ def packed_row(xp, dense, walk, q, k, v, g, beta, initial_state, mask, cu_seqlen
         inject = (folded.S_first, xp.where(goes_on, owner, -1).astype(m.int32))
     reset = plan.is_start.reshape((1, T) + (1,) * (g.ndim - 2))
     g_reset = xp.where(reset, -float("inf") if gate == "log" else 0.0, g_row)
-    last = xp.where(plan.nonempty, plan.ends - 1, -1).astype(m.int32)
     y, S_in, S_end = walk(q, k, v if folded is None else v - folded.v_shift, g_reset, beta_row,
                           inject, of(last))
     if folded is not None:

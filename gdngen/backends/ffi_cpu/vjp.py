@@ -107,52 +107,46 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     """``walk(q, k, v, g, beta, inject, last) -> (y, None, S_end)`` of
     `gdngen.algebra.packed.packed_row` on the packed kernels ``sha256`` (B = 1, API layout,
     float32; gates ``[1, T, Hv]`` or, on per-channel kernels, ``[1, T, Hv, Dk]``), a walk
-    that folds the initial states itself (``folds_initial_states``): ``inject`` None or
-    ``(states [n_seq, Hv, Dv, Dk], starts [n_seq] int32)``, each sequence's initial state
-    times its first step's gate (per channel: ``S0 diag(g_first)``) and its first step;
-    ``last`` int32 ``[n_seq]`` each sequence's last step, -1 for an empty one; ``S_end
-    [n_seq, Hv, Dv, Dk]`` the state after it (not written for an empty one). A
-    ``jax.custom_vjp`` per presence of ``inject``, its backward the packed kernel's."""
+    that resets the state at each sequence's first step and folds the initial states in itself
+    (``resets_at_starts``): ``g`` the row's gates as given (masks folded), ``inject`` ``(S0
+    [n_seq, Hv, Dv, Dk] or None, starts [n_seq] int32)``, each sequence's initial state and
+    first step; ``last`` int32 ``[n_seq]`` each sequence's last step, -1 for an empty one;
+    ``S_end [n_seq, Hv, Dv, Dk]`` the state after it (an empty sequence's: its initial state,
+    zero without one). A ``jax.custom_vjp`` per presence of S0, its backward the packed
+    kernel's (the first steps' gate cotangents through S0 g_first included)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
+    none = jnp.zeros((0,), jnp.float32)
 
-    def no_initial(last):
-        return jnp.zeros((0,), jnp.float32), jnp.zeros_like(last)
-
-    def transposed(inject):  # the kernels read S0'^T [1, n_seq, Hv, Dk, Dv]
-        return inject[0].swapaxes(-1, -2)[None], inject[1]
-
-    def forward(q, k, v, g, beta, inject, last):
+    def forward(q, k, v, g, beta, S0, starts, last):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         N, n_seq = -(-T // loaded.params["chunk_size"]), last.shape[0]
-        initial, starts = no_initial(last) if inject is None else transposed(inject)
         y, _, states, ends = jaxcompat.ffi().ffi_call(loaded.target_forward, (
             f32((1, T, Hv, Dv), q), f32((1, Hv, Dv, Dk), q),
             f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, n_seq, Hv, Dv, Dk), q)),
             vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
-                initial, starts, last, **attrs,
+                none if S0 is None else S0[None], starts, last, **attrs,
                 splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
         return (y, ends[0]), states
 
-    def backward(primals, states, cotangents, inject):
-        q, k, v, g, beta, last = primals
+    def backward(primals, S0, states, cotangents):
+        q, k, v, g, beta, starts, last = primals
         dy, dS_end = cotangents
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         P = head_splits(1, Hk, Hv // Hk, workers)
-        initial, starts = no_initial(last) if inject is None else transposed(inject)
-        rows = initial if inject is None else inject[0][None]  # and S0' [1, n_seq, Hv, Dv, Dk]
+        initial = none if S0 is None else S0[None]
         dq, dk, dv, dbeta, dg, _, dinitial = jaxcompat.ffi().ffi_call(loaded.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32(g.shape, q), f32((1, Hv, Dv, Dk), q),
             f32(initial.shape, q)), vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, states, dy.astype(jnp.float32),
-                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), initial, rows, starts, last,
+                jnp.zeros((1, Hv, Dv, Dk), jnp.float32), initial, starts, last,
                 dS_end.astype(jnp.float32)[None], linear=gate == "linear",
                 splits=np.int64(P), **attrs)
         if P > 1:
@@ -160,41 +154,43 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         return (dq, dk, dv, dg, dbeta), dinitial
 
     @jax.custom_vjp
-    def folding(q, k, v, g, beta, states, starts, last):
-        return forward(q, k, v, g, beta, (states, starts), last)[0]
+    def folding(q, k, v, g, beta, S0, starts, last):
+        return forward(q, k, v, g, beta, S0, starts, last)[0]
 
-    def folding_fwd(q, k, v, g, beta, states, starts, last):
-        outputs, chunk_states = forward(q, k, v, g, beta, (states, starts), last)
-        return outputs, ((q, k, v, g, beta, last), chunk_states, (states, starts))
+    def folding_fwd(q, k, v, g, beta, S0, starts, last):
+        outputs, chunk_states = forward(q, k, v, g, beta, S0, starts, last)
+        return outputs, ((q, k, v, g, beta, starts, last), S0, chunk_states)
 
     def folding_bwd(saved, cotangents):
-        primals, chunk_states, inject = saved
-        grads, dinitial = backward(primals, chunk_states, cotangents, inject)
-        return (*grads, dinitial[0].swapaxes(-1, -2), None, None)
+        primals, S0, chunk_states = saved
+        grads, dinitial = backward(primals, S0, chunk_states, cotangents)
+        return (*grads, dinitial[0], None, None)
 
     folding.defvjp(folding_fwd, folding_bwd)
 
     @jax.custom_vjp
-    def plain(q, k, v, g, beta, last):
-        return forward(q, k, v, g, beta, None, last)[0]
+    def plain(q, k, v, g, beta, starts, last):
+        return forward(q, k, v, g, beta, None, starts, last)[0]
 
-    def plain_fwd(q, k, v, g, beta, last):
-        outputs, states = forward(q, k, v, g, beta, None, last)
-        return outputs, ((q, k, v, g, beta, last), states)
+    def plain_fwd(q, k, v, g, beta, starts, last):
+        outputs, states = forward(q, k, v, g, beta, None, starts, last)
+        return outputs, ((q, k, v, g, beta, starts, last), states)
 
     def plain_bwd(saved, cotangents):
-        return (*backward(*saved, cotangents, None)[0], None)
+        primals, states = saved
+        return (*backward(primals, None, states, cotangents)[0], None, None)
 
     plain.defvjp(plain_fwd, plain_bwd)
 
     def walk(q, k, v, g, beta, inject, last):
-        if inject is None:
-            y, S_end = plain(q, k, v, g, beta, last)
+        S0, starts = inject
+        if S0 is None:
+            y, S_end = plain(q, k, v, g, beta, starts, last)
         else:
-            y, S_end = folding(q, k, v, g, beta, *inject, last)
+            y, S_end = folding(q, k, v, g, beta, S0, starts, last)
         return y, None, S_end
 
-    walk.folds_initial_states = True  # `packed_row` hands it (S0 g_first, starts)
+    walk.resets_at_starts = True  # `packed_row` hands it the row's gates and (S0, starts)
     return walk
 
 

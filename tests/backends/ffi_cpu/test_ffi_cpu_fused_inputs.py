@@ -371,9 +371,9 @@ PLAIN_SHA256 = {
         "1c259a2db55ca608d7839c142c6ac3dcc95efe76dca0ccfcbba237cc296286d3",
 }
 #: the packed build (its own cache key; no tuned entry reads it): since issue 37 its walk
-#: folds each sequence's initial state into its first chunk (``initial``, ``starts``); the
-#: helpers it shares with the per-channel packed build moved ahead of both (same code)
-PACKED_SHA256 = "9317f1aa5e72b1bea50cdccc4634ca66ca22c406f7ce6bacc35725c9ebff9dca"
+#: resets the state at each sequence's first step and folds each sequence's initial state
+#: (times that step's gate) into its first chunk itself (``initial``, ``starts``)
+PACKED_SHA256 = "ddea5a88baee09a9e459cdf4bc032808a4932c8c499f801b6b978ca9c70c990a"
 
 
 def _plain_variant(problem, vector_floats):
