@@ -218,13 +218,13 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
 
 def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`: scalar gates on the
-    packed build's chunk kernels; per-channel gates the portable packed path
-    (`gdngen.backends.portable.mlx_chunkwise.packed_gated_delta`) with the packed build's walk
-    kernels (`ChannelWalks` with ``packed``)."""
+    packed build's chunk kernels; per-channel gates the portable packed algebra with the
+    packed build's walk kernels (`ChannelWalks` with ``packed``,
+    `gdngen.backends.generated.packed_channel_row`)."""
     import mlx.core as mx
 
     from gdngen.algebra import packed
-    from gdngen.backends.portable import mlx_chunkwise
+    from gdngen.backends import generated
     from gdngen.backends.portable.mlx_chunkwise import XP
 
     gate, scale = call.decay, call.scale
@@ -236,8 +236,8 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     f32 = mx.float32
     if call.vector_gate:
         walks = ChannelWalks(variant, problem, launcher, templates, packed=True)
-        y, state = mlx_chunkwise.packed_gated_delta(
-            *(x.astype(f32) for x in (q, k, v, g, beta)),
+        y, state = generated.packed_channel_row(
+            "mlx", *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
             scale=scale, gate=gate, chunk_size=variant["chunk_size"],
             save_states=variant["save_states"], walks=(walks.forward, walks.backward))

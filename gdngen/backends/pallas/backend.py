@@ -355,14 +355,13 @@ class PallasBackend(Backend):
     def packed(self, call, operands, variant, templates_dir=None):
         """A packed row (`gdngen.algebra.packed`), float32 inside: scalar gates, the row's chunk
         walk on the packed build (`packed_core`), each sequence's one-chunk calls on
-        `chunk_forward`; per-channel gates, the portable packed path
-        (`gdngen.backends.portable.jax_chunkwise.packed_gated_delta`) with the packed build's
-        chunk walks (`chunk_walks`). Returns ``(y [1, T, Hv, Dv] in q's dtype, final_state
-        [N, Hv, Dv, Dk] float32)``."""
+        `chunk_forward`; per-channel gates, the portable packed algebra with the packed build's
+        chunk walks (`chunk_walks`, `gdngen.backends.generated.packed_channel_row`). Returns
+        ``(y [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
         import jax.numpy as jnp
 
         from gdngen.algebra import packed
-        from gdngen.backends.portable import jax_chunkwise
+        from gdngen.backends import generated
         from gdngen.backends.portable.jax_chunkwise import XP
 
         gate = call.decay
@@ -373,8 +372,8 @@ class PallasBackend(Backend):
         f32 = jnp.float32
         q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
         if call.vector_gate:
-            y, state = jax_chunkwise.packed_gated_delta(
-                *(x.astype(f32) for x in (q, k, v, g, beta)),
+            y, state = generated.packed_channel_row(
+                "jax", *(x.astype(f32) for x in (q, k, v, g, beta)),
                 None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
                 scale=call.scale, gate=gate, chunk_size=chunk,
                 save_states=kernels.params["save_states"],

@@ -143,24 +143,23 @@ def _core_bwd(gate, solve_block, save_states, qk_scale, walks, saved, cotangents
 chunk_core.defvjp(_core_fwd, _core_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def packed_core(q, k, v, gates, beta, inject, gate, solve_block, save_states, walks=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def packed_core(q, k, v, gates, beta, inject, gate, solve_block, save_states):
     """The chunk walk of a packed row (`gdngen.algebra.packed`) -> ``(Y, S_in)``: from a zero state,
     ``inject`` added to the state leaving each chunk, the entering states an output; its VJP is
-    `gdngen.algebra.chunkwise.backward` with those two extra terms. ``walks`` (per-channel
-    gates only): as `chunk_core`'s, walks that take ``inject`` / ``dS_in``."""
-    return _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states, walks)[0]
+    `gdngen.algebra.chunkwise.backward` with those two extra terms."""
+    return _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states)[0]
 
 
-def _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states, walks=None):
+def _packed_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states):
     with FLOAT32_MATMULS:
         Y, _, residuals = kinds.stages(gates).forward(
             XP, q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32), gate=gate,
-            solve_block=solve_block, inject=inject, **_walk(walks, 0))
+            solve_block=solve_block, inject=inject)
     return (Y, residuals[0]), (q, k, v, gates, beta, inject, residuals if save_states else None)
 
 
-def _packed_bwd(gate, solve_block, save_states, walks, saved, cotangents):
+def _packed_bwd(gate, solve_block, save_states, saved, cotangents):
     q, k, v, gates, beta, inject, residuals = saved
     dY, dS_in = cotangents
     S0 = jnp.zeros(inject.shape[1:], jnp.float32)
@@ -168,11 +167,9 @@ def _packed_bwd(gate, solve_block, save_states, walks, saved, cotangents):
         stages = kinds.stages(gates)
         if residuals is None:
             residuals = stages.forward(XP, q, k, v, gates, beta, S0, gate=gate,
-                                       solve_block=solve_block, inject=inject,
-                                       **_walk(walks, 0))[2]
+                                       solve_block=solve_block, inject=inject)[2]
         dq, dk, dv, dgates, dbeta, _, dinject = stages.backward(
-            XP, q, k, v, gates, beta, residuals, dY, S0, gate=gate, dS_in=dS_in,
-            **_walk(walks, 1))
+            XP, q, k, v, gates, beta, residuals, dY, S0, gate=gate, dS_in=dS_in)
     return dq, dk, dv, dgates, dbeta, dinject
 
 
@@ -243,17 +240,15 @@ def chunkwise_gated_delta(q, k, v, g, beta, initial_state, mask, *, scale, gate,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gate", "chunk_size", "solve_block",
-                                             "save_states", "walks"))
+                                             "save_states"))
 def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
-                       chunk_size, solve_block=8, save_states=True, walks=None):
+                       chunk_size, solve_block=8, save_states=True):
     """Packed row (`gdngen.algebra.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
     [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]`` (may be traced). Params as
-    `chunkwise_gated_delta`'s; ``walks`` (per-channel gates only): the chunk walks of the row's
-    walk and of each sequence's one-chunk calls, taking ``inject`` / ``dS_in`` (a generated
-    backend's packed build)."""
+    `chunkwise_gated_delta`'s."""
 
     def core(*arrays):
-        return chunk_core(*arrays, gate, solve_block, save_states, None, walks)
+        return chunk_core(*arrays, gate, solve_block, save_states)
 
     def dense(q, k, v, g, beta, S0, mask):
         return chunkwise.whole_sequence(XP, core, q, k, v, g, beta, S0, mask, scale=scale,
@@ -264,7 +259,7 @@ def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, sca
             return packed_scalar_core(*arrays, gate, solve_block, save_states)
     else:
         def walk_core(*arrays):
-            return packed_core(*arrays, gate, solve_block, save_states, walks)
+            return packed_core(*arrays, gate, solve_block, save_states)
 
     walk = packed.chunk_walk(XP, walk_core, scale=scale, gate=gate, chunk_size=chunk_size,
                              extracts=g.ndim == 3)

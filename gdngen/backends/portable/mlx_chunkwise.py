@@ -151,18 +151,16 @@ def chunk_core(gate, solve_block, save_states, walks=None, qk_scale=None):
 
 
 @functools.cache
-def packed_core(gate, solve_block, save_states, walks=None):
+def packed_core(gate, solve_block, save_states):
     """The chunk walk of a packed row (`gdngen.algebra.packed`) as an ``mx.custom_function``:
     ``(q, k, v, gates, beta, inject) -> (Y, S_in, *other residuals)``, from a zero state,
     ``inject`` added to the state leaving each chunk, the entering states S_in an output with
-    a cotangent of their own (`gdngen.algebra.chunkwise.backward`'s ``dS_in``). ``walks``
-    (per-channel gates): as `chunk_core`'s, walks that take ``inject`` / ``dS_in``."""
-    fwd, bwd = ({}, {}) if walks is None else ({"walk": walks[0]}, {"walk": walks[1]})
+    a cotangent of their own (`gdngen.algebra.chunkwise.backward`'s ``dS_in``)."""
 
     def run(q, k, v, gates, beta, inject):
         return kinds.stages(gates).forward(
             XP, q, k, v, gates, beta, mx.zeros(inject.shape[1:]), gate=gate,
-            solve_block=solve_block, inject=inject, **fwd)
+            solve_block=solve_block, inject=inject)
 
     @mx.custom_function
     def core(q, k, v, gates, beta, inject):
@@ -175,7 +173,7 @@ def packed_core(gate, solve_block, save_states, walks=None):
         residuals = tuple(outputs[1:]) if save_states else run(*primals)[2]
         dq, dk, dv, dgates, dbeta, _, dinject = kinds.stages(gates).backward(
             XP, q, k, v, gates, beta, residuals, cotangents[0], mx.zeros(inject.shape[1:]),
-            gate=gate, dS_in=cotangents[1], **bwd, **_grouped(kinds.stages(gates)))
+            gate=gate, dS_in=cotangents[1], **_grouped(kinds.stages(gates)))
         return dq, dk, dv, dgates, dbeta, dinject
 
     return core
@@ -215,16 +213,13 @@ def packed_scalar_core(gate, solve_block, save_states):
 
 
 def packed_gated_delta(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
-                       chunk_size, solve_block=8, save_states=True, walks=None):
+                       chunk_size, solve_block=8, save_states=True):
     """Packed row (`gdngen.algebra.packed`): float32 arrays, q ``[1,T,Hk,Dk]``, ``initial_state
     [N,Hv,Dv,Dk]`` or None, ``cu_seqlens`` int32 ``[N+1]``. Params as
-    `chunkwise_gated_delta`'s; ``walks`` (per-channel gates only): the chunk walks of the row's
-    walk and of each sequence's one-chunk calls, taking ``inject`` / ``dS_in`` (the Metal
-    packed build's, `gdngen.backends.metal.ChannelWalks`)."""
-    core = chunk_core(gate, solve_block, save_states, walks)
+    `chunkwise_gated_delta`'s."""
+    core = chunk_core(gate, solve_block, save_states)
     extracts = g.ndim == 3
-    walk_core = (packed_scalar_core(gate, solve_block, save_states) if extracts
-                 else packed_core(gate, solve_block, save_states, walks))
+    walk_core = (packed_scalar_core if extracts else packed_core)(gate, solve_block, save_states)
 
     def dense(q, k, v, g, beta, S0, mask):
         return chunkwise.whole_sequence(XP, lambda *a: core(*a)[:2], q, k, v, g, beta, S0, mask,
