@@ -119,7 +119,9 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
     import numpy as np
 
     loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
-    none = jnp.zeros((0,), jnp.float32)
+
+    def initial_states(S0):  # [1, n_seq, Hv, Dv, Dk], or empty (made per trace: no leak)
+        return jnp.zeros((0,), jnp.float32) if S0 is None else S0[None]
 
     def forward(q, k, v, g, beta, S0, starts, last):
         _, T, Hk, Dk = q.shape
@@ -130,7 +132,7 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
             f32((1, Hv, N, padded(Dk), padded(Dv)), q), f32((1, n_seq, Hv, Dv, Dk), q)),
             vmap_method="sequential")(
                 q, k, v, log_gates(g), beta, jnp.zeros((1, Hv, Dv, Dk), jnp.float32),
-                none if S0 is None else S0[None], starts, last, **attrs,
+                initial_states(S0), starts, last, **attrs,
                 splits=np.int64(head_splits(1, Hk, Hv // Hk, workers)))
         return (y, ends[0]), states
 
@@ -140,7 +142,7 @@ def packed_walk(sha256: str, gate: str, scale: float, poison: bool):
         _, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         P = head_splits(1, Hk, Hv // Hk, workers)
-        initial = none if S0 is None else S0[None]
+        initial = initial_states(S0)
         dq, dk, dv, dbeta, dg, _, dinitial = jaxcompat.ffi().ffi_call(loaded.target_backward, (
             f32((1, T, Hk * P, Dk), q), f32((1, T, Hk * P, Dk), q), f32((1, T, Hv, Dv), q),
             f32((1, T, Hv), q), f32(g.shape, q), f32((1, Hv, Dv, Dk), q),

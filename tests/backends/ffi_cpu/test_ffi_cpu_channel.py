@@ -143,6 +143,33 @@ def test_packed_rows_run_the_per_channel_packed_kernels():
     assert dense.target_forward not in grad and "dot_general" not in grad
 
 
+def test_packed_calls_trace_again_without_initial_states():
+    """Two jit traces of packed rows without initial states (two rows of different lengths,
+    the packed walk's cached custom VJP shared): nothing of the first trace leaks into the
+    second, and each matches the per-sequence dense calls."""
+    variant = _variant()
+    q, k, v, g, beta, _ = _inputs(B=1)
+
+    def run(T, cu):
+        def loss(*a):
+            y, S = ffi_cpu.packed_gated_delta(*a, scale=0.25, variant=variant,
+                                              cu_seqlens=jnp.asarray(cu, jnp.int32))
+            return (y * y).sum() + S.sum(), (y, S)
+
+        arrays = tuple(x[:, :T] for x in (q, k, v, g, beta))
+        (_, (y, S)), _ = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                                    has_aux=True))(*arrays)
+        for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+            y_n, S_n = ffi_cpu.gated_delta(*(x[:, s:e] for x in arrays), scale=0.25,
+                                           variant=variant)
+            for got, want in ((y[:, s:e], y_n), (S[n], S_n[0])):
+                want = np.asarray(want, np.float64)
+                assert np.linalg.norm(np.asarray(got) - want) <= 1e-5 * np.linalg.norm(want)
+
+    run(70, [0, 5, 40, 70])
+    run(50, [0, 20, 50])
+
+
 # ----------------------------------------------------------------------------- numerics
 
 
