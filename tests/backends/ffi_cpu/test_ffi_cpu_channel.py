@@ -13,6 +13,8 @@ dg_linear 3.9e-7 (vector_strong_half, chunk 128).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -159,7 +161,7 @@ def test_packed_calls_trace_again_without_initial_states():
         arrays = tuple(x[:, :T] for x in (q, k, v, g, beta))
         (_, (y, S)), _ = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
                                                     has_aux=True))(*arrays)
-        for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        for n, (s, e) in enumerate(itertools.pairwise(cu)):
             y_n, S_n = ffi_cpu.gated_delta(*(x[:, s:e] for x in arrays), scale=0.25,
                                            variant=variant)
             for got, want in ((y[:, s:e], y_n), (S[n], S_n[0])):
