@@ -19,10 +19,20 @@ from gdngen.backends import fallback
 def refuse_injection(backend: str, injected) -> None:
     """Guard of a generated backend's dense per-channel chunk walks: ValueError unless
     ``injected`` (the walk's ``inject`` / ``dS_in``) is None (packed rows take the packed
-    build's walks, or on metal the portable path)."""
+    build's walks, which take them: `walk_states`)."""
     if injected is not None:
         raise ValueError(f"the {backend} dense per-channel chunk walks take no injected states "
                          "(packed rows run walks of their own)")
+
+
+def walk_states(states, like, state, zeros):
+    """A packed build's walk input ``inject`` / ``dS_in`` ``[N, B, Hk, r, Dv, Dk]`` (chunk
+    layout): ``states`` itself, or where None (a sequence's one-chunk call, a walk without
+    injections) ``zeros(shape)`` of that shape, N from ``like`` (a chunk-layout array), the
+    rest from ``state`` (one state ``[B, Hk, r, Dv, Dk]``)."""
+    if states is not None:
+        return states
+    return zeros(tuple(like.shape[:1]) + tuple(state.shape))
 
 
 # ------------------------------------------------------------------------------ calling

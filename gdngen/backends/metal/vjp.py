@@ -9,7 +9,12 @@ import functools
 from dataclasses import dataclass
 
 from gdngen.algebra import layer_inputs
-from gdngen.backends.generated import l2_normalized, l2_normalized_vjp, refuse_injection
+from gdngen.backends.generated import (
+    l2_normalized,
+    l2_normalized_vjp,
+    refuse_injection,
+    walk_states,
+)
 from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
 from gdngen.backends.metal import launch
 from gdngen.backends.metal.config import BACKEND, adapt
@@ -47,12 +52,10 @@ class ChannelWalks:
         return channel_plan(self.variant, self.problem, N, B, self.templates, self.packed)
 
     def _states(self, states, like, state):
-        """A packed walk's ``inject`` / ``dS_in`` [N, B, Hk, r, Dv, Dk], zeros where None."""
+        """A packed walk's ``inject`` / ``dS_in`` (`walk_states`: zeros where None)."""
         import mlx.core as mx
 
-        if states is not None:
-            return states
-        return mx.zeros(tuple(like.shape[:1]) + tuple(state.shape), mx.float32)
+        return walk_states(states, like, state, lambda shape: mx.zeros(shape, mx.float32))
 
     def _launch(self, plan: Plan, launches, env: dict) -> dict:
         import mlx.core as mx

@@ -341,9 +341,9 @@ def chunk_walks(key: tuple):
     def chunk_states(states, like, state):  # inject / dS_in in the kernel layout
         import jax.numpy as jnp
 
-        if states is None:
-            states = jnp.zeros(like.shape[:1] + state.shape, jnp.float32)
-        return (_chunk_states_to_kernel(states, dk, dv),)
+        zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+        return (_chunk_states_to_kernel(generated.walk_states(states, like, state, zeros), dk,
+                                        dv),)
 
     def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         del xp  # the kernels' own arrays

@@ -298,17 +298,6 @@ def packed_core(key: tuple, gate: str):
     return generated.custom_vjp_core(forward, backward)
 
 
-def _chunk_states(states, like, state):
-    """``states`` [N, B, Hk, r, Dv, Dk], or zeros of that shape where None (a packed walk's
-    ``inject`` / ``dS_in``); ``like`` a chunk-layout array [N, B, Hk, r, ...], ``state`` one
-    state [B, Hk, r, Dv, Dk]."""
-    import jax.numpy as jnp
-
-    if states is not None:
-        return states
-    return jnp.zeros(like.shape[:1] + state.shape, jnp.float32)
-
-
 def _heads_merged(x, axis):
     """``x`` with its key-head axis ``axis`` and the next (r) merged into one Hv axis."""
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
@@ -324,15 +313,21 @@ def chunk_walks(key: tuple):
     value heads are merged (reshapes, no transposes). ``inject`` / ``dS_in`` (packed rows) are
     taken by the packed build's walks (`render_packed`; zeros where None), refused by the
     dense build's."""
+    import jax.numpy as jnp
+
     kernels = LOADED[key]
     interpret = kernels.interpret
     packed = getattr(kernels, "packed", False)
+
+    def zeros(shape):
+        return jnp.zeros(shape, jnp.float32)
 
     def walk_forward(xp, S0, U, Wk, Kc, Qd, Pm, dCC, inject=None):
         del xp  # the kernels' own arrays
         if not packed:
             generated.refuse_injection(BACKEND, inject)
-        states_in = (_heads_merged(_chunk_states(inject, U, S0), 2),) if packed else ()
+        states_in = ((_heads_merged(generated.walk_states(inject, U, S0, zeros), 2),)
+                     if packed else ())
         y, s_final, s_in, w = run_kernel(
             kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
                                                                  dCC[..., None, :])),
@@ -345,7 +340,8 @@ def chunk_walks(key: tuple):
         del xp
         if not packed:
             generated.refuse_injection(BACKEND, dS_in)
-        states_in = (_heads_merged(_chunk_states(dS_in, G, dS_final), 2),) if packed else ()
+        states_in = ((_heads_merged(generated.walk_states(dS_in, G, dS_final, zeros), 2),)
+                     if packed else ())
         dw, dwk, dqd, dkc, ddcc, ds0, *dinject = run_kernel(
             kernels.run_backward, *(_heads_merged(x, 2) for x in (G, Kc, Wk, W, S_in, dY, Qd,
                                                                   dCC[..., None, :])),
