@@ -193,16 +193,24 @@ def test_incoming_cache_state_continues_the_sequence():
         assert relative_error(ref, got) < 1e-5
 
 
-def test_kimi_linear_layers_run_the_mixer_whole(monkeypatch):
-    """Kimi Linear's KDA layers run gdngen.mlx.gated_delta_mixer (its three convolutions as
-    one over the concatenated projections, mlx-lm's ShortConv1d never called): loss and every
-    gradient as unpatched, and a prefix then a suffix through the cache (three conv states and
-    the recurrent one) as unpatched."""
+#: per KDA family: (its cache entries, the conv module mlx-lm's own layer calls)
+MIXER_CONVS = {"kimi_linear": (4, (kimi_linear.ShortConv1d, "__call__")),
+               "kimi_k3": (2, (kimi_linear.ShortConv1d, "__call__")),
+               "bailing_moe_v3": (4, (bailing_moe_v3.BailingKDA, "_causal_conv"))}
+
+
+@pytest.mark.parametrize("name", sorted(MIXER_CONVS))
+def test_kda_layers_run_the_mixer_whole(monkeypatch, name):
+    """Kimi Linear's, Kimi K3's and Bailing V3's KDA layers run gdngen.mlx.gated_delta_mixer
+    (Kimi Linear's and Bailing's three convolutions as one over the concatenated projections;
+    mlx-lm's own conv never called): loss and every gradient as unpatched, and a prefix then a
+    suffix through the cache (its conv states and the recurrent one) as unpatched."""
     from spies import spy_calls
 
     import gdngen.mlx
 
-    model, batch = build_kimi_linear(), token_batch(B=2, T=37, seed=21)
+    entries, (conv_owner, conv_method) = MIXER_CONVS[name]
+    model, batch = BUILDERS[name](), token_batch(B=2, T=37, seed=21)
     ref_loss, ref_grads = loss_and_grads(model, batch)
     tokens = batch[:, :-1]
 
@@ -211,7 +219,7 @@ def test_kimi_linear_layers_run_the_mixer_whole(monkeypatch):
         model(tokens[:, :13], cache=cache)
         logits = model(tokens[:, 13:], cache=cache)
         states = [c[i] for c in cache if isinstance(c, ArraysCache)
-                  for i in range(4)]
+                  for i in range(entries)]
         mx.eval(logits, states)
         return logits, states
 
@@ -219,19 +227,40 @@ def test_kimi_linear_layers_run_the_mixer_whole(monkeypatch):
     ref_logits, ref_states = continue_from_prefix()
     model.train()
     mixers = spy_calls(monkeypatch, gdngen.mlx, ["gated_delta_mixer"])
-    convs = spy_calls(monkeypatch, kimi_linear.ShortConv1d, ["__call__"])
+    convs = spy_calls(monkeypatch, conv_owner, [conv_method])
     with integration.patched(chunk_size=CHUNK, inference=True):
         loss, grads = loss_and_grads(model, batch)
         model.eval()
         logits, states = continue_from_prefix()
     assert len(mixers) == 3 * len(kda_layers(model)) and not convs
+    gate_params = [n for n in ref_grads if n.endswith(("A_log", "dt_bias", "conv1d.weight",
+                                                       "conv.weight", "o_norm.weight"))]
+    assert len(gate_params) >= 4 * len(kda_layers(model))
     worst = worst_relative_error(ref_grads, grads)
+    print(f"{name}: loss rel {relative_error(ref_loss, loss):.2e}, worst grad {worst}")
     assert relative_error(ref_loss, loss) < GRAD_RTOL
     assert worst[1] < GRAD_RTOL, worst
     assert relative_error(ref_logits, logits) < 1e-5
-    assert len(states) == len(ref_states) == 4 * len(kda_layers(model))
+    assert len(states) == len(ref_states) == entries * len(kda_layers(model))
     for ref, got in zip(ref_states, states):
         assert relative_error(ref, got) < 1e-5
+
+
+def test_kda_mixer_with_a_bound_gdngen_lacks_stays_on_mlx_lm(monkeypatch, calls):
+    """A Kimi K3 layer whose ``gate_lower_bound`` is not a finite negative number (here 0.5, a
+    gate above 1) keeps mlx-lm's whole layer under ``patch(mixer=True)``: no mixer call, and
+    mlx-lm's own ``gated_delta_update`` runs it (the route leaves such a bound to mlx-lm too)."""
+    from spies import spy_calls
+
+    import gdngen.mlx
+
+    model, batch = build_kimi_k3(lower_bound=0.5), token_batch(B=1, T=12, seed=4)
+    reference = model(batch[:, :-1])
+    mixers = spy_calls(monkeypatch, gdngen.mlx, ["gated_delta_mixer"])
+    with integration.patched(chunk_size=CHUNK):
+        logits = model(batch[:, :-1])
+    assert not mixers and calls == {"gdngen": 0, "ops": 2 * len(kda_layers(model))}
+    assert relative_error(reference, logits) < 1e-6
 
 
 # --------------------------------------------------------------------------- what stays on mlx-lm

@@ -12,7 +12,7 @@ import mlx.core as mx
 from gdngen import mlx as gdngen_mlx
 from gdngen.integrations.mlx_lm import rewind as rewind_mod
 from gdngen.integrations.mlx_lm import route
-from gdngen.integrations.mlx_lm.update import _training_variant
+from gdngen.integrations.mlx_lm.update import _takes_lower_bound, _training_variant
 from gdngen.shape import MAX_HEAD_DIM, MIN_HEAD_DIM, CallShape, dtype_name
 
 
@@ -78,6 +78,51 @@ def _kimi_linear_arguments(layer, x):
             "norm_gate": "sigmoid", **_dims(H, H, D, D)}
 
 
+def _kda_gate(layer):
+    """The gate keywords of a KDA layer with a ``lower_bound`` attribute (Kimi K3's
+    ``gate_lower_bound``, Bailing V3's ``kda_lower_bound``): "sigmoid_bound" with it, or
+    "softplus" when it is None."""
+    bound = layer.lower_bound
+    return {"gate": "softplus"} if bound is None else \
+        {"gate": "sigmoid_bound", "lower_bound": bound}
+
+
+def _kda_parameters(layer, H, D):
+    """A KDA layer's gate and output-norm parameters (``A_log [H]`` stored, taken ``[H, 1]``;
+    ``dt_bias [H*D]`` taken ``[H, D]``; ``o_norm(y) * sigmoid(g)``)."""
+    return {"A_log": layer.A_log.reshape(H, 1), "dt_bias": layer.dt_bias.reshape(H, D),
+            "norm_weight": layer.o_norm.weight, "norm_eps": layer.o_norm.eps,
+            "norm_gate": "sigmoid", **_dims(H, H, D, D)}
+
+
+def _kimi_k3_arguments(layer, x):
+    """Kimi K3: one projection ``qkv_proj`` and one depthwise ``qkv_conv`` over it; per-channel
+    gate from the low-rank ``f_b_proj(f_a_proj(x))``, the ``gate_lower_bound`` gate when set;
+    output gate ``g_proj`` (full rank) or ``g_b_proj(g_a_proj(x))``."""
+    B, S, _ = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    z = layer.g_proj(x) if layer.use_full_rank_gate else layer.g_b_proj(layer.g_a_proj(x))
+    return {"mixed_qkv": layer.qkv_proj(x), "conv_weight": layer.qkv_conv.conv.weight[..., 0],
+            "a": layer.f_b_proj(layer.f_a_proj(x)).reshape(B, S, H, D),
+            "b": layer.b_proj(x).reshape(B, S, H), "z": z.reshape(B, S, H, D),
+            **_kda_parameters(layer, H, D), **_kda_gate(layer)}
+
+
+def _bailing_v3_arguments(layer, x):
+    """Bailing V3 (``BailingKDA``): three projections and three depthwise convolutions
+    (``q_conv1d``, ``k_conv1d``, ``v_conv1d``), one over the concatenation; full-rank
+    per-channel gate ``f_proj`` with ``kda_lower_bound``; output gate ``g_proj``."""
+    B, S, _ = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    mixed = mx.concatenate([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], axis=-1)
+    weight = mx.concatenate([c.weight[..., 0] for c in
+                             (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)], axis=0)
+    return {"mixed_qkv": mixed, "conv_weight": weight,
+            "a": layer.f_proj(x).reshape(B, S, H, D), "b": layer.b_proj(x).reshape(B, S, H),
+            "z": layer.g_proj(x).reshape(B, S, H, D), **_kda_parameters(layer, H, D),
+            **_kda_gate(layer)}
+
+
 #: mlx-lm layer classes whose whole ``__call__`` `patch` routes through
 #: `gdngen.mlx.gated_delta_mixer`, by ``(module, class name)``
 MIXER_LAYERS = {
@@ -87,6 +132,10 @@ MIXER_LAYERS = {
         _MixerLayer(_qwen3_5_arguments, (0,), 1, "out_proj"),
     ("mlx_lm.models.kimi_linear", "KimiDeltaAttention"):
         _MixerLayer(_kimi_linear_arguments, (0, 1, 2), 3, "o_proj"),
+    ("mlx_lm.models.kimi_k3", "KimiK3DeltaAttention"):
+        _MixerLayer(_kimi_k3_arguments, (0,), 1, "o_proj"),
+    ("mlx_lm.models.bailing_moe_v3", "BailingKDA"):
+        _MixerLayer(_bailing_v3_arguments, (0, 1, 2), 3, "o_proj"),
 }
 
 
@@ -109,7 +158,8 @@ def _routed_mixer_call(family: _MixerLayer, original):
             return _unrecorded(original(self, inputs, mask, cache), cache)
         arguments = family.arguments(self, inputs)
         if not (MIN_HEAD_DIM <= arguments["Dk"] <= MAX_HEAD_DIM
-                and MIN_HEAD_DIM <= arguments["Dv"] <= MAX_HEAD_DIM):
+                and MIN_HEAD_DIM <= arguments["Dv"] <= MAX_HEAD_DIM
+                and _takes_lower_bound(arguments.get("lower_bound"))):
             return _unrecorded(original(self, inputs, mask, cache), cache)
         B, S, _ = inputs.shape
         conv_state = state = None
