@@ -44,6 +44,8 @@ the recurrence's custom VJP keeps what it keeps for a plain call (its q, k, v in
 
 from __future__ import annotations
 
+import functools
+
 from gdngen import prepare
 from gdngen.algebra import mixer as stages
 from gdngen.call import PARAMETER_GATES
@@ -121,6 +123,66 @@ def _framework(framework):
     return xp, mx.checkpoint
 
 
+@functools.cache
+def _stages(framework: str, eps: float, activation: str):
+    """``(conv, norm)``: the dense causal conv + SiLU ``conv(x, w, conv_state or None) -> (h,
+    new_conv_state)`` and the gated norm ``norm(y, z, weight) -> out`` of ``framework``, each
+    with its hand-derived VJP (`gdngen.algebra.mixer.conv_dense_vjp`, ``gated_norm_vjp``) as the
+    framework's custom VJP: the backward keeps only the stage's raw inputs and recomputes the
+    pre-activation, the norm factor and the gates from them (no activation of either stage is
+    kept, and no autodiff graph of a recomputation is built)."""
+    xp = prepare.namespace(framework)
+
+    def conv_values(x, w, state):
+        return stages.conv_dense(xp, x, w, state)
+
+    def norm_values(y, z, weight):
+        return stages.gated_norm(xp, y, z, weight, eps, activation)
+
+    def norm_cotangents(y, z, weight, dout):
+        return stages.gated_norm_vjp(xp, y, z, weight, eps, activation, dout)
+
+    if framework == "jax":
+        import jax
+
+        conv = jax.custom_vjp(conv_values)
+        conv.defvjp(lambda x, w, state: (conv_values(x, w, state), (x, w, state)),
+                    lambda saved, cts: stages.conv_dense_vjp(xp, *saved, *cts))
+        norm = jax.custom_vjp(norm_values)
+        norm.defvjp(lambda y, z, weight: (norm_values(y, z, weight), (y, z, weight)),
+                    lambda saved, dout: norm_cotangents(*saved, dout))
+        return conv, norm
+    import mlx.core as mx
+
+    def conv_function(with_state):
+        @mx.custom_function
+        def f(*primals):
+            return conv_values(*primals[:2], primals[2] if with_state else None)
+
+        @f.vjp
+        def f_vjp(primals, cotangents, outputs):
+            dx, dw, dstate = stages.conv_dense_vjp(
+                xp, *primals[:2], primals[2] if with_state else None, *cotangents)
+            return (dx, dw, dstate) if with_state else (dx, dw)
+
+        return f
+
+    convs = {True: conv_function(True), False: conv_function(False)}
+
+    @mx.custom_function
+    def norm(y, z, weight):
+        return norm_values(y, z, weight)
+
+    @norm.vjp
+    def norm_vjp(primals, cotangent, output):
+        return norm_cotangents(*primals, cotangent)
+
+    def conv(x, w, state):
+        return convs[state is not None](x, w, *(() if state is None else (state,)))
+
+    return conv, norm
+
+
 def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk,
                       Dv, A_log, dt_bias, norm_weight, conv_state=None, initial_state=None,
                       mask=None, cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
@@ -142,14 +204,15 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
             raise ValueError(f"mask has shape {_shape(mask)}, expected [B, T] = {(B, T)}")
         mixed_qkv = m.where(mask[..., None], mixed_qkv, 0)
 
-    def conv(x, w, *state):
-        state = state[0] if state else None
-        if cu_seqlens is None:
-            return stages.conv_dense(xp, x, w, state)
-        return stages.conv_packed(xp, x, w, state, cu_seqlens)
+    conv, norm = _stages(framework, float(norm_eps), norm_gate)
+    if cu_seqlens is None:
+        h, new_conv_state = conv(mixed_qkv, conv_weight, conv_state)
+    else:
+        def packed_conv(x, w, *state):
+            return stages.conv_packed(xp, x, w, state[0] if state else None, cu_seqlens)
 
-    h, new_conv_state = remat(conv)(mixed_qkv, conv_weight,
-                                    *(() if conv_state is None else (conv_state,)))
+        h, new_conv_state = remat(packed_conv)(mixed_qkv, conv_weight,
+                                               *(() if conv_state is None else (conv_state,)))
     kd = Hk * Dk
     q = h[..., :kd].reshape((B, T, Hk, Dk))
     k = h[..., kd:2 * kd].reshape((B, T, Hk, Dk))
@@ -160,7 +223,4 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
         beta_activation="sigmoid", cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         variant=variant, return_states=return_states)
 
-    def norm(y, z, weight):
-        return stages.gated_norm(xp, y, z, weight, float(norm_eps), norm_gate)
-
-    return remat(norm)(y, z, norm_weight), final_state, new_conv_state
+    return norm(y, z, norm_weight), final_state, new_conv_state

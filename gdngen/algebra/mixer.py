@@ -51,6 +51,50 @@ def conv_dense(xp, x, w, conv_state):
         m.swapaxes(window[:, T:], 1, 2).astype(x.dtype)
 
 
+def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
+    """Cotangents ``(dx [B, T, C], dw [C, K], dconv_state [B, C, K-1] or None)`` of
+    `conv_dense` at ``(x, w, conv_state)`` from ``dh [B, T, C]`` and ``dnew_state [B, C, K-1]``
+    (None: zero), each in its primal's dtype. The pre-activation and SiLU's derivative are
+    recomputed from the raw inputs (nothing of the forward is kept)::
+
+        dpre = dh * sig * (1 + pre (1 - sig)),  sig = sigmoid(pre)
+        dw[c, j] = sum_{b,t} dpre[b, t, c] window[b, t + j, c]
+        dwindow[b, t + j, c] += dpre[b, t, c] w[c, j];  dwindow[:, T:] += dnew_state^T
+        dx = dwindow[:, K-1:],  dconv_state = dwindow[:, :K-1]^T
+    """
+    m = xp.module
+    B, T, C = x.shape
+    K = w.shape[1]
+    f32 = m.float32
+    prev = m.zeros((B, K - 1, C), f32) if conv_state is None else \
+        m.swapaxes(conv_state.astype(f32), 1, 2)
+    window = m.concatenate([prev, x.astype(f32)], axis=1)  # [B, K-1+T, C]
+    wf = w.astype(f32)
+    pre = window[:, 0:T] * wf[:, 0]
+    for j in range(1, K):
+        pre = pre + window[:, j:j + T] * wf[:, j]
+    sig = xp.sigmoid(pre)
+    dpre = dh.astype(f32) * (sig * (1.0 + pre * (1.0 - sig)))  # [B, T, C]
+    dw = m.stack([(dpre * window[:, j:j + T]).sum(axis=(0, 1)) for j in range(K)], axis=1)
+
+    def placed(rows, at):  # rows [B, n, C] at window rows [at, at + n)
+        n = rows.shape[1]
+        parts = [m.zeros((B, at, C), f32)] if at else []
+        parts.append(rows)
+        if K - 1 + T - at - n:
+            parts.append(m.zeros((B, K - 1 + T - at - n, C), f32))
+        return m.concatenate(parts, axis=1) if len(parts) > 1 else rows
+
+    dwindow = placed(dpre * wf[:, 0], 0)
+    for j in range(1, K):
+        dwindow = dwindow + placed(dpre * wf[:, j], j)
+    if dnew_state is not None and K > 1:
+        dwindow = dwindow + placed(m.swapaxes(dnew_state.astype(f32), 1, 2), T)
+    dstate = None if conv_state is None else \
+        m.swapaxes(dwindow[:, :K - 1], 1, 2).astype(conv_state.dtype)
+    return dwindow[:, K - 1:].astype(x.dtype), dw.astype(w.dtype), dstate
+
+
 def _packed_index(m, position, seq, starts, T, K):
     """Row of the extended ``[x[0]; conv states]`` array each ``position`` reads: itself
     inside its sequence, else the sequence's conv state (``T + seq (K-1) + K-1 - (s -
@@ -96,6 +140,31 @@ def gated_norm(xp, y, z, weight, eps, activation):
     if activation == "silu":
         gate = zf * gate
     return (yf * r * weight.astype(f32) * gate).astype(y.dtype)
+
+
+def gated_norm_vjp(xp, y, z, weight, eps, activation, dout):
+    """Cotangents ``(dy, dz, dweight)`` of `gated_norm` from ``dout`` (each in its primal's
+    dtype), the norm factor and the gate recomputed from y and z in float32::
+
+        r = rsqrt(mean(y^2) + eps),  u = dout * act(z) * weight
+        dy = r u - y r^3 mean(u y),  dz = dout * weight * y r * act'(z)
+        dweight = sum over every axis but the last of dout * act(z) * y r
+    """
+    m = xp.module
+    f32 = m.float32
+    yf, zf, wf, df = y.astype(f32), z.astype(f32), weight.astype(f32), dout.astype(f32)
+    r = xp.rsqrt((yf * yf).mean(axis=-1, keepdims=True) + eps)
+    s = xp.sigmoid(zf)
+    if activation == "silu":
+        act, dact = zf * s, s * (1.0 + zf * (1.0 - s))
+    else:
+        act, dact = s, s * (1.0 - s)
+    yr = yf * r
+    u = df * act * wf
+    dy = r * u - yr * (r * r) * (u * yf).mean(axis=-1, keepdims=True)
+    dz = df * wf * yr * dact
+    dweight = (df * act * yr).reshape((-1, yf.shape[-1])).sum(axis=0)
+    return dy.astype(y.dtype), dz.astype(z.dtype), dweight.astype(weight.dtype)
 
 
 # ------------------------------------------------------------------------ float64 reference
