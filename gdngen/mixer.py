@@ -36,10 +36,13 @@ Packed rows (``cu_seqlens``, B = 1) restart the convolution window at every sequ
 the state: a sequence's first K-1 steps read its own conv state (zeros when None), and each
 sequence returns its own.
 
-Memory: the convolution and the gated norm run under the framework's rematerialisation
-(``jax.checkpoint``, ``mx.checkpoint``), so their activations (the pre-activation, SiLU
-output's copy, rsqrt, the normalised y) are recomputed in the backward from the raw inputs;
-the recurrence's custom VJP keeps what it keeps for a plain call (its q, k, v inputs).
+Memory: the convolution and the gated norm are custom VJPs of their own (``jax.custom_vjp``,
+``mx.custom_function``) with hand-derived backward passes (`gdngen.algebra.mixer.
+conv_dense_vjp`, ``gated_norm_vjp``): they keep only their raw inputs and recompute their
+activations (the pre-activation, SiLU's derivative, rsqrt, the gates) in the backward, without
+an autodiff graph of a recomputation; a packed row's conv runs under the framework's
+rematerialisation (``jax.checkpoint``, ``mx.checkpoint``). The recurrence's custom VJP keeps
+what it keeps for a plain call (its q, k, v inputs).
 """
 
 from __future__ import annotations

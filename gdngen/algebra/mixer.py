@@ -36,6 +36,14 @@ NORM_GATES = ("silu", "sigmoid")
 
 def conv_dense(xp, x, w, conv_state):
     """``(silu(pre) [B, T, C], new conv_state [B, C, K-1])``, both in x's dtype."""
+    window, pre = _window_and_pre(xp, x, w, conv_state)
+    T = x.shape[1]
+    return (pre * xp.sigmoid(pre)).astype(x.dtype), \
+        xp.module.swapaxes(window[:, T:], 1, 2).astype(x.dtype)
+
+
+def _window_and_pre(xp, x, w, conv_state):
+    """Float32 ``(window [B, K-1+T, C], pre [B, T, C])`` of `conv_dense`."""
     m = xp.module
     B, T, C = x.shape
     K = w.shape[1]
@@ -47,8 +55,7 @@ def conv_dense(xp, x, w, conv_state):
     pre = window[:, 0:T] * wf[:, 0]
     for j in range(1, K):
         pre = pre + window[:, j:j + T] * wf[:, j]
-    return (pre * xp.sigmoid(pre)).astype(x.dtype), \
-        m.swapaxes(window[:, T:], 1, 2).astype(x.dtype)
+    return window, pre
 
 
 def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
@@ -66,30 +73,24 @@ def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
     B, T, C = x.shape
     K = w.shape[1]
     f32 = m.float32
-    prev = m.zeros((B, K - 1, C), f32) if conv_state is None else \
-        m.swapaxes(conv_state.astype(f32), 1, 2)
-    window = m.concatenate([prev, x.astype(f32)], axis=1)  # [B, K-1+T, C]
     wf = w.astype(f32)
-    pre = window[:, 0:T] * wf[:, 0]
-    for j in range(1, K):
-        pre = pre + window[:, j:j + T] * wf[:, j]
+    window, pre = _window_and_pre(xp, x, w, conv_state)
     sig = xp.sigmoid(pre)
     dpre = dh.astype(f32) * (sig * (1.0 + pre * (1.0 - sig)))  # [B, T, C]
     dw = m.stack([(dpre * window[:, j:j + T]).sum(axis=(0, 1)) for j in range(K)], axis=1)
 
-    def placed(rows, at):  # rows [B, n, C] at window rows [at, at + n)
-        n = rows.shape[1]
-        parts = [m.zeros((B, at, C), f32)] if at else []
-        parts.append(rows)
-        if K - 1 + T - at - n:
-            parts.append(m.zeros((B, K - 1 + T - at - n, C), f32))
-        return m.concatenate(parts, axis=1) if len(parts) > 1 else rows
-
-    dwindow = placed(dpre * wf[:, 0], 0)
+    # dwindow[i] = sum_j dpre[i - j] w[:, j] (0 <= i - j < T): K shifted slices of dpre
+    # with K-1 zeros on each side, one fused multiply-add over the window's K-1+T rows
+    n = K - 1 + T
+    if K > 1:
+        pad = m.zeros((B, K - 1, C), f32)
+        dpre = m.concatenate([pad, dpre, pad], axis=1)  # [B, T + 2(K-1), C]
+    dwindow = dpre[:, K - 1:K - 1 + n] * wf[:, 0]
     for j in range(1, K):
-        dwindow = dwindow + placed(dpre * wf[:, j], j)
-    if dnew_state is not None and K > 1:
-        dwindow = dwindow + placed(m.swapaxes(dnew_state.astype(f32), 1, 2), T)
+        dwindow = dwindow + dpre[:, K - 1 - j:K - 1 - j + n] * wf[:, j]
+    if dnew_state is not None and K > 1:  # the new state is the window's last K-1 rows
+        dwindow = dwindow + m.concatenate(
+            [m.zeros((B, T, C), f32), m.swapaxes(dnew_state.astype(f32), 1, 2)], axis=1)
     dstate = None if conv_state is None else \
         m.swapaxes(dwindow[:, :K - 1], 1, 2).astype(conv_state.dtype)
     return dwindow[:, K - 1:].astype(x.dtype), dw.astype(w.dtype), dstate

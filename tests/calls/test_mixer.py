@@ -284,6 +284,33 @@ def test_saturated_activations_have_finite_gradients(framework):
         [n for n, v in got.items() if not np.isfinite(v).all()]
 
 
+def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward():
+    """Under ``jax.vjp`` (xla), the conv and the gated norm keep their raw inputs and nothing of
+    their forward: one ``[B, T, C]`` array (mixed_qkv itself, no pre-activation or SiLU output)
+    and, of y's shape ``[B, T, Hv, Dv]``, z and y (the norm's inputs) besides what the
+    recurrence keeps of v (the gradients are checked against float64 by
+    test_mixer_matches_the_float64_composition)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.jax import gated_delta_mixer
+
+    x, _ = inputs("scalar", seed=17, mask=False)
+    args = {n: jnp.asarray(np.asarray(x[n], np.float32)) for n in ARGS}
+
+    def call(mixed_qkv, z):
+        return gated_delta_mixer(mixed_qkv, args["conv_weight"], args["a"], args["b"], z,
+                                 **DIMS, A_log=args["A_log"], dt_bias=args["dt_bias"],
+                                 norm_weight=args["norm_weight"], conv_state=args["conv_state"],
+                                 initial_state=args["initial_state"],
+                                 variant=registry.default_variant("xla", Problem(Hk, Hv, Dk, Dv)))
+
+    _, vjp = jax.vjp(call, args["mixed_qkv"], args["z"])
+    kept = [tuple(a.shape) for a in jax.tree.leaves(vjp)]
+    assert kept.count((B, T, C)) == 1, kept
+    assert kept.count((B, T, Hv, Dv)) <= 3, kept  # z, y and the recurrence's v
+
+
 @pytest.mark.parametrize("change, message", [
     ({"mixed_qkv": np.zeros((B, T, C + 1))}, "mixed_qkv has shape"),
     ({"conv_weight": np.zeros((C, K, 1))}, "conv_weight must be [C, K]"),
