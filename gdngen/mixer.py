@@ -38,11 +38,11 @@ sequence returns its own.
 
 Memory: the convolution and the gated norm are custom VJPs of their own (``jax.custom_vjp``,
 ``mx.custom_function``) with hand-derived backward passes (`gdngen.algebra.mixer.
-conv_dense_vjp`, ``gated_norm_vjp``): they keep only their raw inputs and recompute their
-activations (the pre-activation, SiLU's derivative, rsqrt, the gates) in the backward, without
-an autodiff graph of a recomputation; a packed row's conv runs under the framework's
-rematerialisation (``jax.checkpoint``, ``mx.checkpoint``). The recurrence's custom VJP keeps
-what it keeps for a plain call (its q, k, v inputs).
+conv_dense_vjp`, ``conv_packed_vjp``, ``gated_norm_vjp``): they keep only their raw inputs
+and recompute their activations (the pre-activation, SiLU's derivative, rsqrt, the gates) in
+the backward, without an autodiff graph of a recomputation (a packed row's windows: every
+transpose a gather, no scatter). The recurrence's custom VJP keeps what it keeps for a plain
+call (its q, k, v inputs).
 """
 
 from __future__ import annotations
@@ -114,30 +114,26 @@ def check(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, norm_weight, conv_
     return K
 
 
-def _framework(framework):
-    """``(xp namespace, rematerialise)`` of ``framework``."""
-    xp = prepare.namespace(framework)
-    if framework == "jax":
-        import jax
-
-        return xp, jax.checkpoint
-    import mlx.core as mx
-
-    return xp, mx.checkpoint
-
-
 @functools.cache
 def _stages(framework: str, eps: float, activation: str):
-    """``(conv, norm)``: the dense causal conv + SiLU ``conv(x, w, conv_state or None) -> (h,
-    new_conv_state)`` and the gated norm ``norm(y, z, weight) -> out`` of ``framework``, each
-    with its hand-derived VJP (`gdngen.algebra.mixer.conv_dense_vjp`, ``gated_norm_vjp``) as the
+    """``(conv, norm)`` of ``framework``: the causal conv + SiLU ``conv(x, w, conv_state or None,
+    cu_seqlens or None) -> (h, new_conv_state)`` (dense rows, or a packed row's windows) and the
+    gated norm ``norm(y, z, weight) -> out``, each with its hand-derived VJP
+    (`gdngen.algebra.mixer.conv_dense_vjp`, ``conv_packed_vjp``, ``gated_norm_vjp``) as the
     framework's custom VJP: the backward keeps only the stage's raw inputs and recomputes the
     pre-activation, the norm factor and the gates from them (no activation of either stage is
     kept, and no autodiff graph of a recomputation is built)."""
     xp = prepare.namespace(framework)
 
-    def conv_values(x, w, state):
-        return stages.conv_dense(xp, x, w, state)
+    def conv_values(x, w, state, cu_seqlens):
+        if cu_seqlens is None:
+            return stages.conv_dense(xp, x, w, state)
+        return stages.conv_packed(xp, x, w, state, cu_seqlens)
+
+    def conv_cotangents(x, w, state, cu_seqlens, dh, dnew):
+        if cu_seqlens is None:
+            return stages.conv_dense_vjp(xp, x, w, state, dh, dnew)
+        return stages.conv_packed_vjp(xp, x, w, state, cu_seqlens, dh, dnew)
 
     def norm_values(y, z, weight):
         return stages.gated_norm(xp, y, z, weight, eps, activation)
@@ -147,30 +143,40 @@ def _stages(framework: str, eps: float, activation: str):
 
     if framework == "jax":
         import jax
+        import numpy as np
+
+        def conv_bwd(saved, cts):
+            cu_seqlens = saved[3]
+            offsets = None if cu_seqlens is None else \
+                np.zeros(cu_seqlens.shape, jax.dtypes.float0)  # an integer input's cotangent
+            return (*conv_cotangents(*saved, *cts), offsets)
 
         conv = jax.custom_vjp(conv_values)
-        conv.defvjp(lambda x, w, state: (conv_values(x, w, state), (x, w, state)),
-                    lambda saved, cts: stages.conv_dense_vjp(xp, *saved, *cts))
+        conv.defvjp(lambda *primals: (conv_values(*primals), primals), conv_bwd)
         norm = jax.custom_vjp(norm_values)
         norm.defvjp(lambda y, z, weight: (norm_values(y, z, weight), (y, z, weight)),
                     lambda saved, dout: norm_cotangents(*saved, dout))
         return conv, norm
     import mlx.core as mx
 
-    def conv_function(with_state):
+    def conv_function(with_state, packed):
+        def full(primals):  # (x, w, state or None, cu_seqlens or None)
+            it = iter(primals[2:])
+            return (*primals[:2], next(it) if with_state else None, next(it) if packed else None)
+
         @mx.custom_function
         def f(*primals):
-            return conv_values(*primals[:2], primals[2] if with_state else None)
+            return conv_values(*full(primals))
 
         @f.vjp
         def f_vjp(primals, cotangents, outputs):
-            dx, dw, dstate = stages.conv_dense_vjp(
-                xp, *primals[:2], primals[2] if with_state else None, *cotangents)
-            return (dx, dw, dstate) if with_state else (dx, dw)
+            dx, dw, dstate = conv_cotangents(*full(primals), *cotangents)
+            return ((dx, dw) + ((dstate,) if with_state else ())
+                    + ((mx.zeros_like(primals[-1]),) if packed else ()))
 
         return f
 
-    convs = {True: conv_function(True), False: conv_function(False)}
+    convs = {(s, p): conv_function(s, p) for s in (False, True) for p in (False, True)}
 
     @mx.custom_function
     def norm(y, z, weight):
@@ -180,8 +186,9 @@ def _stages(framework: str, eps: float, activation: str):
     def norm_vjp(primals, cotangent, output):
         return norm_cotangents(*primals, cotangent)
 
-    def conv(x, w, state):
-        return convs[state is not None](x, w, *(() if state is None else (state,)))
+    def conv(x, w, state, cu_seqlens):
+        present = tuple(a for a in (state, cu_seqlens) if a is not None)
+        return convs[state is not None, cu_seqlens is not None](x, w, *present)
 
     return conv, norm
 
@@ -199,7 +206,7 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
     if return_states not in ("final", "steps"):
         raise ValueError(f"return_states must be 'final' or 'steps' for the mixer, got "
                          f"{return_states!r}")
-    xp, remat = _framework(framework)
+    xp = prepare.namespace(framework)
     m = xp.module
     B, T, _ = _shape(mixed_qkv)
     if mask is not None:
@@ -208,14 +215,7 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
         mixed_qkv = m.where(mask[..., None], mixed_qkv, 0)
 
     conv, norm = _stages(framework, float(norm_eps), norm_gate)
-    if cu_seqlens is None:
-        h, new_conv_state = conv(mixed_qkv, conv_weight, conv_state)
-    else:
-        def packed_conv(x, w, *state):
-            return stages.conv_packed(xp, x, w, state[0] if state else None, cu_seqlens)
-
-        h, new_conv_state = remat(packed_conv)(mixed_qkv, conv_weight,
-                                               *(() if conv_state is None else (conv_state,)))
+    h, new_conv_state = conv(mixed_qkv, conv_weight, conv_state, cu_seqlens)
     kd = Hk * Dk
     q = h[..., :kd].reshape((B, T, Hk, Dk))
     k = h[..., kd:2 * kd].reshape((B, T, Hk, Dk))
@@ -225,5 +225,4 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
         gate=gate, qk_norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         beta_activation="sigmoid", cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         variant=variant, return_states=return_states)
-
     return norm(y, z, norm_weight), final_state, new_conv_state

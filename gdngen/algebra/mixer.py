@@ -106,30 +106,94 @@ def _packed_index(m, position, seq, starts, T, K):
     return m.where(inside, position, from_state)
 
 
+class _PackedWindows:
+    """A packed row's conv windows (`conv_packed`): ``starts``, ``ends`` ``[N]``, each step's
+    sequence ``seq [T]``, the extended rows ``[x[0]; conv states]`` ``[T + N (K-1), C]``
+    float32, the row each tap reads ``index [T, K]`` and the taps ``[T, K, C]``."""
+
+    def __init__(self, xp, x, w, conv_state, cu_seqlens):
+        m = self.m = xp.module
+        _, T, C = x.shape
+        K = w.shape[1]
+        f32, i32 = m.float32, m.int32
+        offsets = cu_seqlens.astype(i32)
+        self.starts, self.ends = offsets[:-1], offsets[1:]
+        N = self.N = int(self.starts.shape[0])
+        self.T, self.C, self.K = T, C, K
+        states = m.zeros((N, K - 1, C), f32) if conv_state is None else \
+            m.swapaxes(conv_state.astype(f32), 1, 2)
+        self.rows = m.concatenate([x[0].astype(f32), states.reshape((N * (K - 1), C))], axis=0)
+        self.t = m.arange(T).astype(i32)
+        self.seq = (self.ends[None, :] <= self.t[:, None]).astype(i32).sum(axis=1)  # [T]
+        lags = (K - 1) - m.arange(K).astype(i32)  # tap j reads step t - (K-1-j)
+        index = _packed_index(m, self.t[:, None] - lags[None, :], self.seq[:, None],
+                              self.starts, T, K)  # [T, K]
+        self.taps = m.take(self.rows, index.reshape(-1), axis=0).reshape((T, K, C))
+        self.wT = m.swapaxes(w.astype(f32), 0, 1)  # [K, C]
+        self.pre = (self.taps * self.wT[None]).sum(axis=1)  # [T, C]
+
+
 def conv_packed(xp, x, w, conv_state, cu_seqlens):
     """Packed row ``x [1, T, C]``, ``conv_state [N, C, K-1]`` or None, ``cu_seqlens [N+1]``:
     ``(silu(pre) [1, T, C], new conv_state [N, C, K-1])``, both in x's dtype."""
-    m = xp.module
-    _, T, C = x.shape
-    K = w.shape[1]
+    p = _PackedWindows(xp, x, w, conv_state, cu_seqlens)
+    m, N, K = p.m, p.N, p.K
+    n = m.arange(N).astype(m.int32)
+    last = p.ends[:, None] - (K - 1) + m.arange(K - 1).astype(m.int32)[None, :]  # [N, K-1]
+    kept = m.take(p.rows, _packed_index(m, last, n[:, None], p.starts, p.T, K).reshape(-1),
+                  axis=0)
+    new_state = m.swapaxes(kept.reshape((N, K - 1, p.C)), 1, 2).astype(x.dtype)
+    return (p.pre * xp.sigmoid(p.pre)).astype(x.dtype)[None], new_state
+
+
+def conv_packed_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state):
+    """Cotangents ``(dx [1, T, C], dw [C, K], dconv_state [N, C, K-1] or None)`` of
+    `conv_packed` from ``dh [1, T, C]`` and ``dnew_state [N, C, K-1]`` (None: zero), each in
+    its primal's dtype; the taps and the pre-activation recomputed from the raw inputs. Every
+    transpose is a gather (no scatter): tap j (lag l = K-1-j) of step t reads step t - l of
+    its own sequence, or row K-1 - (start - (t - l)) of that sequence's conv state, so
+
+        dx[s] = sum_j [seq(s + l) = seq(s)] dpre[s + l] w_j (+ dnew_seq(s)[s - end + K-1])
+        dstate_n[i] = sum_{j <= i} [start_n + i - j < end_n] dpre[start_n + i - j] w_j
+                      (+ dnew_n[i - len_n] where i >= len_n: a sequence shorter than K-1)
+    """
+    p = _PackedWindows(xp, x, w, conv_state, cu_seqlens)
+    m, N, K, T, C = p.m, p.N, p.K, p.T, p.C
     f32, i32 = m.float32, m.int32
-    offsets = cu_seqlens.astype(i32)
-    starts, ends = offsets[:-1], offsets[1:]
-    N = int(starts.shape[0])
-    states = m.zeros((N, K - 1, C), f32) if conv_state is None else \
-        m.swapaxes(conv_state.astype(f32), 1, 2)
-    rows = m.concatenate([x[0].astype(f32), states.reshape((N * (K - 1), C))], axis=0)
-    t = m.arange(T).astype(i32)
-    seq = (ends[None, :] <= t[:, None]).astype(i32).sum(axis=1)  # [T]
-    lags = (K - 1) - m.arange(K).astype(i32)  # tap j reads step t - (K-1-j)
-    index = _packed_index(m, t[:, None] - lags[None, :], seq[:, None], starts, T, K)  # [T, K]
-    taps = m.take(rows, index.reshape(-1), axis=0).reshape((T, K, C))
-    pre = (taps * m.swapaxes(w.astype(f32), 0, 1)[None]).sum(axis=1)  # [T, C]
-    n = m.arange(N).astype(i32)
-    last = ends[:, None] - (K - 1) + m.arange(K - 1).astype(i32)[None, :]  # [N, K-1]
-    kept = m.take(rows, _packed_index(m, last, n[:, None], starts, T, K).reshape(-1), axis=0)
-    new_state = m.swapaxes(kept.reshape((N, K - 1, C)), 1, 2).astype(x.dtype)
-    return (pre * xp.sigmoid(pre)).astype(x.dtype)[None], new_state
+    sig = xp.sigmoid(p.pre)
+    dpre = dh[0].astype(f32) * (sig * (1.0 + p.pre * (1.0 - sig)))  # [T, C]
+    dw = m.swapaxes((p.taps * dpre[:, None, :]).sum(axis=0), 0, 1)  # [C, K]
+    zero = m.zeros((), f32)
+    dx = m.zeros((T, C), f32)
+    for j in range(K):
+        src = p.t + (K - 1 - j)
+        clipped = m.minimum(src, T - 1)
+        same = (src < T) & (m.take(p.seq, clipped, axis=0) == p.seq)
+        dx = dx + m.where(same[:, None], m.take(dpre, clipped, axis=0) * p.wT[j], zero)
+    dnew = None
+    if dnew_state is not None and K > 1:
+        dnew = m.swapaxes(dnew_state.astype(f32), 1, 2).reshape((N * (K - 1), C))
+        at = p.t - m.take(p.ends, p.seq, axis=0) + (K - 1)  # the step's row of its new state
+        dx = dx + m.where((at >= 0)[:, None],
+                          m.take(dnew, p.seq * (K - 1) + m.maximum(at, 0), axis=0), zero)
+    dstate = None
+    if conv_state is not None:
+        i = m.arange(K - 1).astype(i32)[None, :]  # [1, K-1]
+        dstate = m.zeros((N, K - 1, C), f32)
+        for j in range(K):
+            pos = p.starts[:, None] + i - j  # [N, K-1]: the step reading row i through tap j
+            ok = (i >= j) & (pos < p.ends[:, None])
+            read = m.take(dpre, m.clip(pos, 0, T - 1).reshape(-1), axis=0)
+            dstate = dstate + m.where(ok[..., None], read.reshape((N, K - 1, C)) * p.wT[j],
+                                      zero)
+        if dnew is not None:
+            src = i - (p.ends - p.starts)[:, None]  # [N, K-1]: a short sequence keeps row i
+            n = m.arange(N).astype(i32)[:, None]
+            kept = m.take(dnew, (n * (K - 1) + m.maximum(src, 0)).reshape(-1), axis=0)
+            dstate = dstate + m.where((src >= 0)[..., None], kept.reshape((N, K - 1, C)),
+                                      zero)
+        dstate = m.swapaxes(dstate, 1, 2).astype(conv_state.dtype)
+    return dx.astype(x.dtype)[None], dw.astype(w.dtype), dstate
 
 
 def gated_norm(xp, y, z, weight, eps, activation):
