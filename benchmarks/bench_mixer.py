@@ -17,10 +17,14 @@ beta_activation="sigmoid")``, then the gated RMSNorm as plain array ops (MLX:
 ``unfused_shift`` is the same composition with the mixer's own convolution (shifted
 multiply-adds) and norm code, not rematerialised: it separates what the framework's grouped conv
 costs from what the rematerialisation saves. Ratios are ``unfused / mixer`` (>= 1: the mixer is
-smaller / faster). Run from the repo root::
+smaller / faster). ``--sequences N`` (N > 1) trains on one packed row of N sequences
+(`bench_packed`'s row, ``cu_seqlens``): the mixer against ``unfused_shift`` with the mixer's
+own packed conv code (the framework's grouped conv has no per-sequence windows). Run from the
+repo root::
 
     python benchmarks/bench_mixer.py [--modes train,decode] [--frameworks jax,mlx]
-        [--seq-lens jax=4096,mlx=2048] [--heads 16,32] [--dim 128] [--repeats 3] [--json]
+        [--seq-lens jax=4096,mlx=2048] [--heads 16,32] [--dim 128] [--repeats 3]
+        [--sequences 1] [--json]
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_packed's row
 
 from gdngen import prepare
 
@@ -47,8 +54,10 @@ def make_inputs(T, Hk, Hv, D, K=4, seed=0):
         "dout": rng.standard_normal((1, T, Hv, D))}
 
 
-def losses(framework, dout, Hk, Hv, D):
-    """``{"mixer", "unfused"}``: the loss of each over ``ARGS``."""
+def losses(framework, dout, Hk, Hv, D, cu_seqlens=None):
+    """``{"mixer", "unfused", "unfused_shift"}``: the loss of each over ``ARGS``. With
+    ``cu_seqlens`` (a packed row) ``{"mixer", "unfused_shift"}``: the framework's grouped
+    conv has no per-sequence windows."""
     from gdngen.algebra import mixer as stages
 
     dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
@@ -88,7 +97,7 @@ def losses(framework, dout, Hk, Hv, D):
 
     def mixer(x, w, a, b, z, A_log, dt_bias, nw):
         out, s, _ = gated_delta_mixer(x, w, a, b, z, **dims, A_log=A_log, dt_bias=dt_bias,
-                                      norm_weight=nw)
+                                      norm_weight=nw, cu_seqlens=cu_seqlens)
         return loss(out, s)
 
     def unfused(x, w, a, b, z, A_log, dt_bias, nw, conv=conv, norm=norm):
@@ -98,12 +107,15 @@ def losses(framework, dout, Hk, Hv, D):
         k = h[..., kd:2 * kd].reshape(B, T, Hk, D)
         v = h[..., 2 * kd:].reshape(B, T, Hv, D)
         y, s = gated_delta(q, k, v, a, b, scale=D ** -0.5, qk_norm=True, gate="softplus",
-                           A_log=A_log, dt_bias=dt_bias, beta_activation="sigmoid")
+                           A_log=A_log, dt_bias=dt_bias, beta_activation="sigmoid",
+                           cu_seqlens=cu_seqlens)
         return loss(norm(y, z, nw), s)
 
     xp = prepare.namespace(framework)
 
-    def shift_conv(x, w):  # the mixer's own conv (shifted multiply-adds), no rematerialisation
+    def shift_conv(x, w):  # the mixer's own conv code, differentiated by the framework
+        if cu_seqlens is not None:
+            return stages.conv_packed(xp, x, w, None, cu_seqlens)[0]
         return stages.conv_dense(xp, x, w, None)[0]
 
     def plain_norm(y, z, w):
@@ -112,21 +124,29 @@ def losses(framework, dout, Hk, Hv, D):
     def unfused_shift(*args):
         return unfused(*args, conv=shift_conv, norm=plain_norm)
 
+    if cu_seqlens is not None:
+        return {"mixer": mixer, "unfused_shift": unfused_shift}
     return {"mixer": mixer, "unfused": unfused, "unfused_shift": unfused_shift}
 
 
-def train(framework, T, Hk, Hv, D, repeats):
+def train(framework, T, Hk, Hv, D, repeats, sequences=1):
     from gdngen.tools import timing
 
     inputs = make_inputs(T, Hk, Hv, D)
+    offsets = None
+    if sequences > 1:  # bench_packed's row: mixed lengths, boundaries anywhere
+        from bench_packed import packed_offsets
+
+        offsets = packed_offsets(T, sequences, 0)
     if framework == "jax":
         import jax
         import jax.numpy as jnp
 
         a = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
         args = [a[n] for n in ARGS]
+        cu = None if offsets is None else jnp.asarray(offsets)
         calls, memory = {}, {}
-        for name, loss in losses("jax", a["dout"], Hk, Hv, D).items():
+        for name, loss in losses("jax", a["dout"], Hk, Hv, D, cu).items():
             grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
             stats = grad.lower(*args).compile().memory_analysis()
             _, pullback = jax.vjp(loss, *args)
@@ -144,13 +164,15 @@ def train(framework, T, Hk, Hv, D, repeats):
         mx.eval(list(a.values()))
         args = [a[n] for n in ARGS]
         argnums = list(range(len(args)))
+        cu = None if offsets is None else mx.array(offsets)
         calls = {name: (lambda fn=fn: mx.grad(fn, argnums=argnums)(*args))
-                 for name, fn in losses("mlx", a["dout"], Hk, Hv, D).items()}
+                 for name, fn in losses("mlx", a["dout"], Hk, Hv, D, cu).items()}
         timings = timing._interleaved(calls, mx.eval, repeats, 1, True)
         memory = {n: {"peak_bytes": m["peak_bytes"]}
                   for n, m in timing.mlx_peak_memory(calls).items()}
     ms = {n: t.median_s * 1e3 for n, t in timings.items()}
     return {"mode": "train", "framework": framework, "T": T, "Hk": Hk, "Hv": Hv, "D": D,
+            "sequences": sequences,
             "ms": ms, "spread": {n: max(t.times_s) / min(t.times_s) for n, t in timings.items()},
             "memory": memory,
             "time_ratio": {n: ms[n] / ms["mixer"] for n in ms if n != "mixer"},
@@ -224,6 +246,8 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sequences", type=int, default=1,
+                   help="train on one packed row of this many sequences (cu_seqlens)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     Hk, Hv = (int(h) for h in args.heads.split(","))
@@ -231,7 +255,7 @@ def main(argv=None):
     rows = []
     modes = args.modes.split(",")
     if "train" in modes:
-        rows += [train(fw, int(seq[fw]), Hk, Hv, args.dim, args.repeats)
+        rows += [train(fw, int(seq[fw]), Hk, Hv, args.dim, args.repeats, args.sequences)
                  for fw in args.frameworks.split(",")]
     if "decode" in modes:
         rows.append(decode(Hk, Hv, args.dim, args.tokens, args.repeats))
@@ -246,8 +270,10 @@ def main(argv=None):
                 mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
                                 f"{r['memory'][n][k] / 2**20:.0f} MiB "
                                 f"({r['memory_ratios'][n][k]:.2f}x)" for k in r["memory"]["mixer"])
-                print(f"train {r['framework']} T={r['T']}: mixer {r['ms']['mixer']:.0f} ms, "
-                      f"{n} {r['ms'][n]:.0f} ms ({r['time_ratio'][n]:.2f}x); {mem}; "
+                packed = f" packed {r['sequences']}" if r["sequences"] > 1 else ""
+                print(f"train {r['framework']} T={r['T']}{packed}: mixer "
+                      f"{r['ms']['mixer']:.0f} ms, {n} {r['ms'][n]:.0f} ms "
+                      f"({r['time_ratio'][n]:.2f}x); {mem}; "
                       f"spread {max(r['spread'].values()):.2f}")
         else:
             ms = r["ms_per_token"]
