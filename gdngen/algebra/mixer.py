@@ -96,20 +96,13 @@ def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
     return dwindow[:, K - 1:].astype(x.dtype), dw.astype(w.dtype), dstate
 
 
-def _packed_index(m, position, seq, starts, T, K):
-    """Row of the extended ``[x[0]; conv states]`` array each ``position`` reads: itself
-    inside its sequence, else the sequence's conv state (``T + seq (K-1) + K-1 - (s -
-    position)``)."""
-    s = m.take(starts, seq, axis=0)
-    inside = position >= s
-    from_state = T + seq * (K - 1) + (K - 1) - (s - position)
-    return m.where(inside, position, from_state)
-
-
 class _PackedWindows:
     """A packed row's conv windows (`conv_packed`): ``starts``, ``ends`` ``[N]``, each step's
-    sequence ``seq [T]``, the extended rows ``[x[0]; conv states]`` ``[T + N (K-1), C]``
-    float32, the row each tap reads ``index [T, K]`` and the taps ``[T, K, C]``."""
+    sequence ``seq [T]`` and its start ``start_of [T]``, x zero-padded in front ``xpad [K-1+T,
+    C]`` and the conv states as rows ``states [N (K-1), C]`` (None without), float32. What tap
+    j (lag l = K-1-j) reads at every step is `source` (x at t - l inside the sequence, else row
+    K-1 - (start - (t - l)) of the sequence's conv state): static slices of xpad, a gather of
+    the states only where conv states are given."""
 
     def __init__(self, xp, x, w, conv_state, cu_seqlens):
         m = self.m = xp.module
@@ -120,56 +113,80 @@ class _PackedWindows:
         self.starts, self.ends = offsets[:-1], offsets[1:]
         N = self.N = int(self.starts.shape[0])
         self.T, self.C, self.K = T, C, K
-        states = m.zeros((N, K - 1, C), f32) if conv_state is None else \
-            m.swapaxes(conv_state.astype(f32), 1, 2)
-        self.rows = m.concatenate([x[0].astype(f32), states.reshape((N * (K - 1), C))], axis=0)
+        self.x = x[0].astype(f32)
+        self.xpad = m.concatenate([m.zeros((K - 1, C), f32), self.x]) if K > 1 else self.x
+        self.states = None if conv_state is None else \
+            m.swapaxes(conv_state.astype(f32), 1, 2).reshape((N * (K - 1), C))
         self.t = m.arange(T).astype(i32)
         self.seq = (self.ends[None, :] <= self.t[:, None]).astype(i32).sum(axis=1)  # [T]
-        lags = (K - 1) - m.arange(K).astype(i32)  # tap j reads step t - (K-1-j)
-        index = _packed_index(m, self.t[:, None] - lags[None, :], self.seq[:, None],
-                              self.starts, T, K)  # [T, K]
-        self.taps = m.take(self.rows, index.reshape(-1), axis=0).reshape((T, K, C))
+        self.start_of = m.take(self.starts, self.seq, axis=0)
         self.wT = m.swapaxes(w.astype(f32), 0, 1)  # [K, C]
-        self.pre = (self.taps * self.wT[None]).sum(axis=1)  # [T, C]
+        self.pre = self.source(0) * self.wT[0]  # [T, C]
+        for j in range(1, K):
+            self.pre = self.pre + self.source(j) * self.wT[j]
+
+    def source(self, j):
+        """``[T, C]``: what tap j reads at every step."""
+        m, K, T = self.m, self.K, self.T
+        inside = (self.t - (K - 1 - j) >= self.start_of)[:, None]
+        if self.states is None:
+            return m.where(inside, self.xpad[j:j + T], m.zeros((), m.float32))
+        row = self.seq * (K - 1) + m.clip(self.t - self.start_of + j, 0, K - 2)
+        return m.where(inside, self.xpad[j:j + T], m.take(self.states, row, axis=0))
 
 
 def conv_packed(xp, x, w, conv_state, cu_seqlens):
     """Packed row ``x [1, T, C]``, ``conv_state [N, C, K-1]`` or None, ``cu_seqlens [N+1]``:
-    ``(silu(pre) [1, T, C], new conv_state [N, C, K-1])``, both in x's dtype."""
+    ``(silu(pre) [1, T, C], new conv_state [N, C, K-1])``, both in x's dtype. A sequence's new
+    state is its window's last K-1 rows: x at ``end - (K-1) + i`` inside the sequence, else
+    row ``len + i`` of its conv state (zeros without one)."""
     p = _PackedWindows(xp, x, w, conv_state, cu_seqlens)
-    m, N, K = p.m, p.N, p.K
-    n = m.arange(N).astype(m.int32)
-    last = p.ends[:, None] - (K - 1) + m.arange(K - 1).astype(m.int32)[None, :]  # [N, K-1]
-    kept = m.take(p.rows, _packed_index(m, last, n[:, None], p.starts, p.T, K).reshape(-1),
-                  axis=0)
-    new_state = m.swapaxes(kept.reshape((N, K - 1, p.C)), 1, 2).astype(x.dtype)
+    m, N, K, T, C = p.m, p.N, p.K, p.T, p.C
+    i32 = m.int32
+    i = m.arange(K - 1).astype(i32)[None, :]
+    pos = p.ends[:, None] - (K - 1) + i  # [N, K-1]
+    kept = m.take(p.x, m.clip(pos, 0, T - 1).reshape(-1), axis=0).reshape((N, K - 1, C))
+    if p.states is None:
+        earlier = m.zeros((), m.float32)
+    else:
+        n = m.arange(N).astype(i32)[:, None]
+        row = n * (K - 1) + m.clip((p.ends - p.starts)[:, None] + i, 0, K - 2)
+        earlier = m.take(p.states, row.reshape(-1), axis=0).reshape((N, K - 1, C))
+    kept = m.where((pos >= p.starts[:, None])[..., None], kept, earlier)
+    new_state = m.swapaxes(kept, 1, 2).astype(x.dtype)
     return (p.pre * xp.sigmoid(p.pre)).astype(x.dtype)[None], new_state
 
 
 def conv_packed_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state):
     """Cotangents ``(dx [1, T, C], dw [C, K], dconv_state [N, C, K-1] or None)`` of
     `conv_packed` from ``dh [1, T, C]`` and ``dnew_state [N, C, K-1]`` (None: zero), each in
-    its primal's dtype; the taps and the pre-activation recomputed from the raw inputs. Every
-    transpose is a gather (no scatter): tap j (lag l = K-1-j) of step t reads step t - l of
-    its own sequence, or row K-1 - (start - (t - l)) of that sequence's conv state, so
+    its primal's dtype; the taps and the pre-activation recomputed from the raw inputs. No
+    scatter: with lag l = K-1-j,
 
+        dw[:, j] = sum_t dpre[t] source_j[t]
         dx[s] = sum_j [seq(s + l) = seq(s)] dpre[s + l] w_j (+ dnew_seq(s)[s - end + K-1])
         dstate_n[i] = sum_{j <= i} [start_n + i - j < end_n] dpre[start_n + i - j] w_j
                       (+ dnew_n[i - len_n] where i >= len_n: a sequence shorter than K-1)
+
+    (static slices of the padded dpre for dx, small gathers for the states).
     """
     p = _PackedWindows(xp, x, w, conv_state, cu_seqlens)
     m, N, K, T, C = p.m, p.N, p.K, p.T, p.C
     f32, i32 = m.float32, m.int32
     sig = xp.sigmoid(p.pre)
     dpre = dh[0].astype(f32) * (sig * (1.0 + p.pre * (1.0 - sig)))  # [T, C]
-    dw = m.swapaxes((p.taps * dpre[:, None, :]).sum(axis=0), 0, 1)  # [C, K]
+    dw = m.stack([(dpre * p.source(j)).sum(axis=0) for j in range(K)], axis=1)  # [C, K]
     zero = m.zeros((), f32)
-    dx = m.zeros((T, C), f32)
-    for j in range(K):
-        src = p.t + (K - 1 - j)
-        clipped = m.minimum(src, T - 1)
-        same = (src < T) & (m.take(p.seq, clipped, axis=0) == p.seq)
-        dx = dx + m.where(same[:, None], m.take(dpre, clipped, axis=0) * p.wT[j], zero)
+    if K > 1:
+        dpre_pad = m.concatenate([dpre, m.zeros((K - 1, C), f32)])
+        seq_pad = m.concatenate([p.seq, m.full((K - 1,), -1, i32)])
+    else:
+        dpre_pad, seq_pad = dpre, p.seq
+    dx = dpre * p.wT[K - 1]  # lag 0: always the step's own sequence
+    for j in range(K - 1):
+        lag = K - 1 - j
+        same = (seq_pad[lag:lag + T] == p.seq)[:, None]
+        dx = dx + m.where(same, dpre_pad[lag:lag + T] * p.wT[j], zero)
     dnew = None
     if dnew_state is not None and K > 1:
         dnew = m.swapaxes(dnew_state.astype(f32), 1, 2).reshape((N * (K - 1), C))

@@ -169,15 +169,17 @@ def test_mixer_matches_the_float64_composition(backend, form):
     print(backend, form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
+@pytest.mark.parametrize("conv_states", [True, False], ids=["conv_states", "no_conv_state"])
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
-def test_packed_rows_restart_the_window_at_every_sequence(framework):
-    """cu_seqlens: each sequence's first K-1 steps read its own conv state (one sequence
-    shorter than K-1, one empty), and each returns its own."""
+def test_packed_rows_restart_the_window_at_every_sequence(framework, conv_states):
+    """cu_seqlens: each sequence's first K-1 steps read its own conv state (zeros without
+    one; one sequence shorter than K-1, one empty), and each returns its own."""
     fw = Framework(framework)
     cu = np.array([0, 2, 2, 19, 40], np.int32)
     N, steps = len(cu) - 1, int(cu[-1])
     x, options = inputs("scalar", seed=5, rows=1, steps=steps, mask=False)
-    x["conv_state"] = np.random.default_rng(6).standard_normal((N, C, K - 1))
+    x["conv_state"] = (np.random.default_rng(6).standard_normal((N, C, K - 1)) if conv_states
+                       else None)
     x["initial_state"] = 0.1 * np.random.default_rng(7).standard_normal((N, Hv, Dv, Dk))
     cots = cotangents(8, rows=1, steps=steps)
     cots["dfinal_state"] = np.random.default_rng(9).standard_normal((N, Hv, Dv, Dk))
