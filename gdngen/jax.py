@@ -82,9 +82,10 @@ def gated_delta_mixer(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log,
                       norm_weight, conv_state=None, initial_state=None, mask=None,
                       cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
                       lower_bound=None, norm_gate="silu", chunk_size=None, variant=None,
-                      return_states="final"):
+                      return_states="final", allow_neg_eigval=False):
     """The whole gated-delta mixer (`gdngen.mixer`): causal short conv + SiLU, q/k L2 norm,
     gates, the recurrence, gated RMSNorm; returns ``(out [B,T,Hv,Dv], final_state,
     conv_state [B,C,K-1])`` (``return_states="steps"``: every step's state
-    ``[B,T,Hv,Dv,Dk]`` in place of the final one). Differentiable in every array argument."""
+    ``[B,T,Hv,Dv,Dk]`` in place of the final one). ``allow_neg_eigval``: beta = 2 sigmoid(b),
+    in [0, 2] (OLMo hybrid). Differentiable in every array argument."""
     return mixer.gated_delta_mixer("jax", gated_delta, **locals())

@@ -13,7 +13,8 @@ their parameters, the recurrence, gated RMSNorm.
         initial_state=None,  # [B, Hv, Dv, Dk] ([N, ...] with cu_seqlens)
         mask=None, cu_seqlens=None, norm_eps=1e-6, scale=Dk**-0.5,
         gate="softplus",     # or "sigmoid_bound" with lower_bound (Kimi K3, Bailing V3)
-        norm_gate="silu")    # or "sigmoid" (Kimi Linear: o_norm(y) * sigmoid(g))
+        norm_gate="silu",    # or "sigmoid" (Kimi Linear: o_norm(y) * sigmoid(g))
+        allow_neg_eigval=False)  # True: beta = 2 sigmoid(b), in [0, 2] (OLMo hybrid)
 
 Stages (`gdngen.algebra.mixer`): ``h = silu(causal_conv(mixed_qkv))`` with the conv state in
 front of the row (masked steps' inputs are zeros, as in mlx-lm); q, k, v split from h; then
@@ -197,12 +198,15 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
                       Dv, A_log, dt_bias, norm_weight, conv_state=None, initial_state=None,
                       mask=None, cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
                       lower_bound=None, norm_gate="silu", chunk_size=None, variant=None,
-                      return_states="final"):
+                      return_states="final", allow_neg_eigval=False):
     """The mixer on ``framework``'s arrays (module docstring), its recurrence the framework's
-    ``gated_delta`` (``return_states`` "final" or "steps")."""
+    ``gated_delta`` (``return_states`` "final" or "steps"; ``allow_neg_eigval``: beta = 2
+    sigmoid(b), computed in float32 before the recurrence, which takes it as beta)."""
     check(mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, norm_weight=norm_weight,
           conv_state=conv_state, cu_seqlens=cu_seqlens, norm_eps=norm_eps, gate=gate,
           norm_gate=norm_gate)
+    if not isinstance(allow_neg_eigval, bool):
+        raise ValueError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")  # noqa: TRY004
     if return_states not in ("final", "steps"):
         raise ValueError(f"return_states must be 'final' or 'steps' for the mixer, got "
                          f"{return_states!r}")
@@ -220,9 +224,12 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
     q = h[..., :kd].reshape((B, T, Hk, Dk))
     k = h[..., kd:2 * kd].reshape((B, T, Hk, Dk))
     v = h[..., 2 * kd:].reshape((B, T, Hv, Dv))
+    beta_activation = "sigmoid"
+    if allow_neg_eigval:  # beta in [0, 2]: the recurrence takes beta itself
+        b, beta_activation = (2.0 * xp.sigmoid(b.astype(m.float32))).astype(b.dtype), None
     y, final_state = gated_delta(
         q, k, v, a, b, initial_state, mask=mask, scale=Dk ** -0.5 if scale is None else scale,
         gate=gate, qk_norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        beta_activation="sigmoid", cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        beta_activation=beta_activation, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         variant=variant, return_states=return_states)
     return norm(y, z, norm_weight), final_state, new_conv_state

@@ -211,12 +211,13 @@ def test_training_forward_runs_gdngen_and_never_the_per_token_loop(calls):
     assert calls == {"gdngen": len(linear_attention_layers(model)), "ops": 0}
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
 @pytest.mark.parametrize("mixer", [True, False], ids=["mixer", "update_only"])
 def test_whole_layers_run_the_mixer_and_match_unpatched(monkeypatch, name, mixer):
-    """Qwen3.5 / Qwen3-Next linear-attention layers run gdngen.mlx.gated_delta_mixer whole
-    (``patch(mixer=True)``, the default; mlx-lm's conv1d and RMSNormGated never run), loss and
-    every gradient as unpatched; ``mixer=False`` routes gated_delta_update alone."""
+    """Qwen3.5 / Qwen3-Next / OLMo hybrid (beta in [0, 2], three convs as one)
+    linear-attention layers run gdngen.mlx.gated_delta_mixer whole (``patch(mixer=True)``, the
+    default; mlx-lm's conv1d and gated norm never run), loss and every gradient as
+    unpatched; ``mixer=False`` routes gated_delta_update alone."""
     import gdngen.mlx
 
     model, batch = BUILDERS[name](), token_batch()
@@ -227,10 +228,47 @@ def test_whole_layers_run_the_mixer_and_match_unpatched(monkeypatch, name, mixer
         loss, grads = loss_and_grads(model, batch)
     layers = len(linear_attention_layers(model))
     assert len(ran) == (layers if mixer else 0)
-    assert len(convs) == (0 if mixer else layers)
+    assert len(convs) == (0 if mixer else layers * (3 if name == "olmo_hybrid" else 1))
     worst = worst_relative_error(ref_grads, grads)
     assert relative_error(ref_loss, loss) < GRAD_RTOL
     assert worst[1] < GRAD_RTOL, worst
+
+
+def test_olmo_hybrid_mixer_continues_through_the_cache_and_leaves_masks_to_mlx_lm(monkeypatch):
+    """OLMo hybrid through ``patch(mixer=True, inference=True)``: a prefix then a suffix
+    through the cache (three conv states and the recurrent one) as unpatched; a call with a
+    mask keeps mlx-lm's layer (whose conv reads masked steps' inputs as they are, where the
+    mixer zeros them) and gives its outputs at the unmasked steps."""
+    import gdngen.mlx
+
+    model, tokens = build_olmo_hybrid(), token_batch(B=2, T=30, seed=4)[:, :-1]
+    model.eval()
+
+    def continue_from_prefix():
+        cache = model.make_cache()
+        model(tokens[:, :11], cache=cache)
+        logits = model(tokens[:, 11:], cache=cache)
+        states = [c[i] for c in cache if isinstance(c, ArraysCache) for i in range(4)]
+        mx.eval(logits, states)
+        return logits, states
+
+    ref_logits, ref_states = continue_from_prefix()
+    layer = linear_attention_layers(model)[0]
+    x = mx.random.normal((2, 9, 64), key=mx.random.key(8))
+    mask = mx.array([[True] * 9, [False] * 3 + [True] * 6])
+    ref_masked = layer(x, mask=mask)
+    ran = spy_calls(monkeypatch, gdngen.mlx, ["gated_delta_mixer"])
+    with integration.patched(chunk_size=CHUNK, inference=True):
+        logits, states = continue_from_prefix()
+        assert len(ran) == 2 * len(linear_attention_layers(model))
+        masked = layer(x, mask=mask)
+        assert len(ran) == 2 * len(linear_attention_layers(model))  # the masked call: mlx-lm's
+    assert relative_error(ref_logits, logits) < 1e-5
+    assert len(states) == len(ref_states) == 4 * len(linear_attention_layers(model))
+    for ref, got in zip(ref_states, states):
+        assert relative_error(ref, got) < 1e-5
+    keep = mask[..., None]  # padded steps' outputs are not defined alike (gdngen zeros them)
+    assert relative_error(mx.where(keep, ref_masked, 0), mx.where(keep, masked, 0)) < 1e-5
 
 
 def test_inference_keeps_mlx_lm_unless_asked(calls):

@@ -21,6 +21,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 from test_mlx_lm_integration import (
+    build_olmo_hybrid,
     build_qwen3_5,
     build_qwen3_next,
     linear_attention_layers,
@@ -33,9 +34,10 @@ from gdngen.integrations import mlx_lm as integration
 BUILDERS = {"qwen3_5": build_qwen3_5, "qwen3_next": build_qwen3_next}
 #: the families speculative decoding is checked on end to end (the KDA ones: per-channel gates;
 #: Kimi Linear and Bailing V3 with three short convolutions, Kimi K3 and Bailing V3 with the
-#: lower_bound gate and MLA layers' KV caches beside the rewindable ones)
+#: lower_bound gate and MLA layers' KV caches beside the rewindable ones; OLMo hybrid: beta in
+#: [0, 2], three convolutions)
 SPECULATIVE = {**BUILDERS, "kimi_linear": build_kimi_linear, "kimi_k3": build_kimi_k3,
-               "bailing_moe_v3": build_bailing_moe_v3}
+               "bailing_moe_v3": build_bailing_moe_v3, "olmo_hybrid": build_olmo_hybrid}
 VOCAB = 100
 
 

@@ -270,7 +270,8 @@ def _windows(x, conv_state, K, cu_seqlens):
 def reference_vjp(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_bias,
                   norm_weight, conv_state=None, initial_state=None, mask=None, cu_seqlens=None,
                   norm_eps=1e-6, scale=None, gate="softplus", lower_bound=None,
-                  norm_gate="silu", dout=None, dfinal_state=None, dconv_state=None):
+                  norm_gate="silu", dout=None, dfinal_state=None, dconv_state=None,
+                  allow_neg_eigval=False):
     """The whole mixer in float64 with the gradients of ``<out, dout> + <final_state,
     dfinal_state> + <conv_state_out, dconv_state>`` (None cotangents are zeros) w.r.t. every
     array argument: a per-row loop for the convolution, `gdngen.algebra.reference`'s
@@ -299,7 +300,8 @@ def reference_vjp(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_
     q = h[..., :kd].reshape(B, T, Hk, Dk)
     k = h[..., kd:2 * kd].reshape(B, T, Hk, Dk)
     v = h[..., 2 * kd:].reshape(B, T, Hv, Dv)
-    inputs = reference.LayerInputsVJP(q, k, a, bl, A_log, dt_bias, gate, lower_bound)
+    inputs = reference.LayerInputsVJP(q, k, a, bl, A_log, dt_bias, gate, lower_bound,
+                                      2.0 if allow_neg_eigval else 1.0)
     cot_y = None
     if dout is not None:  # the gated norm's backward needs y first: forward, then the VJP
         y0, _ = _recurrence(inputs, v, initial_state, mask, cu_seqlens, scale, None, None)

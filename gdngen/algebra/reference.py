@@ -228,10 +228,11 @@ def sum_to(x, shape):
 class LayerInputsVJP:
     """Float64 layer inputs of a GatedDeltaNet / KDA layer (`gdngen.algebra.layer_inputs`):
     q, k L2-normalised, ``log g`` from the raw projection ``a`` (gate "softplus" or
-    "sigmoid_bound" with ``A_log``, ``dt_bias``, ``lower_bound``), ``beta = sigmoid(b)``; and
+    "sigmoid_bound" with ``A_log``, ``dt_bias``, ``lower_bound``), ``beta = beta_scale
+    sigmoid(b)``; and
     the chain rule from the recurrence's gradients (`vjp`'s dict) back to the raw arrays."""
 
-    def __init__(self, q, k, a, b, A_log, dt_bias, gate, lower_bound=None):
+    def __init__(self, q, k, a, b, A_log, dt_bias, gate, lower_bound=None, beta_scale=1.0):
         vector = a.ndim == 4
         as_param = lambda p: p.reshape(-1, 1) if vector and p.ndim == 1 else p
         self.shapes = (A_log.shape, dt_bias.shape)
@@ -245,7 +246,8 @@ class LayerInputsVJP:
             self.log_g = lower_bound * sigmoid(self.zg)
         else:
             raise ValueError(f"gate must be 'softplus' or 'sigmoid_bound', got {gate!r}")
-        self.beta = sigmoid(b)
+        self.beta_scale = beta_scale  # beta = beta_scale * sigmoid(b) (2: allow_neg_eigval)
+        self.beta = beta_scale * sigmoid(b)
 
     def values(self):
         """``(q, k, log_g, beta)`` the recurrence takes."""
@@ -264,4 +266,4 @@ class LayerInputsVJP:
                 "dk": l2_normalize_vjp(self.k, self.rk, out["dk"]),
                 "dg": d_pre, "dA_log": sum_to(d_A, self.shapes[0]),
                 "ddt_bias": sum_to(d_pre, self.shapes[1]),
-                "dbeta": out["dbeta"] * self.beta * (1.0 - self.beta)}
+                "dbeta": out["dbeta"] * self.beta * (1.0 - self.beta / self.beta_scale)}

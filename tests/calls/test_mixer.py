@@ -188,6 +188,16 @@ def test_packed_rows_restart_the_window_at_every_sequence(framework, conv_states
 
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_allow_neg_eigval_takes_beta_up_to_two(framework):
+    """``allow_neg_eigval=True`` (OLMo hybrid): beta = 2 sigmoid(b), every gradient as the
+    float64 composition's (db through the doubled sigmoid)."""
+    fw = Framework(framework)
+    x, options = inputs("scalar", seed=23)
+    x["b"] = 2.0 * x["b"]  # betas across (0, 2), well past 1
+    check_against_reference(fw, x, {**options, "allow_neg_eigval": True}, cotangents(23))
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_decode_continues_a_prefill_through_both_states(framework):
     """A prefill of 29 steps, then 8 decode calls of T=1 carrying (final_state, conv_state),
     equal one call over all 37 steps."""
@@ -326,6 +336,7 @@ def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward():
     ({"norm_eps": 0.0}, "norm_eps must be a positive float"),
     ({"Hk": 0}, "Hk must be a positive int"),
     ({"return_states": "chunks"}, "return_states must be 'final' or 'steps'"),
+    ({"allow_neg_eigval": 1}, "allow_neg_eigval must be a bool"),
 ])
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_bad_arguments_name_the_argument(framework, change, message):

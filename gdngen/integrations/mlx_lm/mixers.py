@@ -23,12 +23,16 @@ class _MixerLayer:
     z, Hk, Hv, Dk, Dv, A_log, dt_bias, norm_weight, norm_eps, norm_gate); ``conv_slots`` the
     cache entries holding its conv state(s) ``[B, K-1, channels]``, concatenated along
     channels in that order (equal widths); ``state_slot`` the recurrent state's entry;
-    ``output`` the name of its output projection."""
+    ``output`` the name of its output projection; ``conv_masks`` below."""
 
     arguments: Callable
     conv_slots: tuple[int, ...]
     state_slot: int
     output: str
+    #: whether mlx-lm's layer zeros masked steps' conv inputs and reads each row's window at
+    #: the cache's per-row length, as the mixer does (OLMo hybrid's does neither: its calls
+    #: with a mask or per-row lengths stay on mlx-lm's layer)
+    conv_masks: bool = True
 
 
 def _dims(Hk, Hv, Dk, Dv):
@@ -123,6 +127,23 @@ def _bailing_v3_arguments(layer, x):
             **_kda_gate(layer)}
 
 
+def _olmo_hybrid_arguments(layer, x):
+    """OLMo hybrid: three projections and three depthwise convolutions (``q_conv1d``,
+    ``k_conv1d``, ``v_conv1d``) as one; per-head softplus gate; ``allow_neg_eigval`` (beta =
+    2 sigmoid(b)); output ``o_norm(y, g)`` = rmsnorm(y) * weight * silu(g)."""
+    B, S, _ = x.shape
+    mixed = mx.concatenate([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], axis=-1)
+    weight = mx.concatenate([c.weight[..., 0] for c in
+                             (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)], axis=0)
+    return {"mixed_qkv": mixed, "conv_weight": weight, "a": layer.a_proj(x),
+            "b": layer.b_proj(x),
+            "z": layer.g_proj(x).reshape(B, S, layer.num_v_heads, layer.head_v_dim),
+            "A_log": layer.A_log, "dt_bias": layer.dt_bias, "norm_weight": layer.o_norm.weight,
+            "norm_eps": layer.o_norm.eps, "norm_gate": "silu",
+            "allow_neg_eigval": bool(layer.allow_neg_eigval),
+            **_dims(layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)}
+
+
 #: mlx-lm layer classes whose whole ``__call__`` `patch` routes through
 #: `gdngen.mlx.gated_delta_mixer`, by ``(module, class name)``
 MIXER_LAYERS = {
@@ -136,6 +157,8 @@ MIXER_LAYERS = {
         _MixerLayer(_kimi_k3_arguments, (0,), 1, "o_proj"),
     ("mlx_lm.models.bailing_moe_v3", "BailingKDA"):
         _MixerLayer(_bailing_v3_arguments, (0, 1, 2), 3, "o_proj"),
+    ("mlx_lm.models.olmo_hybrid", "GatedDeltaNet"):
+        _MixerLayer(_olmo_hybrid_arguments, (0, 1, 2), 3, "o_proj", conv_masks=False),
 }
 
 
@@ -154,7 +177,9 @@ def _routed_mixer_call(family: _MixerLayer, original):
     """The ``__call__`` `patch` installs on a `MIXER_LAYERS` class."""
 
     def __call__(self, inputs, mask=None, cache=None):
-        if not _takes_mixer(self, cache):
+        if not _takes_mixer(self, cache) or not (
+                family.conv_masks or (mask is None
+                                      and getattr(cache, "lengths", None) is None)):
             return _unrecorded(original(self, inputs, mask, cache), cache)
         arguments = family.arguments(self, inputs)
         if not (MIN_HEAD_DIM <= arguments["Dk"] <= MAX_HEAD_DIM

@@ -118,11 +118,11 @@ def patch(*, inference: bool = False, chunk_size: int | None = None,
     the default (`gdngen.dispatch`; decode-length calls take the recurrent kernel below the
     crossover); an int forces that chunk on the default variant.
     ``mixer`` (default): the whole linear-attention layer of the `MIXER_LAYERS` families
-    (Qwen3-Next, Qwen3.5, Kimi Linear, Kimi K3, Bailing V3) runs
+    (Qwen3-Next, Qwen3.5, Kimi Linear, Kimi K3, Bailing V3, OLMo hybrid) runs
     `gdngen.mlx.gated_delta_mixer` between its projections (the short convolution, norms, gates,
     recurrence and gated RMSNorm in one call; the conv and recurrent states carried in the
     layer's cache); ``mixer=False`` routes only
-    ``gated_delta_update``, as for the other families (OLMo hybrid).
+    ``gated_delta_update``.
     Raises ``RuntimeError`` for an unsupported mlx-lm (before changing anything).
     """
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
