@@ -45,12 +45,14 @@ def conv_dense(xp, x, w, conv_state):
 def _window_and_pre(xp, x, w, conv_state):
     """Float32 ``(window [B, K-1+T, C], pre [B, T, C])`` of `conv_dense`."""
     m = xp.module
-    B, T, C = x.shape
+    T = x.shape[1]
     K = w.shape[1]
     f32 = m.float32
-    prev = m.zeros((B, K - 1, C), f32) if conv_state is None else \
-        m.swapaxes(conv_state.astype(f32), 1, 2)
-    window = m.concatenate([prev, x.astype(f32)], axis=1)  # [B, K-1+T, C]
+    if conv_state is None:  # a pad, which the compilers fuse into its readers
+        window = m.pad(x.astype(f32), [(0, 0), (K - 1, 0), (0, 0)])  # [B, K-1+T, C]
+    else:
+        window = m.concatenate([m.swapaxes(conv_state.astype(f32), 1, 2), x.astype(f32)],
+                               axis=1)
     wf = w.astype(f32)
     pre = window[:, 0:T] * wf[:, 0]
     for j in range(1, K):
@@ -70,7 +72,7 @@ def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
         dx = dwindow[:, K-1:],  dconv_state = dwindow[:, :K-1]^T
     """
     m = xp.module
-    B, T, C = x.shape
+    T = x.shape[1]
     K = w.shape[1]
     f32 = m.float32
     wf = w.astype(f32)
@@ -82,15 +84,13 @@ def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
     # dwindow[i] = sum_j dpre[i - j] w[:, j] (0 <= i - j < T): K shifted slices of dpre
     # with K-1 zeros on each side, one fused multiply-add over the window's K-1+T rows
     n = K - 1 + T
-    if K > 1:
-        pad = m.zeros((B, K - 1, C), f32)
-        dpre = m.concatenate([pad, dpre, pad], axis=1)  # [B, T + 2(K-1), C]
+    dpre = m.pad(dpre, [(0, 0), (K - 1, K - 1), (0, 0)])  # [B, T + 2(K-1), C]
     dwindow = dpre[:, K - 1:K - 1 + n] * wf[:, 0]
     for j in range(1, K):
         dwindow = dwindow + dpre[:, K - 1 - j:K - 1 - j + n] * wf[:, j]
     if dnew_state is not None and K > 1:  # the new state is the window's last K-1 rows
-        dwindow = dwindow + m.concatenate(
-            [m.zeros((B, T, C), f32), m.swapaxes(dnew_state.astype(f32), 1, 2)], axis=1)
+        dwindow = dwindow + m.pad(m.swapaxes(dnew_state.astype(f32), 1, 2),
+                                  [(0, 0), (T, 0), (0, 0)])
     dstate = None if conv_state is None else \
         m.swapaxes(dwindow[:, :K - 1], 1, 2).astype(conv_state.dtype)
     return dwindow[:, K - 1:].astype(x.dtype), dw.astype(w.dtype), dstate
