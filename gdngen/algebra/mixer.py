@@ -34,6 +34,11 @@ NORM_GATES = ("silu", "sigmoid")
 # ------------------------------------------------------------------------ framework arrays
 
 
+def _silu_derivative(x, s):
+    """d silu(x) / dx = s (1 + x (1 - s)), with ``s = sigmoid(x)``."""
+    return s * (1.0 + x * (1.0 - s))
+
+
 def conv_dense(xp, x, w, conv_state):
     """``(silu(pre) [B, T, C], new conv_state [B, C, K-1])``, both in x's dtype."""
     window, pre = _window_and_pre(xp, x, w, conv_state)
@@ -77,8 +82,7 @@ def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
     f32 = m.float32
     wf = w.astype(f32)
     window, pre = _window_and_pre(xp, x, w, conv_state)
-    sig = xp.sigmoid(pre)
-    dpre = dh.astype(f32) * (sig * (1.0 + pre * (1.0 - sig)))  # [B, T, C]
+    dpre = dh.astype(f32) * _silu_derivative(pre, xp.sigmoid(pre))  # [B, T, C]
     dw = m.stack([(dpre * window[:, j:j + T]).sum(axis=(0, 1)) for j in range(K)], axis=1)
 
     # dwindow[i] = sum_j dpre[i - j] w[:, j] (0 <= i - j < T): K shifted slices of dpre
@@ -114,7 +118,7 @@ class _PackedWindows:
         N = self.N = int(self.starts.shape[0])
         self.T, self.C, self.K = T, C, K
         self.x = x[0].astype(f32)
-        self.xpad = m.concatenate([m.zeros((K - 1, C), f32), self.x]) if K > 1 else self.x
+        self.xpad = m.pad(self.x, [(K - 1, 0), (0, 0)])
         self.states = None if conv_state is None else \
             m.swapaxes(conv_state.astype(f32), 1, 2).reshape((N * (K - 1), C))
         self.t = m.arange(T).astype(i32)
@@ -128,6 +132,8 @@ class _PackedWindows:
     def source(self, j):
         """``[T, C]``: what tap j reads at every step."""
         m, K, T = self.m, self.K, self.T
+        if j == K - 1:  # lag 0: the step itself, always inside its sequence
+            return self.x
         inside = (self.t - (K - 1 - j) >= self.start_of)[:, None]
         if self.states is None:
             return m.where(inside, self.xpad[j:j + T], m.zeros((), m.float32))
@@ -173,15 +179,11 @@ def conv_packed_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state):
     p = _PackedWindows(xp, x, w, conv_state, cu_seqlens)
     m, N, K, T, C = p.m, p.N, p.K, p.T, p.C
     f32, i32 = m.float32, m.int32
-    sig = xp.sigmoid(p.pre)
-    dpre = dh[0].astype(f32) * (sig * (1.0 + p.pre * (1.0 - sig)))  # [T, C]
+    dpre = dh[0].astype(f32) * _silu_derivative(p.pre, xp.sigmoid(p.pre))  # [T, C]
     dw = m.stack([(dpre * p.source(j)).sum(axis=0) for j in range(K)], axis=1)  # [C, K]
     zero = m.zeros((), f32)
-    if K > 1:
-        dpre_pad = m.concatenate([dpre, m.zeros((K - 1, C), f32)])
-        seq_pad = m.concatenate([p.seq, m.full((K - 1,), -1, i32)])
-    else:
-        dpre_pad, seq_pad = dpre, p.seq
+    dpre_pad = m.pad(dpre, [(0, K - 1), (0, 0)])
+    seq_pad = m.pad(p.seq, [(0, K - 1)], constant_values=-1)  # -1: no sequence
     dx = dpre * p.wT[K - 1]  # lag 0: always the step's own sequence
     for j in range(K - 1):
         lag = K - 1 - j
@@ -238,7 +240,7 @@ def gated_norm_vjp(xp, y, z, weight, eps, activation, dout):
     r = xp.rsqrt((yf * yf).mean(axis=-1, keepdims=True) + eps)
     s = xp.sigmoid(zf)
     if activation == "silu":
-        act, dact = zf * s, s * (1.0 + zf * (1.0 - s))
+        act, dact = zf * s, _silu_derivative(zf, s)
     else:
         act, dact = s, s * (1.0 - s)
     yr = yf * r

@@ -64,15 +64,22 @@ def _qwen3_5_arguments(layer, x):
             "a": layer.in_proj_a(x), **_qwen_norm(layer)}
 
 
+def _three_convs(x, projections, convs):
+    """``(mixed_qkv, conv_weight)`` of a layer with separate q, k, v projections and depthwise
+    convolutions (``nn.Conv1d``, weight ``[C, K, 1]``): three depthwise convolutions are one
+    over the concatenation."""
+    mixed = mx.concatenate([proj(x) for proj in projections], axis=-1)
+    return mixed, mx.concatenate([c.weight[..., 0] for c in convs], axis=0)
+
+
 def _kimi_linear_arguments(layer, x):
     """Kimi Linear: three depthwise convolutions (q_conv, k_conv, v_conv) are one over the
     concatenated projections; per-channel gate ``a [B,T,H,D]`` with A_log ``[H, 1]`` and
     dt_bias ``[H, D]``; output ``o_norm(y) * sigmoid(g)``."""
     B, S, _ = x.shape
     H, D = layer.num_heads, layer.head_dim
-    mixed = mx.concatenate([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], axis=-1)
-    weight = mx.concatenate([c.conv.weight[..., 0] for c in
-                             (layer.q_conv, layer.k_conv, layer.v_conv)], axis=0)
+    mixed, weight = _three_convs(x, (layer.q_proj, layer.k_proj, layer.v_proj),
+                                 (layer.q_conv.conv, layer.k_conv.conv, layer.v_conv.conv))
     return {"mixed_qkv": mixed, "conv_weight": weight,
             "a": layer.f_b_proj(layer.f_a_proj(x)).reshape(B, S, H, D),
             "b": layer.b_proj(x).reshape(B, S, H),
@@ -118,9 +125,8 @@ def _bailing_v3_arguments(layer, x):
     per-channel gate ``f_proj`` with ``kda_lower_bound``; output gate ``g_proj``."""
     B, S, _ = x.shape
     H, D = layer.num_heads, layer.head_dim
-    mixed = mx.concatenate([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], axis=-1)
-    weight = mx.concatenate([c.weight[..., 0] for c in
-                             (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)], axis=0)
+    mixed, weight = _three_convs(x, (layer.q_proj, layer.k_proj, layer.v_proj),
+                                 (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
     return {"mixed_qkv": mixed, "conv_weight": weight,
             "a": layer.f_proj(x).reshape(B, S, H, D), "b": layer.b_proj(x).reshape(B, S, H),
             "z": layer.g_proj(x).reshape(B, S, H, D), **_kda_parameters(layer, H, D),
@@ -132,9 +138,8 @@ def _olmo_hybrid_arguments(layer, x):
     ``k_conv1d``, ``v_conv1d``) as one; per-head softplus gate; ``allow_neg_eigval`` (beta =
     2 sigmoid(b)); output ``o_norm(y, g)`` = rmsnorm(y) * weight * silu(g)."""
     B, S, _ = x.shape
-    mixed = mx.concatenate([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], axis=-1)
-    weight = mx.concatenate([c.weight[..., 0] for c in
-                             (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)], axis=0)
+    mixed, weight = _three_convs(x, (layer.q_proj, layer.k_proj, layer.v_proj),
+                                 (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
     return {"mixed_qkv": mixed, "conv_weight": weight, "a": layer.a_proj(x),
             "b": layer.b_proj(x),
             "z": layer.g_proj(x).reshape(B, S, layer.num_v_heads, layer.head_v_dim),
