@@ -10,6 +10,9 @@ beta_activation="sigmoid")``, then the gated RMSNorm as plain array ops (MLX:
   included); JAX the residuals ``jax.vjp`` keeps for the backward, and the jitted gradient's
   temporaries plus outputs (``compiled.memory_analysis()``). Time: median of ``--repeats``
   interleaved runs after a warm-up.
+* ``prefill`` (JAX): the forward alone (the same loss, no gradient), jitted: time and the
+  compiled step's temporaries plus outputs (``compiled.memory_analysis()``): what the forward
+  materialises (a convolved copy of mixed_qkv, the un-normalised y).
 * ``decode`` (MLX): per-token time of mlx-lm's ``Qwen3NextGatedDeltaNet`` layer with its
   cache, against the same layer's projections around ``gdngen.mlx.gated_delta_mixer``
   carrying (final_state, conv_state); median of ``--repeats`` runs of ``--tokens`` tokens.
@@ -22,7 +25,7 @@ smaller / faster). ``--sequences N`` (N > 1) trains on one packed row of N seque
 own packed conv code (the framework's grouped conv has no per-sequence windows). Run from the
 repo root::
 
-    python benchmarks/bench_mixer.py [--modes train,decode] [--frameworks jax,mlx]
+    python benchmarks/bench_mixer.py [--modes train,prefill,decode] [--frameworks jax,mlx]
         [--seq-lens jax=4096,mlx=2048] [--heads 16,32] [--dim 128] [--repeats 3]
         [--sequences 1] [--json]
 """
@@ -180,6 +183,33 @@ def train(framework, T, Hk, Hv, D, repeats, sequences=1):
                               for n in memory if n != "mixer"}}
 
 
+def prefill(T, Hk, Hv, D, repeats):
+    """JAX forward-only time and compiled temporaries + outputs of each composition."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.tools import timing
+
+    inputs = make_inputs(T, Hk, Hv, D)
+    a = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
+    args = [a[n] for n in ARGS]
+    calls, memory = {}, {}
+    for name, loss in losses("jax", a["dout"], Hk, Hv, D).items():
+        fwd = jax.jit(loss)
+        stats = fwd.lower(*args).compile().memory_analysis()
+        memory[name] = {"temp_and_output_bytes": int(stats.temp_size_in_bytes
+                                                     + stats.output_size_in_bytes)}
+        calls[name] = lambda fwd=fwd: fwd(*args)
+    timings = timing._interleaved(calls, jax.block_until_ready, repeats, 1, True)
+    ms = {n: t.median_s * 1e3 for n, t in timings.items()}
+    return {"mode": "prefill", "framework": "jax", "T": T, "Hk": Hk, "Hv": Hv, "D": D,
+            "sequences": 1, "ms": ms,
+            "spread": {n: max(t.times_s) / min(t.times_s) for n, t in timings.items()},
+            "memory": memory, "time_ratio": {n: ms[n] / ms["mixer"] for n in ms if n != "mixer"},
+            "memory_ratios": {n: {k: memory[n][k] / memory["mixer"][k] for k in memory["mixer"]}
+                              for n in memory if n != "mixer"}}
+
+
 def decode(Hk, Hv, D, tokens, repeats):
     """Per-token ms of mlx-lm's layer and of the layer's projections around the mixer."""
     import time
@@ -257,6 +287,8 @@ def main(argv=None):
     if "train" in modes:
         rows += [train(fw, int(seq[fw]), Hk, Hv, args.dim, args.repeats, args.sequences)
                  for fw in args.frameworks.split(",")]
+    if "prefill" in modes:
+        rows.append(prefill(int(seq["jax"]), Hk, Hv, args.dim, args.repeats))
     if "decode" in modes:
         rows.append(decode(Hk, Hv, args.dim, args.tokens, args.repeats))
     if args.json:
@@ -265,13 +297,13 @@ def main(argv=None):
     print(f"mixer vs unfused composition; Hk={Hk} Hv={Hv} D={args.dim} float32; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for r in rows:
-        if r["mode"] == "train":
+        if r["mode"] in ("train", "prefill"):
             for n in r["time_ratio"]:
                 mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
                                 f"{r['memory'][n][k] / 2**20:.0f} MiB "
                                 f"({r['memory_ratios'][n][k]:.2f}x)" for k in r["memory"]["mixer"])
                 packed = f" packed {r['sequences']}" if r["sequences"] > 1 else ""
-                print(f"train {r['framework']} T={r['T']}{packed}: mixer "
+                print(f"{r['mode']} {r['framework']} T={r['T']}{packed}: mixer "
                       f"{r['ms']['mixer']:.0f} ms, {n} {r['ms'][n]:.0f} ms "
                       f"({r['time_ratio'][n]:.2f}x); {mem}; "
                       f"spread {max(r['spread'].values()):.2f}")

@@ -49,6 +49,9 @@ class Call:
       None; ``context_axis``: the mesh axis the time axis is split over, or None.
     * ``return_states``: "final" (the final state), "steps" (the state after every step) or
       "chunks" (every ``checkpoint_every`` steps and the final one), `gdngen.algebra.states`.
+    * ``conv_size``: None, or the kernel size K of the causal depthwise conv + SiLU the raw
+      q, k, v go through first (operands ``conv_weight``, ``conv_state``; `gdngen.prepare.
+      conv_parts`).
     """
 
     framework: str
@@ -64,6 +67,7 @@ class Call:
     context_axis: str | None = None
     return_states: str = "final"
     checkpoint_every: int | None = None
+    conv_size: int | None = None
 
     @property
     def problem(self):
@@ -115,7 +119,8 @@ class Operands(NamedTuple):
     """The arrays of a `Call`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g ``[B,T,Hv(,Dk)]``
     (the raw projection ``a`` with a ``gate_form``); beta ``[B,T,Hv]``; initial_state
     ``[B|N,Hv,Dv,Dk]`` or None; mask ``[B,T]`` bool or None; A_log, dt_bias (a ``gate_form``'s
-    parameters, else None); cu_seqlens int32 ``[N+1]`` or None."""
+    parameters, else None); cu_seqlens int32 ``[N+1]`` or None; conv_weight ``[C, K]``,
+    conv_state ``[B|N, C, K-1]`` or None (``C = 2 Hk Dk + Hv Dv``; a ``conv_size`` call's)."""
 
     q: object
     k: object
@@ -127,6 +132,8 @@ class Operands(NamedTuple):
     A_log: object = None
     dt_bias: object = None
     cu_seqlens: object = None
+    conv_weight: object = None
+    conv_state: object = None
 
     def kernel_gates(self):
         """``g`` as the chunk cores take it: ``(a, A_log, dt_bias)`` when the gate has
@@ -139,7 +146,8 @@ class Operands(NamedTuple):
 def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, scale=1.0,
           gate="log", chunk_size=None, qk_norm=False, A_log=None, dt_bias=None,
           lower_bound=None, beta_activation=None, cu_seqlens=None, context_axis=None,
-          return_states="final", checkpoint_every=None) -> tuple[Call, Operands]:
+          return_states="final", checkpoint_every=None, conv_weight=None,
+          conv_state=None) -> tuple[Call, Operands]:
     """Check one call's arrays and options (as `gdngen.jax.gated_delta`; ``initial_state``
     float states ``[B|N,Hv,Dv,Dk]``, not a pool); return its `Call` and `Operands`. ValueErrors
     name the argument and what was expected (the checks of
@@ -147,7 +155,8 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     gate's parameters). Only shapes and Python values are read (``cu_seqlens``' values when
     concrete), so it runs under ``jax.jit`` and ``mx.compile``. Nothing is remembered here
     (`gdngen.entry.bind` remembers)."""
-    operands = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, cu_seqlens)
+    operands = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, cu_seqlens,
+                        conv_weight, conv_state)
     check_framework(framework)
     _check_return_states(return_states, checkpoint_every, cu_seqlens, context_axis)
     options = check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
@@ -160,8 +169,37 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     found = Call(framework, shape, dtype_name(q), options.call_gate,
                  options.gate if options.gate in PARAMETER_GATES else None,
                  options.lower_bound, qk_norm, beta_activation, float(scale), chunk_size,
-                 context_axis, return_states, checkpoint_every)
+                 context_axis, return_states, checkpoint_every,
+                 check_conv(shape, conv_weight, conv_state, context_axis))
     return found, operands
+
+
+def check_conv(shape, conv_weight, conv_state, context_axis=None) -> int | None:
+    """The conv's kernel size K (None without ``conv_weight``) after its checks: conv_weight
+    ``[2 Hk Dk + Hv Dv, K]``, conv_state ``[B, C, K-1]`` (``[N, C, K-1]`` with cu_seqlens),
+    float dtypes; one chip's whole time axis (no ``context_axis``)."""
+    if conv_weight is None:
+        if conv_state is not None:
+            raise ValueError("conv_state needs conv_weight (it is the conv's last K-1 inputs)")
+        return None
+    C = 2 * shape.Hk * shape.Dk + shape.Hv * shape.Dv
+    got = tuple(getattr(conv_weight, "shape", ()))
+    if len(got) != 2 or got[0] != C or got[1] < 1:
+        raise ValueError(f"conv_weight has shape {got}, expected [2*Hk*Dk + Hv*Dv, K] = "
+                         f"[{C}, K] (one causal filter per channel of q, k, v in that order)")
+    K = int(got[1])
+    rows, what = (shape.B, "[B, C, K-1]") if shape.sequences is None else \
+        (shape.sequences, "[N, C, K-1] (one per sequence)")
+    for name, x in (("conv_weight", conv_weight), ("conv_state", conv_state)):
+        if x is not None and dtype_name(x) not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of {FLOAT_DTYPES}")
+    if conv_state is not None and tuple(conv_state.shape) != (rows, C, K - 1):
+        raise ValueError(f"conv_state has shape {tuple(conv_state.shape)}, expected {what} = "
+                         f"{(rows, C, K - 1)}")
+    if context_axis is not None:
+        raise ValueError("conv_weight convolves each row's whole time axis on one chip: with "
+                         "context_axis, pass q, k, v convolved and conv_weight=None")
+    return K
 
 
 def _check_return_states(return_states, checkpoint_every, cu_seqlens, context_axis) -> None:

@@ -32,8 +32,8 @@ __all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "body",
 
 #: the array arguments of ``gated_delta``, in its signature's order
 ARRAYS = ("q", "k", "v", "g", "beta", "initial_state", "mask", "A_log", "dt_bias", "cu_seqlens",
-          "state_indices", "output_state_indices")
-_OPERANDS = ARRAYS[:10]  # a `gdngen.call.Operands`' fields; the pool's indices are the entry's
+          "state_indices", "output_state_indices", "conv_weight", "conv_state")
+_OPERANDS = Operands._fields  # the pool's indices are the entry's
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ def _checked(framework: str, x: Operands, o: Options, state_indices, written) ->
                              "pass context_axis=None (each row of sequences runs whole)")
     call, _ = check(framework, *x._replace(initial_state=None if pooled else x.initial_state)
                     [:7], A_log=x.A_log, dt_bias=x.dt_bias, cu_seqlens=x.cu_seqlens,
+                    conv_weight=x.conv_weight, conv_state=x.conv_state,
                     **{name: getattr(o, name) for name in _CALL_OPTIONS})
     if pooled:
         _check_pool(framework, call, x.initial_state, state_indices, written)
@@ -237,13 +238,20 @@ def placed(call: Call, operands: Operands, variant=None, device: str | None = No
 
     call, operands = prepare.prepared(
         call, operands, compute_gate=not sharding.fuses_gate(call.context_axis))
+    names = ("q", "k", "v", "g", "beta", "initial_state", "mask", *sharding.PARAMETERS)
+    if call.conv_size is not None:
+        if sharding.whole({n: getattr(operands, n) for n in names}):
+            names += ("conv_weight", "conv_state")  # the backend convolves
+        else:  # the conv's channels are not laid out by heads: convolved before the shards
+            call, operands = prepare.convolved(call, operands)
 
-    def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None):
-        shard = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias)
+    def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None,
+                 conv_weight=None, conv_state=None):
+        shard = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, None,
+                         conv_weight, conv_state)
         return dispatch.run(call.for_arrays(q, v), shard, **look)
 
-    arrays = {name: getattr(operands, name) for name in
-              ("q", "k", "v", "g", "beta", "initial_state", "mask", *sharding.PARAMETERS)}
+    arrays = {name: getattr(operands, name) for name in names}
     return sharding.run(one_call, arrays, call.shape, context_axis=call.context_axis)
 
 

@@ -14,7 +14,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                 chunk_size=None, variant=None, context_axis=None, qk_norm=False, A_log=None,
                 dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None,
                 state_indices=None, output_state_indices=None, state_dtype="float32",
-                return_states="final", checkpoint_every=None):
+                return_states="final", checkpoint_every=None, conv_weight=None,
+                conv_state=None):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -50,6 +51,15 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     with ``lower_bound < 0``: ``log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``;
     ``beta_activation="sigmoid"``: beta given as logits. Inside ``jax.shard_map`` A_log and
     dt_bias are the shard's value heads, like v.
+
+    Causal short convolution (the mixer's, `gdngen.mixer`): with ``conv_weight`` ``[C, K]``
+    (``C = 2 Hk Dk + Hv Dv``, the channels of q, k, v in that order) q, k, v arrive raw and
+    each goes through its channels' depthwise causal conv + SiLU first, its window starting
+    with ``conv_state`` ``[B, C, K-1]`` (``[N, C, K-1]`` with ``cu_seqlens``, each sequence's
+    window restarting with its own; zeros when None); masked steps' inputs are zeros. The
+    chunk core of ffi_cpu computes it and keeps only the raw q, k, v (the others, a packed row
+    and the sharded paths get them convolved first). The new conv state is not returned: it
+    is the last K-1 raw inputs (`gdngen.algebra.mixer.conv_new_state`). No ``context_axis``.
 
     Packed sequences (`gdngen.algebra.packed`): ``cu_seqlens`` int32 ``[N+1]`` (fla's offsets:
     ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``; may be traced under

@@ -19,7 +19,9 @@ their parameters, the recurrence, gated RMSNorm.
 Stages (`gdngen.algebra.mixer`): ``h = silu(causal_conv(mixed_qkv))`` with the conv state in
 front of the row (masked steps' inputs are zeros, as in mlx-lm); q, k, v split from h; then
 ``gated_delta(q, k, v, a, b, initial_state, qk_norm=True, gate=gate, A_log, dt_bias,
-beta_activation="sigmoid", scale)`` (the core computes the norm and the gate in its loads);
+beta_activation="sigmoid", scale)`` (the core computes the norm and the gate in its loads; it
+takes the raw slices of mixed_qkv with ``conv_weight`` and ``conv_state`` and convolves them
+itself);
 ``out = rmsnorm(y) * norm_weight * act(z)``, in y's dtype. ``scale`` defaults to Dk**-0.5
 (mlx-lm's ``normalize_qk`` puts it on q). Returns ``out [B, T, Hv, Dv]``, the final state (as
 ``gated_delta``: float32) and the new conv state ``[B, C, K-1]`` (mixed_qkv's dtype).
@@ -42,13 +44,13 @@ Memory: the convolution and the gated norm are custom VJPs of their own (``jax.c
 conv_dense_vjp`, ``conv_packed_vjp``, ``gated_norm_vjp``): they keep only their raw inputs
 and recompute their activations (the pre-activation, SiLU's derivative, rsqrt, the gates) in
 the backward, without an autodiff graph of a recomputation (a packed row's windows: every
-transpose a gather, no scatter). The recurrence's custom VJP keeps what it keeps for a plain
-call (its q, k, v inputs).
+transpose a gather, no scatter). The conv runs inside the recurrence's call
+(``gated_delta(..., conv_weight=)``): ffi_cpu's chunk core keeps only the raw q, k, v slices
+and recomputes the conv in its backward; elsewhere the conv's custom VJP runs first and the
+recurrence keeps the convolved q, k, v it gets.
 """
 
 from __future__ import annotations
-
-import functools
 
 from gdngen import prepare
 from gdngen.algebra import mixer as stages
@@ -115,85 +117,6 @@ def check(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, norm_weight, conv_
     return K
 
 
-@functools.cache
-def _stages(framework: str, eps: float, activation: str):
-    """``(conv, norm)`` of ``framework``: the causal conv + SiLU ``conv(x, w, conv_state or None,
-    cu_seqlens or None) -> (h, new_conv_state)`` (dense rows, or a packed row's windows) and the
-    gated norm ``norm(y, z, weight) -> out``, each with its hand-derived VJP
-    (`gdngen.algebra.mixer.conv_dense_vjp`, ``conv_packed_vjp``, ``gated_norm_vjp``) as the
-    framework's custom VJP: the backward keeps only the stage's raw inputs and recomputes the
-    pre-activation, the norm factor and the gates from them (no activation of either stage is
-    kept, and no autodiff graph of a recomputation is built)."""
-    xp = prepare.namespace(framework)
-
-    def conv_values(x, w, state, cu_seqlens):
-        if cu_seqlens is None:
-            return stages.conv_dense(xp, x, w, state)
-        return stages.conv_packed(xp, x, w, state, cu_seqlens)
-
-    def conv_cotangents(x, w, state, cu_seqlens, dh, dnew):
-        if cu_seqlens is None:
-            return stages.conv_dense_vjp(xp, x, w, state, dh, dnew)
-        return stages.conv_packed_vjp(xp, x, w, state, cu_seqlens, dh, dnew)
-
-    def norm_values(y, z, weight):
-        return stages.gated_norm(xp, y, z, weight, eps, activation)
-
-    def norm_cotangents(y, z, weight, dout):
-        return stages.gated_norm_vjp(xp, y, z, weight, eps, activation, dout)
-
-    if framework == "jax":
-        import jax
-        import numpy as np
-
-        def conv_bwd(saved, cts):
-            cu_seqlens = saved[3]
-            offsets = None if cu_seqlens is None else \
-                np.zeros(cu_seqlens.shape, jax.dtypes.float0)  # an integer input's cotangent
-            return (*conv_cotangents(*saved, *cts), offsets)
-
-        conv = jax.custom_vjp(conv_values)
-        conv.defvjp(lambda *primals: (conv_values(*primals), primals), conv_bwd)
-        norm = jax.custom_vjp(norm_values)
-        norm.defvjp(lambda y, z, weight: (norm_values(y, z, weight), (y, z, weight)),
-                    lambda saved, dout: norm_cotangents(*saved, dout))
-        return conv, norm
-    import mlx.core as mx
-
-    def conv_function(with_state, packed):
-        def full(primals):  # (x, w, state or None, cu_seqlens or None)
-            it = iter(primals[2:])
-            return (*primals[:2], next(it) if with_state else None, next(it) if packed else None)
-
-        @mx.custom_function
-        def f(*primals):
-            return conv_values(*full(primals))
-
-        @f.vjp
-        def f_vjp(primals, cotangents, outputs):
-            dx, dw, dstate = conv_cotangents(*full(primals), *cotangents)
-            return ((dx, dw) + ((dstate,) if with_state else ())
-                    + ((mx.zeros_like(primals[-1]),) if packed else ()))
-
-        return f
-
-    convs = {(s, p): conv_function(s, p) for s in (False, True) for p in (False, True)}
-
-    @mx.custom_function
-    def norm(y, z, weight):
-        return norm_values(y, z, weight)
-
-    @norm.vjp
-    def norm_vjp(primals, cotangent, output):
-        return norm_cotangents(*primals, cotangent)
-
-    def conv(x, w, state, cu_seqlens):
-        present = tuple(a for a in (state, cu_seqlens) if a is not None)
-        return convs[state is not None, cu_seqlens is not None](x, w, *present)
-
-    return conv, norm
-
-
 def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk,
                       Dv, A_log, dt_bias, norm_weight, conv_state=None, initial_state=None,
                       mask=None, cu_seqlens=None, norm_eps=1e-6, scale=None, gate="softplus",
@@ -202,9 +125,9 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
     """The mixer on ``framework``'s arrays (module docstring), its recurrence the framework's
     ``gated_delta`` (``return_states`` "final" or "steps"; ``allow_neg_eigval``: beta = 2
     sigmoid(b), computed in float32 before the recurrence, which takes it as beta)."""
-    check(mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, norm_weight=norm_weight,
-          conv_state=conv_state, cu_seqlens=cu_seqlens, norm_eps=norm_eps, gate=gate,
-          norm_gate=norm_gate)
+    K = check(mixed_qkv, conv_weight, a, b, z, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv,
+              norm_weight=norm_weight, conv_state=conv_state, cu_seqlens=cu_seqlens,
+              norm_eps=norm_eps, gate=gate, norm_gate=norm_gate)
     if not isinstance(allow_neg_eigval, bool):
         raise ValueError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")  # noqa: TRY004
     if return_states not in ("final", "steps"):
@@ -213,17 +136,16 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
     xp = prepare.namespace(framework)
     m = xp.module
     B, T, _ = _shape(mixed_qkv)
-    if mask is not None:
-        if _shape(mask) != (B, T):
-            raise ValueError(f"mask has shape {_shape(mask)}, expected [B, T] = {(B, T)}")
-        mixed_qkv = m.where(mask[..., None], mixed_qkv, 0)
-
-    conv, norm = _stages(framework, float(norm_eps), norm_gate)
-    h, new_conv_state = conv(mixed_qkv, conv_weight, conv_state, cu_seqlens)
-    kd = Hk * Dk
-    q = h[..., :kd].reshape((B, T, Hk, Dk))
-    k = h[..., kd:2 * kd].reshape((B, T, Hk, Dk))
-    v = h[..., 2 * kd:].reshape((B, T, Hv, Dv))
+    if mask is not None and _shape(mask) != (B, T):
+        raise ValueError(f"mask has shape {_shape(mask)}, expected [B, T] = {(B, T)}")
+    # the new conv state: the last K-1 inputs of each window (masked steps' are zeros)
+    new_conv_state = stages.conv_new_state(
+        xp, mixed_qkv if mask is None else m.where(mask[..., None], mixed_qkv, 0), conv_state,
+        K, cu_seqlens)
+    kd = Hk * Dk  # q, k, v raw: the recurrence's call convolves them (conv_weight)
+    q = mixed_qkv[..., :kd].reshape((B, T, Hk, Dk))
+    k = mixed_qkv[..., kd:2 * kd].reshape((B, T, Hk, Dk))
+    v = mixed_qkv[..., 2 * kd:].reshape((B, T, Hv, Dv))
     beta_activation = "sigmoid"
     if allow_neg_eigval:  # beta in [0, 2]: the recurrence takes beta itself
         b, beta_activation = (2.0 * xp.sigmoid(b.astype(m.float32))).astype(b.dtype), None
@@ -231,5 +153,7 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
         q, k, v, a, b, initial_state, mask=mask, scale=Dk ** -0.5 if scale is None else scale,
         gate=gate, qk_norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         beta_activation=beta_activation, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        variant=variant, return_states=return_states)
+        variant=variant, return_states=return_states, conv_weight=conv_weight,
+        conv_state=conv_state)
+    norm = prepare.norm_stage(framework, float(norm_eps), norm_gate)
     return norm(y, z, norm_weight), final_state, new_conv_state

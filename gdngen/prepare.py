@@ -60,9 +60,10 @@ def prepared(call, operands, *, compute_gate: bool = False):
     point: beta activated (float32) where ``call.beta_activation`` says so (``call`` then
     without it); a parameterised gate's ``a``, A_log and dt_bias float32, the parameters laid
     out against ``a`` (`gdngen.algebra.layer_inputs.parameter_layout`), for the backend to compute;
-    with
+    a convolving call's masked inputs zeroed (`masked_conv_inputs`); with
     ``compute_gate`` the log gate computed here instead (``call.gate_form`` then None). q, k
     stay raw with ``call.qk_norm`` (the backend normalises them, `Backend.run`)."""
+    operands = masked_conv_inputs(call, operands)
     if call.beta_activation is None and call.gate_form is None:
         return call, operands
     xp = namespace(call.framework)
@@ -86,13 +87,144 @@ def prepared(call, operands, *, compute_gate: bool = False):
 def computed(call, operands, fused=()):
     """``(call, operands)`` with the layer inputs a backend does not compute itself (``fused``:
     its `gdngen.backend.Backend.fused_inputs`) computed here as differentiable array ops:
-    a parameterised gate made its log gate (`computed_gate`), q, k normalised
-    (`normalize_qk`)."""
+    q, k, v convolved (`convolved`), a parameterised gate made its log gate (`computed_gate`),
+    q, k normalised (`normalize_qk`)."""
     if call.gate_form is not None and "gate" not in fused:
         g, gate = computed_gate(call.framework, operands.kernel_gates(), call.core_gate)
         call = call.replace(decay=gate, gate_form=None, lower_bound=None)
         operands = operands._replace(g=g, A_log=None, dt_bias=None)
+    if call.conv_size is not None and "conv" not in fused:
+        call, operands = convolved(call, operands)
     if call.qk_norm and "qk_norm" not in fused:
         q, k = normalize_qk(call.framework, operands.q, operands.k)
         call, operands = call.replace(qk_norm=False), operands._replace(q=q, k=k)
     return call, operands
+
+
+# ------------------------------------------------------------------------------ the conv
+
+
+def conv_parts(call, operands):
+    """The causal conv's operands per input (``call.conv_size`` set): three ``(x [B, T, H D],
+    w [H D, K], conv_state [B|N, H D, K-1] or None)`` for q, k, v, their channels' slices of
+    ``conv_weight`` and ``conv_state`` (q, k, v concatenated in that order, the mixer's
+    layout). The conv is depthwise, so each input's channels convolve alone."""
+    shape = call.shape
+    kd = shape.Hk * shape.Dk
+    bounds = ((0, kd), (kd, 2 * kd), (2 * kd, 2 * kd + shape.Hv * shape.Dv))
+    w, state = operands.conv_weight, operands.conv_state
+    return tuple((x.reshape((*x.shape[:2], -1)), w[lo:hi],
+                  None if state is None else state[:, lo:hi])
+                 for x, (lo, hi) in zip((operands.q, operands.k, operands.v), bounds))
+
+
+def convolved(call, operands):
+    """``(call, operands)`` with q, k, v convolved here (`conv_stage`, its custom VJP keeping
+    the raw inputs): ``call.conv_size`` None, no conv operands."""
+    conv = conv_stage(call.framework)
+    q, k, v = (conv(x, w, state, operands.cu_seqlens)[0].reshape(raw.shape)
+               for (x, w, state), raw in zip(conv_parts(call, operands),
+                                             (operands.q, operands.k, operands.v)))
+    return (call.replace(conv_size=None),
+            operands._replace(q=q, k=k, v=v, conv_weight=None, conv_state=None))
+
+
+def masked_conv_inputs(call, operands):
+    """Operands whose masked steps' q, k, v are zeros when the call convolves them (a masked
+    step's input is a zero in the windows of the steps after it, as in mlx-lm); else as
+    given."""
+    if call.conv_size is None or operands.mask is None:
+        return operands
+    m = namespace(call.framework).module
+    keep = operands.mask[..., None, None]
+    return operands._replace(**{n: m.where(keep, getattr(operands, n), 0)
+                                for n in ("q", "k", "v")})
+
+
+@functools.cache
+def conv_stage(framework: str):
+    """The causal conv + SiLU of ``framework`` with its hand-derived VJP as the framework's
+    custom VJP: ``conv(x, w, conv_state or None, cu_seqlens or None) -> (h, new_conv_state)``
+    (`gdngen.algebra.mixer.conv`, ``conv_vjp``): the backward keeps only the raw inputs and
+    recomputes the pre-activation from them."""
+    from gdngen.algebra import mixer as stages
+
+    xp = namespace(framework)
+
+    def values(x, w, state, cu_seqlens):
+        return stages.conv(xp, x, w, state, cu_seqlens)
+
+    if framework == "jax":
+        import jax
+        import numpy as np
+
+        def bwd(saved, cts):
+            cu_seqlens = saved[3]
+            offsets = None if cu_seqlens is None else \
+                np.zeros(cu_seqlens.shape, jax.dtypes.float0)  # an integer input's cotangent
+            return (*stages.conv_vjp(xp, *saved, *cts), offsets)
+
+        conv = jax.custom_vjp(values)
+        conv.defvjp(lambda *primals: (values(*primals), primals), bwd)
+        return conv
+    import mlx.core as mx
+
+    def function(with_state, packed):
+        def full(primals):  # (x, w, state or None, cu_seqlens or None)
+            it = iter(primals[2:])
+            return (*primals[:2], next(it) if with_state else None, next(it) if packed else None)
+
+        @mx.custom_function
+        def f(*primals):
+            return values(*full(primals))
+
+        @f.vjp
+        def f_vjp(primals, cotangents, outputs):
+            dx, dw, dstate = stages.conv_vjp(xp, *full(primals), *cotangents)
+            return ((dx, dw) + ((dstate,) if with_state else ())
+                    + ((mx.zeros_like(primals[-1]),) if packed else ()))
+
+        return f
+
+    convs = {(s, p): function(s, p) for s in (False, True) for p in (False, True)}
+
+    def conv(x, w, state, cu_seqlens):
+        present = tuple(a for a in (state, cu_seqlens) if a is not None)
+        return convs[state is not None, cu_seqlens is not None](x, w, *present)
+
+    return conv
+
+
+@functools.cache
+def norm_stage(framework: str, eps: float, activation: str):
+    """The gated RMSNorm ``norm(y, z, weight) -> out`` of ``framework`` with its hand-derived
+    VJP (`gdngen.algebra.mixer.gated_norm`, ``gated_norm_vjp``) as the framework's custom VJP:
+    the backward keeps y, z and the weight and recomputes the norm factor and the gate."""
+    from gdngen.algebra import mixer as stages
+
+    xp = namespace(framework)
+
+    def values(y, z, weight):
+        return stages.gated_norm(xp, y, z, weight, eps, activation)
+
+    def cotangents(y, z, weight, dout):
+        return stages.gated_norm_vjp(xp, y, z, weight, eps, activation, dout)
+
+    if framework == "jax":
+        import jax
+
+        norm = jax.custom_vjp(values)
+        norm.defvjp(lambda y, z, weight: (values(y, z, weight), (y, z, weight)),
+                    lambda saved, dout: cotangents(*saved, dout))
+        return norm
+    import mlx.core as mx
+
+    @mx.custom_function
+    def norm(y, z, weight):
+        return values(y, z, weight)
+
+    @norm.vjp
+    def norm_vjp(primals, cotangent, output):
+        return cotangents(*primals, cotangent)
+
+    return norm

@@ -109,6 +109,13 @@ def run(call, arrays: dict, shape, *, context_axis):
     return call(**arrays)
 
 
+def whole(arrays: dict) -> bool:
+    """Whether `run` (no ``context_axis``) calls ``call(**arrays)`` as it is: outside
+    ``jax.shard_map``, on one device or with partitioning off."""
+    return not manual_axes() and (settings.flag(settings.ENV_NO_PARTITIONING)
+                                  or _on_one_device(arrays))
+
+
 def fuses_gate(context_axis) -> bool:
     """Whether a parameterised gate travels to the backend as its raw projection and
     parameters (`gdngen.prepare.prepared`), its log gate computed in

@@ -143,24 +143,68 @@ class _PackedWindows:
 
 def conv_packed(xp, x, w, conv_state, cu_seqlens):
     """Packed row ``x [1, T, C]``, ``conv_state [N, C, K-1]`` or None, ``cu_seqlens [N+1]``:
-    ``(silu(pre) [1, T, C], new conv_state [N, C, K-1])``, both in x's dtype. A sequence's new
-    state is its window's last K-1 rows: x at ``end - (K-1) + i`` inside the sequence, else
-    row ``len + i`` of its conv state (zeros without one)."""
+    ``(silu(pre) [1, T, C], new conv_state [N, C, K-1])``, both in x's dtype (the new state:
+    `_packed_new_state`)."""
     p = _PackedWindows(xp, x, w, conv_state, cu_seqlens)
-    m, N, K, T, C = p.m, p.N, p.K, p.T, p.C
+    return (p.pre * xp.sigmoid(p.pre)).astype(x.dtype)[None], \
+        _packed_new_state(p.m, p.x, p.states, p.starts, p.ends, p.K).astype(x.dtype)
+
+
+def _packed_new_state(m, x, states, starts, ends, K):
+    """Float32 ``[N, C, K-1]``: each sequence's window's last K-1 rows, x ``[T, C]`` at ``end -
+    (K-1) + i`` inside the sequence, else row ``len + i`` of its conv state (``states [N (K-1),
+    C]``; zeros when None)."""
+    T, C = x.shape
+    N = int(starts.shape[0])
     i32 = m.int32
     i = m.arange(K - 1).astype(i32)[None, :]
-    pos = p.ends[:, None] - (K - 1) + i  # [N, K-1]
-    kept = m.take(p.x, m.clip(pos, 0, T - 1).reshape(-1), axis=0).reshape((N, K - 1, C))
-    if p.states is None:
+    pos = ends[:, None] - (K - 1) + i  # [N, K-1]
+    kept = m.take(x, m.clip(pos, 0, T - 1).reshape(-1), axis=0).reshape((N, K - 1, C))
+    if states is None:
         earlier = m.zeros((), m.float32)
     else:
         n = m.arange(N).astype(i32)[:, None]
-        row = n * (K - 1) + m.clip((p.ends - p.starts)[:, None] + i, 0, K - 2)
-        earlier = m.take(p.states, row.reshape(-1), axis=0).reshape((N, K - 1, C))
-    kept = m.where((pos >= p.starts[:, None])[..., None], kept, earlier)
-    new_state = m.swapaxes(kept, 1, 2).astype(x.dtype)
-    return (p.pre * xp.sigmoid(p.pre)).astype(x.dtype)[None], new_state
+        row = n * (K - 1) + m.clip((ends - starts)[:, None] + i, 0, K - 2)
+        earlier = m.take(states, row.reshape(-1), axis=0).reshape((N, K - 1, C))
+    kept = m.where((pos >= starts[:, None])[..., None], kept, earlier)
+    return m.swapaxes(kept, 1, 2)
+
+
+def conv(xp, x, w, conv_state, cu_seqlens=None):
+    """`conv_dense` (``cu_seqlens`` None) or `conv_packed`: ``(h, new conv_state)``."""
+    if cu_seqlens is None:
+        return conv_dense(xp, x, w, conv_state)
+    return conv_packed(xp, x, w, conv_state, cu_seqlens)
+
+
+def conv_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state):
+    """`conv_dense_vjp` or `conv_packed_vjp`: ``(dx, dw, dconv_state or None)``."""
+    if cu_seqlens is None:
+        return conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state)
+    return conv_packed_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state)
+
+
+def conv_new_state(xp, x, conv_state, K, cu_seqlens=None):
+    """The new conv state alone, ``[B, C, K-1]`` (``[N, C, K-1]`` packed) in x's dtype: the
+    last K-1 rows of each window, as `conv` returns it (plain array ops; their autodiff is the
+    state's VJP)."""
+    m = xp.module
+    B, T, C = x.shape
+    f32 = m.float32
+    if cu_seqlens is None:
+        if conv_state is None:
+            window = m.pad(x[:, max(T - (K - 1), 0):].astype(f32),
+                           [(0, 0), (max(K - 1 - T, 0), 0), (0, 0)])
+        else:
+            window = m.concatenate([m.swapaxes(conv_state.astype(f32), 1, 2),
+                                    x[:, max(T - (K - 1), 0):].astype(f32)], axis=1)
+        return m.swapaxes(window[:, window.shape[1] - (K - 1):], 1, 2).astype(x.dtype)
+    offsets = cu_seqlens.astype(m.int32)
+    N = int(offsets.shape[0]) - 1
+    states = None if conv_state is None else \
+        m.swapaxes(conv_state.astype(f32), 1, 2).reshape((N * (K - 1), C))
+    return _packed_new_state(m, x[0].astype(f32), states, offsets[:-1], offsets[1:],
+                             K).astype(x.dtype)
 
 
 def conv_packed_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state):

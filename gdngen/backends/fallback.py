@@ -39,7 +39,7 @@ def packed(call, operands, params):
     Returns ``(y in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
     module = ops(call.framework)
     f32 = module.FLOAT32
-    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands[:10]
     y, state = module.packed_gated_delta(
         *(x.astype(f32) for x in (q, k, v, g, beta)),
         None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,

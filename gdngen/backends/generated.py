@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from gdngen.algebra import chunkwise, layer_inputs
+from gdngen.algebra import chunkwise, layer_inputs, mixer
 from gdngen.backends import fallback
 
 # ------------------------------------------------------------------------------ checks
@@ -154,10 +154,42 @@ def l2_normalized_vjp(xp, x, dx):
     return layer_inputs.l2_normalize_vjp(xp, x.astype(f32), dx.astype(f32)).astype(x.dtype)
 
 
-def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=False):
+def conv_inputs(xp, primals):
+    """``primals`` with q, k, v convolved where they are conv tuples ``(x [B, T, H, D], w [H D,
+    K], conv_state [B, H D, K-1] or None)`` (a ``conv`` core's; `gdngen.prepare.conv_parts`):
+    ``silu(causal_conv(x))`` in x's dtype, x's shape (`gdngen.algebra.mixer.conv_dense`)."""
+    def one(x):
+        if not isinstance(x, tuple):
+            return x
+        raw, w, state = x
+        return mixer.conv_dense(xp, raw.reshape((*raw.shape[:2], -1)), w, state)[0] \
+            .reshape(raw.shape)
+
+    q, k, v, *rest = primals
+    return (one(q), one(k), one(v), *rest)
+
+
+def conv_cotangent(xp, primal, dx):
+    """The cotangent of a conv tuple ``primal`` (`conv_inputs`) from its output's ``dx``:
+    ``(dx_raw, dw, dconv_state or None)`` (`gdngen.algebra.mixer.conv_dense_vjp`, the
+    pre-activation recomputed from the raw input)."""
+    raw, w, state = primal
+    draw, dw, dstate = mixer.conv_dense_vjp(xp, raw.reshape((*raw.shape[:2], -1)), w, state,
+                                            dx.reshape((*raw.shape[:2], -1)), None)
+    return draw.reshape(raw.shape), dw, dstate
+
+
+def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=False,
+                    conv=False, forward_convolves=False):
     """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
     ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->
     cotangents of the primals``.
+
+    ``conv``: q, k, v arrive as conv tuples ``(x, w, conv_state or None)`` (`conv_inputs`, a
+    dense call's causal conv + SiLU); the core convolves them before anything else and keeps
+    only the tuples (the raw inputs), its backward recomputes the conv behind the barrier below
+    and maps ``backward``'s dq, dk, dv through the conv's VJP (`conv_cotangent`), so no
+    convolved q, k, v outlive the forward.
 
     ``qk_norm``: the core takes the raw q, k and L2-normalises them (float32, back in their
     dtype) before ``forward``; it keeps the raw ones, and its backward recomputes the normalised
@@ -171,13 +203,17 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
 
     ``forward_fuses``: ``forward`` computes the norm and the log gate in its kernels' loads
     (`gdngen.backends.kernel_inputs`): it receives the raw primals (q, k raw, ``gates`` the
-    ``(a, A_log, dt_bias)`` tuple); ``backward`` still receives the recomputed inputs.
+    ``(a, A_log, dt_bias)`` tuple); ``forward_convolves``: it also computes the conv in its
+    loads (it receives the conv tuples). ``backward`` still receives the recomputed inputs.
     """
     import jax
 
     from gdngen.backends.portable.jax_chunkwise import XP
 
-    recomputes = layer_inputs.computes_layer_inputs(qk_norm, gate)
+    recomputes = conv or layer_inputs.computes_layer_inputs(qk_norm, gate)
+
+    def convolved(primals):
+        return conv_inputs(XP, primals) if conv else primals
 
     def inputs(primals):
         q, k, v, gates, *rest = primals
@@ -186,6 +222,8 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
         return (q, k, v, layer_inputs.log_gates(XP, gates, gate)[0], *rest)
 
     def forward_inputs(primals):
+        if not forward_convolves:
+            primals = convolved(primals)
         return primals if forward_fuses else inputs(primals)
 
     @jax.custom_vjp
@@ -201,10 +239,13 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
         if not recomputes:
             return backward(primals, saved, cotangents)
         primals = XP.barrier(primals)
-        dq, dk, dv, dgates, *rest = backward(inputs(primals), saved, cotangents)
-        q, k, _, gates, *_ = primals
+        raw = convolved(primals)  # q, k, v as the norm and the kernels' inputs take them
+        dq, dk, dv, dgates, *rest = backward(inputs(raw), saved, cotangents)
+        q, k, _, gates, *_ = raw
         if qk_norm:
             dq, dk = l2_normalized_vjp(XP, q, dq), l2_normalized_vjp(XP, k, dk)
+        if conv:
+            dq, dk, dv = (conv_cotangent(XP, x, d) for x, d in zip(primals[:3], (dq, dk, dv)))
         return dq, dk, dv, layer_inputs.gates_vjp(XP, gates, gate, dgates), *rest
 
     core.defvjp(core_fwd, core_bwd)

@@ -3,8 +3,11 @@
 A call with ``qk_norm=True`` or a parameterised gate (`gdngen.algebra.layer_inputs.ParameterGate`)
 hands a generated backend the raw q, k and the raw gate projection ``a`` with ``A_log`` and
 ``dt_bias``. A kernel rendered with `KernelInputs.context` computes them where it loads its
-operands, so no normalised q, k and no log gate exist as arrays between kernels::
+operands, so no normalised q, k and no log gate exist as arrays between kernels. A call with
+``conv_weight`` also hands ffi_cpu's scalar chunk forward the raw q, k, v (``conv``)::
 
+    conv         x <- silu(sum_j w[c, j] x[t - (K-1) + j, c])  (the conv state before the row;
+                 ffi_cpu's chunk forward, before the norm)
     qk_norm      x <- x * rsqrt(sum_Dk(x^2) + QK_NORM_EPS)      (float32; q scaled after it)
     "softplus"   log g = -exp(A_log) * softplus(a + dt_bias)
     "sigmoid_bound"  log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
@@ -44,10 +47,13 @@ class KernelInputs:
     qk_norm: bool = False
     gate_form: str | None = None
     lower_bound: float = 0.0
+    conv: bool = False
 
     def __post_init__(self):
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"qk_norm must be a bool, got {self.qk_norm!r}")  # noqa: TRY004
+        if not isinstance(self.conv, bool):
+            raise ValueError(f"conv must be a bool, got {self.conv!r}")  # noqa: TRY004
         if self.gate_form not in (None, *GATE_FORMS):
             raise ValueError(f"gate_form must be None or one of {GATE_FORMS}, "
                              f"got {self.gate_form!r}")
@@ -56,24 +62,27 @@ class KernelInputs:
                              f"got {self.lower_bound!r} with gate_form={self.gate_form!r}")
 
     @classmethod
-    def of(cls, qk_norm: bool, gate) -> KernelInputs:
+    def of(cls, qk_norm: bool, gate, conv: bool = False) -> KernelInputs:
         """The inputs of a call with ``qk_norm`` and ``gate`` (a `gdngen.algebra.chunkwise.
-        ParameterGate` or a plain convention, "log" / "linear", which fuses no gate)."""
+        ParameterGate` or a plain convention, "log" / "linear", which fuses no gate);
+        ``conv``: q, k, v arrive before the causal conv + SiLU (a chunk forward's build)."""
         if isinstance(gate, layer_inputs.ParameterGate):
             if gate.lower_bound is None:
-                return cls(bool(qk_norm), "softplus")
-            return cls(bool(qk_norm), "sigmoid_bound", float(gate.lower_bound))
-        return cls(bool(qk_norm))
+                return cls(bool(qk_norm), "softplus", conv=conv)
+            return cls(bool(qk_norm), "sigmoid_bound", float(gate.lower_bound), conv=conv)
+        return cls(bool(qk_norm), conv=conv)
 
     @property
     def fused(self) -> bool:
-        """Whether the kernel computes anything (a norm or a gate) in its loads."""
-        return self.qk_norm or self.gate_form is not None
+        """Whether the kernel computes anything (a conv, a norm or a gate) in its loads."""
+        return self.qk_norm or self.gate_form is not None or self.conv
 
     def context(self) -> dict:
-        """The template context: ``qk_norm`` (bool) and ``gate_form`` (None or a form). Both
+        """The template context: ``qk_norm`` (bool) and ``gate_form`` (None or a form), and
+        ``conv: True`` only when it is on (the templates read ``conv | default(false)``). All
         off render the plain kernel byte for byte."""
-        return {"qk_norm": self.qk_norm, "gate_form": self.gate_form}
+        return {"qk_norm": self.qk_norm, "gate_form": self.gate_form,
+                **({"conv": True} if self.conv else {})}
 
     def tag(self) -> str:
         """A short name of the fused build ("" when nothing is fused): for file and target
@@ -83,8 +92,10 @@ class KernelInputs:
 
 def context_tag(context: dict) -> str:
     """`KernelInputs.tag` of a rendering context (`KernelInputs.context`, or the mapping of a
-    backend's hashable key of it): ``"_qknorm"`` with ``qk_norm``, then ``"_<gate_form>"``."""
-    return "".join(f"_{part}" for part in (("qknorm",) if context.get("qk_norm") else ())
+    backend's hashable key of it): ``"_conv"`` with ``conv``, ``"_qknorm"`` with ``qk_norm``,
+    then ``"_<gate_form>"``."""
+    return "".join(f"_{part}" for part in (("conv",) if context.get("conv") else ())
+                   + (("qknorm",) if context.get("qk_norm") else ())
                    + ((context["gate_form"],) if context.get("gate_form") else ()))
 
 

@@ -7,12 +7,13 @@ continuing a prefill through the conv and recurrent states; mlx-lm's own layer; 
 from __future__ import annotations
 
 import importlib.util
+import re
 import zlib
 
 import numpy as np
 import pytest
 
-from gdngen import registry, settings
+from gdngen import prepare, registry, settings
 from gdngen.algebra import mixer as stages
 from gdngen.problem import Problem
 from gdngen.validate import relative_error
@@ -82,16 +83,31 @@ class Framework:
             import jax
             import jax.numpy as jnp
 
-            from gdngen.jax import gated_delta_mixer
+            from gdngen.jax import gated_delta, gated_delta_mixer
 
             self.jax, self.m = jax, jnp
         else:
             import mlx.core as mx
 
-            from gdngen.mlx import gated_delta_mixer
+            from gdngen.mlx import gated_delta, gated_delta_mixer
 
             self.m = mx
-        self.mixer = gated_delta_mixer
+        self.mixer, self.gated_delta = gated_delta_mixer, gated_delta
+
+    def grads(self, f, args):
+        """``[*f(*args), *gradients]`` of ``sum(o * c)`` over f's outputs o, c fixed random
+        cotangents, as float64 NumPy arrays."""
+        rng = np.random.default_rng(5)
+        outputs = f(*args)
+        cots = [self.array(rng.standard_normal(tuple(o.shape))) for o in outputs]
+
+        def loss(*args):
+            return sum((o * c).sum() for o, c in zip(f(*args), cots))
+
+        argnums = list(range(len(args)))
+        grads = self.jax.grad(loss, argnums=tuple(argnums))(*args) if self.name == "jax" \
+            else self.m.grad(loss, argnums=argnums)(*args)
+        return [np.asarray(a, np.float64) for a in (*outputs, *grads)]
 
     def array(self, x):
         if x.dtype.kind == "f":
@@ -167,6 +183,96 @@ def test_mixer_matches_the_float64_composition(backend, form):
     errors = check_against_reference(fw, x, options, cotangents(7),
                                      variant=registry.default_variant(backend, problem))
     print(backend, form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
+def test_ffi_cpu_chunk_core_convolves_and_matches_the_float64_composition():
+    """A row past ffi_cpu's recurrent switch (T = 150 >= 128): the chunk kernels run the
+    forward with the conv inside the chunk core (raw q, k, v in, `gdngen.backends.generated.
+    custom_vjp_core`), a padding mask on the last row, every gradient against float64."""
+    spec = registry.get("ffi_cpu")
+    problem = Problem(Hk, Hv, Dk, Dv)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"ffi_cpu cannot run here: {why}")
+    variant = registry.default_variant("ffi_cpu", problem)
+    assert spec.parse(variant).recurrent_below <= 150
+    x, options = inputs("scalar", seed=29, steps=150)
+    errors = check_against_reference(Framework("jax"), x, options, cotangents(29, steps=150),
+                                     variant=variant)
+    print("ffi_cpu T=150", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
+    """``gated_delta(q, k, v, ..., conv_weight=, conv_state=)`` on raw q, k, v equals the call
+    on ``silu(causal_conv)`` of them (a masked step's input a zero), values and every
+    gradient, dense rows and a packed row (whose windows restart at each sequence)."""
+    fw = Framework(framework)
+    m, gated_delta = fw.m, fw.gated_delta
+    xp = prepare.namespace(framework)
+    rng = np.random.default_rng(41)
+    steps = 150
+
+    def arr(*shape, scale=1.0):
+        return m.array(np.asarray(scale * rng.standard_normal(shape), np.float32)) \
+            if framework == "mlx" else m.asarray(scale * rng.standard_normal(shape), m.float32)
+
+    for rows, cu in ((B, None), (1, [0, 40, 41, 150])):
+        n = rows if cu is None else len(cu) - 1
+        q, k, v = arr(rows, steps, Hk, Dk), arr(rows, steps, Hk, Dk), arr(rows, steps, Hv, Dv)
+        w, state = arr(C, K, scale=0.5), arr(n, C, K - 1)
+        g, beta, S0 = arr(rows, steps, Hv), arr(rows, steps, Hv), arr(n, Hv, Dv, Dk, scale=0.1)
+        A_log, dt_bias = arr(Hv, scale=0.5), arr(Hv, scale=0.5)
+        mask = np.ones((rows, steps), bool)
+        mask[-1, 100:] = False
+        mask = fw.array(mask) if framework == "mlx" else m.asarray(mask)
+        offsets = None if cu is None else (m.array(np.asarray(cu, np.int32))
+                                           if framework == "mlx" else m.asarray(cu, m.int32))
+        opts = {"gate": "softplus", "qk_norm": True, "beta_activation": "sigmoid",
+                "scale": Dk ** -0.5, "mask": mask, "cu_seqlens": offsets}
+
+        def convolved(q, k, v, w, state, *rest):
+            x = m.concatenate([r.reshape((rows, steps, -1)) for r in (q, k, v)], axis=-1)
+            x = m.where(mask[..., None], x, 0)
+            h = stages.conv(xp, x, w, state, offsets)[0]
+            kd = Hk * Dk
+            y, s = gated_delta(h[..., :kd].reshape(q.shape), h[..., kd:2 * kd].reshape(k.shape),
+                               h[..., 2 * kd:].reshape(v.shape), *rest[:3], A_log=rest[3],
+                               dt_bias=rest[4], **opts)
+            return y, s
+
+        def fused(q, k, v, w, state, *rest):
+            return gated_delta(q, k, v, *rest[:3], A_log=rest[3], dt_bias=rest[4],
+                               conv_weight=w, conv_state=state, **opts)
+
+        args = (q, k, v, w, state, g, beta, S0, A_log, dt_bias)
+        want, got = fw.grads(convolved, args), fw.grads(fused, args)
+        for name, a, b in zip(("y", "S", "q", "k", "v", "w", "state", "g", "beta", "S0",
+                               "A_log", "dt_bias"), got, want):
+            assert relative_error(np.asarray(a), np.asarray(b)) <= 2e-6, (name, rows)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"conv_weight": np.zeros((C + 1, K))}, f"conv_weight has shape {(C + 1, K)}, expected"),
+    ({"conv_weight": np.zeros((C,))}, f"conv_weight has shape {(C,)}, expected"),
+    ({"conv_state": np.zeros((B, C, K))}, f"conv_state has shape {(B, C, K)}, expected [B, C, "
+                                          "K-1]"),
+    ({"conv_weight": None}, "conv_state needs conv_weight"),
+    ({"conv_weight": np.zeros((C, K), np.int32)}, "conv_weight has dtype int32"),
+])
+def test_gated_delta_conv_arguments_name_the_argument(change, message):
+    from gdngen.jax import gated_delta
+
+    rng = np.random.default_rng(3)
+    arrays = {"q": rng.standard_normal((B, T, Hk, Dk)), "k": rng.standard_normal((B, T, Hk, Dk)),
+              "v": rng.standard_normal((B, T, Hv, Dv)), "g": -rng.random((B, T, Hv)),
+              "beta": rng.random((B, T, Hv)), "conv_weight": rng.standard_normal((C, K)),
+              "conv_state": rng.standard_normal((B, C, K - 1))}
+    arrays.update(change)
+    arrays = {n: None if x is None else np.asarray(x, np.float32 if x.dtype.kind == "f" else
+                                                   x.dtype) for n, x in arrays.items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gated_delta(**arrays)
 
 
 @pytest.mark.parametrize("conv_states", [True, False], ids=["conv_states", "no_conv_state"])
@@ -296,17 +402,23 @@ def test_saturated_activations_have_finite_gradients(framework):
         [n for n, v in got.items() if not np.isfinite(v).all()]
 
 
-def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward():
-    """Under ``jax.vjp`` (xla), the conv and the gated norm keep their raw inputs and nothing of
-    their forward: one ``[B, T, C]`` array (mixed_qkv itself, no pre-activation or SiLU output)
-    and, of y's shape ``[B, T, Hv, Dv]``, z and y (the norm's inputs) besides what the
-    recurrence keeps of v (the gradients are checked against float64 by
-    test_mixer_matches_the_float64_composition)."""
+@pytest.mark.parametrize("backend", ["ffi_cpu", "xla"])
+def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward(backend):
+    """What ``jax.vjp`` keeps (jitted): never mixed_qkv ``[B, T, C]`` or a convolved copy.
+    ffi_cpu convolves in its chunk core (``conv_weight``), which keeps the raw q, k, v slices,
+    so of q's shape exactly the raw q and k and of y's shape the raw v, z and y (the norm's
+    inputs), each row-major; xla's conv stage keeps the raw slices ``[B, T, H D]`` (its chunk
+    core keeps its own chunk layout). The short row runs the recurrent kernel, whose VJP is the
+    chunk core's. Gradients: test_mixer_matches_the_float64_composition."""
     import jax
     import jax.numpy as jnp
 
     from gdngen.jax import gated_delta_mixer
 
+    spec = registry.get(backend)
+    ok, why = spec.capability(Problem(Hk, Hv, Dk, Dv))
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
     x, _ = inputs("scalar", seed=17, mask=False)
     args = {n: jnp.asarray(np.asarray(x[n], np.float32)) for n in ARGS}
 
@@ -315,12 +427,17 @@ def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward():
                                  **DIMS, A_log=args["A_log"], dt_bias=args["dt_bias"],
                                  norm_weight=args["norm_weight"], conv_state=args["conv_state"],
                                  initial_state=args["initial_state"],
-                                 variant=registry.default_variant("xla", Problem(Hk, Hv, Dk, Dv)))
+                                 variant=registry.default_variant(backend,
+                                                                  Problem(Hk, Hv, Dk, Dv)))
 
-    _, vjp = jax.vjp(call, args["mixed_qkv"], args["z"])
-    kept = [tuple(a.shape) for a in jax.tree.leaves(vjp)]
-    assert kept.count((B, T, C)) == 1, kept
-    assert kept.count((B, T, Hv, Dv)) <= 3, kept  # z, y and the recurrence's v
+    kept = [tuple(a.shape) for a in jax.jit(
+        lambda m, z: jax.tree.leaves(jax.vjp(call, m, z)[1]))(args["mixed_qkv"], args["z"])]
+    assert (B, T, C) not in kept, kept
+    if backend == "ffi_cpu":
+        assert kept.count((B, T, Hk, Dk)) == 2, kept
+        assert kept.count((B, T, Hv, Dv)) == 3, kept
+    else:
+        assert (kept.count((B, T, Hk * Dk)), kept.count((B, T, Hv * Dv))) == (2, 1), kept
 
 
 @pytest.mark.parametrize("change, message", [

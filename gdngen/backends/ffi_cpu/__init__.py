@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from gdngen import settings
+from gdngen import prepare, settings
 from gdngen.algebra import layer_inputs
 from gdngen.backend import Backend
 from gdngen.backends import generated
@@ -77,7 +77,7 @@ class FfiCpu(Backend):
     name, framework, config = BACKEND, "jax", Config
     tolerances, device_kinds, dtypes = TOLERANCES, ("cpu",), INPUT_DTYPES
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate", "conv"), ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
 
     # ------------------------------------------------------------------ variants
@@ -158,7 +158,10 @@ class FfiCpu(Backend):
         (`gdngen.backends.kernel_inputs`). The plain renders do not depend on it."""
         self.parse(variant)
         if not inputs.fused:
-            raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
+            raise ValueError(f"inputs must fuse a conv, a qk norm or a gate, got {inputs!r}")
+        if inputs.conv and source != SOURCE_NAME:
+            raise ValueError(f"inputs.conv is a build of the chunk forward ({SOURCE_NAME}), "
+                             f"got {source}")
         if source not in FUSED_KINDS:
             raise ValueError(f"source must be one of {tuple(FUSED_KINDS)}, got {source!r}")
         template, context = self.render_plan(variant, problem)[source]
@@ -204,11 +207,15 @@ class FfiCpu(Backend):
     def forward(self, call, operands, variant, templates_dir=None):
         """A dense call: the recurrent kernel below the variant's ``recurrent_below`` (its
         VJP the chunk kernels'), else the chunk kernels; ``qk_norm`` and a parameter gate in
-        the kernels' loads (the chunk backward gets them as arrays: `vjp.core`)."""
+        the kernels' loads (the chunk backward gets them as arrays: `vjp.core`); the causal
+        conv (``call.conv_size``) in the chunk core, which keeps the raw q, k, v: the chunk
+        forward convolves in its loads, the chunk backward gets q, k, v convolved as arrays,
+        and the recurrent kernel's call convolves them before it."""
         import jax.numpy as jnp
 
         from gdngen.backends.portable import jax_chunkwise
 
+        conv = call.conv_size is not None
         shape, problem, gate, scale = call.shape, call.problem, call.core_gate, call.scale
         q, k, v, g, beta, initial_state, mask = operands[:7]
         loaded = self.load_kernels(variant, problem, templates_dir=templates_dir)
@@ -220,14 +227,21 @@ class FfiCpu(Backend):
                                       layer_inputs.cast_gates(operands.kernel_gates(), f32),
                                       beta.astype(f32), mask, gate)
         poison = settings.flag(ENV_POISON)
-        args = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, initial_state.astype(f32))
+        qkv = (q.astype(f32), k.astype(f32), v.astype(f32))
+        if conv:  # (x, w, conv_state) each, float32
+            qkv = tuple((x.reshape(raw.shape), w.astype(f32),
+                         None if state is None else state.astype(f32))
+                        for (x, w, state), raw in zip(prepare.conv_parts(call, operands._replace(
+                            q=qkv[0], k=qkv[1], v=qkv[2])), qkv))
+        args = (*qkv, g, beta, initial_state.astype(f32))
 
         inputs = KernelInputs.of(call.qk_norm, gate)
-        forward_sha256 = (self.load_fused_kernels(variant, problem, inputs, SOURCE_NAME,
+        chunk_inputs = KernelInputs.of(call.qk_norm, gate, conv)  # the chunk forward's loads
+        forward_sha256 = (self.load_fused_kernels(variant, problem, chunk_inputs, SOURCE_NAME,
                                                   templates_dir=templates_dir).sha256
-                          if inputs.fused else None)
+                          if chunk_inputs.fused else None)
         chunkwise_call = vjp.core(loaded.sha256, gate, scale, poison, call.qk_norm,
-                                  forward_sha256)
+                                  forward_sha256, conv, chunk_inputs.conv)
         if not self.chunked(call, variant):
             fused = (self.load_fused_kernels(variant, problem, inputs,
                                              templates_dir=templates_dir)
@@ -235,6 +249,7 @@ class FfiCpu(Backend):
             run = vjp.recurrent(fused.sha256, scale, poison, inputs)
 
             def recurrent(q, k, v, g, beta, S0):
+                q, k, v = generated.conv_inputs(jax_chunkwise.XP, (q, k, v))
                 if inputs.gate_form:  # the kernel forms the decay from a, A_log, dt_bias
                     a, A_log, dt_bias = g
                     return run(q, k, v, a, beta, S0, *kernel_parameters(
@@ -271,7 +286,7 @@ class FfiCpu(Backend):
             return jnp.where(mask[..., None, None], y, 0.0), S
 
         f32 = jnp.float32
-        q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+        q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands[:10]
         y, state = packed.packed_row(
             XP, dense, vjp.packed_walk(walk_kernels.sha256, gate, scale, poison),
             *(x.astype(f32) for x in (q, k, v, g, beta)),

@@ -40,7 +40,8 @@ def call_context(sha256: str, gate: str, scale: float, poison: bool):
 
 @functools.cache
 def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
-         forward_sha256: str | None = None):
+         forward_sha256: str | None = None, conv: bool = False,
+         forward_convolves: bool = False):
     """``core(q, k, v, gates, beta, S0) -> (y, S_final)`` on float32 arrays in the API layout
     (gates ``[B,T,Hv]`` or, on per-channel kernels, ``[B,T,Hv,Dk]``, in their own convention,
     already masked; for a `gdngen.algebra.layer_inputs.ParameterGate` ``(a, A_log, dt_bias)``), with
@@ -51,21 +52,34 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
     sha256 (`render_fused` with `SOURCE_NAME`, for ``KernelInputs.of(qk_norm, gate)``) takes
     the raw q, k and ``a`` with A_log, dt_bias (`kernel_parameters`) and computes both in its
     loads (``forward_fuses``); the backward kernel of ``sha256`` still gets them recomputed
-    as arrays, and the core maps its dq, dk, dlog g through their VJPs."""
+    as arrays, and the core maps its dq, dk, dlog g through their VJPs. ``conv``: q, k, v are
+    conv tuples ``(x, w, conv_state or None)`` (`gdngen.backends.generated.custom_vjp_core`):
+    with ``forward_convolves`` the fused chunk forward (built with ``KernelInputs.conv``) takes
+    the raw x and the whole ``conv_w [C, K]`` and ``conv_state [B, C, K-1]`` (zeros for None)
+    and convolves in its loads, else the core convolves before the kernels."""
     import jax.numpy as jnp
     import numpy as np
 
     parameter_gate, gate = gate, layer_inputs.convention(gate)
     loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
     C = loaded.params["chunk_size"]
-    inputs = KernelInputs.of(qk_norm, parameter_gate)
+    inputs = KernelInputs.of(qk_norm, parameter_gate, forward_convolves)
     fuses = forward_sha256 is not None
     if fuses and not inputs.fused:
-        raise ValueError("forward_sha256 needs qk_norm or a ParameterGate to fuse")
+        raise ValueError("forward_sha256 needs qk_norm, a ParameterGate or the conv to fuse")
+    if forward_convolves and not (conv and fuses):
+        raise ValueError("forward_convolves needs conv and forward_sha256")
     forward_loaded = kernels.LOADED[forward_sha256] if fuses else loaded
 
     def forward(primals):
         q, k, v, g, beta, S0 = primals
+        conv_operands = ()
+        if forward_convolves:  # the raw inputs, the whole weight and state
+            (q, wq, sq), (k, wk, sk), (v, wv, sv) = q, k, v
+            conv_operands = (jnp.concatenate([wq, wk, wv], axis=0),
+                             jnp.zeros((q.shape[0], wq.shape[0] + wk.shape[0] + wv.shape[0],
+                                        wq.shape[1] - 1), jnp.float32)
+                             if sq is None else jnp.concatenate([sq, sk, sv], axis=1))
         B, T, Hk, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         if fuses and inputs.gate_form:  # the kernel forms log g from a, A_log, dt_bias
@@ -78,7 +92,7 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
         y, s_final, states = jaxcompat.ffi().ffi_call(forward_loaded.target_forward, (
             f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
             f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
-            vmap_method="sequential")(q, k, v, *gate_operands, **attrs, **extra,
+            vmap_method="sequential")(q, k, v, *gate_operands, *conv_operands, **attrs, **extra,
                                       splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
         return (y, s_final), states
 
@@ -99,7 +113,8 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
         return dq, dk, dv, dg, dbeta, dS0
 
     return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
-                                     forward_fuses=fuses)
+                                     forward_fuses=fuses, conv=conv,
+                                     forward_convolves=forward_convolves)
 
 
 @functools.cache

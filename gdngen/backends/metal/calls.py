@@ -228,7 +228,7 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     from gdngen.backends.portable.mlx_chunkwise import XP
 
     gate, scale = call.decay, call.scale
-    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+    q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands[:10]
     problem = call.replace(dtype="float32").problem
     variant = adapt(variant, problem)
     launcher = launch.default_launcher() if launcher is None else launcher

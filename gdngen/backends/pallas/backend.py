@@ -370,7 +370,7 @@ class PallasBackend(Backend):
                                            templates_dir=templates_dir)
         chunk = kernels.params["chunk_size"]
         f32 = jnp.float32
-        q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands
+        q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands[:10]
         if call.vector_gate:
             y, state = generated.packed_channel_row(
                 "jax", *(x.astype(f32) for x in (q, k, v, g, beta)),

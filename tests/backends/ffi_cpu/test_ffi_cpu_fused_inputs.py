@@ -229,6 +229,74 @@ def test_forward_only_call_computes_no_layer_inputs_as_arrays(path, vector, monk
     assert "l2_normalize" in arrays_ran and {"log_gates", "vjp"} <= set(gate_ran)
 
 
+def _conv64(x, w, state):
+    """Float64 causal depthwise conv + SiLU of a raw ``x [B, T, H, D]`` (channels H D),
+    ``w [H D, K]``, ``state [B, H D, K-1]``."""
+    rows, steps = x.shape[:2]
+    K = w.shape[1]
+    window = np.concatenate([np.swapaxes(state, 1, 2), x.reshape(rows, steps, -1)], axis=1)
+    pre = sum(window[:, j:j + steps] * w[:, j] for j in range(K))
+    return (pre * _sigmoid(pre)).reshape(x.shape)
+
+
+def _walk_ops(jaxpr, inside=False, out=None):
+    """The (primitive, output shapes) of the elementwise products, exps and sigmoids inside a
+    ``custom_vjp_call`` of ``jaxpr``."""
+    out = [] if out is None else out
+    for e in jaxpr.eqns:
+        if inside and e.primitive.name in ("logistic", "exp", "mul", "integer_pow"):
+            out.append((e.primitive.name, [tuple(o.aval.shape) for o in e.outvars]))
+        for value in e.params.values():
+            sub = getattr(value, "jaxpr", None)
+            if sub is not None:
+                _walk_ops(getattr(sub, "jaxpr", sub), inside or e.primitive.name ==
+                          "custom_vjp_call", out)
+    return out
+
+
+@pytest.mark.parametrize("qk_norm, gate, vector", [
+    (True, "softplus", False), (False, None, False), (True, "softplus", True)],
+    ids=["qknorm_softplus", "plain", "per_channel_qknorm_softplus"])
+def test_chunk_forward_convolves_in_its_loads(qk_norm, gate, vector):
+    """``gated_delta(..., conv_weight=, conv_state=)`` on the chunk path with a padding mask:
+    the forward-only call's custom VJP is one kernel, the conv build's forward
+    (``KernelInputs.conv``), with no array op around it (no product, exp or sigmoid: the
+    conv, the norm and the gate are its loads'); y and the final state against float64 (the
+    masked inputs zeroed, the conv + SiLU, then the recurrence). Every gradient through this
+    kernel against the float64 mixer: tests/calls/test_mixer.py (T = 150)."""
+    x, options, mask = _setup(11, qk_norm, gate, masked=True, vector=vector,
+                              A_shape=(Hv, 1) if vector else (Hv,),
+                              dt_shape=(Hv, DK) if vector else (Hv,))
+    rng = np.random.default_rng(12)
+    C = 2 * Hk * DK + Hv * DV
+    w, state = 0.5 * rng.standard_normal((C, 4)), rng.standard_normal((B, C, 3))
+    variant = _variant(0, vector=vector)
+    problem = Problem(Hk, Hv, DK, DV, gate="vector" if vector else "scalar")
+    arrays = {n: jnp.asarray(v, jnp.float32) for n, v in x.items()}
+    conv = {"conv_weight": jnp.asarray(w, jnp.float32),
+            "conv_state": jnp.asarray(state, jnp.float32)}
+
+    def call(a):
+        return _call(a, dict(options, **conv), jnp.asarray(mask), variant)
+
+    jaxpr = jax.make_jaxpr(call)(arrays).jaxpr
+    assert _walk_ops(jaxpr) == []
+    assert "_conv" in ffi_cpu.render_fused(variant, problem, KernelInputs.of(
+        qk_norm, layer_inputs.ParameterGate(None) if gate else "log", True),
+        ffi_cpu.SOURCE_NAME).sources.popitem()[0]
+    y, S = call(arrays)
+    raw = {n: np.where(mask[:, :, None, None], x[n], 0.0) for n in ("q", "k", "v")}
+    kd = Hk * DK
+    x64 = dict(x, q=_conv64(raw["q"], w[:kd], state[:, :kd]),
+               k=_conv64(raw["k"], w[kd:2 * kd], state[:, kd:2 * kd]),
+               v=_conv64(raw["v"], w[2 * kd:], state[:, 2 * kd:]))
+    y_ref, S_ref, _ = _reference(x64, options, mask, np.zeros((B, T, Hv, DV)),
+                                 np.zeros((B, Hv, DV, DK)))
+    assert relative_error(np.asarray(y, np.float64), y_ref) <= RTOL
+    assert relative_error(np.asarray(S, np.float64), S_ref) <= RTOL
+    assert np.all(np.asarray(y)[~mask] == 0.0)
+
+
 #: raw gate projections from -80 to 80, and -inf (an identity step)
 EXTREMES = np.array([-np.inf, -80.0, -30.0, -5.0, -1.0, 0.0, 1.0, 5.0, 30.0, 80.0])
 
@@ -351,6 +419,13 @@ def test_fused_builds_are_renders_of_their_own():
     assert "l2_factor" not in plain.sources["recurrent.cc"]
     with pytest.raises(ValueError, match="inputs must fuse"):
         ffi_cpu.render_fused(variant, problem, KernelInputs())
+    conv = ffi_cpu.render_fused(variant, problem, KernelInputs(True, "softplus", conv=True),
+                                ffi_cpu.SOURCE_NAME)
+    conv_text = conv.sources["gated_delta_conv_qknorm_softplus.cc"]
+    assert "conv_row(" in conv_text and "_backward" not in conv_text
+    assert "conv_row" not in text and conv.sha256 != chunk.sha256
+    with pytest.raises(ValueError, match="inputs.conv is a build of the chunk forward"):
+        ffi_cpu.render_fused(variant, problem, KernelInputs(conv=True))
     with pytest.raises(ValueError, match="source must be one of"):
         ffi_cpu.render_fused(variant, problem, inputs, "other.cc")
 
