@@ -76,13 +76,31 @@ def conv_dense_vjp(xp, x, w, conv_state, dh, dnew_state):
         dwindow[b, t + j, c] += dpre[b, t, c] w[c, j];  dwindow[:, T:] += dnew_state^T
         dx = dwindow[:, K-1:],  dconv_state = dwindow[:, :K-1]^T
     """
+    return conv_dense_pullback(xp, x, w, conv_state)[1](dh, dnew_state)
+
+
+def conv_dense_pullback(xp, x, w, conv_state):
+    """``(h, pullback)`` of `conv_dense` with one recomputation of the window and the
+    pre-activation: ``h [B, T, C]`` (x's dtype) and ``pullback(dh, dnew_state) -> (dx, dw,
+    dconv_state or None)`` (`conv_dense_vjp`), for a backward that needs both (a chunk core
+    recomputing its convolved inputs, `gdngen.backends.generated.conv_inputs`)."""
+    window, pre = _window_and_pre(xp, x, w, conv_state)
+    sig = xp.sigmoid(pre)
+
+    def pullback(dh, dnew_state):
+        return _conv_dense_cotangents(xp, x, w, conv_state, window, pre, sig, dh, dnew_state)
+
+    return (pre * sig).astype(x.dtype), pullback
+
+
+def _conv_dense_cotangents(xp, x, w, conv_state, window, pre, sig, dh, dnew_state):
+    """`conv_dense_vjp` from the recomputed float32 window, pre-activation and its sigmoid."""
     m = xp.module
     T = x.shape[1]
     K = w.shape[1]
     f32 = m.float32
     wf = w.astype(f32)
-    window, pre = _window_and_pre(xp, x, w, conv_state)
-    dpre = dh.astype(f32) * _silu_derivative(pre, xp.sigmoid(pre))  # [B, T, C]
+    dpre = dh.astype(f32) * _silu_derivative(pre, sig)  # [B, T, C]
     dw = m.stack([(dpre * window[:, j:j + T]).sum(axis=(0, 1)) for j in range(K)], axis=1)
 
     # dwindow[i] = sum_j dpre[i - j] w[:, j] (0 <= i - j < T): K shifted slices of dpre

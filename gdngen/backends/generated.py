@@ -169,14 +169,27 @@ def conv_inputs(xp, primals):
     return (one(q), one(k), one(v), *rest)
 
 
-def conv_cotangent(xp, primal, dx):
-    """The cotangent of a conv tuple ``primal`` (`conv_inputs`) from its output's ``dx``:
-    ``(dx_raw, dw, dconv_state or None)`` (`gdngen.algebra.mixer.conv_dense_vjp`, the
-    pre-activation recomputed from the raw input)."""
-    raw, w, state = primal
-    draw, dw, dstate = mixer.conv_dense_vjp(xp, raw.reshape((*raw.shape[:2], -1)), w, state,
-                                            dx.reshape((*raw.shape[:2], -1)), None)
-    return draw.reshape(raw.shape), dw, dstate
+def conv_pullbacks(xp, primals):
+    """``(primals convolved, pullbacks)`` for a backward (`conv_inputs`): the conv of each
+    conv tuple recomputed once (`gdngen.algebra.mixer.conv_dense_pullback`), its pullback
+    mapping the convolved input's cotangent to the tuple's ``(dx, dw, dconv_state or None)``
+    (None for an input that is not a tuple)."""
+    out, pullbacks = [], []
+    for x in primals[:3]:
+        if not isinstance(x, tuple):
+            out.append(x)
+            pullbacks.append(None)
+            continue
+        raw, w, state = x
+        h, pullback = mixer.conv_dense_pullback(xp, raw.reshape((*raw.shape[:2], -1)), w, state)
+        out.append(h.reshape(raw.shape))
+
+        def tuple_pullback(d, raw=raw, pullback=pullback):
+            draw, dw, dstate = pullback(d.reshape((*raw.shape[:2], -1)), None)
+            return draw.reshape(raw.shape), dw, dstate
+
+        pullbacks.append(tuple_pullback)
+    return (*out, *primals[3:]), pullbacks
 
 
 def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=False,
@@ -188,7 +201,7 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
     ``conv``: q, k, v arrive as conv tuples ``(x, w, conv_state or None)`` (`conv_inputs`, a
     dense call's causal conv + SiLU); the core convolves them before anything else and keeps
     only the tuples (the raw inputs), its backward recomputes the conv behind the barrier below
-    and maps ``backward``'s dq, dk, dv through the conv's VJP (`conv_cotangent`), so no
+    (once: `conv_pullbacks`) and maps ``backward``'s dq, dk, dv through its VJP, so no
     convolved q, k, v outlive the forward.
 
     ``qk_norm``: the core takes the raw q, k and L2-normalises them (float32, back in their
@@ -239,13 +252,14 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
         if not recomputes:
             return backward(primals, saved, cotangents)
         primals = XP.barrier(primals)
-        raw = convolved(primals)  # q, k, v as the norm and the kernels' inputs take them
+        # q, k, v as the norm and the kernels' inputs take them (the conv recomputed once)
+        raw, pullbacks = conv_pullbacks(XP, primals) if conv else (primals, None)
         dq, dk, dv, dgates, *rest = backward(inputs(raw), saved, cotangents)
         q, k, _, gates, *_ = raw
         if qk_norm:
             dq, dk = l2_normalized_vjp(XP, q, dq), l2_normalized_vjp(XP, k, dk)
         if conv:
-            dq, dk, dv = (conv_cotangent(XP, x, d) for x, d in zip(primals[:3], (dq, dk, dv)))
+            dq, dk, dv = (pullback(d) for pullback, d in zip(pullbacks, (dq, dk, dv)))
         return dq, dk, dv, layer_inputs.gates_vjp(XP, gates, gate, dgates), *rest
 
     core.defvjp(core_fwd, core_bwd)
