@@ -56,10 +56,11 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     (``C = 2 Hk Dk + Hv Dv``, the channels of q, k, v in that order) q, k, v arrive raw and
     each goes through its channels' depthwise causal conv + SiLU first, its window starting
     with ``conv_state`` ``[B, C, K-1]`` (``[N, C, K-1]`` with ``cu_seqlens``, each sequence's
-    window restarting with its own; zeros when None); masked steps' inputs are zeros. The
-    chunk core of ffi_cpu computes it and keeps only the raw q, k, v (the others, a packed row
-    and the sharded paths get them convolved first). The new conv state is not returned: it
-    is the last K-1 raw inputs (`gdngen.algebra.mixer.conv_new_state`). No ``context_axis``.
+    window restarting with its own; zeros when None); masked steps' inputs are zeros.
+    ffi_cpu's chunk forward computes it in its loads and its chunk core keeps only the raw q,
+    k, v (the other backends, a packed row and the sharded paths get them convolved first).
+    The new conv state is not returned: it is the last K-1 raw inputs
+    (`gdngen.algebra.mixer.conv_new_state`). No ``context_axis``.
 
     Packed sequences (`gdngen.algebra.packed`): ``cu_seqlens`` int32 ``[N+1]`` (fla's offsets:
     ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``; may be traced under

@@ -207,7 +207,7 @@ def conv_new_state(xp, x, conv_state, K, cu_seqlens=None):
     last K-1 rows of each window, as `conv` returns it (plain array ops; their autodiff is the
     state's VJP)."""
     m = xp.module
-    B, T, C = x.shape
+    _, T, C = x.shape
     f32 = m.float32
     if cu_seqlens is None:
         if conv_state is None:

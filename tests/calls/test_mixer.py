@@ -231,8 +231,8 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
         opts = {"gate": "softplus", "qk_norm": True, "beta_activation": "sigmoid",
                 "scale": Dk ** -0.5, "mask": mask, "cu_seqlens": offsets}
 
-        def convolved(q, k, v, w, state, *rest):
-            x = m.concatenate([r.reshape((rows, steps, -1)) for r in (q, k, v)], axis=-1)
+        def convolved(q, k, v, w, state, *rest, mask=mask, offsets=offsets, opts=opts):
+            x = m.concatenate([r.reshape((*q.shape[:2], -1)) for r in (q, k, v)], axis=-1)
             x = m.where(mask[..., None], x, 0)
             h = stages.conv(xp, x, w, state, offsets)[0]
             kd = Hk * Dk
@@ -241,7 +241,7 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
                                dt_bias=rest[4], **opts)
             return y, s
 
-        def fused(q, k, v, w, state, *rest):
+        def fused(q, k, v, w, state, *rest, opts=opts):
             return gated_delta(q, k, v, *rest[:3], A_log=rest[3], dt_bias=rest[4],
                                conv_weight=w, conv_state=state, **opts)
 
@@ -255,8 +255,8 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
 @pytest.mark.parametrize("change, message", [
     ({"conv_weight": np.zeros((C + 1, K))}, f"conv_weight has shape {(C + 1, K)}, expected"),
     ({"conv_weight": np.zeros((C,))}, f"conv_weight has shape {(C,)}, expected"),
-    ({"conv_state": np.zeros((B, C, K))}, f"conv_state has shape {(B, C, K)}, expected [B, C, "
-                                          "K-1]"),
+    ({"conv_state": np.zeros((B, C, K))},
+     f"conv_state has shape {(B, C, K)}, expected [B, C, K-1]"),
     ({"conv_weight": None}, "conv_state needs conv_weight"),
     ({"conv_weight": np.zeros((C, K), np.int32)}, "conv_weight has dtype int32"),
 ])
