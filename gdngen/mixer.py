@@ -140,9 +140,7 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
     if mask is not None and _shape(mask) != (B, T):
         raise ValueError(f"mask has shape {_shape(mask)}, expected [B, T] = {(B, T)}")
     # the new conv state: the last K-1 inputs of each window (masked steps' are zeros)
-    new_conv_state = stages.conv_new_state(
-        xp, mixed_qkv if mask is None else m.where(mask[..., None], mixed_qkv, 0), conv_state,
-        K, cu_seqlens)
+    new_conv_state = stages.conv_new_state(xp, mixed_qkv, conv_state, K, cu_seqlens, mask)
     kd = Hk * Dk  # q, k, v raw: the recurrence's call convolves them (conv_weight)
     q = mixed_qkv[..., :kd].reshape((B, T, Hk, Dk))
     k = mixed_qkv[..., kd:2 * kd].reshape((B, T, Hk, Dk))

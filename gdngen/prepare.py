@@ -105,7 +105,7 @@ def computed(call, operands, fused=()):
 
 
 def conv_parts(call, operands):
-    """The causal conv's operands per input (``call.conv_size`` set): three ``(x [B, T, H D],
+    """The causal conv's operands per input (``call.conv_size`` set): three ``(x [B, T, H, D],
     w [H D, K], conv_state [B|N, H D, K-1] or None)`` for q, k, v, their channels' slices of
     ``conv_weight`` and ``conv_state`` (q, k, v concatenated in that order, the mixer's
     layout). The conv is depthwise, so each input's channels convolve alone."""
@@ -113,8 +113,7 @@ def conv_parts(call, operands):
     kd = shape.Hk * shape.Dk
     bounds = ((0, kd), (kd, 2 * kd), (2 * kd, 2 * kd + shape.Hv * shape.Dv))
     w, state = operands.conv_weight, operands.conv_state
-    return tuple((x.reshape((*x.shape[:2], -1)), w[lo:hi],
-                  None if state is None else state[:, lo:hi])
+    return tuple((x, w[lo:hi], None if state is None else state[:, lo:hi])
                  for x, (lo, hi) in zip((operands.q, operands.k, operands.v), bounds))
 
 
@@ -122,9 +121,8 @@ def convolved(call, operands):
     """``(call, operands)`` with q, k, v convolved here (`conv_stage`, its custom VJP keeping
     the raw inputs): ``call.conv_size`` None, no conv operands."""
     conv = conv_stage(call.framework)
-    q, k, v = (conv(x, w, state, operands.cu_seqlens)[0].reshape(raw.shape)
-               for (x, w, state), raw in zip(conv_parts(call, operands),
-                                             (operands.q, operands.k, operands.v)))
+    q, k, v = (conv(x.reshape((*x.shape[:2], -1)), w, state, operands.cu_seqlens)[0]
+               .reshape(x.shape) for x, w, state in conv_parts(call, operands))
     return (call.replace(conv_size=None),
             operands._replace(q=q, k=k, v=v, conv_weight=None, conv_state=None))
 

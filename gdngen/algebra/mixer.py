@@ -202,21 +202,25 @@ def conv_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state):
     return conv_packed_vjp(xp, x, w, conv_state, cu_seqlens, dh, dnew_state)
 
 
-def conv_new_state(xp, x, conv_state, K, cu_seqlens=None):
+def conv_new_state(xp, x, conv_state, K, cu_seqlens=None, mask=None):
     """The new conv state alone, ``[B, C, K-1]`` (``[N, C, K-1]`` packed) in x's dtype: the
-    last K-1 rows of each window, as `conv` returns it (plain array ops; their autodiff is the
-    state's VJP)."""
+    last K-1 rows of each window, as `conv` returns it, a masked step's input (``mask [B, T]``
+    False) a zero (plain array ops; their autodiff is the state's VJP)."""
     m = xp.module
     _, T, C = x.shape
     f32 = m.float32
     if cu_seqlens is None:
+        tail = x[:, max(T - (K - 1), 0):]  # only these rows can reach the new state
+        if mask is not None:
+            tail = m.where(mask[:, max(T - (K - 1), 0):, None], tail, 0)
         if conv_state is None:
-            window = m.pad(x[:, max(T - (K - 1), 0):].astype(f32),
-                           [(0, 0), (max(K - 1 - T, 0), 0), (0, 0)])
+            window = m.pad(tail.astype(f32), [(0, 0), (max(K - 1 - T, 0), 0), (0, 0)])
         else:
             window = m.concatenate([m.swapaxes(conv_state.astype(f32), 1, 2),
-                                    x[:, max(T - (K - 1), 0):].astype(f32)], axis=1)
+                                    tail.astype(f32)], axis=1)
         return m.swapaxes(window[:, window.shape[1] - (K - 1):], 1, 2).astype(x.dtype)
+    if mask is not None:
+        x = m.where(mask[..., None], x, 0)
     offsets = cu_seqlens.astype(m.int32)
     N = int(offsets.shape[0]) - 1
     states = None if conv_state is None else \

@@ -157,21 +157,14 @@ def l2_normalized_vjp(xp, x, dx):
 def conv_inputs(xp, primals):
     """``primals`` with q, k, v convolved where they are conv tuples ``(x [B, T, H, D], w [H D,
     K], conv_state [B, H D, K-1] or None)`` (a ``conv`` core's; `gdngen.prepare.conv_parts`):
-    ``silu(causal_conv(x))`` in x's dtype, x's shape (`gdngen.algebra.mixer.conv_dense`)."""
-    def one(x):
-        if not isinstance(x, tuple):
-            return x
-        raw, w, state = x
-        return mixer.conv_dense(xp, raw.reshape((*raw.shape[:2], -1)), w, state)[0] \
-            .reshape(raw.shape)
-
-    q, k, v, *rest = primals
-    return (one(q), one(k), one(v), *rest)
+    ``silu(causal_conv(x))`` in x's dtype, x's shape (`conv_pullbacks` without the
+    pullbacks)."""
+    return conv_pullbacks(xp, primals)[0]
 
 
 def conv_pullbacks(xp, primals):
-    """``(primals convolved, pullbacks)`` for a backward (`conv_inputs`): the conv of each
-    conv tuple recomputed once (`gdngen.algebra.mixer.conv_dense_pullback`), its pullback
+    """``(primals convolved, pullbacks)``: the conv of each conv tuple computed once
+    (`gdngen.algebra.mixer.conv_dense_pullback`), its pullback
     mapping the convolved input's cotangent to the tuple's ``(dx, dw, dconv_state or None)``
     (None for an input that is not a tuple)."""
     out, pullbacks = [], []

@@ -229,10 +229,8 @@ class FfiCpu(Backend):
         poison = settings.flag(ENV_POISON)
         qkv = (q.astype(f32), k.astype(f32), v.astype(f32))
         if conv:  # (x, w, conv_state) each, float32
-            qkv = tuple((x.reshape(raw.shape), w.astype(f32),
-                         None if state is None else state.astype(f32))
-                        for (x, w, state), raw in zip(prepare.conv_parts(call, operands._replace(
-                            q=qkv[0], k=qkv[1], v=qkv[2])), qkv))
+            qkv = tuple(tuple(None if a is None else a.astype(f32) for a in part)
+                        for part in prepare.conv_parts(call, operands))
         args = (*qkv, g, beta, initial_state.astype(f32))
 
         inputs = KernelInputs.of(call.qk_norm, gate)
