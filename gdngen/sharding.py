@@ -97,7 +97,7 @@ def run(call, arrays: dict, shape, *, context_axis):
         return context_parallel(call, arrays, shape, axis=context_axis)
     if axes:
         return per_shard(call, arrays)
-    if not settings.flag(settings.ENV_NO_PARTITIONING) and not _on_one_device(arrays):
+    if not whole(arrays):
         arrays = _whole_parameters(arrays, shape)
         known = known_shardings(arrays, shape)
         if known:
