@@ -78,8 +78,8 @@ def test_chunk_and_recurrent_programs_compile(device):
 
 
 def test_vector_gate_programs_compile():
-    """Per-channel gates: chunk fwd+bwd (the two chunk walks) and the fused-input recurrent
-    kernel (qk_norm, softplus gate) of a chunk-16 variant, for H100."""
+    """Per-channel gates: chunk fwd+bwd (the intra-chunk kernel, the two chunk walks) and the
+    fused-input recurrent kernel (qk_norm, softplus gate) of a chunk-16 variant, for H100."""
     problem = SMALL["vector"]
     variant = _variant(problem, "h100")
     report = compilers.compile_variant(variant, problem, "h100", T=32,
@@ -87,7 +87,8 @@ def test_vector_gate_programs_compile():
     _check_report(report, "h100", variant)
     names = {p.name: {k["name"] for k in p.kernels} for p in report.programs}
     assert names["fused_recurrent_forward"] == {"gdn_recurrent"}, names
-    assert len(names["chunk_fwd_bwd"]) >= 2, names  # the forward and the reverse walk
+    assert len(names["chunk_fwd_bwd"]) >= 3, names  # the forward and the reverse walk
+    assert "gdn_channel_intra" in names["chunk_fwd_bwd"], names  # the forward's intra stages
 
 
 def test_build_compile_records_the_compile(tmp_path):

@@ -71,6 +71,8 @@ def test_default_variant_compiles_fwd_bwd(device, gate):
     assert set(names) == {"chunk_fwd_bwd", "recurrent_forward"}
     assert set(names["recurrent_forward"]) == {"gdn_recurrent"}
     assert len(names["chunk_fwd_bwd"]) >= 2  # the forward and the backward walk(s)
+    if gate == "vector":  # and the forward's intra-chunk stages
+        assert "gdn_channel_intra" in names["chunk_fwd_bwd"], names
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])

@@ -25,7 +25,8 @@ class PallasBackend(Backend):
     loaded builds), ``caches`` (its ``functools.cache`` cores, dropped by `clear_cache`),
     ``log_gate_floor`` and the hooks ``kernel_params``, ``render_plan``, ``lower_check``,
     ``default_interpret_mode()``, ``add_recompute(kernels)`` (the recomputing walk's entry
-    point), ``chunk_core``, ``packed_core``, ``chunk_walks``, ``entering_core`` and
+    point), ``chunk_core``, ``packed_core``, ``chunk_walks``, ``entering_core``,
+    ``channel_core`` (per-channel gates: the intra-chunk kernel, then the walks) and
     ``run_recurrent``; ``packed_context`` / ``steps_context`` where its builds need more."""
 
     framework = "jax"
@@ -145,7 +146,8 @@ class PallasBackend(Backend):
         """``variant`` rendered for ``problem`` and loaded (cached by sha256 and interpret
         mode): ``forward``/``backward``/``recurrent`` (the modules), ``run_forward``,
         ``run_backward``, ``run_recurrent`` (`jit_pair` s with ``scale``/``interpret`` static;
-        vector gates: the chunk walks, ``interpret`` only), the recomputing walk of
+        vector gates: the chunk walks, ``interpret`` only, ``run_intra`` and ``run_grads``, the
+        intra-chunk stages and their VJP), the recomputing walk of
         `add_recompute`, ``sha256``, ``variant``, ``problem``, ``params``, ``interpret``."""
         rendered = self.render(variant, problem, templates_dir=templates_dir)
         interpret = self.interpret_mode()
@@ -159,6 +161,10 @@ class PallasBackend(Backend):
                 run_recurrent=jit_pair(rec.recurrent, SCALED, interpret),
                 run_forward=jit_pair(fwd.forward, walk, interpret),
                 run_backward=jit_pair(bwd.backward, walk, interpret))
+            if problem.gate == "vector" and hasattr(fwd, "intra"):
+                kernels.run_intra = jit_pair(fwd.intra, SCALED, interpret)
+            if problem.gate == "vector" and hasattr(bwd, "grads"):
+                kernels.run_grads = jit_pair(bwd.grads, SCALED + ("linear",), interpret)
             self.add_recompute(kernels)
             self.loaded[key] = kernels
         return self.loaded[key]
@@ -295,9 +301,10 @@ class PallasBackend(Backend):
 
     def forward(self, call, operands, variant, templates_dir=None):
         """A dense call with the recurrent switch (`gdngen.backend.Backend.chunked`): scalar
-        gates at T >= ``recurrent_below`` run `chunk_forward`; per-channel gates the chunk
-        path of `gdngen.backends.portable.jax_chunkwise.chunkwise_gated_delta` with the kernel
-        walks (`chunk_walks`); shorter calls `recurrent_forward` inside
+        gates at T >= ``recurrent_below`` run `chunk_forward`; per-channel gates the
+        per-channel chunk core (``channel_core``: the intra-chunk kernel and the kernel walks
+        of `chunk_walks`, `gdngen.algebra.chunkwise_channel.backward` its VJP); shorter calls
+        `recurrent_forward` inside
         `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP)."""
         import jax.numpy as jnp
 
@@ -319,6 +326,8 @@ class PallasBackend(Backend):
         if shape.vector_gate:
             kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
             walks = self.chunk_walks((kernels.sha256, kernels.interpret))
+            channel_core = self.channel_core((kernels.sha256, kernels.interpret), gate,
+                                             call.scale, qk_norm, walks)
 
         inputs = KernelInputs.of(qk_norm, gate)
 
@@ -330,11 +339,10 @@ class PallasBackend(Backend):
                                           templates_dir=templates_dir, inputs=inputs)
 
         def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
-            if shape.vector_gate:
-                return jax_chunkwise.chunkwise_gated_delta(
-                    q, k, v, g, beta, S0, None, scale=call.scale, gate=gate,
-                    chunk_size=kernels.params["chunk_size"],
-                    save_states=kernels.params["save_states"], walks=walks, qk_norm=qk_norm)
+            if shape.vector_gate:  # the core scales q itself (after the q/k norm)
+                return chunkwise.whole_sequence(
+                    jax_chunkwise.XP, channel_core, q, k, v, g, beta, S0, None, scale=1.0,
+                    gate=gate, chunk_size=kernels.params["chunk_size"])
             a, *parameters = g if isinstance(g, tuple) else (g,)
             chunk_operands = operands._replace(q=q.astype(call.dtype), k=k.astype(call.dtype),
                                                v=v.astype(call.dtype), g=a, beta=beta,

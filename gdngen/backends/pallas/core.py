@@ -7,7 +7,7 @@ from __future__ import annotations
 import linecache
 import types
 
-from gdngen.algebra import chunkwise
+from gdngen.algebra import chunkwise, layer_inputs
 
 #: XLA options for the interpret-mode executables on the host (compile time dominates there).
 INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
@@ -97,3 +97,57 @@ def fused_gate_specs(inputs, Hv: int, Dk: int, vector_gate: bool) -> tuple:
     parameter = jax.ShapeDtypeStruct((Hv, Dk) if vector_gate else (Hv,), jnp.float32)
     bound = (jax.ShapeDtypeStruct((), jnp.float32),) if inputs.gate_form == "sigmoid_bound" else ()
     return (parameter, parameter, *bound)
+
+
+def channel_core(intra, grads, walks, gate, scale: float, qk_norm: bool, interpret,
+                 save_states: bool = True):
+    """The per-channel chunk core ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` of a Pallas
+    backend, in the chunk layout of `gdngen.algebra.chunkwise_channel` (float32, q unscaled:
+    the core applies ``scale``), a ``jax.custom_vjp`` (`gdngen.backends.generated.custom_vjp_core`,
+    so ``qk_norm`` and a `gdngen.algebra.layer_inputs.ParameterGate` ``gate`` are computed in it).
+
+    Forward: ``intra(q, k, v, gates, beta) -> (U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC)``, the
+    backend's intra-chunk kernel (chunk layout; gates in the convention of ``gate``; q scaled
+    by it), then the walk ``walks[0]`` (`gdngen.algebra.chunkwise_channel.walk_forward`'s
+    contract): two kernels. Its residuals are `chunkwise_channel.forward`'s (``save_states``
+    False: recomputed by the backward). Backward, as `chunkwise_channel.backward`: G = Pm^T dY
+    and the walk's decayed Q, K (elementwise) in jax.numpy, the reverse walk ``walks[1]``, then
+    ``grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC) -> (dq, dk, dv,
+    dgates, dbeta)``, the backend's kernel of `chunkwise_channel.backward_in_chunks` (dq of the
+    unscaled q)."""
+    from gdngen.algebra import chunkwise_channel as channel
+    from gdngen.backends import generated
+    from gdngen.backends.portable.jax_chunkwise import FLOAT32_MATMULS, XP
+
+    parameter_gate, gate = gate, layer_inputs.convention(gate)
+    walk_forward, walk_backward = walks
+
+    def forward(primals):
+        q, k, v, gates, beta, S0 = primals
+        U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = intra(q, k, v, gates, beta)
+        Y, S_final, S_in, W = walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
+        return (Y, S_final), ((S_in, W, Tinv, Wk, Pm, Mkk) if save_states else None)
+
+    def backward_walk(primals, residuals, cotangents):
+        q, k, _, gates, _, _ = primals
+        S_in, W, _, Wk, Pm, _ = residuals
+        dY, dS_final = cotangents
+        with FLOAT32_MATMULS:
+            D0, DC, dCC = channel.chunk_segments(XP, channel._linear(XP, gates, gate),
+                                                 channel.PRODUCT)
+            dS0, dW, dWk, dQd, dKc, ddCC, _ = walk_backward(
+                XP, dS_final, channel._T(Pm) @ dY, k[..., None, :, :] * DC, Wk, W, S_in, dY,
+                (q * scale)[..., None, :, :] * D0, dCC)
+        return dS0, dW, dWk, dQd, dKc, ddCC
+
+    run_walk = jit_pair(backward_walk, (), interpret)
+
+    def backward(primals, saved, cotangents):
+        if saved is None:
+            saved = forward(primals)[1]
+        dS0, *walked = call_jitted(run_walk, primals, saved, cotangents)
+        q, k, v, gates, beta, _ = primals
+        _, W, Tinv, _, _, Mkk = saved
+        return (*grads(q, k, v, gates, beta, W, Tinv, Mkk, cotangents[0], *walked), dS0)
+
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)

@@ -27,7 +27,12 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 
-from channel_walks import check_battery_case_through_the_walks, check_walks_match_the_portable_walks
+from channel_walks import (
+    check_battery_case_through_the_walks,
+    check_grads_match_the_float64_stages,
+    check_intra_matches_the_float64_stages,
+    check_walks_match_the_portable_walks,
+)
 
 from gdngen import Problem, Variant, default_variant, render, validate
 from gdngen.backends.pallas import gpu as pallas_gpu
@@ -181,6 +186,7 @@ def test_kernels_lower_through_triton(changes, problem):
                for text in lowered.values())
 
 
+
 # ----------------------------------------------------------------------------- battery
 
 
@@ -259,6 +265,24 @@ def test_channel_walks_match_the_portable_walks():
     assert (p["dk"], p["bk"], p["dv"], p["bv"]) == (48, 16, 80, 16)
     check_walks_match_the_portable_walks(
         *pallas_gpu.chunk_walks((kernels.sha256, kernels.interpret)), (3, 1, 1, 3, 16, 40, 72))
+
+
+@pytest.mark.parametrize("gate, changes", [
+    ("log", {"chunk_size": 16, "bk": 16, "bv": 16}), ("linear", {"chunk_size": 32})])
+def test_channel_intra_and_grads_match_the_float64_stages(gate, changes):
+    """The intra-chunk kernel (decay factors, decayed products in sub-chunks of 8 steps, the
+    exact triangular inverse, the WY form; DK and DV in BK / BV tiles) and its VJP's (the
+    straddle sums, the exact-zero rule of linear gates) against chunkwise_channel's stages in
+    float64: two chunks, three value heads, Dk = 40 and Dv = 72 zero-padded, exact zeros and
+    log g = -37 on some channels; interpret mode (outputs start as NaN)."""
+    problem = Problem(1, 3, 40, 72, gate="vector")
+    kernels = pallas_gpu.load_kernels(_variant(**changes), problem)
+    key = (kernels.sha256, kernels.interpret)
+    shape = (2, 1, 1, 3, kernels.params["chunk_size"], 40, 72)
+    check_intra_matches_the_float64_stages(pallas_gpu.channel_intra(key, gate, 0.25), shape,
+                                           gate, 0.25)
+    check_grads_match_the_float64_stages(pallas_gpu.channel_grads(key, gate, 0.25), shape,
+                                         gate, 0.25)
 
 
 @pytest.mark.slow

@@ -22,7 +22,12 @@ from slow import marked
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from channel_walks import check_battery_case_through_the_walks, check_walks_match_the_portable_walks
+from channel_walks import (
+    check_battery_case_through_the_walks,
+    check_grads_match_the_float64_stages,
+    check_intra_matches_the_float64_stages,
+    check_walks_match_the_portable_walks,
+)
 from generated_kernels import small_call_inputs
 
 from gdngen import Problem, Variant, default_variant, validate
@@ -117,14 +122,16 @@ def test_kernels_lower_for_mosaic(params, dtype):
 
 
 def test_channel_walks_lower_for_mosaic():
-    """The per-channel chunk walks (several Dv tiles and head tiles; the whole Dv) lower
-    through Mosaic, with the recurrent kernel; nothing of the scalar chunk kernels."""
+    """The per-channel chunk walks (several Dv tiles and head tiles; the whole Dv), the
+    intra-chunk kernel and its VJP's (both gate conventions) lower through Mosaic, with the
+    recurrent kernel; nothing of the scalar chunk kernels."""
     for params, problem in (
             ({"chunk_size": 64, "head_tile": 2, "dv_tile": 128}, Problem(2, 4, 128, 256)),
             ({"chunk_size": 32, "head_tile": 3, "dv_tile": 256}, Problem(1, 3, 64, 256))):
         variant = Variant("pallas_tpu", dict(params, precision="ieee", save_states=True))
         lowered = pallas_tpu.lower_check(variant, dataclasses.replace(problem, gate="vector"))
-        assert set(lowered) == {"channel_walk", "channel_walk_backward", "recurrent",
+        assert set(lowered) == {"channel_walk", "channel_walk_backward", "channel_intra",
+                                "channel_grads", "channel_grads_linear", "recurrent",
                                 "recurrent_blocks"}
         assert all("tpu_custom_call" in text for text in lowered.values())
 
@@ -192,6 +199,25 @@ def test_channel_walks_match_the_portable_walks():
     assert kernels.params["dv_tile"] == 128 and kernels.params["head_tile"] == 2
     check_walks_match_the_portable_walks(
         *pallas_tpu.chunk_walks((kernels.sha256, kernels.interpret)), (3, 2, 1, 2, 32, 32, 256))
+
+
+@pytest.mark.parametrize("gate, chunk", [("log", 32), ("linear", 64)])
+def test_channel_intra_and_grads_match_the_float64_stages(gate, chunk):
+    """The intra-chunk kernel (decay factors, decayed products in sub-chunks of 8 steps, the
+    exact triangular inverse, the WY form) and its VJP's (the straddle sums, the exact-zero
+    rule of linear gates) against chunkwise_channel's stages in float64: two chunks, two value
+    heads per key head, Dk != Dv, exact zeros and log g = -37 on some channels; interpret mode
+    (buffers NaN-poisoned)."""
+    problem = Problem(1, 2, 32, 64, gate="vector")
+    variant = Variant("pallas_tpu", {"chunk_size": chunk, "precision": "ieee", "head_tile": 1,
+                                     "dv_tile": 64, "save_states": True})
+    kernels = pallas_tpu.load_kernels(variant, problem)
+    key = (kernels.sha256, kernels.interpret)
+    shape = (2, 1, 1, 2, chunk, 32, 64)
+    check_intra_matches_the_float64_stages(pallas_tpu.channel_intra(key, gate, 0.25), shape,
+                                           gate, 0.25)
+    check_grads_match_the_float64_stages(pallas_tpu.channel_grads(key, gate, 0.25), shape,
+                                         gate, 0.25)
 
 
 @pytest.mark.slow

@@ -94,10 +94,12 @@ def test_kernel_matches_reference(vector, B, T, Hk, Hv, Dk, Dv):
 def test_kernel_lowers_through_triton(gate):
     """The recurrent kernel lowers through the Pallas Triton lowering for CUDA (power-of-two
     tiles, scalar loads at a traced step, no scratch memory), with several BK / BV tiles; so do
-    the chunk kernels (per-channel gates: the chunk walks)."""
+    the chunk kernels (per-channel gates: the chunk walks, the intra-chunk kernel and its VJP's,
+    head dims zero-padded to 48 and 80 in 16-wide tiles)."""
     problem = Problem(1, 3, 40, 72, gate=gate)
     lowered = pallas_gpu.lower_check(_variant(bk=16, bv=16), problem, steps=7)
-    expected = ({"channel_walk", "channel_walk_backward", "recurrent"} if gate == "vector"
+    expected = ({"channel_walk", "channel_walk_backward", "channel_intra", "channel_grads",
+                 "channel_grads_linear", "recurrent"} if gate == "vector"
                 else {"forward", "residuals", "backward", "recurrent"})
     assert set(lowered) == expected
     text = lowered["recurrent"]
@@ -168,8 +170,8 @@ def _cotangents(B, T, Hv, Dv, Dk):
 
 def test_entry_vector_gates(monkeypatch):
     """Per-channel gates, a short call (T < recurrent_below): the recurrent kernel's values,
-    gdngen.algebra.chunkwise_channel's VJP with the kernel walks; values and gradients against the
-    reference."""
+    the per-channel chunk core's VJP (the intra-chunk kernel, the kernel walks, the grads
+    kernel); values and gradients against the reference."""
     B, T, Hk, Hv, Dk, Dv = 1, 19, 2, 6, 16, 32  # two chunks of 16
     q, k, v, g, beta, s0 = _inputs(5, B, T, Hk, Hv, Dk, Dv, vector=True, log=True)
     mask = np.ones((B, T), bool)
@@ -189,7 +191,7 @@ def test_entry_vector_gates(monkeypatch):
     assert _rel(y, ref["y"]) <= TOL and _rel(state, ref["final_state"]) <= TOL
     _, vjp = jax.vjp(f, *args)
     grads = vjp(tuple(jnp.asarray(c) for c in cot))
-    assert walks.count("backward") == 1 and "forward" in walks
+    assert walks.count("backward") == 1 and "forward" in walks and "intra" in walks
     for name, grad in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads):
         assert _rel(grad, ref[name]) <= TOL, name
 

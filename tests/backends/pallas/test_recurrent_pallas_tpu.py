@@ -177,8 +177,8 @@ def _per_channel_entry_call():
 
 def test_entry_per_channel_gates_take_the_recurrent_kernel(monkeypatch):
     """A short per-channel gate call (T < recurrent_below) evaluates through the recurrent
-    kernel; its VJP is gdngen.algebra.chunkwise_channel's with the kernel walks over two chunks
-    (checked against the reference)."""
+    kernel; its VJP is the per-channel chunk core's over two chunks (the intra-chunk kernel,
+    the kernel walks, the grads kernel), checked against the reference."""
     from gdngen.jax import gated_delta
 
     variant, args, mask, dy, ds, ref = _per_channel_entry_call()
@@ -190,14 +190,14 @@ def test_entry_per_channel_gates_take_the_recurrent_kernel(monkeypatch):
     assert relative_error(y, ref["y"]) <= TOL
     assert relative_error(state, ref["final_state"]) <= TOL
     _, grads = _entry_vjp(args, mask, dy, ds, variant, 0.25)
-    assert walks.count("backward") == 1 and "forward" in walks
+    assert walks.count("backward") == 1 and "forward" in walks and "intra" in walks
     for name, grad in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads):
         assert relative_error(grad, ref[name]) <= TOL, name
 
 
 def test_entry_long_per_channel_call_evaluates_on_the_chunk_path(monkeypatch):
-    """recurrent_below = 0: the same call evaluates through gdngen.algebra.chunkwise_channel.forward
-    with the kernel walk, not the recurrent kernel."""
+    """recurrent_below = 0: the same call evaluates through the per-channel chunk core (the
+    intra-chunk kernel, then the kernel walk), not the recurrent kernel."""
     from gdngen.jax import gated_delta
 
     variant, args, mask, _, _, ref = _per_channel_entry_call()
@@ -205,7 +205,7 @@ def test_entry_long_per_channel_call_evaluates_on_the_chunk_path(monkeypatch):
     walks = spy_chunk_walks(monkeypatch, pallas_tpu)
     y, state = gated_delta(*(jnp.asarray(x) for x in args), mask=jnp.asarray(mask), scale=0.25,
                            variant=variant.replace(recurrent_below=0))
-    assert calls == [] and walks == ["forward"]
+    assert calls == [] and walks == ["intra", "forward"]
     assert relative_error(y, ref["y"]) <= TOL
     assert relative_error(state, ref["final_state"]) <= TOL
 

@@ -70,6 +70,7 @@ class GPUKernels(GPUPlanning):
             "save_states": p["save_states"],
             "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
             "per_channel": problem.gate == "vector",  # the chunk walks of chunkwise_channel
+            "log_gate_floor": repr(self.log_gate_floor),  # per channel: a zero gate's log
             **PLAIN_INPUTS,
         }
         recurrent = {key: context[key] for key in ("problem_key", "dk", "dv", "bk", "bv", "n_dk",
@@ -89,7 +90,9 @@ class GPUKernels(GPUPlanning):
         recurrent forward over ``steps`` steps) through the Pallas Triton lowering for the CUDA
         platform, which needs no GPU; returns ``{function name: StableHLO text}``. For a
         vector-gate problem: ``channel_walk`` and ``channel_walk_backward`` (the per-channel chunk
-        walks) instead of forward, residuals and backward. ``inputs`` (a
+        walks), ``channel_intra`` (the forward's intra-chunk stages) and ``channel_grads``
+        (``channel_grads_linear``: linear gates; their VJP) instead of forward, residuals and
+        backward. ``inputs`` (a
         `gdngen.backends.kernel_inputs.KernelInputs` that fuses something): the kernels of its
         fused build instead (`render_fused`: ``recurrent`` and, for scalar gates, ``forward``).
         Raises what the lowering raises (non-power-of-two shapes, unsupported ops, scratch memory,
@@ -125,6 +128,13 @@ class GPUKernels(GPUPlanning):
                                   scaled=False),
             "channel_walk_backward": lower(kernels.backward.backward, values, keys, keys, values,
                                            residuals[-1], values, keys, dcc, state, scaled=False),
+            "channel_intra": lower(kernels.forward.intra, spec((B, T, Hk, Dk), f32),
+                                   spec((B, T, Hk, Dk), f32), spec((B, T, Hv, Dv), f32), keys,
+                                   gates),
+            **{name: lower(functools.partial(kernels.backward.grads, linear=linear),
+                           spec((B, T, Hk, Dk), f32), spec((B, T, Hk, Dk), f32), values, keys,
+                           gates, values, pm, pm, values, values, keys, keys, keys, dcc)
+               for name, linear in (("channel_grads", False), ("channel_grads_linear", True))},
         } if vector else {
             "forward": lower(kernels.forward.forward, q, q, v, gates, gates, state),
             "residuals": lower(kernels.forward.residuals, q, q, v, gates, gates, state),

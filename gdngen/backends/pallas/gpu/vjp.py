@@ -2,7 +2,7 @@
 kernels' time-row layout (``[B, T, H, D]`` / ``[B, Hv, T]``, head dims zero-padded to 16), the
 kernels' gradients to cotangents, and the cores built on a loaded build (keyed by
 ``(sha256, interpret)``, cached process-wide): `chunk_core`, `entering_core`, `packed_core`,
-`chunk_walks`."""
+`chunk_walks`, `channel_intra`, `channel_grads`, `channel_core`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import functools
 from gdngen.algebra import layer_inputs
 from gdngen.backends import generated
 from gdngen.backends.kernel_inputs import KernelInputs
+from gdngen.backends.pallas import core as pallas_core
 from gdngen.backends.pallas.core import (
     call_jitted,
     fused_gate_operands,
@@ -380,3 +381,126 @@ def chunk_walks(key: tuple):
                 ddcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4), dJ)
 
     return walk_forward, walk_backward
+
+
+def _channel_intra_layout(q, k, v, gates, beta, *, gate, dk, dv):
+    """The intra-chunk kernel's inputs from the chunk layout (q, k [N, B, Hk, (1,) C, Dk]; v,
+    gates, beta [N, B, Hk, r, C, ...]): q, k [B, T, Hk, DK], v [B, T, Hv, DV], the gates as
+    finite log gates [B, Hv, T, DK] (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way), beta
+    [B, Hv, T]; head dims zero-padded."""
+    import jax.numpy as jnp
+
+    def keys(x):
+        return _keys_to_kernel(x.reshape(x.shape[:3] + x.shape[-2:]), dk)
+
+    log_gates = gates if gate == "log" else jnp.log(gates)
+    return (keys(q), keys(k), _values_to_kernel(v, dv),
+            _rows_to_kernel(jnp.maximum(log_gates, LOG_GATE_FLOOR), dk),
+            _per_step_to_kernel(beta))
+
+
+def _channel_intra_outputs(outputs, shape):
+    """The intra-chunk kernel's outputs -> chunk layout (``shape`` = (N, B, Hk, r, C, Dk,
+    Dv)): U [N, B, Hk, r, C, Dv], Wk, Kc, Qd [.., C, Dk], Pm, M_kk, T [.., C, C], dCC [N, B, Hk,
+    r, Dk]."""
+    N, B, Hk, r, C, Dk, Dv = shape
+    *rows, dcc = outputs
+
+    def rows_from(x, width):
+        return x[..., :width].reshape(B, Hk, r, N, C, width).transpose(3, 0, 1, 2, 4, 5)
+
+    widths = (Dv, Dk, Dk, Dk, C, C, C)
+    return (*(rows_from(x, width) for x, width in zip(rows, widths)),
+            dcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4))
+
+
+@functools.cache
+def channel_intra(key: tuple, gate: str, scale: float):
+    """``intra(q, k, v, gates, beta) -> (U, Wk, Kc, Qd, Pm, M_kk, T, dCC)``: the intra-chunk
+    kernel (``intra`` of the forward template) of the loaded per-channel kernels ``key``
+    (sha256, interpret mode) in the chunk layout of `gdngen.algebra.chunkwise_channel` (float32;
+    q unscaled, ``scale`` applied in the kernel; gates in the convention ``gate``): the stages
+    of its ``forward`` before the walk."""
+    kernels = LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    prepare = jit_pair(functools.partial(_channel_intra_layout, gate=gate, dk=p["dk"],
+                                         dv=p["dv"]), (), interpret)
+    finish = jit_pair(_channel_intra_outputs, ("shape",), interpret)
+
+    def intra(q, k, v, gates, beta):
+        outputs = call_jitted(kernels.run_intra, *call_jitted(prepare, q, k, v, gates, beta),
+                              scale=scale, interpret=interpret)
+        return call_jitted(finish, tuple(outputs),
+                           shape=tuple(v.shape[:5]) + (k.shape[-1], v.shape[-1]))
+
+    return intra
+
+
+def _channel_grads_layout(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC, *,
+                          gate, dk, dv):
+    """The grads kernel's inputs from the chunk layout: q, k [B, T, Hk, DK]; the value-head
+    arrays as time rows [B, Hv, T, X] (head dims zero-padded), beta [B, Hv, T], ddCC [B, Hv, N,
+    DK]; the gates as `_channel_intra_layout` lays them out."""
+    q, k, _, b, beta = _channel_intra_layout(q, k, v, gates, beta, gate=gate, dk=dk, dv=dv)
+    values = (_rows_to_kernel(x, dv) for x in (v, W))
+    squares = (_rows_to_kernel(x, x.shape[-1]) for x in (Tinv, Mkk))
+    cotangents = (_rows_to_kernel(x, dv) for x in (dY, dW))
+    keys = (_rows_to_kernel(x, dk) for x in (dWk, dQd, dKc))
+    value, w = values
+    return (q, k, value, b, beta, w, *squares, *cotangents, *keys,
+            _chunk_vectors_to_kernel(ddCC, dk))
+
+
+def _channel_grads_outputs(outputs, q, v, gates, gate):
+    """The grads kernel's outputs -> the cotangents of ``(q, k, v, gates, beta)`` in the chunk
+    layout (dq, dk summed over each key head's value heads; linear gates: db / g, the
+    exact-zero rule's dz where g == 0)."""
+    import jax.numpy as jnp
+
+    dq, dk, dv, db, dbeta, *dz = outputs
+
+    def key_sum(x):  # [B, Hv, T, DK] -> [N, B, Hk, r, C, Dk] -> summed over r
+        return _rows_from_kernel(x, gates).sum(axis=3).reshape(q.shape)
+
+    if gate == "log":
+        dgates = _rows_from_kernel(db, gates)
+    else:
+        zero = gates == 0.0
+        dgates = jnp.where(zero, _rows_from_kernel(dz[0], gates),
+                           _rows_from_kernel(db, gates) / jnp.where(zero, 1.0, gates))
+    return (key_sum(dq), key_sum(dk), _rows_from_kernel(dv, v), dgates,
+            _per_step_from_kernel(dbeta, gates[..., 0]))
+
+
+@functools.cache
+def channel_grads(key: tuple, gate: str, scale: float):
+    """``grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC) -> (dq, dk, dv,
+    dgates, dbeta)``: the grads kernel (``grads`` of the backward template) of the loaded
+    per-channel kernels ``key`` in the chunk layout of `gdngen.algebra.chunkwise_channel`
+    (its ``backward_in_chunks``; q unscaled and dq its cotangent, gates in the convention
+    ``gate``)."""
+    kernels = LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    prepare = jit_pair(functools.partial(_channel_grads_layout, gate=gate, dk=p["dk"],
+                                         dv=p["dv"]), (), interpret)
+    finish = jit_pair(functools.partial(_channel_grads_outputs, gate=gate), (), interpret)
+
+    def grads(q, k, v, gates, beta, *rest):
+        outputs = call_jitted(kernels.run_grads, *call_jitted(prepare, q, k, v, gates, beta,
+                                                              *rest),
+                              scale=scale, linear=gate == "linear", interpret=interpret)
+        return call_jitted(finish, tuple(outputs), q, v, gates)
+
+    return grads
+
+
+@functools.cache
+def channel_core(key: tuple, gate, scale: float, qk_norm: bool, walks: tuple):
+    """The per-channel chunk core of `gdngen.backends.pallas.core.channel_core` on the loaded
+    per-channel kernels ``key`` (sha256, interpret mode): `channel_intra`, `channel_grads` and
+    ``walks``, the build's `chunk_walks`."""
+    kernels = LOADED[key]
+    convention = layer_inputs.convention(gate)
+    return pallas_core.channel_core(
+        channel_intra(key, convention, scale), channel_grads(key, convention, scale), walks,
+        gate, scale, qk_norm, kernels.interpret, kernels.params["save_states"])

@@ -34,6 +34,9 @@ from gdngen.backends.pallas.tpu.kernels import (
     mosaic_lowers_precision_high,
 )
 from gdngen.backends.pallas.tpu.vjp import (
+    channel_core,
+    channel_grads,
+    channel_intra,
     chunk_core,
     chunk_walks,
     entering_core,
@@ -44,13 +47,14 @@ from gdngen.backends.pallas.tpu.vjp import (
 __all__ = [
     "BACKEND", "CHUNK_SIZES", "INPUT_DTYPES", "LOADED", "LOG_GATE_FLOOR", "PLAIN_INPUTS",
     "POLICY_TOLERANCES", "PRECISIONS", "RECURRENT_BELOW", "RECURRENT_TIME_BLOCK", "SPEC",
-    "Config", "PallasTPU", "_default_interpret_mode", "chunk_core", "chunk_walks",
-    "clear_cache", "default_config", "entering_core", "gated_delta", "interpret_mode",
-    "interpreting", "kernel_params", "load_fused_kernels", "load_kernels",
-    "load_packed_kernels", "load_steps_kernels", "lower_check", "mosaic_lowers_precision_high",
-    "packed_core", "packed_gated_delta", "recurrent_forward", "recurrent_steps_forward",
-    "recurrent_vmem_bytes", "render_fused", "render_packed", "render_plan", "render_steps",
-    "run_kernel", "variant_space", "vmem_bytes", "walk_vmem_bytes",
+    "Config", "PallasTPU", "_default_interpret_mode", "channel_core", "channel_grads",
+    "channel_intra", "chunk_core", "chunk_walks", "clear_cache", "default_config",
+    "entering_core", "gated_delta", "interpret_mode", "interpreting", "kernel_params",
+    "load_fused_kernels", "load_kernels", "load_packed_kernels", "load_steps_kernels",
+    "lower_check", "mosaic_lowers_precision_high", "packed_core", "packed_gated_delta",
+    "recurrent_forward", "recurrent_steps_forward", "recurrent_vmem_bytes", "render_fused",
+    "render_packed", "render_plan", "render_steps", "run_kernel", "variant_space", "vmem_bytes",
+    "walk_vmem_bytes",
 ]
 
 
@@ -60,11 +64,15 @@ class PallasTPU(TPUKernels):
 
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("tpu",), "vmem_budget", "tpu-v5e"
-    caches = (chunk_core, packed_core, chunk_walks, entering_core)  # the module's functions
+    #: the module's functions
+    caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
+              channel_intra, channel_grads)
     #: the cores on a loaded build ``key`` (sha256, interpret), cached process-wide
     #: (`gdngen.backends.pallas.tpu.vjp`)
     chunk_core, packed_core = staticmethod(chunk_core), staticmethod(packed_core)
     chunk_walks, entering_core = staticmethod(chunk_walks), staticmethod(entering_core)
+    channel_core, channel_intra = staticmethod(channel_core), staticmethod(channel_intra)
+    channel_grads = staticmethod(channel_grads)
 
     def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v

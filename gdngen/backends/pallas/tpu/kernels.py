@@ -107,6 +107,7 @@ class TPUKernels(TPUPlanning):
             "vmem_limit_bytes": _vmem_limit(self.footprint(variant, problem)),
             "packed": False,  # `render_packed` sets it; off, the dense kernels render unchanged
             "per_channel": problem.gate == "vector",  # the chunk walks of chunkwise_channel
+            "log_gate_floor": repr(self.log_gate_floor),  # per channel: a zero gate's log
             **PLAIN_INPUTS,
         }
         return {"forward.py": ("pallas_tpu/forward.py.j2", context),
@@ -159,6 +160,15 @@ class TPUKernels(TPUPlanning):
             lowered["channel_walk_backward"] = lower(
                 kernels.backward.backward, chunk_values, chunk_keys, chunk_keys, chunk_values,
                 chunk_states, chunk_values, chunk_keys, dcc, state, interpret=False)
+            key_heads, column = spec((N, B, Hk, C, Dk), f32), spec((N, B, Hv, C, 1), f32)
+            square = spec((N, B, Hv, C, C), f32)
+            lowered["channel_intra"] = lower(kernels.forward.intra, key_heads, key_heads,
+                                             chunk_values, chunk_keys, column, **static)
+            for name, linear in (("channel_grads", False), ("channel_grads_linear", True)):
+                lowered[name] = lower(
+                    kernels.backward.grads, key_heads, key_heads, chunk_values, chunk_keys,
+                    column, chunk_values, square, square, chunk_values, chunk_values,
+                    chunk_keys, chunk_keys, chunk_keys, dcc, linear=linear, **static)
             return _check_lowered(lowered)
         lowered |= {
             "forward": lower(kernels.forward.forward, key, key, values, g_col, g_row, g_col,

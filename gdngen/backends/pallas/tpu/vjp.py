@@ -1,8 +1,8 @@
 """pallas_tpu's custom-VJP side: the chunk layout of `gdngen.algebra.chunkwise` to and from the
 kernels' ``[B, Hv, N, C, ...]`` blocks, the kernels' gradients to cotangents, and the cores
 built on a loaded build (keyed by ``(sha256, interpret)``, cached process-wide): `chunk_core`,
-`entering_core`, `packed_core`, `chunk_walks`. `run_kernel` runs a kernel with the interpret
-mode's race check."""
+`entering_core`, `packed_core`, `chunk_walks`, `channel_intra`, `channel_grads`,
+`channel_core`. `run_kernel` runs a kernel with the interpret mode's race check."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from gdngen import jaxcompat
 from gdngen.algebra import layer_inputs
 from gdngen.backends import generated
 from gdngen.backends.kernel_inputs import KernelInputs
+from gdngen.backends.pallas import core as pallas_core
 from gdngen.backends.pallas.core import (
     call_jitted,
     call_sequential_under_vmap,
@@ -352,6 +353,119 @@ def chunk_walks(key: tuple):
                 dqd.reshape(Qd.shape), dkc.reshape(Kc.shape), ddcc.reshape(dCC.shape), dJ)
 
     return walk_forward, walk_backward
+
+
+
+def _channel_intra_layout(q, k, v, gates, beta, *, gate):
+    """The intra-chunk kernel's inputs from the chunk layout (q, k [N, B, Hk, (1,) C, Dk]; v,
+    gates, beta [N, B, Hk, r, C, ...]): the value heads merged, the gates as finite log gates
+    (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way), beta a column."""
+    import jax.numpy as jnp
+
+    def keys(x):
+        return x.reshape(x.shape[:3] + x.shape[-2:])
+
+    log_gates = gates if gate == "log" else jnp.log(gates)
+    return (keys(q), keys(k), _heads_merged(v, 2),
+            _heads_merged(jnp.maximum(log_gates, LOG_GATE_FLOOR), 2),
+            _heads_merged(beta, 2)[..., None])
+
+
+def _channel_intra_outputs(outputs, Hk):
+    """The intra-chunk kernel's outputs [N, B, Hv, ...] -> chunk layout [N, B, Hk, r, ...] (dCC
+    [N, B, Hk, r, Dk])."""
+    *square, dcc = outputs
+
+    def split(x):
+        return x.reshape(x.shape[:2] + (Hk, x.shape[2] // Hk) + x.shape[3:])
+
+    return (*(split(x) for x in square), split(dcc)[..., 0, :])
+
+
+@functools.cache
+def channel_intra(key: tuple, gate: str, scale: float):
+    """``intra(q, k, v, gates, beta) -> (U, Wk, Kc, Qd, Pm, M_kk, T, dCC)``: the intra-chunk
+    kernel (``intra`` of the forward template) of the loaded per-channel kernels ``key``
+    (sha256, interpret parameters) in the chunk layout of `gdngen.algebra.chunkwise_channel`
+    (float32; q unscaled, ``scale`` applied in the kernel; gates in the convention ``gate``):
+    the stages of its ``forward`` before the walk."""
+    kernels = LOADED[key]
+    interpret = kernels.interpret
+    prepare = jit_pair(functools.partial(_channel_intra_layout, gate=gate), (), interpret)
+    finish = jit_pair(_channel_intra_outputs, ("Hk",), interpret)
+
+    def intra(q, k, v, gates, beta):
+        outputs = run_kernel(kernels.run_intra, *call_jitted(prepare, q, k, v, gates, beta),
+                             scale=scale, what="per-channel intra-chunk", interpret=interpret)
+        return call_jitted(finish, tuple(outputs), Hk=q.shape[2])
+
+    return intra
+
+
+def _channel_grads_layout(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC, *,
+                          gate):
+    """The grads kernel's inputs from the chunk layout: `_channel_intra_layout`'s five, then
+    the value-head arrays merged (ddCC [N, B, Hv, 1, Dk])."""
+    merged = (_heads_merged(x, 2) for x in (W, Tinv, Mkk, dY, dW, dWk, dQd, dKc))
+    return (*_channel_intra_layout(q, k, v, gates, beta, gate=gate), *merged,
+            _heads_merged(ddCC, 2)[..., None, :])
+
+
+def _channel_grads_outputs(outputs, q, gates, gate):
+    """The grads kernel's outputs -> the cotangents of ``(q, k, v, gates, beta)`` in the chunk
+    layout (dq, dk summed over each key head's value heads; linear gates: db / g, the
+    exact-zero rule's dz where g == 0)."""
+    import jax.numpy as jnp
+
+    dq, dk, dv, db, dbeta, *dz = outputs
+    Hk = q.shape[2]
+
+    def split(x):
+        return x.reshape(x.shape[:2] + (Hk, x.shape[2] // Hk) + x.shape[3:])
+
+    def key_sum(x):
+        return split(x).sum(axis=3).reshape(q.shape)
+
+    if gate == "log":
+        dgates = split(db)
+    else:
+        zero = gates == 0.0
+        dgates = jnp.where(zero, split(dz[0]), split(db) / jnp.where(zero, 1.0, gates))
+    return key_sum(dq), key_sum(dk), split(dv), dgates, split(dbeta)[..., 0]
+
+
+@functools.cache
+def channel_grads(key: tuple, gate: str, scale: float):
+    """``grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC) -> (dq, dk, dv,
+    dgates, dbeta)``: the grads kernel (``grads`` of the backward template) of the loaded
+    per-channel kernels ``key`` in the chunk layout of `gdngen.algebra.chunkwise_channel`
+    (its ``backward_in_chunks``; q unscaled and dq its cotangent, gates in the convention
+    ``gate``)."""
+    kernels = LOADED[key]
+    interpret = kernels.interpret
+    prepare = jit_pair(functools.partial(_channel_grads_layout, gate=gate), (), interpret)
+    finish = jit_pair(functools.partial(_channel_grads_outputs, gate=gate), (), interpret)
+
+    def grads(q, k, v, gates, beta, *rest):
+        outputs = run_kernel(kernels.run_grads, *call_jitted(prepare, q, k, v, gates, beta,
+                                                             *rest),
+                             scale=scale, linear=gate == "linear",
+                             what="per-channel intra-chunk backward", interpret=interpret)
+        return call_jitted(finish, tuple(outputs), q, gates)
+
+    return grads
+
+
+@functools.cache
+def channel_core(key: tuple, gate, scale: float, qk_norm: bool, walks: tuple):
+    """The per-channel chunk core of `gdngen.backends.pallas.core.channel_core` on the loaded
+    per-channel kernels ``key`` (sha256, interpret parameters): `channel_intra`,
+    `channel_grads` and ``walks``, the build's `chunk_walks`."""
+    kernels = LOADED[key]
+    convention = layer_inputs.convention(gate)
+    return pallas_core.channel_core(
+        channel_intra(key, convention, scale), channel_grads(key, convention, scale), walks,
+        gate, scale, qk_norm, kernels.interpret, kernels.params["save_states"])
 
 
 # ----------------------------------------------------------------------------- entry point
