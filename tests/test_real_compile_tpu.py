@@ -125,6 +125,24 @@ def test_footprint_model_admits_what_fits(device):
     assert report.vmem_used <= 1.25 * predicted, (largest, report.vmem_used, predicted)
 
 
+def test_per_channel_footprint_model_admits_what_fits():
+    """Per-channel gates: the largest admitted variant (its intra-chunk kernel and that
+    kernel's VJP the largest, `channel_stage_vmem_bytes`) compiles for v5e within the model's
+    25% margin."""
+    from gdngen.backends.pallas import tpu as pallas_tpu
+
+    _available("tpu-v5e")
+    problem = Problem(32, 32, 128, 128, "float32", "vector")
+    space = registry.variants("pallas_tpu", problem, "tpu-v5e")
+    largest = max(space, key=lambda v: pallas_tpu.vmem_bytes(v, problem))
+    predicted = pallas_tpu.vmem_bytes(largest, problem)
+    assert predicted == pallas_tpu.SPEC.channel_stage_vmem_bytes(largest, problem)
+    report = compilers.compile_variant(largest, problem, "tpu-v5e", T=256,
+                                       only=("chunk_fwd_bwd",))
+    _check_report(report, "tpu-v5e")
+    assert report.vmem_used <= 1.25 * predicted, (largest, report.vmem_used, predicted)
+
+
 def test_tpu7x_topology_is_four_dual_core_chips():
     """``tpu7x:2x2x1``: 4 TPU7x chips of two TensorCores, each TensorCore its own jax device
     (Ironwood's dual-chiplet layout); the registry's VMEM and MXU are jax's for "TPU7x"."""

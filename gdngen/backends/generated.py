@@ -102,15 +102,26 @@ def entering_forward(call, chunk_size: int, core, *, core_scales: bool):
     return chunk_forward
 
 
-def walk_chunk_forward(call, chunk_size: int, walk):
+def walk_chunk_forward(call, chunk_size: int, walk, intra=None):
     """`entering_forward` of per-channel gates whose sequential stage is a backend's walk
     kernel (``walk``: `gdngen.algebra.chunkwise_channel.walk_forward`'s contract): the entering
-    states are the ones the kernel's walk writes."""
+    states are the ones the kernel's walk writes. ``intra``: the backend's intra-chunk kernel
+    (``intra(q, k, v, log_gates, beta) -> (U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC)``, q scaled
+    before it: `gdngen.backends.pallas.core.channel_core`'s), the stages before the walk;
+    None: `gdngen.algebra.chunkwise_channel`'s."""
     from gdngen.algebra import states
 
     xp = fallback.ops(call.framework).XP
-    return entering_forward(call, chunk_size, states.entering_core(xp, "log", walk=walk),
-                            core_scales=False)
+    if intra is None:
+        return entering_forward(call, chunk_size, states.entering_core(xp, "log", walk=walk),
+                                core_scales=False)
+
+    def core(q, k, v, log_g, beta, S0):
+        U, Wk, Kc, Qd, Pm, _, _, dCC = intra(q, k, v, log_g, beta)
+        Y, S_final, S_in, _ = walk(xp, S0, U, Wk, Kc, Qd, Pm, dCC)
+        return Y, S_final, S_in
+
+    return entering_forward(call, chunk_size, core, core_scales=False)
 
 
 def kernel_steps(call, operands, recurrent):
@@ -261,54 +272,28 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
 # ------------------------------------------------------------------------------ packed walks
 
 
-def packed_channel_row(framework: str, q, k, v, g, beta, initial_state, mask, cu_seqlens, *,
-                       scale, gate, chunk_size, save_states, walks, solve_block=8):
-    """A packed row of per-channel gates (`gdngen.algebra.packed`) on a generated backend's
-    packed chunk walks: the portable packed algebra of ``framework`` (its chunk stages in
+def packed_channel_row(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
+                       chunk_size, save_states, walks, solve_block=8):
+    """A packed row of per-channel gates (`gdngen.algebra.packed`) on MLX with a generated
+    backend's packed chunk walks (metal's): the portable packed algebra (its chunk stages in
     `gdngen.algebra.chunkwise_channel`) with ``walks`` = ``(walk_forward, walk_backward)``,
     the packed build's, which take ``inject`` / ``dS_in`` (zeros where None): the row's walk
     and each sequence's one-chunk calls. Float32 arrays, q ``[1, T, Hk, Dk]``, g ``[1, T, Hv,
     Dk]`` (its convention ``gate``), ``initial_state [N, Hv, Dv, Dk]`` or None; returns ``(y
-    [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``; jitted on JAX. The portable modules are
-    not changed by it (their text keys the portable backends' tuned entries)."""
-    row = _jax_packed_channel_row() if framework == "jax" else functools.partial(
-        _packed_channel_row, "mlx")
-    return row(q, k, v, g, beta, initial_state, mask, cu_seqlens, scale=scale, gate=gate,
-               chunk_size=chunk_size, save_states=save_states, walks=walks,
-               solve_block=solve_block)
-
-
-@functools.cache
-def _jax_packed_channel_row():
-    import jax
-
-    return jax.jit(functools.partial(_packed_channel_row, "jax"),
-                   static_argnames=("scale", "gate", "chunk_size", "save_states", "walks",
-                                    "solve_block"))
-
-
-def _packed_channel_row(framework, q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale,
-                        gate, chunk_size, save_states, walks, solve_block):
+    [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``. The portable modules are not changed by it
+    (their text keys the portable backends' tuned entries). (The Pallas backends run their
+    packed build's intra-chunk kernels too: `gdngen.backends.pallas.core.channel_walk_core`.)"""
     from gdngen.algebra import packed
 
-    ops = fallback.ops(framework)
-    if framework == "jax":
-        packed_core = _jax_walk_core()
+    ops = fallback.ops("mlx")
+    core = ops.chunk_core(gate, solve_block, save_states, walks)
+    packed_core = _mlx_walk_core(gate, solve_block, save_states, walks)
 
-        def dense_core(*arrays):
-            return ops.chunk_core(*arrays, gate, solve_block, save_states, None, walks)
+    def dense_core(*arrays):
+        return core(*arrays)[:2]
 
-        def walk_core(*arrays):
-            return packed_core(*arrays, gate, solve_block, save_states, walks)
-    else:
-        core = ops.chunk_core(gate, solve_block, save_states, walks)
-        packed_core = _mlx_walk_core(gate, solve_block, save_states, walks)
-
-        def dense_core(*arrays):
-            return core(*arrays)[:2]
-
-        def walk_core(*arrays):
-            return packed_core(*arrays)[:2]
+    def walk_core(*arrays):
+        return packed_core(*arrays)[:2]
 
     def dense(q, k, v, g, beta, S0, mask):
         return chunkwise.whole_sequence(ops.XP, dense_core, q, k, v, g, beta, S0, mask,
@@ -320,53 +305,12 @@ def _packed_channel_row(framework, q, k, v, g, beta, initial_state, mask, cu_seq
 
 
 @functools.cache
-def _jax_walk_core():
-    """``core(q, k, v, gates, beta, inject, gate, solve_block, save_states, walks) -> (Y,
-    S_in)``: the chunk walk of a packed row from a zero state (chunk layout), ``inject`` added
-    to the state leaving each chunk, on ``walks``; a ``jax.custom_vjp`` whose backward is
-    `gdngen.algebra.chunkwise_channel.backward` with ``dS_in`` on the same walks."""
-    import jax
-    import jax.numpy as jnp
-
-    from gdngen.algebra import chunkwise_channel
-    from gdngen.backends.portable.jax_chunkwise import FLOAT32_MATMULS, XP
-
-    def run(q, k, v, gates, beta, inject, gate, solve_block, walks):
-        with FLOAT32_MATMULS:
-            return chunkwise_channel.forward(
-                XP, q, k, v, gates, beta, jnp.zeros(inject.shape[1:], jnp.float32), gate=gate,
-                solve_block=solve_block, inject=inject, walk=walks[0])
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-    def core(q, k, v, gates, beta, inject, gate, solve_block, save_states, walks):
-        Y, _, residuals = run(q, k, v, gates, beta, inject, gate, solve_block, walks)
-        return Y, residuals[0]
-
-    def core_fwd(q, k, v, gates, beta, inject, gate, solve_block, save_states, walks):
-        Y, _, residuals = run(q, k, v, gates, beta, inject, gate, solve_block, walks)
-        return (Y, residuals[0]), (q, k, v, gates, beta, inject,
-                                   residuals if save_states else None)
-
-    def core_bwd(gate, solve_block, save_states, walks, saved, cotangents):
-        q, k, v, gates, beta, inject, residuals = saved
-        if residuals is None:
-            residuals = run(q, k, v, gates, beta, inject, gate, solve_block, walks)[2]
-        with FLOAT32_MATMULS:
-            dq, dk, dv, dgates, dbeta, _, dinject = chunkwise_channel.backward(
-                XP, q, k, v, gates, beta, residuals, cotangents[0],
-                jnp.zeros(inject.shape[1:], jnp.float32), gate=gate, dS_in=cotangents[1],
-                walk=walks[1])
-        return dq, dk, dv, dgates, dbeta, dinject
-
-    core.defvjp(core_fwd, core_bwd)
-    return core
-
-
-@functools.cache
 def _mlx_walk_core(gate, solve_block, save_states, walks):
-    """The MLX twin of `_jax_walk_core` as an ``mx.custom_function``: ``(q, k, v, gates, beta,
-    inject) -> (Y, S_in, *other residuals)`` on ``walks``, the backward's chunk-local stages in
-    groups (`gdngen.backends.portable.mlx_chunkwise.CHUNK_GROUP`)."""
+    """``core(q, k, v, gates, beta, inject) -> (Y, S_in, *other residuals)``: the chunk walk of
+    a packed row from a zero state (chunk layout), ``inject`` added to the state leaving each
+    chunk, on ``walks``, as an ``mx.custom_function`` whose backward is
+    `gdngen.algebra.chunkwise_channel.backward` with ``dS_in`` on the same walks, its
+    chunk-local stages in groups (`gdngen.backends.portable.mlx_chunkwise.CHUNK_GROUP`)."""
     import mlx.core as mx
 
     from gdngen.algebra import chunkwise_channel

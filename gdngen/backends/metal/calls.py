@@ -237,7 +237,7 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     if call.vector_gate:
         walks = ChannelWalks(variant, problem, launcher, templates, packed=True)
         y, state = generated.packed_channel_row(
-            "mlx", *(x.astype(f32) for x in (q, k, v, g, beta)),
+            *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
             scale=scale, gate=gate, chunk_size=variant["chunk_size"],
             save_states=variant["save_states"], walks=(walks.forward, walks.backward))

@@ -161,9 +161,8 @@ class PallasBackend(Backend):
                 run_recurrent=jit_pair(rec.recurrent, SCALED, interpret),
                 run_forward=jit_pair(fwd.forward, walk, interpret),
                 run_backward=jit_pair(bwd.backward, walk, interpret))
-            if problem.gate == "vector" and hasattr(fwd, "intra"):
+            if problem.gate == "vector":
                 kernels.run_intra = jit_pair(fwd.intra, SCALED, interpret)
-            if problem.gate == "vector" and hasattr(bwd, "grads"):
                 kernels.run_grads = jit_pair(bwd.grads, SCALED + ("linear",), interpret)
             self.add_recompute(kernels)
             self.loaded[key] = kernels
@@ -189,8 +188,9 @@ class PallasBackend(Backend):
 
     def load_packed_kernels(self, variant, problem, *, templates_dir=None):
         """`render_packed`, loaded (cached as `load_kernels`): ``forward``, ``backward``,
-        ``run_forward``, ``run_backward`` (vector gates: the chunk walks, ``interpret`` only),
-        the recomputing walk of `add_recompute`, ``packed`` True."""
+        ``run_forward``, ``run_backward`` (vector gates: the chunk walks, ``interpret`` only,
+        and ``run_intra``, ``run_grads`` as `load_kernels`'), the recomputing walk of
+        `add_recompute`, ``packed`` True."""
         rendered = self.render_packed(variant, problem, templates_dir=templates_dir)
         interpret = self.interpret_mode()
         key = (rendered.sha256, interpret)
@@ -202,6 +202,9 @@ class PallasBackend(Backend):
                                       run_forward=jit_pair(fwd.forward, walk, interpret),
                                       run_backward=jit_pair(bwd.backward, walk, interpret),
                                       packed=True)
+            if problem.gate == "vector":
+                kernels.run_intra = jit_pair(fwd.intra, SCALED, interpret)
+                kernels.run_grads = jit_pair(bwd.grads, SCALED + ("linear",), interpret)
             self.add_recompute(kernels)
             self.loaded[key] = kernels
         return self.loaded[key]
@@ -363,13 +366,13 @@ class PallasBackend(Backend):
     def packed(self, call, operands, variant, templates_dir=None):
         """A packed row (`gdngen.algebra.packed`), float32 inside: scalar gates, the row's chunk
         walk on the packed build (`packed_core`), each sequence's one-chunk calls on
-        `chunk_forward`; per-channel gates, the portable packed algebra with the packed build's
-        chunk walks (`chunk_walks`, `gdngen.backends.generated.packed_channel_row`). Returns
+        `chunk_forward`; per-channel gates, the packed build's per-channel cores (the row's
+        walk `channel_walk_core`, the sequences' calls `channel_core`: its intra-chunk kernels
+        and `chunk_walks`). Returns
         ``(y [1, T, Hv, Dv] in q's dtype, final_state [N, Hv, Dv, Dk] float32)``."""
         import jax.numpy as jnp
 
         from gdngen.algebra import packed
-        from gdngen.backends import generated
         from gdngen.backends.portable.jax_chunkwise import XP
 
         gate = call.decay
@@ -379,23 +382,25 @@ class PallasBackend(Backend):
         chunk = kernels.params["chunk_size"]
         f32 = jnp.float32
         q, k, v, g, beta, initial_state, mask, _, _, cu_seqlens = operands[:10]
-        if call.vector_gate:
-            y, state = generated.packed_channel_row(
-                "jax", *(x.astype(f32) for x in (q, k, v, g, beta)),
-                None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
-                scale=call.scale, gate=gate, chunk_size=chunk,
-                save_states=kernels.params["save_states"],
-                walks=self.chunk_walks((kernels.sha256, kernels.interpret)))
-            return y.astype(q.dtype), state
+        key = (kernels.sha256, kernels.interpret)
+        if call.vector_gate:  # the packed build's intra-chunk kernels and walks
+            walks = self.chunk_walks(key)
+            dense_core = self.channel_core(key, gate, call.scale, False, walks)
 
-        def dense(q, k, v, g, beta, S0, mask):
-            return self.chunk_forward(
-                call.for_arrays(q, v, packed=False),
-                operands._replace(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0, mask=mask,
-                                  cu_seqlens=None), variant, templates_dir)
+            def dense(q, k, v, g, beta, S0, mask):
+                return chunkwise.whole_sequence(XP, dense_core, q, k, v, g, beta, S0, mask,
+                                                scale=1.0, gate=gate, chunk_size=chunk)
 
-        walk = packed.chunk_walk(XP, self.packed_core((kernels.sha256, kernels.interpret), gate),
-                                 scale=call.scale, gate=gate, chunk_size=chunk)
+            walk_core = self.channel_walk_core(key, gate, walks)
+        else:
+            def dense(q, k, v, g, beta, S0, mask):
+                return self.chunk_forward(
+                    call.for_arrays(q, v, packed=False),
+                    operands._replace(q=q, k=k, v=v, g=g, beta=beta, initial_state=S0,
+                                      mask=mask, cu_seqlens=None), variant, templates_dir)
+
+            walk_core = self.packed_core(key, gate)
+        walk = packed.chunk_walk(XP, walk_core, scale=call.scale, gate=gate, chunk_size=chunk)
         y, state = packed.packed_row(
             XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
@@ -419,7 +424,8 @@ class PallasBackend(Backend):
     def chunks(self, call, operands, variant, templates_dir=None):
         """Chunk-boundary states from the chunk kernels' walk
         (`gdngen.backends.generated.kernel_chunks`): scalar gates the ``save_states`` forward's
-        entering states (`entering_core`), per-channel gates the walk kernel (`chunk_walks`)."""
+        entering states (`entering_core`), per-channel gates the intra-chunk kernel
+        (`channel_intra`) and the walk kernel (`chunk_walks`)."""
         from gdngen.backends import generated
 
         self.interpret_mode()  # decided (and warned about) at the caller's frame
@@ -427,8 +433,9 @@ class PallasBackend(Backend):
         if call.shape.vector_gate:
             kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
             C = kernels.params["chunk_size"]
-            walk = self.chunk_walks((kernels.sha256, kernels.interpret))[0]
-            chunk_forward = generated.walk_chunk_forward(call, C, walk)
+            key = (kernels.sha256, kernels.interpret)
+            chunk_forward = generated.walk_chunk_forward(
+                call, C, self.chunk_walks(key)[0], intra=self.channel_intra(key, "log", 1.0))
         else:
             kernels = self.load_kernels(variant.replace(save_states=True), problem,
                                         templates_dir=templates_dir)

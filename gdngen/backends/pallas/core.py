@@ -99,6 +99,49 @@ def fused_gate_specs(inputs, Hv: int, Dk: int, vector_gate: bool) -> tuple:
     return (parameter, parameter, *bound)
 
 
+def _channel_stages(intra, grads, walks, gate: str, scale: float, interpret, save_states):
+    """``(forward, backward)`` of the per-channel chunk cores below on the kernels ``intra``,
+    ``grads`` and ``walks``: ``forward(q, k, v, gates, beta, S0, inject) -> ((Y, S_final,
+    S_in), saved)`` and ``backward(primals, saved, dY, dS_final, dS_in) -> (dq, dk, dv,
+    dgates, dbeta, dS0, dinject)`` (``inject`` / ``dS_in`` None on a dense walk; q unscaled,
+    gates in the convention ``gate``)."""
+    import jax.numpy as jnp
+
+    from gdngen.algebra import chunkwise_channel as channel
+    from gdngen.backends.portable.jax_chunkwise import FLOAT32_MATMULS, XP
+
+    walk_forward, walk_backward = walks
+
+    def forward(q, k, v, gates, beta, S0, inject):
+        U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = intra(q, k, v, gates, beta)
+        Y, S_final, S_in, W = walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC, inject)
+        return (Y, S_final, S_in), ((S_in, W, Tinv, Wk, Pm, Mkk) if save_states else None)
+
+    def backward_walk(q, k, gates, residuals, dY, dS_final, dS_in):
+        S_in, W, _, Wk, Pm, _ = residuals
+        with FLOAT32_MATMULS:
+            D0, DC, dCC = channel.chunk_segments(XP, channel._linear(XP, gates, gate),
+                                                 channel.PRODUCT)
+            return walk_backward(XP, dS_final, channel._T(Pm) @ dY, k[..., None, :, :] * DC,
+                                 Wk, W, S_in, dY, (q * scale)[..., None, :, :] * D0, dCC, dS_in)
+
+    run_walk = jit_pair(backward_walk, (), interpret)
+
+    def backward(primals, saved, dY, dS_final, dS_in):
+        q, k, v, gates, beta = primals[:5]
+        if saved is None:
+            saved = forward(*primals)[1]
+        if dS_final is None:
+            dS_final = jnp.zeros(saved[0].shape[1:], jnp.float32)
+        dS0, dW, dWk, dQd, dKc, ddCC, dinject = call_jitted(run_walk, q, k, gates, saved, dY,
+                                                           dS_final, dS_in)
+        _, W, Tinv, _, _, Mkk = saved
+        return (*grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC), dS0,
+                dinject)
+
+    return forward, backward
+
+
 def channel_core(intra, grads, walks, gate, scale: float, qk_norm: bool, interpret,
                  save_states: bool = True):
     """The per-channel chunk core ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` of a Pallas
@@ -115,39 +158,71 @@ def channel_core(intra, grads, walks, gate, scale: float, qk_norm: bool, interpr
     ``grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC) -> (dq, dk, dv,
     dgates, dbeta)``, the backend's kernel of `chunkwise_channel.backward_in_chunks` (dq of the
     unscaled q)."""
-    from gdngen.algebra import chunkwise_channel as channel
     from gdngen.backends import generated
-    from gdngen.backends.portable.jax_chunkwise import FLOAT32_MATMULS, XP
 
     parameter_gate, gate = gate, layer_inputs.convention(gate)
-    walk_forward, walk_backward = walks
+    stages = _channel_stages(intra, grads, walks, gate, scale, interpret, save_states)
 
     def forward(primals):
-        q, k, v, gates, beta, S0 = primals
-        U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = intra(q, k, v, gates, beta)
-        Y, S_final, S_in, W = walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
-        return (Y, S_final), ((S_in, W, Tinv, Wk, Pm, Mkk) if save_states else None)
-
-    def backward_walk(primals, residuals, cotangents):
-        q, k, _, gates, _, _ = primals
-        S_in, W, _, Wk, Pm, _ = residuals
-        dY, dS_final = cotangents
-        with FLOAT32_MATMULS:
-            D0, DC, dCC = channel.chunk_segments(XP, channel._linear(XP, gates, gate),
-                                                 channel.PRODUCT)
-            dS0, dW, dWk, dQd, dKc, ddCC, _ = walk_backward(
-                XP, dS_final, channel._T(Pm) @ dY, k[..., None, :, :] * DC, Wk, W, S_in, dY,
-                (q * scale)[..., None, :, :] * D0, dCC)
-        return dS0, dW, dWk, dQd, dKc, ddCC
-
-    run_walk = jit_pair(backward_walk, (), interpret)
+        (Y, S_final, _), saved = stages[0](*primals, None)
+        return (Y, S_final), saved
 
     def backward(primals, saved, cotangents):
-        if saved is None:
-            saved = forward(primals)[1]
-        dS0, *walked = call_jitted(run_walk, primals, saved, cotangents)
-        q, k, v, gates, beta, _ = primals
-        _, W, Tinv, _, _, Mkk = saved
-        return (*grads(q, k, v, gates, beta, W, Tinv, Mkk, cotangents[0], *walked), dS0)
+        return stages[1](primals + (None,), saved, *cotangents, None)[:6]
 
     return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)
+
+
+def channel_walk_core(intra, grads, walks, gate, interpret, save_states: bool = True):
+    """``core(q, k, v, gates, beta, inject) -> (Y, S_in)``: the chunk walk of a packed row of
+    per-channel gates (`gdngen.algebra.packed.chunk_walk`'s ``packed_core``; chunk layout, q
+    already scaled) on a packed build: `channel_core`'s kernels from a zero state, with
+    ``inject`` [N, B, Hk, r, Dv, Dk] added to the state leaving each chunk (the packed build's
+    ``walks`` take it) and the entering states S_in an output; its VJP takes their cotangent
+    (``dS_in`` of the reverse walk) and gives ``inject``'s."""
+    import jax.numpy as jnp
+
+    from gdngen.backends import generated
+
+    stages = _channel_stages(intra, grads, walks, gate, 1.0, interpret, save_states)
+
+    def zero_state(inject):
+        return jnp.zeros(inject.shape[1:], jnp.float32)
+
+    def forward(primals):
+        *arrays, inject = primals
+        (Y, _, S_in), saved = stages[0](*arrays, zero_state(inject), inject)
+        return (Y, S_in), saved
+
+    def backward(primals, saved, cotangents):
+        *arrays, inject = primals
+        dY, dS_in = cotangents
+        *grads_, _, dinject = stages[1]((*arrays, zero_state(inject), inject), saved, dY, None,
+                                        dS_in)
+        return (*grads_, dinject)
+
+    return generated.custom_vjp_core(forward, backward)
+
+
+def channel_cores(loaded: dict, channel_intra, channel_grads):
+    """A Pallas backend's ``(channel_core, channel_walk_core)``, each cached process-wide by
+    its arguments: `channel_core` / `channel_walk_core` on the loaded per-channel build ``key``
+    (sha256, interpret) of ``loaded``, with the backend's kernels ``channel_intra(key, gate,
+    scale)`` and ``channel_grads(key, gate, scale)`` and ``walks``, the build's chunk walks
+    (the packed build's for `channel_walk_core`, whose q arrives scaled)."""
+    import functools
+
+    @functools.cache
+    def core(key: tuple, gate, scale: float, qk_norm: bool, walks: tuple):
+        kernels, convention = loaded[key], layer_inputs.convention(gate)
+        return channel_core(channel_intra(key, convention, scale),
+                            channel_grads(key, convention, scale), walks, gate, scale, qk_norm,
+                            kernels.interpret, kernels.params["save_states"])
+
+    @functools.cache
+    def walk_core(key: tuple, gate: str, walks: tuple):
+        kernels = loaded[key]
+        return channel_walk_core(channel_intra(key, gate, 1.0), channel_grads(key, gate, 1.0),
+                                 walks, gate, kernels.interpret, kernels.params["save_states"])
+
+    return core, walk_core

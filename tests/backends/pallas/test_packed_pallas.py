@@ -180,10 +180,10 @@ PACKED_VECTOR = Case("packed_vector_small", "per-channel packed row, three seque
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_channel_packed_rows_run_the_packed_walks(backend, monkeypatch):
-    """A per-channel packed row runs the packed build's chunk walks (``inject`` / ``dS_in``
-    taken in the kernels) between the shared jnp stages, not the portable path, and matches
-    float64 (log gates here; both conventions and the packed_vector case: test_packed.py's
-    slow cases)."""
+    """A per-channel packed row runs the packed build's kernels (the intra-chunk kernel and
+    its VJP's, the chunk walks taking ``inject`` / ``dS_in``), not the portable path, and
+    matches float64 (log gates here; both conventions and the packed_vector case:
+    test_packed.py's slow cases)."""
     from gdngen.backends import fallback
 
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
@@ -192,10 +192,16 @@ def test_per_channel_packed_rows_run_the_packed_walks(backend, monkeypatch):
     monkeypatch.setattr(spec, "packed", lambda *a, **k: native.append(1) or
                         type(spec).packed(spec, *a, **k))
     monkeypatch.setattr(fallback, "packed", lambda *a, **k: portable.append(1))
+    cores = []
+    for hook in ("channel_core", "channel_walk_core"):
+        original = getattr(type(spec), hook)
+        monkeypatch.setattr(type(spec), hook, staticmethod(
+            lambda *key, hook=hook, original=original: cores.append(hook) or original(*key)))
     result = validate.check_case(backend, PACKED_VECTOR, gates=("log",))
     assert result.passed, result.errors
     assert set(result.errors) >= QUANTITIES - {"dg_linear"}, result.errors
     assert native and not portable
+    assert {"channel_core", "channel_walk_core"} <= set(cores)  # the kernels' intra stages
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -241,13 +241,13 @@ DEFAULT_SHA256 = {
     ("pallas_tpu", Problem(16, 32, 128, 128)):
         "0f4526253a1e3641673f8293cf65e387ceef49242228b0b30ef24af835ebc993",
     ("pallas_tpu", Problem(32, 32, 128, 128, gate="vector")):
-        "65c4d5b06365e6af42a031f65b64487eee8c20ae0c385bc0aad0925ddab8ab75",
+        "7e8cb7869184d7924a947c8af45e261d7ef178277568e61da6854a9a283bb375",
     ("pallas_tpu", Problem(1, 3, 128, 128, "bfloat16")):
         "ec1e92b5a51e2634e4f7adb79f4326fa1c71770c1de6354e30e14746e748becd",
     ("pallas_gpu", Problem(16, 32, 128, 128)):
         "0983b0787384746f7795f9b7ae45f071252f902407c072d6aab5813aeb0d0286",
     ("pallas_gpu", Problem(32, 32, 128, 128, gate="vector")):
-        "82e2498f587799feb75889f737aa658313ca948875472a7b995f3c92f37d60cd",
+        "3246dd1d805ef0e2f7300b848b97864787f4f62f8789545085bd926838c3bf7e",
     ("pallas_gpu", Problem(1, 3, 128, 128, "bfloat16")):
         "23dac634b8c82754a3b7ba40ea913d0e6ab450b09d49fb2558769b358ceb12b3",
 }

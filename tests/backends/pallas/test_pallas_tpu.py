@@ -201,7 +201,10 @@ def test_channel_walks_match_the_portable_walks():
         *pallas_tpu.chunk_walks((kernels.sha256, kernels.interpret)), (3, 2, 1, 2, 32, 32, 256))
 
 
-@pytest.mark.parametrize("gate, chunk", [("log", 32), ("linear", 64)])
+@pytest.mark.parametrize("gate, chunk", [
+    ("linear", 32),  # the exact-zero rule too
+    pytest.param("log", 64, marks=pytest.mark.slow),  # eight sub-chunks
+])
 def test_channel_intra_and_grads_match_the_float64_stages(gate, chunk):
     """The intra-chunk kernel (decay factors, decayed products in sub-chunks of 8 steps, the
     exact triangular inverse, the WY form) and its VJP's (the straddle sums, the exact-zero

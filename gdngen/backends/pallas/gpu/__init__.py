@@ -44,6 +44,7 @@ from gdngen.backends.pallas.gpu.vjp import (
     channel_core,
     channel_grads,
     channel_intra,
+    channel_walk_core,
     chunk_core,
     chunk_walks,
     entering_core,
@@ -56,13 +57,13 @@ __all__ = [
     "BACKEND", "CHUNK_SIZES", "ENV_INTERPRET", "INPUT_DTYPES", "LOADED", "LOG_GATE_FLOOR",
     "NUM_STAGES", "NUM_WARPS", "PLAIN_INPUTS", "POLICY_TOLERANCES", "PRECISIONS",
     "RECURRENT_BELOW", "SPEC", "TILES", "Config", "PallasGPU", "_default_interpret_mode",
-    "channel_core", "channel_grads", "channel_intra", "chunk_core", "chunk_walks",
-    "clear_cache", "compiling_for_gpu", "default_config", "entering_core", "gated_delta",
-    "interpret_mode", "interpreting", "kernel_params", "load_fused_kernels", "load_kernels",
-    "load_packed_kernels", "load_steps_kernels", "lower_check", "numerics_key", "packed_core",
-    "packed_gated_delta", "padded_dim", "recurrent_forward", "recurrent_steps_forward",
-    "render_fused", "render_packed", "render_plan", "render_steps", "shared_memory_bytes",
-    "tiles", "variant_space",
+    "channel_core", "channel_grads", "channel_intra", "channel_walk_core", "chunk_core",
+    "chunk_walks", "clear_cache", "compiling_for_gpu", "default_config", "entering_core",
+    "gated_delta", "interpret_mode", "interpreting", "kernel_params", "load_fused_kernels",
+    "load_kernels", "load_packed_kernels", "load_steps_kernels", "lower_check", "numerics_key",
+    "packed_core", "packed_gated_delta", "padded_dim", "recurrent_forward",
+    "recurrent_steps_forward", "render_fused", "render_packed", "render_plan", "render_steps",
+    "shared_memory_bytes", "tiles", "variant_space",
 ]
 
 
@@ -74,13 +75,14 @@ class PallasGPU(GPUKernels):
     device_kinds, device_limit, reference_device = ("gpu",), "shared_memory", "h100"
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
-              channel_intra, channel_grads)
+              channel_intra, channel_grads, channel_walk_core)
     #: the cores on a loaded build ``key`` (sha256, interpret), cached process-wide
     #: (`gdngen.backends.pallas.gpu.vjp`)
     chunk_core, packed_core = staticmethod(chunk_core), staticmethod(packed_core)
     chunk_walks, entering_core = staticmethod(chunk_walks), staticmethod(entering_core)
     channel_core, channel_intra = staticmethod(channel_core), staticmethod(channel_intra)
     channel_grads = staticmethod(channel_grads)
+    channel_walk_core = staticmethod(channel_walk_core)
 
     def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v

@@ -2,7 +2,7 @@
 kernels' time-row layout (``[B, T, H, D]`` / ``[B, Hv, T]``, head dims zero-padded to 16), the
 kernels' gradients to cotangents, and the cores built on a loaded build (keyed by
 ``(sha256, interpret)``, cached process-wide): `chunk_core`, `entering_core`, `packed_core`,
-`chunk_walks`, `channel_intra`, `channel_grads`, `channel_core`."""
+`chunk_walks`, `channel_intra`, `channel_grads`, `channel_core`, `channel_walk_core`."""
 
 from __future__ import annotations
 
@@ -494,13 +494,8 @@ def channel_grads(key: tuple, gate: str, scale: float):
     return grads
 
 
-@functools.cache
-def channel_core(key: tuple, gate, scale: float, qk_norm: bool, walks: tuple):
-    """The per-channel chunk core of `gdngen.backends.pallas.core.channel_core` on the loaded
-    per-channel kernels ``key`` (sha256, interpret mode): `channel_intra`, `channel_grads` and
-    ``walks``, the build's `chunk_walks`."""
-    kernels = LOADED[key]
-    convention = layer_inputs.convention(gate)
-    return pallas_core.channel_core(
-        channel_intra(key, convention, scale), channel_grads(key, convention, scale), walks,
-        gate, scale, qk_norm, kernels.interpret, kernels.params["save_states"])
+#: the per-channel chunk cores on a loaded build (`gdngen.backends.pallas.core.channel_core`,
+#: ``channel_core(key, gate, scale, qk_norm, walks)``, and the packed build's
+#: `gdngen.backends.pallas.core.channel_walk_core`, ``channel_walk_core(key, gate, walks)``):
+#: `channel_intra`, `channel_grads` and the build's `chunk_walks`
+channel_core, channel_walk_core = pallas_core.channel_cores(LOADED, channel_intra, channel_grads)

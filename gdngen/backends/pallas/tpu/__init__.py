@@ -37,6 +37,7 @@ from gdngen.backends.pallas.tpu.vjp import (
     channel_core,
     channel_grads,
     channel_intra,
+    channel_walk_core,
     chunk_core,
     chunk_walks,
     entering_core,
@@ -48,13 +49,13 @@ __all__ = [
     "BACKEND", "CHUNK_SIZES", "INPUT_DTYPES", "LOADED", "LOG_GATE_FLOOR", "PLAIN_INPUTS",
     "POLICY_TOLERANCES", "PRECISIONS", "RECURRENT_BELOW", "RECURRENT_TIME_BLOCK", "SPEC",
     "Config", "PallasTPU", "_default_interpret_mode", "channel_core", "channel_grads",
-    "channel_intra", "chunk_core", "chunk_walks", "clear_cache", "default_config",
-    "entering_core", "gated_delta", "interpret_mode", "interpreting", "kernel_params",
-    "load_fused_kernels", "load_kernels", "load_packed_kernels", "load_steps_kernels",
-    "lower_check", "mosaic_lowers_precision_high", "packed_core", "packed_gated_delta",
-    "recurrent_forward", "recurrent_steps_forward", "recurrent_vmem_bytes", "render_fused",
-    "render_packed", "render_plan", "render_steps", "run_kernel", "variant_space", "vmem_bytes",
-    "walk_vmem_bytes",
+    "channel_intra", "channel_walk_core", "chunk_core", "chunk_walks", "clear_cache",
+    "default_config", "entering_core", "gated_delta", "interpret_mode", "interpreting",
+    "kernel_params", "load_fused_kernels", "load_kernels", "load_packed_kernels",
+    "load_steps_kernels", "lower_check", "mosaic_lowers_precision_high", "packed_core",
+    "packed_gated_delta", "recurrent_forward", "recurrent_steps_forward",
+    "recurrent_vmem_bytes", "render_fused", "render_packed", "render_plan", "render_steps",
+    "run_kernel", "variant_space", "vmem_bytes", "walk_vmem_bytes",
 ]
 
 
@@ -66,13 +67,14 @@ class PallasTPU(TPUKernels):
     device_kinds, device_limit, reference_device = ("tpu",), "vmem_budget", "tpu-v5e"
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
-              channel_intra, channel_grads)
+              channel_intra, channel_grads, channel_walk_core)
     #: the cores on a loaded build ``key`` (sha256, interpret), cached process-wide
     #: (`gdngen.backends.pallas.tpu.vjp`)
     chunk_core, packed_core = staticmethod(chunk_core), staticmethod(packed_core)
     chunk_walks, entering_core = staticmethod(chunk_walks), staticmethod(entering_core)
     channel_core, channel_intra = staticmethod(channel_core), staticmethod(channel_intra)
     channel_grads = staticmethod(channel_grads)
+    channel_walk_core = staticmethod(channel_walk_core)
 
     def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v

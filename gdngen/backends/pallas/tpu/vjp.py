@@ -2,7 +2,8 @@
 kernels' ``[B, Hv, N, C, ...]`` blocks, the kernels' gradients to cotangents, and the cores
 built on a loaded build (keyed by ``(sha256, interpret)``, cached process-wide): `chunk_core`,
 `entering_core`, `packed_core`, `chunk_walks`, `channel_intra`, `channel_grads`,
-`channel_core`. `run_kernel` runs a kernel with the interpret mode's race check."""
+`channel_core`, `channel_walk_core`. `run_kernel` runs a kernel with the interpret mode's race
+check."""
 
 from __future__ import annotations
 
@@ -456,16 +457,11 @@ def channel_grads(key: tuple, gate: str, scale: float):
     return grads
 
 
-@functools.cache
-def channel_core(key: tuple, gate, scale: float, qk_norm: bool, walks: tuple):
-    """The per-channel chunk core of `gdngen.backends.pallas.core.channel_core` on the loaded
-    per-channel kernels ``key`` (sha256, interpret parameters): `channel_intra`,
-    `channel_grads` and ``walks``, the build's `chunk_walks`."""
-    kernels = LOADED[key]
-    convention = layer_inputs.convention(gate)
-    return pallas_core.channel_core(
-        channel_intra(key, convention, scale), channel_grads(key, convention, scale), walks,
-        gate, scale, qk_norm, kernels.interpret, kernels.params["save_states"])
+#: the per-channel chunk cores on a loaded build (`gdngen.backends.pallas.core.channel_core`,
+#: ``channel_core(key, gate, scale, qk_norm, walks)``, and the packed build's
+#: `gdngen.backends.pallas.core.channel_walk_core`, ``channel_walk_core(key, gate, walks)``):
+#: `channel_intra`, `channel_grads` and the build's `chunk_walks`
+channel_core, channel_walk_core = pallas_core.channel_cores(LOADED, channel_intra, channel_grads)
 
 
 # ----------------------------------------------------------------------------- entry point
