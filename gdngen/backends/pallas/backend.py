@@ -305,8 +305,8 @@ class PallasBackend(Backend):
     def forward(self, call, operands, variant, templates_dir=None):
         """A dense call with the recurrent switch (`gdngen.backend.Backend.chunked`): scalar
         gates at T >= ``recurrent_below`` run `chunk_forward`; per-channel gates the
-        per-channel chunk core (``channel_core``: the intra-chunk kernel and the kernel walks
-        of `chunk_walks`, `gdngen.algebra.chunkwise_channel.backward` its VJP); shorter calls
+        per-channel chunk core (``channel_core``: the intra-chunk kernel and the kernel walk of
+        `chunk_walks`; its VJP the reverse walk and the grads kernel); shorter calls
         `recurrent_forward` inside
         `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP)."""
         import jax.numpy as jnp

@@ -356,7 +356,6 @@ def chunk_walks(key: tuple):
     return walk_forward, walk_backward
 
 
-
 def _channel_intra_layout(q, k, v, gates, beta, *, gate):
     """The intra-chunk kernel's inputs from the chunk layout (q, k [N, B, Hk, (1,) C, Dk]; v,
     gates, beta [N, B, Hk, r, C, ...]): the value heads merged, the gates as finite log gates
