@@ -55,6 +55,15 @@ def call_jitted(fns, *args, **kwargs):
     return fns[traced](*args, **kwargs)
 
 
+def floored_log_gates(gates, gate, floor):
+    """The finite log gates the kernels read: ``gates`` (convention ``gate``, "log" or
+    "linear") as log gates clamped to ``floor`` (the backend's ``LOG_GATE_FLOOR``, -1e30: a
+    zero gate's log, which the kernels' exp still turns into an exact 0)."""
+    import jax.numpy as jnp
+
+    return jnp.maximum(gates if gate == "log" else jnp.log(gates), floor)
+
+
 def gate_cotangent(gates, gate, dD):
     """d(gates) ``[..., C]`` (convention ``gate``: "log" or "linear") from the decay-factor
     cotangent ``dD [..., C+1, C+1]`` by the straddle-sum rule of `gdngen.algebra.chunkwise`

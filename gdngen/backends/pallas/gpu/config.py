@@ -32,6 +32,11 @@ INPUT_DTYPES = ("float32", "bfloat16", "float16")
 #: register tile sizes offered for bk / bv (Triton dots need powers of two >= 16).
 TILES = (16, 32, 64, 128)
 NUM_WARPS = (4, 8)
+#: per-channel gates: the widest bk offered. The intra-chunk kernels hold a dozen (C, BK) float32
+#: tiles live through their sub-chunk loops; at chunk 64 for H100 (ieee, D = 128, measured with
+#: ptxas off-GPU) the grads kernel compiles in 47 s at bk 32 / 8 warps, 131 s at bk 32 / 4 warps,
+#: and had not finished after 7 minutes at bk 64 / 4 warps (register spills).
+CHANNEL_MAX_TILE = 32
 NUM_STAGES = (2, 3)
 #: log gates are clamped to this finite floor inside the kernels (exp gives exactly 0 either
 #: way, and a 0/1 matmul never meets 0 * -inf); the gate cotangent uses the true gates.
@@ -47,9 +52,10 @@ def padded_dim(d: int) -> int:
 
 def tiles(d: int) -> list[int]:
     """Tiles enumerated for head dim ``d``: the powers of two in `TILES` dividing its padded
-    size, at least 32 when the padded size allows (16-wide tiles only for 16-wide heads)."""
+    size, at least 32 where one of them is (16-wide tiles only where none is: 16, 48, 80, ...)."""
     padded = padded_dim(d)
-    return [t for t in TILES if padded % t == 0 and t >= min(32, padded)]
+    dividing = [t for t in TILES if padded % t == 0]
+    return [t for t in dividing if t >= 32] or dividing[-1:]
 
 
 def _resolve_tile(requested: int, d: int) -> int:
@@ -152,8 +158,9 @@ class GPUPlanning(PallasBackend):
         budget = device.limits["shared_memory"]
         vector = problem.gate == "vector"
         space = []
+        key_tiles = [t for t in tiles(problem.Dk) if not vector or t <= CHANNEL_MAX_TILE]
         for chunk, precision, bk, bv, warps, stages, save in itertools.product(
-                CHUNK_SIZES, ("ieee",) if vector else PRECISIONS, tiles(problem.Dk),
+                CHUNK_SIZES, ("ieee",) if vector else PRECISIONS, key_tiles,
                 tiles(problem.Dv), NUM_WARPS, NUM_STAGES, (True,) if vector else (True, False)):
             config = Config(bk, bv, chunk, stages, warps, precision, save)
             if self.footprint(Variant(BACKEND, config.params()), problem) <= budget:
@@ -161,11 +168,13 @@ class GPUPlanning(PallasBackend):
         return space
 
     def default(self, problem: Problem, device=None) -> Config:
-        """Chunk 64, ieee, 64-wide tiles, 4 warps, 2 stages, saving states; where that does not fit
-        ``device``'s shared memory, the ieee variant that fits and is closest to it (saving states,
-        chunk nearest 64, 4 warps and 2 stages, then the widest tiles)."""
-        ideal = Config(min(64, tiles(problem.Dk)[-1]), min(64, tiles(problem.Dv)[-1]), 64, 2, 4,
-                       "ieee", True)
+        """Chunk 64, ieee, 64-wide tiles, 4 warps, 2 stages, saving states (per-channel gates:
+        32-wide tiles and 8 warps, `CHANNEL_MAX_TILE`); where that does not fit ``device``'s
+        shared memory, the ieee variant that fits and is closest to it (saving states, chunk
+        nearest 64, the ideal's warps and 2 stages, then the widest tiles up to its)."""
+        wide, warps = (CHANNEL_MAX_TILE, 8) if problem.gate == "vector" else (64, 4)
+        ideal = Config(min(wide, tiles(problem.Dk)[-1]), min(wide, tiles(problem.Dv)[-1]), 64, 2,
+                       warps, "ieee", True)
         budget = device.limits["shared_memory"]
         if self.footprint(Variant(BACKEND, ideal.params()), problem) <= budget:
             return ideal
@@ -174,8 +183,8 @@ class GPUPlanning(PallasBackend):
             raise ValueError(f"no {BACKEND} variant of {problem.key()} fits the "
                              f"{budget // 1024} KiB of shared memory of {device.name}")
         return min(fits, key=lambda c: (not c.save_states, abs(c.chunk_size - 64),
-                                        (c.num_warps, c.num_stages) != (4, 2), -min(c.bk, 64),
-                                        -min(c.bv, 64)))
+                                        (c.num_warps, c.num_stages) != (warps, 2),
+                                        -min(c.bk, wide), -min(c.bv, wide)))
 
     def numerics_key(self, variant: Variant, problem: Problem) -> tuple:
         """What decides the variant's arithmetic on ``problem``: its resolved parameters

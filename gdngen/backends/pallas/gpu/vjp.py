@@ -85,12 +85,9 @@ def _chunk_states_from_kernel(x, like):
 def _to_kernel_layout(q, k, v, gates, beta, S0, *, gate, dk, dv):
     """Chunk layout of `gdngen.algebra.chunkwise` -> the kernels' layout (see the forward template),
     as a dict; log gates clamped to `LOG_GATE_FLOOR`."""
-    import jax.numpy as jnp
-
-    log_gates = gates if gate == "log" else jnp.log(gates)
     return {"q": _keys_to_kernel(q, dk), "k": _keys_to_kernel(k, dk),
             "v": _values_to_kernel(v, dv),
-            "g": _per_step_to_kernel(jnp.maximum(log_gates, LOG_GATE_FLOOR)),
+            "g": _per_step_to_kernel(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR)),
             "beta": _per_step_to_kernel(beta), "s0": states_to_kernel(S0, dk, dv)}
 
 
@@ -388,14 +385,11 @@ def _channel_intra_layout(q, k, v, gates, beta, *, gate, dk, dv):
     gates, beta [N, B, Hk, r, C, ...]): q, k [B, T, Hk, DK], v [B, T, Hv, DV], the gates as
     finite log gates [B, Hv, T, DK] (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way), beta
     [B, Hv, T]; head dims zero-padded."""
-    import jax.numpy as jnp
-
     def keys(x):
         return _keys_to_kernel(x.reshape(x.shape[:3] + x.shape[-2:]), dk)
 
-    log_gates = gates if gate == "log" else jnp.log(gates)
     return (keys(q), keys(k), _values_to_kernel(v, dv),
-            _rows_to_kernel(jnp.maximum(log_gates, LOG_GATE_FLOOR), dk),
+            _rows_to_kernel(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR), dk),
             _per_step_to_kernel(beta))
 
 

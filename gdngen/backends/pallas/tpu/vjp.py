@@ -59,10 +59,8 @@ def _to_kernel_layout(q, k, v, gates, beta, S0, gate):
     """Chunk layout of `gdngen.algebra.chunkwise` (q, k [N, B, Hk, C, Dk]; v [N, B, Hk, r, C, Dv];
     gates, beta [N, B, Hk, r, C]; S0 [B, Hk, r, Dv, Dk]) -> the kernels' layout (see the
     forward template), as a dict."""
-    import jax.numpy as jnp
-
-    log_gates = gates if gate == "log" else jnp.log(gates)
-    return _kernel_layout(q, k, v, jnp.maximum(log_gates, LOG_GATE_FLOOR), beta, S0)
+    return _kernel_layout(q, k, v, pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR),
+                          beta, S0)
 
 
 def _kernel_layout(q, k, v, per_step, beta, S0):
@@ -360,14 +358,11 @@ def _channel_intra_layout(q, k, v, gates, beta, *, gate):
     """The intra-chunk kernel's inputs from the chunk layout (q, k [N, B, Hk, (1,) C, Dk]; v,
     gates, beta [N, B, Hk, r, C, ...]): the value heads merged, the gates as finite log gates
     (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way), beta a column."""
-    import jax.numpy as jnp
-
     def keys(x):
         return x.reshape(x.shape[:3] + x.shape[-2:])
 
-    log_gates = gates if gate == "log" else jnp.log(gates)
     return (keys(q), keys(k), _heads_merged(v, 2),
-            _heads_merged(jnp.maximum(log_gates, LOG_GATE_FLOOR), 2),
+            _heads_merged(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR), 2),
             _heads_merged(beta, 2)[..., None])
 
 
