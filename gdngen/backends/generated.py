@@ -8,8 +8,6 @@ parameterised gate computed in it) and the result types of their kernel calls un
 
 from __future__ import annotations
 
-import functools
-
 from gdngen.algebra import chunkwise, layer_inputs, mixer
 from gdngen.backends import fallback
 
@@ -267,72 +265,4 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
         return dq, dk, dv, layer_inputs.gates_vjp(XP, gates, gate, dgates), *rest
 
     core.defvjp(core_fwd, core_bwd)
-    return core
-
-# ------------------------------------------------------------------------------ packed walks
-
-
-def packed_channel_row(q, k, v, g, beta, initial_state, mask, cu_seqlens, *, scale, gate,
-                       chunk_size, save_states, walks, solve_block=8):
-    """A packed row of per-channel gates (`gdngen.algebra.packed`) on MLX with a generated
-    backend's packed chunk walks (metal's): the portable packed algebra (its chunk stages in
-    `gdngen.algebra.chunkwise_channel`) with ``walks`` = ``(walk_forward, walk_backward)``,
-    the packed build's, which take ``inject`` / ``dS_in`` (zeros where None): the row's walk
-    and each sequence's one-chunk calls. Float32 arrays, q ``[1, T, Hk, Dk]``, g ``[1, T, Hv,
-    Dk]`` (its convention ``gate``), ``initial_state [N, Hv, Dv, Dk]`` or None; returns ``(y
-    [1, T, Hv, Dv], final_state [N, Hv, Dv, Dk])``. The portable modules are not changed by it
-    (their text keys the portable backends' tuned entries). (The Pallas backends run their
-    packed build's intra-chunk kernels too: `gdngen.backends.pallas.core.channel_walk_core`.)"""
-    from gdngen.algebra import packed
-
-    ops = fallback.ops("mlx")
-    core = ops.chunk_core(gate, solve_block, save_states, walks)
-    packed_core = _mlx_walk_core(gate, solve_block, save_states, walks)
-
-    def dense_core(*arrays):
-        return core(*arrays)[:2]
-
-    def walk_core(*arrays):
-        return packed_core(*arrays)[:2]
-
-    def dense(q, k, v, g, beta, S0, mask):
-        return chunkwise.whole_sequence(ops.XP, dense_core, q, k, v, g, beta, S0, mask,
-                                        scale=scale, gate=gate, chunk_size=chunk_size)
-
-    walk = packed.chunk_walk(ops.XP, walk_core, scale=scale, gate=gate, chunk_size=chunk_size)
-    return packed.packed_row(ops.XP, dense, walk, q, k, v, g, beta, initial_state, mask,
-                             cu_seqlens, gate=gate, chunk_size=chunk_size)
-
-
-@functools.cache
-def _mlx_walk_core(gate, solve_block, save_states, walks):
-    """``core(q, k, v, gates, beta, inject) -> (Y, S_in, *other residuals)``: the chunk walk of
-    a packed row from a zero state (chunk layout), ``inject`` added to the state leaving each
-    chunk, on ``walks``, as an ``mx.custom_function`` whose backward is
-    `gdngen.algebra.chunkwise_channel.backward` with ``dS_in`` on the same walks, its
-    chunk-local stages in groups (`gdngen.backends.portable.mlx_chunkwise.CHUNK_GROUP`)."""
-    import mlx.core as mx
-
-    from gdngen.algebra import chunkwise_channel
-    from gdngen.backends.portable.mlx_chunkwise import CHUNK_GROUP, XP
-
-    def run(q, k, v, gates, beta, inject):
-        return chunkwise_channel.forward(XP, q, k, v, gates, beta, mx.zeros(inject.shape[1:]),
-                                         gate=gate, solve_block=solve_block, inject=inject,
-                                         walk=walks[0])
-
-    @mx.custom_function
-    def core(q, k, v, gates, beta, inject):
-        Y, _, residuals = run(q, k, v, gates, beta, inject)
-        return (Y, *residuals)
-
-    @core.vjp
-    def core_vjp(primals, cotangents, outputs):
-        q, k, v, gates, beta, inject = primals
-        residuals = tuple(outputs[1:]) if save_states else run(*primals)[2]
-        dq, dk, dv, dgates, dbeta, _, dinject = chunkwise_channel.backward(
-            XP, q, k, v, gates, beta, residuals, cotangents[0], mx.zeros(inject.shape[1:]),
-            gate=gate, dS_in=cotangents[1], walk=walks[1], chunk_group=CHUNK_GROUP)
-        return dq, dk, dv, dgates, dbeta, dinject
-
     return core

@@ -29,18 +29,21 @@ fwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.wa
 bwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.walk_backward`, dW,
                                         dS_out per chunk, dS0, and per Dv tile its part of dWk,
                                         dQd, dKc, ddCC (summed in mx)
+channel_intra     N*B*Hv                per-channel gates: the intra-chunk stages (Qd, Kc, dCC,
+                                        Pm, M_kk, T, U, Wk) from the raw gates
+channel_grads     N*B*Hv                per-channel gates: their VJP after the reverse walk (dq,
+                                        dk, dv, dbeta, the gates' straddle sums)
 ================  ====================  ==========================================================
 
-Per-channel (vector) gates run `gdngen.algebra.chunkwise_channel` (the mlx backend's
-``mx.custom_function``, `gdngen.backends.portable.mlx_chunkwise.chunk_core`) with its two chunk
-walks on the ``*_channel`` kernels (`ChannelWalks`, `channel_plan`): the scan templates' per-channel
-build (``per_channel`` set), whose decays d0 / dc / dcc come in as per-channel inputs (Qd = scale Q
-* D0, Kc = K * DC, dCC) instead of being formed from scalar per-token gates. The intra-chunk stages
-(factors, decayed products, WY, the backward's adjoints and straddle sums) stay
-`gdngen.algebra.chunkwise_channel`'s shared code in mx ops; fusing them into kernels is a later
-step. Validated as the scalar kernels: the battery's vector cases in the simulator with poisoned
-outputs, worst relative error 1.1e-6 (vector_identical_keys, dbeta;
-tests/backends/metal/test_metal_kernels.py).
+Per-channel (vector) gates run `channel_core` (an ``mx.custom_function`` with the contract of
+`gdngen.backends.portable.mlx_chunkwise.chunk_core`): channel_intra, then the forward walk on
+the scan templates' per-channel build (``per_channel`` set, `ChannelWalks`, `channel_plan`),
+whose decays come in as per-channel inputs (Qd = scale Q * D0, Kc = K * DC, dCC); its VJP the
+reverse walk (G = Pm^T dY and the decayed Q, K in mx ops) and channel_grads
+(docs/VECTOR_GATES.md, "How the Metal kernels form the decays"). Validated as the scalar
+kernels: the battery's vector cases in the simulator with poisoned outputs, worst relative
+error 8.6e-7 (vector_identical_keys, dbeta; tests/backends/metal/test_metal_kernels.py).
+Chunk-boundary states run channel_intra and the forward walk.
 
 Packed rows (`gdngen.algebra.packed`, ``cu_seqlens``), scalar gates: `packed_gated_delta` runs the
 row's chunk walk on the templates' ``packed`` build (`render_packed`, `packed_launch_plan`):
@@ -49,8 +52,9 @@ states S_in (an output); ``bwd_scan`` adds their cotangent ``dsin[n]`` at chunk 
 its ``dsout`` is the injection's cotangent. Each sequence's initial-state response and its
 final state (from its last chunk's S_in) are one-chunk calls of the dense chunk kernels. The
 dense render does not change with the flag (tuned entries are keyed on its sha256).
-Per-channel packed rows run the portable packed path with the packed build's walk kernels
-(`ChannelWalks` with ``packed``: ``inject`` / ``dsin`` taken in the walks).
+Per-channel packed rows run the packed algebra on `channel_walk_core` (channel_intra, the
+packed build's walks taking ``inject`` / ``dsin``, channel_grads) and `channel_core` on the
+packed build for the sequences' one-chunk calls.
 
 Fused layer inputs (`gdngen.backends.kernel_inputs`; ``qk_norm``, ``gate="softplus"`` /
 ``"sigmoid_bound"``): the fused build (`render_fused`, the templates' ``qk_norm`` /
@@ -106,7 +110,9 @@ from gdngen.backends.metal.config import (
     PRECISIONS,
     RECURRENT_BELOW,
     SIMDGROUPS,
+    STAGE_KERNELS,
     THREADGROUP_MEMORY,
+    WALK_KERNELS,
     Config,
     accumulator_floats,
     adapt,
@@ -151,24 +157,25 @@ from gdngen.backends.metal.plan import (
     recurrent_plan,
     steps_plan,
 )
-from gdngen.backends.metal.vjp import ChannelWalks
+from gdngen.backends.metal.vjp import ChannelWalks, channel_core, channel_walk_core
 from gdngen.problem import Problem
 
 #: this package's names: its own and those of its role modules re-exported (`default_launcher`
 #: is read from `gdngen.backends.metal.launch` when called: patch it there)
 __all__ = [
     'BACKEND', 'CHANNEL_BLOCK', 'CHANNEL_KERNELS', 'CHUNK_SIZES', 'DV_TILES', 'MAX_ACC_FLOATS',
-    'POLICY_TOLERANCES', 'PRECISIONS', 'RECURRENT_BELOW', 'SIMDGROUPS', 'SPEC',
-    'THREADGROUP_MEMORY', 'ChannelWalks', 'Config', 'KernelSpec', 'Launch', 'MLXLauncher',
-    'Metal', 'Plan', 'SimLauncher', 'accumulator_floats', 'adapt', 'build_launch_plan',
-    'channel_input_metas', 'channel_plan', 'chunks_call', 'compile_plan', 'default_config',
-    'default_launcher', 'dense_call', 'from_numpy', 'fused_kernels', 'fused_key',
-    'gated_delta', 'intra_tile', 'kernels_used', 'launch_plan', 'lower_check',
-    'max_threadgroup_bytes', 'packed_call', 'packed_gated_delta', 'packed_launch_plan',
-    'params_valid', 'plan_input_metas', 'problem_of_inputs', 'recurrent_forward',
-    'recurrent_input_metas', 'recurrent_plan', 'recurrent_steps_forward', 'render_fused',
-    'render_fused_kernels', 'render_packed', 'render_plan', 'render_steps', 'simulate',
-    'steps_call', 'steps_plan', 'supports', 'threadgroup_bytes', 'to_numpy', 'variant_space',
+    'POLICY_TOLERANCES', 'PRECISIONS', 'RECURRENT_BELOW', 'SIMDGROUPS', 'SPEC', 'STAGE_KERNELS',
+    'THREADGROUP_MEMORY', 'WALK_KERNELS', 'ChannelWalks', 'Config', 'KernelSpec', 'Launch',
+    'MLXLauncher', 'Metal', 'Plan', 'SimLauncher', 'accumulator_floats', 'adapt',
+    'build_launch_plan', 'channel_core', 'channel_input_metas', 'channel_plan',
+    'channel_walk_core', 'chunks_call', 'compile_plan', 'default_config', 'default_launcher',
+    'dense_call', 'from_numpy', 'fused_kernels', 'fused_key', 'gated_delta', 'intra_tile',
+    'kernels_used', 'launch_plan', 'lower_check', 'max_threadgroup_bytes', 'packed_call',
+    'packed_gated_delta', 'packed_launch_plan', 'params_valid', 'plan_input_metas',
+    'problem_of_inputs', 'recurrent_forward', 'recurrent_input_metas', 'recurrent_plan',
+    'recurrent_steps_forward', 'render_fused', 'render_fused_kernels', 'render_packed',
+    'render_plan', 'render_steps', 'simulate', 'steps_call', 'steps_plan', 'supports',
+    'threadgroup_bytes', 'to_numpy', 'variant_space',
 ]
 
 

@@ -12,7 +12,14 @@ from gdngen.backends.kernel_inputs import KernelInputs, kernel_parameters
 from gdngen.backends.metal import launch
 from gdngen.backends.metal.config import adapt
 from gdngen.backends.metal.plan import recurrent_plan, steps_plan
-from gdngen.backends.metal.vjp import ChannelWalks, dense_core, packed_core
+from gdngen.backends.metal.vjp import (
+    ChannelWalks,
+    channel_chunkwise,
+    channel_core,
+    channel_walk_core,
+    dense_core,
+    packed_core,
+)
 from gdngen.problem import Problem
 from gdngen.variant import Variant
 
@@ -115,7 +122,8 @@ def chunks_call(call, operands, variant, launcher=None):
     """A ``return_states="chunks"`` `gdngen.call.Call` (layer inputs computed) on the chunk
     kernels of ``variant`` (`gdngen.backends.generated.kernel_chunks`): the checkpoints are the
     per-chunk states the forward's scan writes (scalar gates: the ``save_states`` build's
-    ``states``, the backward's residual; per-channel gates: the walk kernel's, `ChannelWalks`),
+    ``states``, the backward's residual; per-channel gates: the walk kernel's after
+    channel_intra, `ChannelWalks`),
     read, not recomputed. Returns ``(y in q's dtype, states [B, ceil(T/N), Hv, Dv, Dk]
     float32)``; the VJP is the portable MLX chunk path's."""
     from gdngen.backends import generated
@@ -125,7 +133,11 @@ def chunks_call(call, operands, variant, launcher=None):
     C = variant["chunk_size"]
     if call.shape.vector_gate:
         walks = ChannelWalks(variant, call.problem, launcher, settings.templates_override())
-        chunk_forward = generated.walk_chunk_forward(call, C, walks.forward)
+
+        def intra(q, k, v, log_g, beta):  # q scaled before it
+            return walks.intra(q, k, v, log_g, beta, linear=False)
+
+        chunk_forward = generated.walk_chunk_forward(call, C, walks.forward, intra=intra)
     else:
         saving = variant.replace(save_states=True)
         core = dense_core(saving, call.problem, "log", call.scale, launcher)
@@ -185,13 +197,11 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
             beta.astype(f32), initial_state.astype(f32))
 
     if shape.vector_gate:
-        walks = ChannelWalks(variant, problem, launcher, settings.templates_override())
-
         def chunkwise_call(q, k, v, g, beta, s0, mask=None):
-            y, state = mlx_chunkwise.chunkwise_gated_delta(
-                q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, mask, scale=scale,
-                gate=gate, chunk_size=variant["chunk_size"], save_states=variant["save_states"],
-                walks=(walks.forward, walks.backward), qk_norm=qk_norm)
+            y, state = channel_chunkwise(
+                q.astype(f32), k.astype(f32), v.astype(f32), g, beta, s0, mask,
+                variant=variant, problem=problem, scale=scale, gate=gate, launcher=launcher,
+                templates=settings.templates_override(), qk_norm=qk_norm)
             return y.astype(q.dtype), state
     else:
         chunkwise_call = _chunk_call(variant, problem, gate, scale, launcher, qk_norm=qk_norm)
@@ -218,13 +228,11 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
 
 def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     """`packed_gated_delta`'s body on a checked packed `gdngen.call.Call`: scalar gates on the
-    packed build's chunk kernels; per-channel gates the portable packed algebra with the
-    packed build's walk kernels (`ChannelWalks` with ``packed``,
-    `gdngen.backends.generated.packed_channel_row`)."""
+    packed build's chunk kernels; per-channel gates the same packed algebra on `channel_core`
+    and `channel_walk_core` (channel_intra, the packed build's walks, channel_grads)."""
     import mlx.core as mx
 
-    from gdngen.algebra import packed
-    from gdngen.backends import generated
+    from gdngen.algebra import chunkwise, packed
     from gdngen.backends.portable.mlx_chunkwise import XP
 
     gate, scale = call.decay, call.scale
@@ -235,12 +243,20 @@ def packed_call(call, operands, variant, launcher=None, templates_dir=None):
     templates = settings.templates_override() if templates_dir is None else templates_dir
     f32 = mx.float32
     if call.vector_gate:
-        walks = ChannelWalks(variant, problem, launcher, templates, packed=True)
-        y, state = generated.packed_channel_row(
-            *(x.astype(f32) for x in (q, k, v, g, beta)),
+        channel = channel_core(variant, problem, gate, launcher, templates, packed=True)
+        channel_walk = channel_walk_core(variant, problem, gate, launcher, templates)
+
+        def dense(q, k, v, g, beta, S0, mask):
+            return chunkwise.whole_sequence(XP, lambda *a: channel(*a)[:2], q, k, v, g, beta,
+                                            S0, mask, scale=scale, gate=gate,
+                                            chunk_size=variant["chunk_size"])
+
+        walk = packed.chunk_walk(XP, lambda *a: channel_walk(*a)[:2], scale=scale, gate=gate,
+                                 chunk_size=variant["chunk_size"])
+        y, state = packed.packed_row(
+            XP, dense, walk, *(x.astype(f32) for x in (q, k, v, g, beta)),
             None if initial_state is None else initial_state.astype(f32), mask, cu_seqlens,
-            scale=scale, gate=gate, chunk_size=variant["chunk_size"],
-            save_states=variant["save_states"], walks=(walks.forward, walks.backward))
+            gate=gate, chunk_size=variant["chunk_size"])
         return y.astype(q.dtype), state
     chunk_call = _chunk_call(variant, problem, gate, scale, launcher, templates)
     walk_core = packed_core(variant, problem, gate, launcher, templates)

@@ -25,8 +25,11 @@ DV_TILES = (16, 32, 64)
 THREADGROUP_MEMORY = 32 * KiB
 #: Accumulator floats a thread may hold (beyond this the GPU spills registers).
 MAX_ACC_FLOATS = 128
-#: The per-channel gates' walk kernels (`channel_plan`): the scan templates' per-channel build.
-CHANNEL_KERNELS = ("fwd_scan_channel", "bwd_scan_channel")
+#: The per-channel gates' kernels (`channel_plan`): the walks (the scan templates' per-channel
+#: build) and the intra-chunk stages (`STAGE_KERNELS`).
+WALK_KERNELS = ("fwd_scan_channel", "bwd_scan_channel")
+STAGE_KERNELS = ("channel_intra", "channel_grads")
+CHANNEL_KERNELS = WALK_KERNELS + STAGE_KERNELS
 #: Dk columns per block of the backward walk's chunk products (``KB`` in bwd_scan.metal.j2).
 CHANNEL_BLOCK = 32
 
@@ -82,14 +85,16 @@ def intra_tile(chunk_size: int) -> int:
 
 def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> dict:
     """Threadgroup memory each kernel of ``problem``'s gate kind declares, in bytes (float32
-    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile.
+    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile, and
+    the intra-chunk kernels, a (C, C) matrix and beta.
     ``qk_norm``: the fused build's (`render_fused`) forward kernels, which also hold the rows'
     norm factors (rk in fwd_intra, rq and rk in fwd_scan: C floats each; at most 26 KiB in all
     of the space, within every Apple GPU's 32 KiB)."""
     C, dvt, sg, dw = params["chunk_size"], params["dv_tile"], params["simdgroups"], \
         intra_tile(params["chunk_size"])
     if problem.gate == "vector":
-        return dict.fromkeys(CHANNEL_KERNELS, 4 * C * dvt)
+        return {**dict.fromkeys(WALK_KERNELS, 4 * C * dvt),
+                **dict.fromkeys(STAGE_KERNELS, 4 * (C * C + C))}
     floats = {
         "fwd_intra": C * C + 3 * C,
         "fwd_intra_tinv": C * C + 3 * C,
@@ -126,7 +131,8 @@ def accumulator_floats(params: dict, problem: Problem) -> int:
     C, dvt, dw = params["chunk_size"], params["dv_tile"], intra_tile(params["chunk_size"])
     acc = functools.partial(_acc_floats, params)
     if problem.gate == "vector":  # the walks: W / dW tiles, the state tile, KB-column products
-        return max(acc(C, dvt), acc(dvt, problem.Dk), acc(C, CHANNEL_BLOCK))
+        return max(acc(C, dvt), acc(dvt, problem.Dk), acc(C, CHANNEL_BLOCK),
+                   acc(C, dw))  # channel_intra's U tiles
     return max(
         acc(C, C), acc(C, dw),                                     # fwd_intra
         acc(C, dvt), acc(dvt, problem.Dk),                         # fwd_scan
@@ -166,7 +172,7 @@ def variant_space(problem: Problem, device) -> list[Config]:
     Per-channel gates: ``chunk_size`` x ``simdgroups`` x ``dv_tile``, the params their path
     depends on (the chunk of `gdngen.algebra.chunkwise_channel`'s stages, the walk kernels' tiling,
     which the recurrent kernel shares); precision ieee, simdgroup matrices, saved states (the
-    intra-chunk stages run in float32 mx ops whatever the walks' operand precision).
+    intra-chunk kernels compute in float32 whatever the walks' operand precision).
     """
     check(problem)
     limit = device.limits["threadgroup_memory"]

@@ -20,6 +20,8 @@ def _context(variant: Variant, problem: Problem) -> dict:
         "HV": problem.Hv, "SG": p["simdgroups"], "DVT": p["dv_tile"],
         "DW": intra_tile(p["chunk_size"]), "policy": p["precision"], "mma": p["mma"],
         "per_channel": False, "packed": False,  # the packed build (`render_packed`) sets it
+        # per-channel gates: the intra-chunk kernels' helpers in the header
+        "channel_stages": problem.gate == "vector",
         **KernelInputs().context(),  # nothing fused: the fused build (`render_fused`) sets it
         # 16-bit operands: bfloat under precision bf16, else (tf32 rounding) half for float16
         "op_type": "bfloat" if p["precision"] == "bf16" or problem.dtype == "bfloat16"
@@ -41,6 +43,9 @@ _KERNEL_TEMPLATES = {
     "fwd_scan_channel": ("metal/fwd_scan.metal.j2",
                          {"save": True, "write_y": True, "per_channel": True}),
     "bwd_scan_channel": ("metal/bwd_scan.metal.j2", {"per_channel": True, "KB": CHANNEL_BLOCK}),
+    # per-channel gates: the intra-chunk stages and their VJP
+    "channel_intra": ("metal/channel_intra.metal.j2", {}),
+    "channel_grads": ("metal/channel_grads.metal.j2", {}),
 }
 
 

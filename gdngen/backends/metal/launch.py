@@ -111,7 +111,7 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
     if plan.fused and "a" in metas and "g" not in metas:  # its backward: the recomputed log g
         metas["g"] = metas["a"]
     texts = {}
-    for launch in plan.forward + plan.backward:
+    for launch in plan.forward + plan.backward + plan.stages:
         spec = plan.kernels[launch.kernel]
         kernel = metal_sim.metal_kernel(spec.name, spec.input_names, spec.output_names,
                                         spec.source, spec.header)

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 
 from gdngen import settings
 from gdngen.backends.kernel_inputs import KernelInputs, context_tag
-from gdngen.backends.metal.config import CHANNEL_KERNELS, adapt, threadgroup_bytes
+from gdngen.backends.metal.config import (
+    CHANNEL_KERNELS,
+    STAGE_KERNELS,
+    adapt,
+    threadgroup_bytes,
+)
 from gdngen.backends.metal.kernels import (
     fused_kernels,
     fused_key,
@@ -81,6 +86,9 @@ class Plan:
     threadgroup_bytes: dict
     packed: bool = False
     fused: tuple = ()
+    #: a walk plan's intra-chunk launches: (channel_intra, channel_grads), each run by
+    #: `ChannelWalks` on its own inputs
+    stages: tuple = ()
 
 
 _KERNEL_IO = {
@@ -101,6 +109,11 @@ _KERNEL_IO = {
                          ("y_out", "final_state", "states", "w_out")),
     "bwd_scan_channel": (("dsf", "ptdy", "kc", "wk", "w", "states", "dy", "qd", "dccv"),
                          ("dw", "dsout", "ds0", "dwk", "dqd", "dkc", "ddcc")),
+    "channel_intra": (("q", "k", "v", "g", "beta", "prm"),
+                      ("u", "wk", "kc", "qd", "pm", "mkk", "tinv", "dcc")),
+    "channel_grads": (("q", "k", "v", "g", "beta", "w", "tinv", "mkk", "dy", "dw", "dwk_sum",
+                       "dqd_sum", "dkc_sum", "ddcc_sum", "prm"),
+                      ("dq", "dk", "dv", "dg", "dbeta", "d0s", "dpm", "dmk")),
 }
 # Kernel parameter -> environment name, where they differ.
 _ENV_NAME = {"w": "w_out", "vec_in": "vec_out"}
@@ -256,34 +269,46 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
               "states": chunks + (Dv, Dk), "w_out": chunks + (C, Dv), "dw": chunks + (C, Dv),
               "dsout": chunks + (Dv, Dk), "ds0": (B, Hv, Dv, Dk), "dwk": tiles + (C, Dk),
               "dqd": tiles + (C, Dk), "dkc": tiles + (C, Dk), "ddcc": tiles + (Dk,)}
-    kernels, launches = {}, []
+    stage_shapes = {**dict.fromkeys(("u", "dv"), chunks + (C, Dv)),
+                    **dict.fromkeys(("wk", "kc", "qd", "dq", "dk", "dg", "d0s"), chunks + (C, Dk)),
+                    **dict.fromkeys(("pm", "mkk", "tinv", "dpm", "dmk"), chunks + (C, C)),
+                    "dcc": chunks + (Dk,), "dbeta": chunks + (C,)}
+    kernels, launches = {}, {}
     for name in CHANNEL_KERNELS:
         body = rendered.sources[f"{name}.metal"]
         tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
         ins, outs = _KERNEL_IO[name]
-        if packed:
+        if packed and name not in STAGE_KERNELS:  # the walks take the injected states
             ins = ins + ("inject" if name == "fwd_scan_channel" else "dsin",)
         kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", ins, outs, body, header)
-        launches.append(Launch(kernel=name, inputs=ins, outputs=outs,
-                               output_shapes=tuple(shapes[o] for o in outs),
-                               output_dtypes=("float32",) * len(outs),
-                               grid=(nt, Dv // dvt, B * Hv), threadgroup=(nt, 1, 1),
-                               template=(("InT", "float32"),)))
+        stage = name in STAGE_KERNELS
+        launches[name] = Launch(kernel=name, inputs=ins, outputs=outs,
+                                output_shapes=tuple((stage_shapes if stage else shapes)[o]
+                                                    for o in outs),
+                                output_dtypes=("float32",) * len(outs),
+                                grid=(nt, 1, N * B * Hv) if stage else (nt, Dv // dvt, B * Hv),
+                                threadgroup=(nt, 1, 1), template=(("InT", "float32"),))
     tg = threadgroup_bytes(p, problem)
-    return Plan(variant, problem, N, B, kernels, (launches[0],), (launches[1],), (),
-                {name: tg[name] for name in kernels}, packed)
+    return Plan(variant, problem, N, B, kernels, (launches["fwd_scan_channel"],),
+                (launches["bwd_scan_channel"],), (), {name: tg[name] for name in kernels}, packed,
+                stages=tuple(launches[name] for name in STAGE_KERNELS))
 
 
 def channel_input_metas(plan: Plan) -> dict:
-    """``(dtype, ndim, size)`` of the walk kernels' inputs for ``plan`` (`channel_plan`), in
+    """``(dtype, ndim, size)`` of the per-channel kernels' inputs for ``plan`` (`channel_plan`), in
     the chunk layout `gdngen.algebra.chunkwise_channel` passes ([N, B, Hk, r, ...], states [B, Hk,
     r, Dv, Dk])."""
     pb, N, B, C = plan.problem, plan.N, plan.B, plan.variant["chunk_size"]
     f32, heads = "float32", N * B * pb.Hv
     state, rows_v, rows_k = (f32, 5, B * pb.Hv * pb.Dv * pb.Dk), (f32, 6, heads * C * pb.Dv), \
         (f32, 6, heads * C * pb.Dk)
-    return {"s0": state, "dsf": state, "u": rows_v, "ptdy": rows_v, "w": rows_v, "dy": rows_v,
-            "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
+    keys, per_step = (f32, 5, N * B * pb.Hk * C * pb.Dk), (f32, 5, heads * C)
+    stages = {"q": keys, "k": keys, "v": rows_v, "g": rows_k, "beta": per_step,
+              "prm": (f32, 1, 2), "tinv": (f32, 6, heads * C * C), "mkk": (f32, 6, heads * C * C),
+              "dwk_sum": rows_k, "dqd_sum": rows_k, "dkc_sum": rows_k,
+              "ddcc_sum": (f32, 5, heads * pb.Dk)}
+    return {**stages, "s0": state, "dsf": state, "u": rows_v, "ptdy": rows_v, "w": rows_v,
+            "dy": rows_v, "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
             "dccv": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk),
             "inject": (f32, 6, heads * pb.Dv * pb.Dk), "dsin": (f32, 6, heads * pb.Dv * pb.Dk)}
 

@@ -35,11 +35,11 @@ class ChannelWalks:
     """The chunk walks of `gdngen.algebra.chunkwise_channel` on the Metal walk kernels of
     ``variant`` (`channel_plan`), run by ``launcher``: ``forward`` has
     `chunkwise_channel.walk_forward`'s contract, ``backward`` `walk_backward`'s (mx arrays in chunk
-    layout; float32 inside). The intra-chunk stages (factors, decayed products, WY, the backward's
-    adjoints and straddle sums) stay `gdngen.algebra.chunkwise_channel`'s shared mx code; fusing
-    them into kernels is a later step. ``packed``: the packed build's walks (`render_packed`),
-    which take ``inject`` / ``dS_in`` (zeros where None; a packed row's walk and its
-    sequences' one-chunk calls); the dense build's refuse them. Hashable, so
+    layout; float32 inside); ``intra`` and ``grads`` the intra-chunk stages' kernels
+    (channel_intra, channel_grads: factors, decayed products, WY, the backward's adjoints and
+    straddle sums) that `channel_core` runs around them. ``packed``: the packed build's walks
+    (`render_packed`), which take ``inject`` / ``dS_in`` (zeros where None; a packed row's walk
+    and its sequences' one-chunk calls); the dense build's refuse them. Hashable, so
     `gdngen.backends.portable.mlx_chunkwise.chunk_core` caches one core per walks."""
 
     variant: Variant
@@ -100,6 +100,161 @@ class ChannelWalks:
         return (env["ds0"].reshape(dS_final.shape), env["dw"].reshape(W.shape),
                 summed("dwk", Wk), summed("dqd", Qd), summed("dkc", Kc), summed("ddcc", dCC),
                 env["dsout"].reshape(S_in.shape) if self.packed and dS_in is not None else None)
+
+
+    def intra(self, q, k, v, gates, beta, linear: bool):
+        """``(U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC)``: one launch of channel_intra (chunk layout:
+        q, k [N, B, Hk, C, Dk], q scaled; v, gates, beta [N, B, Hk, r, C, ...]; results shaped as
+        `gdngen.algebra.chunkwise_channel.forward`'s). ``linear``: ``gates`` are linear."""
+        import mlx.core as mx
+
+        N, B = int(v.shape[0]), int(v.shape[1])
+        plan = self._plan(N, B)
+        env = self._launch(plan, plan.stages[:1], {
+            "q": q, "k": k, "v": v, "g": gates, "beta": beta,
+            "prm": mx.array([1.0, 1.0 if linear else 0.0], mx.float32)})
+        rows, square = gates.shape, v.shape[:-1] + (v.shape[-2],)
+        return (env["u"].reshape(v.shape), env["wk"].reshape(rows), env["kc"].reshape(rows),
+                env["qd"].reshape(rows), env["pm"].reshape(square), env["mkk"].reshape(square),
+                env["tinv"].reshape(square), env["dcc"].reshape(rows[:-2] + rows[-1:]))
+
+    def grads(self, q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC,
+              linear: bool):
+        """``(dq, dk, dv, dgates, dbeta)``: one launch of channel_grads, the VJP of `intra`
+        after the reverse walk (`gdngen.algebra.chunkwise_channel.backward_in_chunks`'
+        contract; dq, dk summed over the value heads of each key head)."""
+        import mlx.core as mx
+
+        N, B = int(v.shape[0]), int(v.shape[1])
+        plan = self._plan(N, B)
+        env = self._launch(plan, plan.stages[1:], {
+            "q": q, "k": k, "v": v, "g": gates, "beta": beta, "w": W, "tinv": Tinv, "mkk": Mkk,
+            "dy": dY, "dw": dW, "dwk_sum": dWk, "dqd_sum": dQd, "dkc_sum": dKc, "ddcc_sum": ddCC,
+            "prm": mx.array([1.0, 1.0 if linear else 0.0], mx.float32)})
+        rows = gates.shape
+        dq, dk = (env[n].reshape(rows).sum(axis=3) for n in ("dq", "dk"))
+        return (dq, dk, env["dv"].reshape(v.shape), env["dg"].reshape(rows),
+                env["dbeta"].reshape(beta.shape))
+
+
+@functools.lru_cache(maxsize=64)
+def channel_core(variant: Variant, problem: Problem, gate, launcher, templates=None,
+                 qk_scale=None, packed=False):
+    """The per-channel chunk core on the Metal kernels: ``core(q, k, v, gates, beta, S0) ->
+    (Y, S_final, *residuals)`` in the chunk layout of `gdngen.algebra.chunkwise_channel` (q
+    scaled, or raw with ``qk_scale`` as `gdngen.backends.portable.mlx_chunkwise.chunk_core`'s,
+    whose contract it has: ``gate`` a convention or a `gdngen.algebra.layer_inputs.ParameterGate`),
+    an ``mx.custom_function``. Forward: channel_intra, then the walk (two launches). Backward:
+    G = Pm^T dY and the walk's decayed Q, K in mx ops, the reverse walk, then channel_grads.
+    Residuals ``(S_in, W, Tinv, Wk, Pm, Mkk)`` (recomputed when the variant does not save
+    states). ``packed``: on the packed build's walks (a packed row's one-chunk calls)."""
+    import mlx.core as mx
+
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    walks = ChannelWalks(variant, problem, launcher, templates, packed)
+    save = variant["save_states"]
+
+    def forward(q, k, v, gates, beta, S0, convention):
+        U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = walks.intra(q, k, v, gates, beta,
+                                                        convention == "linear")
+        Y, S_final, S_in, W = walks.forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
+        return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
+
+    @mx.custom_function
+    def core(*primals):
+        arrays, convention = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
+        Y, S_final, residuals = forward(*arrays, convention)
+        return (Y, S_final, *residuals) if save else (Y, S_final)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        arrays, convention = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
+        q, k, v, gates, beta, _ = arrays
+        S_in, W, Tinv, Wk, Pm, Mkk = (tuple(outputs[2:]) if save
+                                      else forward(*arrays, convention)[2])
+        grads = _channel_backward(walks, q, k, v, gates, beta, (S_in, W, Tinv, Wk, Pm, Mkk),
+                                  cotangents[0], cotangents[1], convention)
+        return layer_inputs.core_inputs_vjp(XP, primals, grads[:6], qk_scale, gate)
+
+    return core
+
+
+def _channel_backward(walks, q, k, v, gates, beta, residuals, dY, dS_final, convention,
+                      dS_in=None):
+    """`gdngen.algebra.chunkwise_channel.backward` on the kernels: G = Pm^T dY and the walk's
+    decayed Q, K (mx ops), the reverse walk, channel_grads. ``(dq, dk, dv, dgates, dbeta, dS0,
+    dinject)`` (``dinject`` None without ``dS_in``)."""
+    from gdngen.algebra import chunkwise_channel as channel
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    S_in, W, Tinv, Wk, Pm, Mkk = residuals
+    D0, DC, dCC = channel.chunk_segments(XP, channel._linear(XP, gates, convention),
+                                         channel.PRODUCT)
+    dS0, dW, dWk, dQd, dKc, ddCC, dinject = walks.backward(
+        XP, dS_final, channel._T(Pm) @ dY, k[..., None, :, :] * DC, Wk, W, S_in, dY,
+        q[..., None, :, :] * D0, dCC, dS_in)
+    grads = walks.grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC,
+                        convention == "linear")
+    return (*grads, dS0, dinject)
+
+
+@functools.lru_cache(maxsize=64)
+def channel_walk_core(variant: Variant, problem: Problem, gate: str, launcher, templates=None):
+    """``core(q, k, v, gates, beta, inject) -> (Y, S_in, *other residuals)``: the chunk walk of
+    a packed row of per-channel gates (`gdngen.algebra.packed.chunk_walk`'s ``packed_core``;
+    chunk layout, q scaled, gates in the convention ``gate``) as `channel_core` on the packed
+    build's walks: from a zero state, ``inject`` added to the state leaving each chunk, the
+    entering states S_in an output whose cotangent the reverse walk takes (``dS_in``), giving
+    ``inject``'s."""
+    import mlx.core as mx
+
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    walks = ChannelWalks(variant, problem, launcher, templates, packed=True)
+    save = variant["save_states"]
+
+    def run(q, k, v, gates, beta, inject):
+        U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = walks.intra(q, k, v, gates, beta, gate == "linear")
+        Y, _, S_in, W = walks.forward(XP, mx.zeros(inject.shape[1:]), U, Wk, Kc, Qd, Pm, dCC,
+                                      inject)
+        return Y, (S_in, W, Tinv, Wk, Pm, Mkk)
+
+    @mx.custom_function
+    def core(q, k, v, gates, beta, inject):
+        Y, residuals = run(q, k, v, gates, beta, inject)
+        return (Y, *residuals) if save else (Y, residuals[0])
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        q, k, v, gates, beta, inject = primals
+        residuals = tuple(outputs[1:]) if save else run(*primals)[1]
+        dq, dk, dv, dgates, dbeta, _, dinject = _channel_backward(
+            walks, q, k, v, gates, beta, residuals, cotangents[0],
+            mx.zeros(inject.shape[1:]), gate, dS_in=cotangents[1])
+        return dq, dk, dv, dgates, dbeta, dinject
+
+    return core
+
+
+def channel_chunkwise(q, k, v, g, beta, initial_state, mask, *, variant: Variant,
+                      problem: Problem, scale: float, gate, launcher, templates=None,
+                      qk_norm=False):
+    """`gdngen.backends.portable.mlx_chunkwise.chunkwise_gated_delta`'s contract (float32
+    arrays in the API layout, per-channel gates) on `channel_core`: ``(y, S_final)``."""
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    core = channel_core(variant, problem, gate, launcher, templates,
+                        float(scale) if qk_norm else None)
+
+    def core_outputs(*arrays):
+        Y, S_final, *_ = core(*arrays)
+        return Y, S_final
+
+    return chunkwise.whole_sequence(XP, core_outputs, q, k, v, g, beta, initial_state, mask,
+                                    scale=1.0 if qk_norm else scale, gate=gate,
+                                    chunk_size=variant["chunk_size"])
 
 
 def _input_grads(env: dict, primals, gate: str) -> tuple:

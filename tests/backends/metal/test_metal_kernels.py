@@ -319,8 +319,8 @@ def test_vector_space_render_and_plan():
     v = _vector_variant(VECTOR, dv_tile=16)
     sources = render(v, VECTOR).sources
     assert set(sources) == {"common.metal", "fwd_scan_channel.metal", "bwd_scan_channel.metal",
-                            "recurrent.metal"}
-    for name in metal.CHANNEL_KERNELS:  # decays come in per channel: no gate work in the walk
+                            "channel_intra.metal", "channel_grads.metal", "recurrent.metal"}
+    for name in metal.WALK_KERNELS:  # decays come in per channel: no gate work in the walk
         assert "dcc[j]" in sources[f"{name}.metal"] and "load_gates" not in sources[
             f"{name}.metal"]
     plan = metal.channel_plan(v, VECTOR, 3, 2)
@@ -328,8 +328,12 @@ def test_vector_space_render_and_plan():
     assert fwd.grid == bwd.grid == (128, 32 // 16, 2 * 4)
     shapes = dict(zip(bwd.outputs, bwd.output_shapes))
     assert shapes["dwk"] == (2, 3, 2, 4, v["chunk_size"], 32) and shapes["ddcc"] == (2, 3, 2, 4, 32)
-    assert plan.threadgroup_bytes == dict.fromkeys(metal.CHANNEL_KERNELS,
-                                                   4 * v["chunk_size"] * 16)
+    intra, grads = plan.stages  # one threadgroup per chunk and value head
+    assert intra.grid == grads.grid == (128, 1, 3 * 2 * 4)
+    C = v["chunk_size"]
+    assert dict(zip(grads.outputs, grads.output_shapes))["dg"] == (3, 2, 4, C, 32)
+    assert plan.threadgroup_bytes == {**dict.fromkeys(metal.WALK_KERNELS, 4 * C * 16),
+                                      **dict.fromkeys(metal.STAGE_KERNELS, 4 * (C * C + C))}
 
 
 def test_vector_gate_walk_kernels_pass_a_multi_chunk_case(_poisoned, monkeypatch):
@@ -350,6 +354,39 @@ def test_vector_gate_walk_kernels_pass_a_multi_chunk_case(_poisoned, monkeypatch
     plan = metal.channel_plan(v, VECTOR, 4, 2)
     assert {n: launcher.threadgroup_bytes[n] for n in metal.CHANNEL_KERNELS} == \
         plan.threadgroup_bytes
+
+
+@pytest.mark.parametrize("gate", ["linear", "log"])
+def test_channel_intra_and_grads_match_the_float64_stages(gate, _poisoned):
+    """channel_intra and channel_grads in the simulator (poisoned outputs) against
+    `gdngen.algebra.chunkwise_channel`'s stages in float64 (`tests/channel_walks.py`, the checks
+    the Pallas kernels pass): exact zeros, two in one segment, log g = -37; two chunks of 16,
+    two value heads per key head, Dv = 64."""
+    from channel_walks import (
+        check_grads_match_the_float64_stages,
+        check_intra_matches_the_float64_stages,
+    )
+
+    problem = Problem(1, 2, 32, 64, gate="vector")
+    walks = metal.ChannelWalks(_vector_variant(problem, chunk_size=16, dv_tile=16,
+                                               simdgroups=2), problem, metal.default_launcher())
+    scale, linear = 0.25, gate == "linear"
+
+    def arrays(*xs):
+        return [mx.array(np.asarray(x, np.float32)) for x in xs]
+
+    def intra(q, k, v, gates, beta):  # the kernel takes q scaled
+        q, *rest = arrays(q, k, v, gates, beta)
+        return [np.asarray(x) for x in walks.intra(q * scale, *rest, linear)]
+
+    def grads(q, *rest):
+        q, *rest = arrays(q, *rest)
+        dq, *others = (np.asarray(x) for x in walks.grads(q * scale, *rest, linear))
+        return [dq * scale, *others]  # the cotangent of the unscaled q
+
+    shape = (2, 1, 1, 2, 16, 32, 64)
+    check_intra_matches_the_float64_stages(intra, shape, gate, scale)
+    check_grads_match_the_float64_stages(grads, shape, gate, scale)
 
 
 @pytest.mark.slow
