@@ -67,7 +67,8 @@ class Plan:
     ``dsin`` and its ``dsout`` is the injection's cotangent.
 
     A walk plan (`channel_plan`, per-channel gates) has one launch in each: the forward walk's
-    and the backward walk's, each run on its own inputs by `ChannelWalks` (nothing ``saved``).
+    and the backward walk's, and the intra-chunk kernels' in ``stages``, each run on its own
+    inputs by `ChannelWalks` (nothing ``saved``).
 
     ``fused`` (`fused_key`: ``(("gate_form", ...), ("qk_norm", ...))``, empty for the plain
     build): the forward's kernels are `render_fused`'s, taking raw q, k and, with a gate form,
@@ -253,7 +254,9 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
     """The walk kernels of per-channel gates (`CHANNEL_KERNELS`) for N chunks and batch B:
     ``forward`` is the one launch of `ChannelWalks.forward` (fwd_scan_channel), ``backward``
     the one of `ChannelWalks.backward` (bwd_scan_channel); both on grid (32 * simdgroups,
-    Dv / dv_tile, B * Hv), every buffer float32 (names and shapes in the templates' headers).
+    Dv / dv_tile, B * Hv); ``stages`` those of `ChannelWalks.intra` and ``grads``
+    (channel_intra, channel_grads) on grid (32 * simdgroups, 1, N * B * Hv); every buffer
+    float32 (names and shapes in the templates' headers).
     ``variant`` must be adapted to ``problem`` (a vector-gate `Problem`); ``templates``: a
     template override folder (None: the shipped templates). ``packed``: the packed build's
     walks (`render_packed`), the forward also taking ``inject``, the backward ``dsin``."""

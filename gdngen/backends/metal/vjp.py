@@ -1,7 +1,8 @@
 """The Metal backend's differentiable cores: the chunk kernels' forward with the backward
 kernels as its VJP (`dense_core`, `packed_core`, as ``mx.custom_function`` over chunk-layout
-arrays) and the per-channel walks (`ChannelWalks`). Each core is cached per variant, problem,
-gate and launcher."""
+arrays) and the per-channel ones (`channel_core`, `channel_walk_core`: the intra-chunk
+kernels around the walks, `ChannelWalks`). Each core is cached per variant, problem, gate and
+launcher."""
 
 from __future__ import annotations
 
@@ -100,7 +101,6 @@ class ChannelWalks:
         return (env["ds0"].reshape(dS_final.shape), env["dw"].reshape(W.shape),
                 summed("dwk", Wk), summed("dqd", Qd), summed("dkc", Kc), summed("ddcc", dCC),
                 env["dsout"].reshape(S_in.shape) if self.packed and dS_in is not None else None)
-
 
     def intra(self, q, k, v, gates, beta, linear: bool):
         """``(U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC)``: one launch of channel_intra (chunk layout:
