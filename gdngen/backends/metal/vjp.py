@@ -106,13 +106,9 @@ class ChannelWalks:
         """``(U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC)``: one launch of channel_intra (chunk layout:
         q, k [N, B, Hk, C, Dk], q scaled; v, gates, beta [N, B, Hk, r, C, ...]; results shaped as
         `gdngen.algebra.chunkwise_channel.forward`'s). ``linear``: ``gates`` are linear."""
-        import mlx.core as mx
-
-        N, B = int(v.shape[0]), int(v.shape[1])
-        plan = self._plan(N, B)
+        plan = self._plan(int(v.shape[0]), int(v.shape[1]))
         env = self._launch(plan, plan.stages[:1], {
-            "q": q, "k": k, "v": v, "g": gates, "beta": beta,
-            "prm": mx.array([1.0, 1.0 if linear else 0.0], mx.float32)})
+            "q": q, "k": k, "v": v, "g": gates, "beta": beta, "prm": _stage_prm(linear)})
         rows, square = gates.shape, v.shape[:-1] + (v.shape[-2],)
         return (env["u"].reshape(v.shape), env["wk"].reshape(rows), env["kc"].reshape(rows),
                 env["qd"].reshape(rows), env["pm"].reshape(square), env["mkk"].reshape(square),
@@ -123,18 +119,22 @@ class ChannelWalks:
         """``(dq, dk, dv, dgates, dbeta)``: one launch of channel_grads, the VJP of `intra`
         after the reverse walk (`gdngen.algebra.chunkwise_channel.backward_in_chunks`'
         contract; dq, dk summed over the value heads of each key head)."""
-        import mlx.core as mx
-
-        N, B = int(v.shape[0]), int(v.shape[1])
-        plan = self._plan(N, B)
+        plan = self._plan(int(v.shape[0]), int(v.shape[1]))
         env = self._launch(plan, plan.stages[1:], {
             "q": q, "k": k, "v": v, "g": gates, "beta": beta, "w": W, "tinv": Tinv, "mkk": Mkk,
             "dy": dY, "dw": dW, "dwk_sum": dWk, "dqd_sum": dQd, "dkc_sum": dKc, "ddcc_sum": ddCC,
-            "prm": mx.array([1.0, 1.0 if linear else 0.0], mx.float32)})
+            "prm": _stage_prm(linear)})
         rows = gates.shape
         dq, dk = (env[n].reshape(rows).sum(axis=3) for n in ("dq", "dk"))
         return (dq, dk, env["dv"].reshape(v.shape), env["dg"].reshape(rows),
                 env["dbeta"].reshape(beta.shape))
+
+
+def _stage_prm(linear: bool):
+    """The intra-chunk kernels' ``prm``: (scale, linear gates): q comes in scaled."""
+    import mlx.core as mx
+
+    return mx.array([1.0, 1.0 if linear else 0.0], mx.float32)
 
 
 @functools.lru_cache(maxsize=64)

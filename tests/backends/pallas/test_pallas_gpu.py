@@ -76,6 +76,13 @@ def test_variant_space_and_default():
     assert {v["bv"] for v in variants("pallas_gpu", Problem(1, 2, 128, 64))} == {32, 64}
     assert pallas_gpu.tiles(16) == [16] and pallas_gpu.tiles(24) == [32]
     assert pallas_gpu.tiles(96) == [32]
+    # padded dims of an odd number of 16s have no 32-wide tile: the 16-wide one (the default
+    # variant of Dk = 40 or 80 used to fail on an empty list)
+    assert pallas_gpu.tiles(40) == pallas_gpu.tiles(80) == [16]
+    for d in (40, 80):
+        for gate in ("scalar", "vector"):
+            v = default_variant("pallas_gpu", Problem(1, 2, d, d, gate=gate))
+            assert (v["bk"], v["bv"]) == (16, 16), (d, gate)
     assert default_variant("pallas_gpu", PROBLEM).as_dict() == {
         "chunk_size": 64, "precision": "ieee", "bk": 64, "bv": 64, "num_warps": 4,
         "num_stages": 2, "save_states": True, "recurrent_below": pallas_gpu.RECURRENT_BELOW}
@@ -84,6 +91,11 @@ def test_variant_space_and_default():
     vector = variants("pallas_gpu", Problem(2, 4, 32, 32, gate="vector"))
     assert len(vector) == 12  # 3 chunks x bk {32} x bv {32} x 2 warps x 2 stages
     assert {(v["precision"], v["save_states"]) for v in vector} == {("ieee", True)}
+    # bk <= CHANNEL_MAX_TILE (ptxas's time on the intra-chunk kernels), 8 warps by default
+    wide = Problem(2, 4, 128, 128, gate="vector")
+    assert {v["bk"] for v in variants("pallas_gpu", wide)} == {32}
+    assert {v["bv"] for v in variants("pallas_gpu", wide)} == {32, 64, 128}
+    assert default_variant("pallas_gpu", wide)["num_warps"] == 8
     assert "vector" in pallas_gpu.SPEC.tuned_gates
 
 
