@@ -155,29 +155,35 @@ def channel_core(variant: Variant, problem: Problem, gate, launcher, templates=N
     walks = ChannelWalks(variant, problem, launcher, templates, packed)
     save = variant["save_states"]
 
-    def forward(q, k, v, gates, beta, S0, convention):
-        U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = walks.intra(q, k, v, gates, beta,
-                                                        convention == "linear")
-        Y, S_final, S_in, W = walks.forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
-        return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
-
     @mx.custom_function
     def core(*primals):
         arrays, convention = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
-        Y, S_final, residuals = forward(*arrays, convention)
+        Y, S_final, residuals = _channel_forward(walks, *arrays, convention)
         return (Y, S_final, *residuals) if save else (Y, S_final)
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         arrays, convention = layer_inputs.core_inputs(XP, primals, qk_scale, gate)
         q, k, v, gates, beta, _ = arrays
-        S_in, W, Tinv, Wk, Pm, Mkk = (tuple(outputs[2:]) if save
-                                      else forward(*arrays, convention)[2])
-        grads = _channel_backward(walks, q, k, v, gates, beta, (S_in, W, Tinv, Wk, Pm, Mkk),
-                                  cotangents[0], cotangents[1], convention)
+        residuals = (tuple(outputs[2:]) if save
+                     else _channel_forward(walks, *arrays, convention)[2])
+        grads = _channel_backward(walks, q, k, v, gates, beta, residuals, cotangents[0],
+                                  cotangents[1], convention)
         return layer_inputs.core_inputs_vjp(XP, primals, grads[:6], qk_scale, gate)
 
     return core
+
+
+def _channel_forward(walks, q, k, v, gates, beta, S0, convention, inject=None):
+    """`gdngen.algebra.chunkwise_channel.forward` on the kernels: channel_intra, then the walk
+    (``inject`` as the packed build's walk takes it). ``(Y, S_final, (S_in, W, Tinv, Wk, Pm,
+    Mkk))``."""
+    from gdngen.backends.portable.mlx_chunkwise import XP
+
+    U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = walks.intra(q, k, v, gates, beta,
+                                                    convention == "linear")
+    Y, S_final, S_in, W = walks.forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC, inject)
+    return Y, S_final, (S_in, W, Tinv, Wk, Pm, Mkk)
 
 
 def _channel_backward(walks, q, k, v, gates, beta, residuals, dY, dS_final, convention,
@@ -209,16 +215,13 @@ def channel_walk_core(variant: Variant, problem: Problem, gate: str, launcher, t
     ``inject``'s."""
     import mlx.core as mx
 
-    from gdngen.backends.portable.mlx_chunkwise import XP
-
     walks = ChannelWalks(variant, problem, launcher, templates, packed=True)
     save = variant["save_states"]
 
     def run(q, k, v, gates, beta, inject):
-        U, Wk, Kc, Qd, Pm, Mkk, Tinv, dCC = walks.intra(q, k, v, gates, beta, gate == "linear")
-        Y, _, S_in, W = walks.forward(XP, mx.zeros(inject.shape[1:]), U, Wk, Kc, Qd, Pm, dCC,
-                                      inject)
-        return Y, (S_in, W, Tinv, Wk, Pm, Mkk)
+        Y, _, residuals = _channel_forward(walks, q, k, v, gates, beta,
+                                           mx.zeros(inject.shape[1:]), gate, inject)
+        return Y, residuals
 
     @mx.custom_function
     def core(q, k, v, gates, beta, inject):
