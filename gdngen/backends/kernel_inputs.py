@@ -4,10 +4,11 @@ A call with ``qk_norm=True`` or a parameterised gate (`gdngen.algebra.layer_inpu
 hands a generated backend the raw q, k and the raw gate projection ``a`` with ``A_log`` and
 ``dt_bias``. A kernel rendered with `KernelInputs.context` computes them where it loads its
 operands, so no normalised q, k and no log gate exist as arrays between kernels. A call with
-``conv_weight`` also hands ffi_cpu's scalar chunk forward the raw q, k, v (``conv``)::
+``conv_weight`` also hands ffi_cpu's chunk forward and metal's recurrent kernel the raw q, k, v
+(``conv``)::
 
     conv         x <- silu(sum_j w[c, j] x[t - (K-1) + j, c])  (the conv state before the row;
-                 ffi_cpu's chunk forward, before the norm)
+                 before the norm)
     qk_norm      x <- x * rsqrt(sum_Dk(x^2) + QK_NORM_EPS)      (float32; q scaled after it)
     "softplus"   log g = -exp(A_log) * softplus(a + dt_bias)
     "sigmoid_bound"  log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))

@@ -202,6 +202,49 @@ def test_ffi_cpu_chunk_core_convolves_and_matches_the_float64_composition():
     print("ffi_cpu T=150", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_metal_recurrent_kernel_convolves_and_matches_the_float64_composition(form,
+                                                                             monkeypatch):
+    """A short call (T = 9, under the variant's ``recurrent_below``) on metal: the recurrent
+    kernel's conv build takes the raw slices of mixed_qkv with the conv weight and state and
+    convolves in its loads, so the forward-only call runs no conv stage (`gdngen.algebra.
+    mixer.conv`) and no chunk kernel; values and every gradient (the chunk path's VJP, the
+    conv's own) against float64, outputs poisoned, with and without an incoming conv state."""
+    from gdngen.backends.metal import calls, launch
+
+    spec = registry.get("metal")
+    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"metal cannot run here: {why}")
+    variant = registry.default_variant("metal", problem)
+    variant = variant.replace(recurrent_below=16)
+    fw = Framework("mlx")
+    convs, kernel_convs = [], []
+    conv, forward = stages.conv, calls.recurrent_forward
+    monkeypatch.setattr(stages, "conv", lambda *a, **kw: convs.append(1) or conv(*a, **kw))
+    monkeypatch.setattr(calls, "recurrent_forward", lambda *a, **kw: kernel_convs.append(
+        kw.get("conv") is not None) or forward(*a, **kw))
+    for with_state in (True, False):
+        x, options = inputs(form, seed=53 + with_state, steps=9)
+        if not with_state:
+            x["conv_state"] = None
+        launcher = launch.default_launcher()
+        launcher.threadgroup_bytes.clear()
+        convs.clear()
+        kernel_convs.clear()
+        args = {n: fw.array(v) for n, v in x.items() if v is not None}
+        opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+        out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+        fw.m.eval(*out)
+        assert kernel_convs == [True] and convs == [], (kernel_convs, convs)
+        assert set(launcher.threadgroup_bytes) == {"recurrent"}, launcher.threadgroup_bytes
+        errors = check_against_reference(fw, x, options, cotangents(53, steps=9),
+                                         variant=variant)
+        print("metal recurrent", form, with_state,
+              ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
     """``gated_delta(q, k, v, ..., conv_weight=, conv_state=)`` on raw q, k, v equals the call

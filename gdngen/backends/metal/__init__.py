@@ -65,7 +65,13 @@ squares a ``simd_sum``), the chunk kernels apply each row's norm factor ``rsqrt(
 to the products the row enters; both form log g from ``a`` in float32 (softplus as ``max(x, 0)
 + log1p(exp(-|x|))``, a = -inf an identity step) before their cumulative sums, the decay as
 exp(log g). The chunk backward stays the plain build's, its inputs recomputed as mx ops in
-`dense_core`; per-channel chunk calls compute them in `gdngen.algebra.chunkwise_channel`'s core. The
+`dense_core`; per-channel chunk calls compute them in `gdngen.algebra.chunkwise_channel`'s core.
+The conv (``conv_weight``, the mixer's causal conv + SiLU): the recurrent kernel's conv build
+(``conv`` set, recurrent only) takes the raw q, k, v with ``conv_w [C, K]`` and ``conv_s [B, C,
+K-1]`` and convolves each loaded element (``gdn_conv``, K a runtime value) before the norm, so a
+decode step of the mixer is one kernel for the conv, the norm, the gate and the recurrence; its
+VJP is the chunk path's on q, k, v convolved first (`calls._conv_switch`). The chunk kernels get
+q, k, v convolved first (`gdngen.prepare.convolved`). The
 plain build renders byte for byte as before (its sha256 and tuned entries unchanged). Measured in
 the simulator against float64, values and gradients: worst relative error 1.8e-6
 (tests/backends/metal/test_metal_fused_inputs.py).
@@ -186,7 +192,7 @@ class Metal(Backend):
     name, framework, config, tolerances = BACKEND, "mlx", Config, POLICY_TOLERANCES
     device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate", "conv"), ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
 
     def space(self, problem, device=None):

@@ -25,7 +25,7 @@ from gdngen.variant import Variant
 
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,
-                      templates_dir=None, qk_norm=False, gate=None):
+                      templates_dir=None, qk_norm=False, gate=None, conv=None):
     """The recurrent kernel (``recurrent.metal.j2``, `recurrent_plan`): the forward one step at a
     time, for short calls (decode / short prefill); no VJP (`gated_delta` differentiates the chunk
     path).
@@ -42,7 +42,10 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     Fused inputs (`render_fused`): ``qk_norm``: q, k raw, normalised in the kernel's loads; ``gate``
     a `gdngen.algebra.layer_inputs.ParameterGate`: ``decay`` is ``(a, A_log, dt_bias)`` (parameters
     in
-    any form `kernel_parameters` takes), log g and the decay formed per step in the kernel."""
+    any form `kernel_parameters` takes), log g and the decay formed per step in the kernel.
+    ``conv``: ``(conv_weight [C, K], conv_state [B, C, K-1] or None)`` (C = 2 Hk Dk + Hv Dv,
+    the mixer's layout): q, k, v are raw, each element convolved + SiLU in the kernel's loads
+    (`gdngen.algebra.mixer.conv`), before the norm."""
     import mlx.core as mx
 
 
@@ -54,7 +57,7 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     if parameter_gate != isinstance(decay, tuple) or (parameter_gate and len(decay) != 3):
         raise ValueError("decay must be the tuple (a, A_log, dt_bias) exactly when gate is a "
                          f"ParameterGate, got {type(decay).__name__} with gate={gate!r}")
-    inputs = KernelInputs.of(qk_norm, gate)
+    inputs = KernelInputs.of(qk_norm, gate, conv is not None)
     gate_kind = "vector" if layer_inputs.raw_gates(decay).ndim == 4 else "scalar"
     if problem is None:
         problem = Problem(Hk, Hv, Dk, Dv, "float32", gate_kind)
@@ -73,10 +76,33 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     if parameter_gate:
         env["A_log"], env["dt_bias"] = kernel_parameters(mx, *decay[1:], Hv, Dk,
                                                          gate_kind == "vector")
+    if conv is not None:
+        env["conv_w"], env["conv_s"] = _conv_operands(conv, B, 2 * Hk * Dk + Hv * Dv)
     if hasattr(launcher, "prepare"):
         launcher.prepare(plan, env)
     env = launch.run_launches(plan, plan.forward, env, launcher)
     return env["y_out"], env["final_state"]
+
+
+def _conv_operands(conv, B: int, channels: int):
+    """``(conv_w [C, K], conv_s [B, C, K-1])`` float32 as the recurrent kernel takes them from
+    ``conv = (weight, state or None)``: a None state is zeros (the window before the row), and
+    K = 1's empty state one zero (never read) so that no buffer is empty."""
+    import mlx.core as mx
+
+    weight, state = conv
+    if getattr(weight, "ndim", None) != 2 or int(weight.shape[0]) != channels:
+        raise ValueError(f"conv weight must be [C, K] with C = 2 Hk Dk + Hv Dv = {channels}, got "
+                         f"shape {tuple(getattr(weight, 'shape', ()))}")
+    K = int(weight.shape[1])
+    if K == 1:
+        state = mx.zeros((1,), mx.float32)
+    elif state is None:
+        state = mx.zeros((B, channels, K - 1), mx.float32)
+    elif tuple(state.shape) != (B, channels, K - 1):
+        raise ValueError(f"conv state must be [B, C, K-1] = {(B, channels, K - 1)}, got shape "
+                         f"{tuple(state.shape)}")
+    return weight.astype(mx.float32), state.astype(mx.float32)
 
 
 def recurrent_steps_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
@@ -178,11 +204,18 @@ def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher
 def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
     """`gated_delta`'s body on a checked dense `gdngen.call.Call`: ``(y in q's dtype,
     final_state float32)``. ``chunked``: the recurrent switch for this call
-    (`gdngen.backend.Backend.chunked`): the chunk kernels, else the recurrent kernel forward."""
+    (`gdngen.backend.Backend.chunked`): the chunk kernels, else the recurrent kernel forward.
+    A conv call (``call.conv_size``, raw q, k, v): the recurrent kernel convolves in its loads
+    (`_conv_switch`); the chunk kernels get q, k, v convolved first
+    (`gdngen.prepare.convolved`)."""
     import mlx.core as mx
 
+    from gdngen import prepare
     from gdngen.backends.portable import mlx_chunkwise
     from gdngen.backends.portable.mlx_chunkwise import XP
+
+    if call.conv_size is not None and chunked:
+        call, operands = prepare.convolved(call, operands)
 
     shape, problem, gate, scale, qk_norm = (call.shape, call.problem, call.core_gate,
                                             call.scale, call.qk_norm)
@@ -210,20 +243,68 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
 
     parameter_gate = gate if isinstance(gate, layer_inputs.ParameterGate) else None
 
-    def recurrent(q, k, v, g, beta, s0):
+    def recurrent(q, k, v, g, beta, s0, conv=None):
         # the kernel normalises q, k and forms a ParameterGate's decay in its loads
         decay = g if parameter_gate else layer_inputs.linear_decay(XP, g, gate)  # exp(-inf) = 0
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
                                      problem=problem, launcher=launcher, qk_norm=qk_norm,
-                                     gate=parameter_gate)
+                                     gate=parameter_gate, conv=conv)
         return y.astype(q.dtype), state
 
     g, beta = layer_inputs.fold_mask(XP, args[3], args[4], mask, gate)
-    y, state = mlx_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
-        *args[:3], g, beta, args[5])
+    if call.conv_size is not None:  # q, k, v raw: the kernel convolves them
+        y, state = _conv_switch((call, operands), recurrent, chunkwise_call, g, beta, args[5])
+    else:
+        y, state = mlx_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(
+            *args[:3], g, beta, args[5])
     if mask is not None:
         y = mx.where(mask[..., None, None], y, mx.zeros((), y.dtype))
     return y.astype(q.dtype), state
+
+
+def _conv_switch(raw, recurrent, chunkwise_call, g, beta, S0):
+    """A conv call's recurrent forward (`dense_call`): ``recurrent(q, k, v, g, beta, S0,
+    conv=(conv_weight, conv_state))`` on the raw q, k, v of ``raw = (call, operands)`` (the
+    kernel convolves in its loads), whose VJP is the chunk path's on q, k, v convolved first
+    (`gdngen.prepare.convolved`, the conv's own VJP; ``chunkwise_call(q, k, v, g, beta, S0)``,
+    masks folded into g and beta); an ``mx.custom_function`` over the raw arrays, ``g`` a
+    ParameterGate's tuple or one array. Returns ``(y, final_state)``."""
+    import mlx.core as mx
+
+    from gdngen import prepare
+
+    call, operands = raw
+    dtype = operands.q.dtype
+    gates = g if isinstance(g, tuple) else (g,)
+    with_state = operands.conv_state is not None
+    n_conv = 2 if with_state else 1
+
+    def split(flat):  # -> (q, k, v), (weight, state or None), gates, beta, S0
+        q, k, v, *rest = flat
+        weight, state = rest[0], (rest[1] if with_state else None)
+        rest = rest[n_conv:]
+        gates_ = tuple(rest[:len(gates)])
+        return (q, k, v), (weight, state), (gates_ if isinstance(g, tuple) else gates_[0],
+                                            *rest[len(gates):])
+
+    def chunk_path(*flat):
+        (q, k, v), (weight, state), (gates_, beta_, S0_) = split(flat)
+        conv_ops = operands._replace(q=q, k=k, v=v, conv_weight=weight, conv_state=state)
+        convolved = prepare.convolved(call, conv_ops)[1]
+        return chunkwise_call(convolved.q, convolved.k.astype(dtype), convolved.v.astype(dtype),
+                              gates_, beta_, S0_)
+
+    @mx.custom_function
+    def switched(*flat):
+        (q, k, v), conv, (gates_, beta_, S0_) = split(flat)
+        return recurrent(q, k.astype(dtype), v.astype(dtype), gates_, beta_, S0_, conv=conv)
+
+    @switched.vjp
+    def switched_vjp(primals, cotangents, outputs):
+        return mx.vjp(chunk_path, list(primals), list(cotangents))[1]
+
+    conv_arrays = (operands.conv_weight,) + ((operands.conv_state,) if with_state else ())
+    return switched(operands.q, operands.k, operands.v, *conv_arrays, *gates, beta, S0)
 
 
 def packed_call(call, operands, variant, launcher=None, templates_dir=None):

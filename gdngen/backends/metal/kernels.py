@@ -125,11 +125,13 @@ def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
     `gdngen.sources.Rendered`: the recurrent kernel and, scalar gates, the chunk forward's two
     kernels (`fused_kernels`) with their ``common.metal``, plus ``layer_inputs.metal`` (the
     helpers), each rendered with ``inputs.context()``. They take raw q, k and, with a gate form,
-    ``a``, ``A_log``, ``dt_bias`` in place of the gate. ``inputs`` must fuse something (the plain
+    ``a``, ``A_log``, ``dt_bias`` in place of the gate. ``inputs.conv``: the recurrent kernel
+    alone (it takes raw q, k, v with ``conv_w``, ``conv_s`` and convolves in its loads; the
+    chunk kernels take convolved inputs). ``inputs`` must fuse something (the plain
     build is `render_plan`'s, whose sha256 does not depend on this one); ``templates_dir`` default
     ``GDNGEN_TEMPLATES``."""
     if not inputs.fused:
-        raise ValueError(f"inputs must fuse a qk norm or a gate (the plain build is "
+        raise ValueError(f"inputs must fuse a conv, a qk norm or a gate (the plain build is "
                          f"render_plan's), got {inputs!r}")
     templates = settings.templates_override() if templates_dir is None else templates_dir
     return render_fused_kernels(adapt(variant, problem), problem, fused_key(inputs), templates)
@@ -143,7 +145,7 @@ def render_fused_kernels(variant: Variant, problem: Problem, fused: tuple, templ
     plan["layer_inputs.metal"] = ("metal/layer_inputs.metal.j2",
                                   _recurrent_context(variant, problem))
     names = {"recurrent.metal", "layer_inputs.metal"}
-    if problem.gate == "scalar":
+    if problem.gate == "scalar" and not dict(fused).get("conv"):  # a conv build: recurrent only
         names |= {"common.metal", *(f"{n}.metal" for n in fused_kernels(variant))}
     return render_planned(variant, problem,
                           {name: (template, dict(context, **dict(fused)))

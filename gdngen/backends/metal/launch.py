@@ -132,8 +132,8 @@ def compile_plan(plan: Plan, metas: dict | None = None) -> list:
 def lower_check(variant: Variant, problem: Problem) -> None:
     """`gdngen.tools.build` hook: every kernel of ``variant`` compiles as MLX would build it (with
     g++ against the simulator's MSL shim; no Metal device needed), the fused builds of both
-    gate forms with the qk norm (`render_fused`) and the per-step-states build (`steps_plan`)
-    included. Raises on failure."""
+    gate forms with the qk norm (`render_fused`), the recurrent kernel's conv build and the
+    per-step-states build (`steps_plan`) included. Raises on failure."""
     fused = (KernelInputs(True, "softplus"), KernelInputs(True, "sigmoid_bound", -1.0))
     if problem.gate == "scalar":
         for inputs in (None, *fused):
@@ -141,7 +141,7 @@ def lower_check(variant: Variant, problem: Problem) -> None:
     else:
         compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
                                   settings.templates_override()))
-    for inputs in (None, *fused):
+    for inputs in (None, *fused, KernelInputs(True, "softplus", conv=True)):
         plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
         compile_plan(plan, recurrent_input_metas(plan))
     plan = steps_plan(variant, problem, 2, 1)

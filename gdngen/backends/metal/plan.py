@@ -162,9 +162,12 @@ def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
 
 
 def _recurrent_io(fused: tuple) -> tuple:
-    """``(inputs, outputs)`` of the recurrent kernel; a fused gate adds ``A_log``, ``dt_bias``."""
+    """``(inputs, outputs)`` of the recurrent kernel; a fused gate adds ``A_log``, ``dt_bias``,
+    a fused conv ``conv_w``, ``conv_s`` (after them)."""
     ins, outs = _KERNEL_IO["recurrent"]
-    return (ins + ("A_log", "dt_bias") if dict(fused).get("gate_form") else ins), outs
+    context = dict(fused)
+    return (ins + (("A_log", "dt_bias") if context.get("gate_form") else ())
+            + (("conv_w", "conv_s") if context.get("conv") else ())), outs
 
 
 @functools.lru_cache(maxsize=64)
@@ -245,6 +248,9 @@ def recurrent_input_metas(plan: Plan) -> dict:
         vector = pb.gate == "vector"
         metas["A_log"] = metas["dt_bias"] = (f32, 2 if vector else 1,
                                              pb.Hv * (pb.Dk if vector else 1))
+    if dict(plan.fused).get("conv"):  # K is the kernel's runtime conv_w_shape[1]: 4 here
+        channels = 2 * pb.Hk * pb.Dk + pb.Hv * pb.Dv
+        metas["conv_w"], metas["conv_s"] = (f32, 2, channels * 4), (f32, 3, B * channels * 3)
     return metas
 
 
@@ -321,6 +327,9 @@ def build_launch_plan(variant: Variant, problem: Problem, N: int, B: int, templa
                  packed: bool = False, fused: tuple = ()) -> Plan:
     if packed and fused:
         raise ValueError("a packed row takes its layer inputs computed (no fused build)")
+    if dict(fused).get("conv"):
+        raise ValueError("the metal chunk kernels take q, k, v convolved (the conv is the "
+                         "recurrent kernel's: recurrent_plan)")
     rendered = render_packed(variant, problem, templates_dir=templates) if packed else \
         render(variant, problem, templates_dir=templates)
     forward_fused = fused_kernels(variant) if fused else ()
