@@ -17,6 +17,11 @@ beta_activation="sigmoid")``, then the gated RMSNorm as plain array ops (MLX:
   cache, against the same layer's projections around ``gdngen.mlx.gated_delta_mixer``
   carrying (final_state, conv_state); median of ``--repeats`` runs of ``--tokens`` tokens.
 
+``--target DEVICE`` (JAX ``train`` / ``prefill``, e.g. ``tpu-v5e``): no run; each composition
+is compiled for the device's compile-only topology with its real compiler (`gdngen.compilers.
+targeting`: the device's generated kernels, Mosaic for TPU) and the memory is the compiled
+step's (``memory_analysis()``: temporaries plus outputs).
+
 ``unfused_shift`` is the same composition with the mixer's own convolution (shifted
 multiply-adds) and norm code, not rematerialised: it separates what the framework's grouped conv
 costs from what the rematerialisation saves. Ratios are ``unfused / mixer`` (>= 1: the mixer is
@@ -27,7 +32,7 @@ repo root::
 
     python benchmarks/bench_mixer.py [--modes train,prefill,decode] [--frameworks jax,mlx]
         [--seq-lens jax=4096,mlx=2048] [--heads 16,32] [--dim 128] [--repeats 3]
-        [--sequences 1] [--json]
+        [--sequences 1] [--target DEVICE] [--json]
 """
 
 from __future__ import annotations
@@ -57,13 +62,14 @@ def make_inputs(T, Hk, Hv, D, K=4, seed=0):
         "dout": rng.standard_normal((1, T, Hv, D))}
 
 
-def losses(framework, dout, Hk, Hv, D, cu_seqlens=None):
+def losses(framework, dout, Hk, Hv, D, cu_seqlens=None, variant=None):
     """``{"mixer", "unfused", "unfused_shift"}``: the loss of each over ``ARGS``. With
     ``cu_seqlens`` (a packed row) ``{"mixer", "unfused_shift"}``: the framework's grouped
-    conv has no per-sequence windows."""
+    conv has no per-sequence windows. ``variant``: the recurrence's (default: dispatch's)."""
     from gdngen.algebra import mixer as stages
 
     dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
+    pick = {} if variant is None else {"variant": variant}
     kd = Hk * D
     if framework == "jax":
         import jax
@@ -100,7 +106,7 @@ def losses(framework, dout, Hk, Hv, D, cu_seqlens=None):
 
     def mixer(x, w, a, b, z, A_log, dt_bias, nw):
         out, s, _ = gated_delta_mixer(x, w, a, b, z, **dims, A_log=A_log, dt_bias=dt_bias,
-                                      norm_weight=nw, cu_seqlens=cu_seqlens)
+                                      norm_weight=nw, cu_seqlens=cu_seqlens, **pick)
         return loss(out, s)
 
     def unfused(x, w, a, b, z, A_log, dt_bias, nw, conv=conv, norm=norm):
@@ -111,7 +117,7 @@ def losses(framework, dout, Hk, Hv, D, cu_seqlens=None):
         v = h[..., 2 * kd:].reshape(B, T, Hv, D)
         y, s = gated_delta(q, k, v, a, b, scale=D ** -0.5, qk_norm=True, gate="softplus",
                            A_log=A_log, dt_bias=dt_bias, beta_activation="sigmoid",
-                           cu_seqlens=cu_seqlens)
+                           cu_seqlens=cu_seqlens, **pick)
         return loss(norm(y, z, nw), s)
 
     xp = prepare.namespace(framework)
@@ -130,6 +136,58 @@ def losses(framework, dout, Hk, Hv, D, cu_seqlens=None):
     if cu_seqlens is not None:
         return {"mixer": mixer, "unfused_shift": unfused_shift}
     return {"mixer": mixer, "unfused": unfused, "unfused_shift": unfused_shift}
+
+
+def compiled_memory(fn, args, target):
+    """``fn``'s compiled temporaries plus outputs in bytes on the compile-only ``target`` (a
+    device name, `gdngen.compilers.targeting`), traced on abstract copies of ``args``."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from gdngen.compilers import PLATFORMS, compiler_of, targeting
+    from gdngen.compilers.targets import compiling_backend
+    from gdngen.devices import get_device
+
+    backend = compiling_backend(get_device(target))
+    with targeting(target) as found:
+        spec = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(found[0]))
+                for x in args]
+        lowered = jax.jit(fn).trace(*spec).lower(
+            lowering_platforms=(PLATFORMS[compiler_of(backend)[0]],))
+        stats = lowered.compile().memory_analysis()
+    return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
+
+
+def compiled_only(mode, T, Hk, Hv, D, target, sequences=1):
+    """``train`` / ``prefill`` (JAX) compiled for ``target``, not run: the memory of each
+    composition's compiled step (`compiled_memory`)."""
+    import jax
+    import jax.numpy as jnp
+
+    inputs = make_inputs(T, Hk, Hv, D)
+    offsets = None
+    if sequences > 1:
+        from bench_packed import packed_offsets
+
+        offsets = jnp.asarray(packed_offsets(T, sequences, 0))
+    from gdngen import registry
+    from gdngen.compilers.targets import compiling_backend
+    from gdngen.devices import get_device
+    from gdngen.problem import Problem
+
+    problem = Problem(Hk, Hv, D, D)
+    variant = registry.default_variant(compiling_backend(get_device(target)), problem)
+    a = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
+    args = [a[n] for n in ARGS]
+    memory = {}
+    for name, loss in losses("jax", a["dout"], Hk, Hv, D, offsets, variant).items():
+        fn = jax.grad(loss, argnums=tuple(range(len(args)))) if mode == "train" else loss
+        memory[name] = {"temp_and_output_bytes": compiled_memory(fn, args, target)}
+    return {"mode": mode, "framework": "jax", "target": target, "variant": variant.as_dict(),
+            "T": T, "Hk": Hk, "Hv": Hv,
+            "D": D, "sequences": sequences, "memory": memory,
+            "memory_ratios": {n: {k: memory[n][k] / memory["mixer"][k] for k in memory["mixer"]}
+                              for n in memory if n != "mixer"}}
 
 
 def train(framework, T, Hk, Hv, D, repeats, sequences=1):
@@ -278,12 +336,18 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sequences", type=int, default=1,
                    help="train on one packed row of this many sequences (cu_seqlens)")
+    p.add_argument("--target", default=None,
+                   help="JAX train / prefill: compile for this device's topology, no run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     Hk, Hv = (int(h) for h in args.heads.split(","))
     seq = dict(item.split("=") for item in args.seq_lens.split(","))
     rows = []
     modes = args.modes.split(",")
+    if args.target is not None:
+        rows += [compiled_only(mode, int(seq["jax"]), Hk, Hv, args.dim, args.target,
+                               args.sequences) for mode in modes if mode in ("train", "prefill")]
+        modes = []
     if "train" in modes:
         rows += [train(fw, int(seq[fw]), Hk, Hv, args.dim, args.repeats, args.sequences)
                  for fw in args.frameworks.split(",")]
@@ -297,7 +361,14 @@ def main(argv=None):
     print(f"mixer vs unfused composition; Hk={Hk} Hv={Hv} D={args.dim} float32; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for r in rows:
-        if r["mode"] in ("train", "prefill"):
+        if "target" in r:
+            for n in r["memory_ratios"]:
+                mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
+                                f"{r['memory'][n][k] / 2**20:.0f} MiB "
+                                f"({r['memory_ratios'][n][k]:.2f}x)" for k in r["memory"]["mixer"])
+                print(f"{r['mode']} jax T={r['T']} compiled for {r['target']}: mixer vs {n}: "
+                      f"{mem}")
+        elif r["mode"] in ("train", "prefill"):
             for n in r["time_ratio"]:
                 mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
                                 f"{r['memory'][n][k] / 2**20:.0f} MiB "

@@ -77,8 +77,9 @@ def verdict_dir(device: str) -> Path:
 def call_kind(call, backend: str | None = None) -> str:
     """What of a `gdngen.call.Call` picks different kernels of ``backend``: gate kind, gate
     convention, packed rows, returned states, the layer inputs its kernels compute
-    (`gdngen.backend.Backend.fused_inputs`: ``qk_norm``, the gate form); e.g. "scalar log",
-    "vector linear packed", "scalar log steps", "scalar log qk_norm softplus"."""
+    (`gdngen.backend.Backend.fused_inputs`: ``qk_norm``, the gate form, the conv); e.g.
+    "scalar log", "vector linear packed", "scalar log steps", "scalar log qk_norm softplus",
+    "scalar log qk_norm softplus conv"."""
     parts = [call.problem.gate, call.decay]
     if call.packed:
         parts.append("packed")
@@ -89,6 +90,8 @@ def call_kind(call, backend: str | None = None) -> str:
         parts.append("qk_norm")
     if call.gate_form is not None and "gate" in fused:
         parts.append(call.gate_form)
+    if call.conv_size is not None and "conv" in fused and call.return_states == "final":
+        parts.append("conv")
     return " ".join(parts)
 
 
@@ -142,13 +145,13 @@ def _check_into(result: dict, variant: Variant, problem: Problem, kind: str,
         runner = validate.runner_for(variant.backend)
         tokens = kind.split()
         form = next((t for t in tokens if t in _GATE_FORMS), None)
-        fused = form is not None or "qk_norm" in tokens
+        fused = form is not None or "qk_norm" in tokens or "conv" in tokens
         passing = True  # the worst case is the first failing one, else the largest error
         for case in probe_cases(problem, chunk, kind):
             if fused:  # the layer's raw inputs, computed in the kernels' loads
                 res = validate.check_fused_case(variant, case, qk_norm="qk_norm" in tokens,
                                                 gate_form=form, dtype=problem.dtype,
-                                                precision=precision)
+                                                precision=precision, conv="conv" in tokens)
             else:
                 res = validate.check_case(runner, case, dtype=problem.dtype, variant=variant,
                                           precision=precision, gates=(gate,))

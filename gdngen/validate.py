@@ -460,18 +460,43 @@ def results_to_json(results) -> list[dict]:
 
 #: the quantities of `check_fused_case` (gradients of the raw layer inputs)
 FUSED_QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state",
-                    "dA_log", "ddt_bias")
+                    "dA_log", "ddt_bias", "dconv_weight", "dconv_state")
+#: the causal conv's kernel size in a fused check with ``conv`` (the mixers' K)
+FUSED_CONV_SIZE = 4
+
+
+def _conv64(x, w, state):
+    """Float64 causal depthwise conv + SiLU (`gdngen.algebra.mixer.conv`) of ``x [B, T, C]``
+    with ``w [C, K]`` and ``state [B, C, K-1]``, and its pullback ``dh -> (dx, dw, dstate)``."""
+    from gdngen.algebra import reference
+
+    T, K = x.shape[1], w.shape[1]
+    window = np.concatenate([np.swapaxes(state, 1, 2), x], axis=1)  # [B, K-1+T, C]
+    pre = sum(w[:, j] * window[:, j:j + T] for j in range(K))
+    sig = reference.sigmoid(pre)
+
+    def pullback(dh):
+        dpre = dh * (sig * (1.0 + pre * (1.0 - sig)))
+        dwindow = np.zeros_like(window)
+        for j in range(K):
+            dwindow[:, j:j + T] += dpre * w[:, j]
+        dw = np.stack([(dpre * window[:, j:j + T]).sum(axis=(0, 1)) for j in range(K)], 1)
+        return dwindow[:, K - 1:], dw, np.swapaxes(dwindow[:, :K - 1], 1, 2)
+
+    return pre * sig, pullback
 
 
 def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
                      lower_bound: float | None = None, dtype: str = "float32",
-                     precision: str = "ieee", seed=None) -> CaseResult:
+                     precision: str = "ieee", seed=None, conv: bool = False) -> CaseResult:
     """``case`` through ``variant`` as a layer calls it with the inputs its kernels compute
     (`gdngen.backend.Backend.fused_inputs`): raw q, k with ``qk_norm``; with ``gate_form``
     ("softplus" / "sigmoid_bound") the raw projection ``a`` and ``A_log``, ``dt_bias``
-    (``[Hv]``; per-channel ``[Hv, 1]`` and ``[Hv, Dk]``; A_log up to 2). Values and every
-    gradient (of the raw arrays) against the float64 composition
-    (`gdngen.algebra.reference.LayerInputsVJP`, `gdngen.algebra.reference.vjp`)."""
+    (``[Hv]``; per-channel ``[Hv, 1]`` and ``[Hv, Dk]``; A_log up to 2); with ``conv`` raw q,
+    k, v before the causal conv + SiLU, ``conv_weight [C, 4]`` and ``conv_state [B, C, 3]``
+    (the mixer's layout). Values and every gradient (of the raw arrays) against the float64
+    composition (`_conv64`, `gdngen.algebra.reference.LayerInputsVJP`,
+    `gdngen.algebra.reference.vjp`)."""
     from gdngen.algebra import reference
 
     raw = case.inputs(seed)
@@ -499,13 +524,33 @@ def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
                                          params["A_log"], params["dt_bias"], gate_form,
                                          lower_bound)
         g_log = layer.log_g
-    q, k = (reference.l2_normalize(x[n])[0] for n in ("q", "k")) if qk_norm else (x["q"], x["k"])
-    ref = reference.vjp(q, k, x["v"], g_log, x["beta"], x["initial_state"], x["dy"],
+    h = {n: x[n] for n in ("q", "k", "v")}  # the recurrence's q, k, v before the norm
+    if conv:
+        B, T = x["v"].shape[:2]
+        widths = [case.Hk * case.Dk, case.Hk * case.Dk, case.Hv * case.Dv]
+        C = sum(widths)
+        params["conv_weight"] = 0.5 * rng.standard_normal((C, FUSED_CONV_SIZE))
+        params["conv_state"] = rng.standard_normal((B, C, FUSED_CONV_SIZE - 1))
+        keep = np.ones((B, T), bool) if x["mask"] is None else np.asarray(x["mask"], bool)
+        # the call zeroes masked steps' raw inputs: a zero in the windows after them
+        raw_row = np.concatenate([np.where(keep[..., None], x[n].reshape(B, T, -1), 0.0)
+                                  for n in ("q", "k", "v")], axis=-1)
+        h_row, conv_pullback = _conv64(raw_row, params["conv_weight"], params["conv_state"])
+        h = dict(zip(("q", "k", "v"), (part.reshape(x[n].shape) for n, part in zip(
+            ("q", "k", "v"), np.split(h_row, np.cumsum(widths)[:2], axis=-1)))))
+    q, k = (reference.l2_normalize(h[n])[0] for n in ("q", "k")) if qk_norm else (h["q"], h["k"])
+    ref = reference.vjp(q, k, h["v"], g_log, x["beta"], x["initial_state"], x["dy"],
                         x["dfinal_state"], mask=x["mask"], scale=case.scale, gate="log")
     if qk_norm:
         for n in ("q", "k"):
-            xn, r = reference.l2_normalize(x[n])
+            xn, r = reference.l2_normalize(h[n])
             ref["d" + n] = reference.l2_normalize_vjp(xn, r, ref["d" + n])
+    if conv:
+        dh = np.concatenate([ref["d" + n].reshape(B, T, -1) for n in ("q", "k", "v")], axis=-1)
+        draw, ref["dconv_weight"], ref["dconv_state"] = conv_pullback(dh)
+        draw = np.where(keep[..., None], draw, 0.0)
+        for n, part in zip(("q", "k", "v"), np.split(draw, np.cumsum(widths)[:2], axis=-1)):
+            ref["d" + n] = part.reshape(x[n].shape)
     if gate_form is not None:
         chained = layer.grads(dict(ref, dbeta=np.zeros_like(ref["dbeta"])))
         ref.update(dg=chained["dg"], dA_log=chained["dA_log"], ddt_bias=chained["ddt_bias"])
@@ -520,12 +565,20 @@ def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
         out = run(x, params, options, variant, dtype)
     errors = {name: relative_error(out.get(name), ref[name]) for name in FUSED_QUANTITIES
               if name in ref and (name in out or name not in ("dA_log", "ddt_bias"))}
+    if conv and not {"dconv_weight", "dconv_state"} <= set(errors):
+        raise AssertionError("a conv check must compare dconv_weight and dconv_state")
     return CaseResult(case=case.name, dtype=dtype, errors=errors,
                       tolerance=allowed_error(variant, dtype, precision))
 
 
 _FUSED_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-_FUSED_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state", "dA_log", "ddt_bias")
+_FUSED_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
+
+
+def _fused_grads(params: dict) -> tuple:
+    """The names of a fused call's gradients: the arrays', then each of ``params``' (A_log,
+    dt_bias, conv_weight, conv_state, in their order there)."""
+    return _FUSED_GRADS + tuple(f"d{name}" for name in params)
 
 
 def _fused_jax(x, params, options, variant, dtype):
@@ -544,7 +597,7 @@ def _fused_jax(x, params, options, variant, dtype):
 
     (y, s), pullback = jax.vjp(f, *args)
     grads = pullback((jnp.asarray(x["dy"], dtype), jnp.asarray(x["dfinal_state"], jnp.float32)))
-    out = {"y": y, "final_state": s, **dict(zip(_FUSED_GRADS, grads))}
+    out = {"y": y, "final_state": s, **dict(zip(_fused_grads(params), grads))}
     return {n: np.asarray(v, np.float64) for n, v in out.items()}
 
 
@@ -566,5 +619,5 @@ def _fused_mlx(x, params, options, variant, dtype):
     cot = [mx.array(np.asarray(x["dy"], np.float32)).astype(mdt),
            mx.array(np.asarray(x["dfinal_state"], np.float32))]
     (y, s), grads = mx.vjp(lambda *a: f(*a), args, cot)
-    out = {"y": y, "final_state": s, **dict(zip(_FUSED_GRADS, grads))}
+    out = {"y": y, "final_state": s, **dict(zip(_fused_grads(params), grads))}
     return {n: np.asarray(v.astype(mx.float32), np.float64) for n, v in out.items()}

@@ -4,6 +4,7 @@ to the portable backend with correct results."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -307,6 +308,51 @@ def test_the_call_kind_names_the_inputs_the_kernels_compute():
     packed = call.replace(shape=CallShape(1, 8, 1, 2, 16, 16, False, sequences=3),
                           return_states="final")
     assert firstuse.call_kind(packed, "ffi_cpu") == "scalar log packed"
+
+
+def test_the_call_kind_names_the_conv_where_the_kernels_take_it():
+    from gdngen.call import Call
+    from gdngen.shape import CallShape
+
+    call = Call("mlx", CallShape(1, 8, 1, 2, 32, 32, False), "float32", qk_norm=True,
+                gate_form="softplus", conv_size=4)
+    assert firstuse.call_kind(call, "metal") == "scalar log qk_norm softplus conv"
+    assert firstuse.call_kind(call, "mlx") == "scalar log qk_norm softplus"  # no conv
+    steps = call.replace(return_states="steps")  # the conv is computed before such calls
+    assert firstuse.call_kind(steps, "metal") == "scalar log steps qk_norm softplus"
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_conv_build_is_checked_from_the_raw_inputs(fresh, monkeypatch, planted):
+    """A metal call whose recurrent kernel convolves in its loads is checked through that
+    kernel (the T = 1 case; the others run the chunk path, q, k, v convolved first) against
+    the float64 conv + norm + gate + recurrence, every gradient included (dconv_weight,
+    dconv_state): a planted conv that drops the oldest tap fails, the shipped one passes."""
+    from gdngen import validate
+    from gdngen.backends.metal import sim
+
+    if not sim.available():
+        pytest.skip("the MSL simulator needs a C++ compiler")
+    problem = Problem(1, 2, 32, 32, "float32", "scalar")
+    if planted:
+        old = "  for (int i = 0; i < K; ++i) {\n    const int u = t - (K - 1) + i;"
+        text = (templates_dir("metal") / "layer_inputs.metal.j2").read_text()
+        assert text.count(old) == 1
+        folder = fresh / "override" / "metal"
+        folder.mkdir(parents=True)
+        (folder / "layer_inputs.metal.j2").write_text(text.replace(old, old.replace(
+            "i = 0;", "i = 1;")))
+        monkeypatch.setenv("GDNGEN_TEMPLATES", str(folder.parent))
+    # fixed inputs: the identical_keys case's dA_log / ddt_bias (sums over every step, which
+    # cancel) have a heavy-tailed float32 error over fresh draws, conv or not
+    monkeypatch.setattr(validate, "check_fused_case",
+                        functools.partial(validate.check_fused_case, seed=11))
+    variant = registry.default_variant("metal", problem)
+    record = firstuse.check(variant, problem, "scalar log qk_norm softplus conv")
+    assert record["passed"] is not planted, record
+    assert set(record["cases"]) == {"hard_decay", "short_masked", "identical_keys", "t1"}
+    if planted:
+        assert record["worst_case"] == "t1" and record["worst_error"] > 1e-2, record
 
 
 @needs_ffi
