@@ -194,8 +194,58 @@ def conv_pullbacks(xp, primals):
     return (*out, *primals[3:]), pullbacks
 
 
+def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: int):
+    """``(forward, backward)`` over the call's layout (q, k, v ``[B, T, H, D]``, gates
+    ``[B, T, Hv(, Dk)]`` or a ParameterGate's ``(a, A_log, dt_bias)``, beta ``[B, T, Hv]``, S0
+    ``[B, Hv, Dv, Dk]``; masks folded, q unscaled) from a chunk-layout pair of
+    `custom_vjp_core`'s contract: `gdngen.algebra.chunkwise.whole_sequence` lays the primals
+    out (padding T to a multiple of ``chunk_size``) around ``forward``, and the backward maps
+    the cotangents in and the chunk backward's gradients out through the same (linear) layout
+    by its VJP, so the saved residuals are the chunk forward's own. ``forward_gate`` is the
+    layout's gate convention of the forward's primals (a ParameterGate where its kernels take
+    the raw projection), ``gate`` the backward's."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.backends.portable.jax_chunkwise import XP
+
+    def run(core, primals, convention):
+        q, k, v, gates, beta, S0 = primals
+        return chunkwise.whole_sequence(XP, core, q, k, v, gates, beta, S0, None, scale=1.0,
+                                        gate=convention, chunk_size=chunk_size)
+
+    def api_forward(primals):
+        kept = []
+
+        def core(*chunked):
+            outputs, saved = forward(chunked)
+            kept.append(saved)
+            return outputs
+
+        return run(core, primals, forward_gate), kept[0]
+
+    def api_backward(primals, saved, cotangents):
+        taken = []
+
+        def lay(*arrays):  # the primals -> the chunk layout (whole_sequence's own)
+            def core(*chunked):
+                taken.append(chunked)
+                return jnp.zeros_like(chunked[2]), jnp.zeros_like(chunked[5])
+
+            run(core, arrays, gate)
+            return taken[-1]
+
+        chunked, pull = jax.vjp(lay, *primals)
+        Y0, S0 = jnp.zeros_like(chunked[2]), jnp.zeros_like(chunked[5])
+        _, unlay = jax.vjp(lambda Y, S: run(lambda *_: (Y, S), primals, gate), Y0, S0)
+        dY, dS = unlay(tuple(c.astype(o.dtype) for c, o in zip(cotangents, (Y0, S0))))
+        return pull(tuple(backward(chunked, saved, (dY, dS))))
+
+    return api_forward, api_backward
+
+
 def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=False,
-                    conv=False, forward_convolves=False):
+                    conv=False, forward_convolves=False, chunk_size=None):
     """``core(q, k, v, gates, beta, S0)`` (chunk layout) as a ``jax.custom_vjp`` from
     ``forward(primals) -> (outputs, saved)`` and ``backward(primals, saved, cotangents) ->
     cotangents of the primals``.
@@ -220,12 +270,22 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
     (`gdngen.backends.kernel_inputs`): it receives the raw primals (q, k raw, ``gates`` the
     ``(a, A_log, dt_bias)`` tuple); ``forward_convolves``: it also computes the conv in its
     loads (it receives the conv tuples). ``backward`` still receives the recomputed inputs.
+
+    ``chunk_size``: ``forward`` and ``backward`` are over `gdngen.algebra.chunkwise`'s chunk
+    layout, and the core over the call's (`whole_sequence_parts` lays the primals out inside
+    it): a ``conv`` core of chunk kernels convolves in the call's layout, before the layout's
+    padding, and keeps the conv tuples alone.
     """
     import jax
 
     from gdngen.backends.portable.jax_chunkwise import XP
 
     recomputes = conv or layer_inputs.computes_layer_inputs(qk_norm, gate)
+    if chunk_size is not None:
+        convention = layer_inputs.convention(gate) if gate is not None else "log"
+        forward, backward = whole_sequence_parts(
+            forward, backward, gate=convention, chunk_size=chunk_size,
+            forward_gate=gate if forward_fuses and gate is not None else convention)
 
     def convolved(primals):
         return conv_inputs(XP, primals) if conv else primals

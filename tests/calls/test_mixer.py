@@ -202,6 +202,29 @@ def test_ffi_cpu_chunk_core_convolves_and_matches_the_float64_composition():
     print("ffi_cpu T=150", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
+@pytest.mark.parametrize("backend, form", [
+    pytest.param(b, f, marks=[pytest.mark.slow] if f == "vector" else [])
+    for b in ("pallas_tpu", "pallas_gpu") for f in sorted(FORMS)])
+def test_pallas_chunk_cores_convolve_and_match_the_float64_composition(backend, form):
+    """A row past the Pallas backends' recurrent switch (T = 150): the chunk core takes the
+    raw q, k, v slices and convolves them itself over the call's layout
+    (`gdngen.backends.generated.custom_vjp_core` with ``conv`` and ``chunk_size``; scalar
+    gates `chunk_core`, per-channel `channel_core`), a padding mask on the last row; every
+    gradient against float64 (interpret mode, outputs poisoned). What it keeps:
+    test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward."""
+    spec = registry.get(backend)
+    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    variant = registry.default_variant(backend, problem)
+    assert spec.parse(variant).recurrent_below <= 150
+    x, options = inputs(form, seed=31, steps=150)
+    errors = check_against_reference(Framework("jax"), x, options, cotangents(31, steps=150),
+                                     variant=variant)
+    print(backend, form, "T=150", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_metal_recurrent_kernel_convolves_and_matches_the_float64_composition(form,
                                                                              monkeypatch):
@@ -445,14 +468,18 @@ def test_saturated_activations_have_finite_gradients(framework):
         [n for n, v in got.items() if not np.isfinite(v).all()]
 
 
-@pytest.mark.parametrize("backend", ["ffi_cpu", "xla"])
-def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward(backend):
+@pytest.mark.parametrize("backend, steps", [("ffi_cpu", T), ("xla", T), ("pallas_tpu", 150),
+                                            ("pallas_gpu", 150)])
+def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward(backend, steps):
     """What ``jax.vjp`` keeps (jitted): never mixed_qkv ``[B, T, C]`` or a convolved copy.
-    ffi_cpu convolves in its chunk core (``conv_weight``), which keeps the raw q, k, v slices,
-    so of q's shape exactly the raw q and k and of y's shape the raw v, z and y (the norm's
-    inputs), each row-major; xla's conv stage keeps the raw slices ``[B, T, H D]`` (its chunk
-    core keeps its own chunk layout). The short row runs the recurrent kernel, whose VJP is the
-    chunk core's. Gradients: test_mixer_matches_the_float64_composition."""
+    ffi_cpu convolves in its chunk core (``conv_weight``), and so do the Pallas backends'
+    chunk cores (a row past their recurrent switch; over the call's layout, before the
+    kernels' own), each keeping the raw q, k, v slices: of q's shape exactly the raw q and k
+    and of y's shape the raw v, z and y (the norm's inputs), each row-major, and no q or k in
+    the chunk layout; xla's conv stage keeps the raw slices ``[B, T, H D]`` (its chunk core
+    keeps its own chunk layout). ffi_cpu's short row runs the recurrent kernel, whose VJP is
+    the chunk core's. Gradients: test_mixer_matches_the_float64_composition,
+    test_pallas_chunk_cores_convolve_and_match_the_float64_composition."""
     import jax
     import jax.numpy as jnp
 
@@ -462,25 +489,29 @@ def test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward(backend):
     ok, why = spec.capability(Problem(Hk, Hv, Dk, Dv))
     if not ok:
         pytest.skip(f"{backend} cannot run here: {why}")
-    x, _ = inputs("scalar", seed=17, mask=False)
+    variant = registry.default_variant(backend, Problem(Hk, Hv, Dk, Dv))
+    assert steps >= variant.get("recurrent_below", 0) or backend in ("ffi_cpu", "xla")
+    x, _ = inputs("scalar", seed=17, mask=False, steps=steps)
     args = {n: jnp.asarray(np.asarray(x[n], np.float32)) for n in ARGS}
 
     def call(mixed_qkv, z):
         return gated_delta_mixer(mixed_qkv, args["conv_weight"], args["a"], args["b"], z,
                                  **DIMS, A_log=args["A_log"], dt_bias=args["dt_bias"],
                                  norm_weight=args["norm_weight"], conv_state=args["conv_state"],
-                                 initial_state=args["initial_state"],
-                                 variant=registry.default_variant(backend,
-                                                                  Problem(Hk, Hv, Dk, Dv)))
+                                 initial_state=args["initial_state"], variant=variant)
 
     kept = [tuple(a.shape) for a in jax.jit(
         lambda m, z: jax.tree.leaves(jax.vjp(call, m, z)[1]))(args["mixed_qkv"], args["z"])]
-    assert (B, T, C) not in kept, kept
-    if backend == "ffi_cpu":
-        assert kept.count((B, T, Hk, Dk)) == 2, kept
-        assert kept.count((B, T, Hv, Dv)) == 3, kept
-    else:
+    assert (B, steps, C) not in kept, kept
+    if backend == "xla":
         assert (kept.count((B, T, Hk * Dk)), kept.count((B, T, Hv * Dv))) == (2, 1), kept
+        return
+    assert kept.count((B, steps, Hk, Dk)) == 2, kept
+    assert kept.count((B, steps, Hv, Dv)) == 3, kept
+    if backend.startswith("pallas"):
+        chunk = variant["chunk_size"]
+        n = -(-steps // chunk)
+        assert not {(n, B, Hk, chunk, Dk), (n, B, Hk, Hv // Hk, chunk, Dv)} & set(kept), kept
 
 
 @pytest.mark.parametrize("change, message", [

@@ -31,7 +31,7 @@ class PallasBackend(Backend):
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate"), ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate", "conv"), ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
     loaded: dict
     caches: tuple = ()
@@ -275,7 +275,9 @@ class PallasBackend(Backend):
     def chunk_forward(self, call, operands, variant, templates_dir=None):
         """A dense `gdngen.call.Call` on the scalar chunk kernels through
         `gdngen.algebra.chunkwise.whole_sequence` with `chunk_core` (the fused build's forward where
-        ``call`` has layer inputs): ``(y [B, T, Hv, Dv] in q's dtype, final_state float32)``."""
+        ``call`` has layer inputs): ``(y [B, T, Hv, Dv] in q's dtype, final_state float32)``.
+        A conv call (``call.conv_size``): the core takes the raw q, k, v and convolves them
+        itself (`conv_core`)."""
         import jax.numpy as jnp
 
         from gdngen.backends.portable.jax_chunkwise import XP
@@ -293,6 +295,10 @@ class PallasBackend(Backend):
         f32 = jnp.float32
         if initial_state is None:
             initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+        if call.conv_size is not None:
+            core = self.chunk_core((kernels.sha256, kernels.interpret), gate, call.scale,
+                                   call.qk_norm, fused_key, kernels.params["chunk_size"])
+            return self.conv_core(call, operands, core, initial_state)
         core = self.chunk_core((kernels.sha256, kernels.interpret), gate, call.scale,
                                call.qk_norm, fused_key)
         y, state = chunkwise.whole_sequence(
@@ -301,6 +307,28 @@ class PallasBackend(Backend):
             initial_state.astype(f32), mask, scale=1.0, gate=gate,
             chunk_size=kernels.params["chunk_size"])
         return y.astype(q.dtype), state
+
+    def conv_core(self, call, operands, core, initial_state):
+        """A conv call (raw q, k, v) through ``core``, a chunk core over the call's layout that
+        convolves (``conv_chunk`` set: `gdngen.backends.generated.custom_vjp_core` with
+        ``chunk_size``): the conv tuples of `gdngen.prepare.conv_parts` (x in q's dtype), masks
+        folded into the gates and beta, masked steps' y zeroed. Returns ``(y in q's dtype,
+        final_state float32)``."""
+        import jax.numpy as jnp
+
+        from gdngen import prepare
+        from gdngen.backends.portable.jax_chunkwise import XP
+
+        f32, dtype, mask = jnp.float32, operands.q.dtype, operands.mask
+        qkv = tuple((x.astype(dtype), w, state)
+                    for x, w, state in prepare.conv_parts(call, operands))
+        g, beta = layer_inputs.fold_mask(
+            XP, layer_inputs.cast_gates(operands.kernel_gates(), f32),
+            operands.beta.astype(f32), mask, call.core_gate)
+        y, state = core(*qkv, g, beta, initial_state.astype(f32))
+        if mask is not None:
+            y = jnp.where(mask[..., None, None], y, 0.0)
+        return y.astype(dtype), state
 
     def forward(self, call, operands, variant, templates_dir=None):
         """A dense call with the recurrent switch (`gdngen.backend.Backend.chunked`): scalar
@@ -311,12 +339,15 @@ class PallasBackend(Backend):
         `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP)."""
         import jax.numpy as jnp
 
+        from gdngen import prepare
         from gdngen.backends.portable import jax_chunkwise
 
         shape, problem, gate, qk_norm = call.shape, call.problem, call.core_gate, call.qk_norm
         chunked = self.chunked(call, variant)
         if not shape.vector_gate and chunked:
             return self.chunk_forward(call, operands, variant, templates_dir)
+        if call.conv_size is not None and not (chunked and shape.vector_gate):
+            call, operands = prepare.convolved(call, operands)  # short calls: the conv first
         self.interpret_mode()  # decided (and warned about) at the caller's frame
         q, k, v, _, beta, initial_state, mask = operands[:7]
         f32 = jnp.float32
@@ -329,6 +360,10 @@ class PallasBackend(Backend):
         if shape.vector_gate:
             kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
             walks = self.chunk_walks((kernels.sha256, kernels.interpret))
+            if call.conv_size is not None:  # chunked: the core convolves
+                return self.conv_core(call, operands, self.channel_core(
+                    (kernels.sha256, kernels.interpret), gate, call.scale, qk_norm, walks,
+                    kernels.params["chunk_size"]), initial_state)
             channel_core = self.channel_core((kernels.sha256, kernels.interpret), gate,
                                              call.scale, qk_norm, walks)
 

@@ -152,7 +152,7 @@ def _channel_stages(intra, grads, walks, gate: str, scale: float, interpret, sav
 
 
 def channel_core(intra, grads, walks, gate, scale: float, qk_norm: bool, interpret,
-                 save_states: bool = True):
+                 save_states: bool = True, conv_chunk: int | None = None):
     """The per-channel chunk core ``core(q, k, v, gates, beta, S0) -> (Y, S_final)`` of a Pallas
     backend, in the chunk layout of `gdngen.algebra.chunkwise_channel` (float32, q unscaled:
     the core applies ``scale``), a ``jax.custom_vjp`` (`gdngen.backends.generated.custom_vjp_core`,
@@ -166,7 +166,9 @@ def channel_core(intra, grads, walks, gate, scale: float, qk_norm: bool, interpr
     and the walk's decayed Q, K (elementwise) in jax.numpy, the reverse walk ``walks[1]``, then
     ``grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC) -> (dq, dk, dv,
     dgates, dbeta)``, the backend's kernel of `chunkwise_channel.backward_in_chunks` (dq of the
-    unscaled q)."""
+    unscaled q). ``conv_chunk``: a conv call's core, over the call's layout with chunks of
+    ``conv_chunk``: q, k, v arrive as conv tuples, only they are kept for the backward
+    (`gdngen.backends.generated.custom_vjp_core` with ``conv`` and ``chunk_size``)."""
     from gdngen.backends import generated
 
     parameter_gate, gate = gate, layer_inputs.convention(gate)
@@ -179,7 +181,8 @@ def channel_core(intra, grads, walks, gate, scale: float, qk_norm: bool, interpr
     def backward(primals, saved, cotangents):
         return stages[1](primals + (None,), saved, *cotangents, None)[:6]
 
-    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate)
+    return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
+                                     conv=conv_chunk is not None, chunk_size=conv_chunk)
 
 
 def channel_walk_core(intra, grads, walks, gate, interpret, save_states: bool = True):
@@ -222,11 +225,12 @@ def channel_cores(loaded: dict, channel_intra, channel_grads):
     import functools
 
     @functools.cache
-    def core(key: tuple, gate, scale: float, qk_norm: bool, walks: tuple):
+    def core(key: tuple, gate, scale: float, qk_norm: bool, walks: tuple,
+             conv_chunk: int | None = None):
         kernels, convention = loaded[key], layer_inputs.convention(gate)
         return channel_core(channel_intra(key, convention, scale),
                             channel_grads(key, convention, scale), walks, gate, scale, qk_norm,
-                            kernels.interpret, kernels.params["save_states"])
+                            kernels.interpret, kernels.params["save_states"], conv_chunk)
 
     @functools.cache
     def walk_core(key: tuple, gate: str, walks: tuple):

@@ -142,13 +142,17 @@ def _cotangents(primals, grads, gate):
 
 @functools.cache
 def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
-               fused_key: tuple | None = None):
+               fused_key: tuple | None = None, conv_chunk: int | None = None):
     """`gdngen.algebra.chunkwise` core (chunk layout in and out) on the loaded kernels ``key``
     (sha256, interpret parameters), the generated backward as its ``jax.custom_vjp``
     (`gdngen.backends.generated.custom_vjp_core`; the backward lays the primals out again).
     ``fused_key``: the loaded fused build of ``qk_norm`` and ``gate`` (a convention or a
     `gdngen.algebra.layer_inputs.ParameterGate`), whose forward takes the raw primals; the
-    backward runs the plain kernels on the recomputed inputs."""
+    backward runs the plain kernels on the recomputed inputs.
+    ``conv_chunk``: the core of a conv call (``gated_delta(..., conv_weight=)``), over the call's
+    layout with chunks of ``conv_chunk`` (its kernels'): q, k, v arrive as conv tuples, are
+    convolved in it and only the tuples are kept for the backward
+    (`gdngen.backends.generated.custom_vjp_core` with ``conv`` and ``chunk_size``)."""
     import jax.numpy as jnp
 
     parameter_gate, gate = gate, layer_inputs.convention(gate)  # the kernels take log gates
@@ -199,7 +203,8 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
         return call_jitted(finish, primals, grads)
 
     return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
-                                     forward_fuses=fused_key is not None)
+                                     forward_fuses=fused_key is not None,
+                                     conv=conv_chunk is not None, chunk_size=conv_chunk)
 
 
 @functools.cache
