@@ -66,6 +66,21 @@ def losses(framework, dout, Hk, Hv, D, cu_seqlens=None, variant=None):
     """``{"mixer", "unfused", "unfused_shift"}``: the loss of each over ``ARGS``. With
     ``cu_seqlens`` (a packed row) ``{"mixer", "unfused_shift"}``: the framework's grouped
     conv has no per-sequence windows. ``variant``: the recurrence's (default: dispatch's)."""
+    ops = prepare.namespace(framework).module
+
+    def loss_of(layer):
+        def loss(*args):
+            out, s = layer(*args)
+            return ops.sum(out * dout) + ops.sum(s)
+        return loss
+
+    return {name: loss_of(layer)
+            for name, layer in layers(framework, Hk, Hv, D, cu_seqlens, variant).items()}
+
+
+def layers(framework, Hk, Hv, D, cu_seqlens=None, variant=None):
+    """``{"mixer", "unfused", "unfused_shift"}`` (packed: no ``unfused``, `losses`): each
+    composition as ``layer(*ARGS) -> (out [B, T, Hv, D], final_state)``."""
     from gdngen.algebra import mixer as stages
 
     dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
@@ -101,13 +116,10 @@ def losses(framework, dout, Hk, Hv, D, cu_seqlens=None, variant=None):
         def norm(y, z, w):
             return ops.fast.rms_norm(y, w, 1e-6) * nn.silu(z)
 
-    def loss(out, s):
-        return ops.sum(out * dout) + ops.sum(s)
-
     def mixer(x, w, a, b, z, A_log, dt_bias, nw):
         out, s, _ = gated_delta_mixer(x, w, a, b, z, **dims, A_log=A_log, dt_bias=dt_bias,
                                       norm_weight=nw, cu_seqlens=cu_seqlens, **pick)
-        return loss(out, s)
+        return out, s
 
     def unfused(x, w, a, b, z, A_log, dt_bias, nw, conv=conv, norm=norm):
         h = conv(x, w)
@@ -118,7 +130,7 @@ def losses(framework, dout, Hk, Hv, D, cu_seqlens=None, variant=None):
         y, s = gated_delta(q, k, v, a, b, scale=D ** -0.5, qk_norm=True, gate="softplus",
                            A_log=A_log, dt_bias=dt_bias, beta_activation="sigmoid",
                            cu_seqlens=cu_seqlens, **pick)
-        return loss(norm(y, z, nw), s)
+        return norm(y, z, nw), s
 
     xp = prepare.namespace(framework)
 
@@ -136,6 +148,29 @@ def losses(framework, dout, Hk, Hv, D, cu_seqlens=None, variant=None):
     if cu_seqlens is not None:
         return {"mixer": mixer, "unfused_shift": unfused_shift}
     return {"mixer": mixer, "unfused": unfused, "unfused_shift": unfused_shift}
+
+
+def stack_loss(layer, depth, dout, seed=1):
+    """A ``depth``-layer stack of ``layer`` (JAX): layer l's output, projected back to
+    mixed_qkv's width by a fixed ``[Hv D, C]`` matrix, is added to layer l+1's input (a
+    residual stream); the loss is ``sum(out * dout) + sum(final_state)`` of every layer. Its
+    gradient keeps every layer's residuals at once, as a model's does."""
+    import jax.numpy as jnp
+
+    def loss(x, *rest):
+        B, T, C = x.shape
+        rng = np.random.default_rng(seed)
+        total = 0.0
+        for level in range(depth):
+            out, s = layer(x, *rest)
+            total = total + jnp.sum(out * dout) + jnp.sum(s)
+            if level + 1 < depth:
+                proj = jnp.asarray(rng.standard_normal((out.shape[2] * out.shape[3], C))
+                                   * 0.02, x.dtype)
+                x = x + out.reshape(B, T, -1) @ proj
+        return total
+
+    return loss
 
 
 def compiled_memory(fn, args, target):
@@ -158,9 +193,10 @@ def compiled_memory(fn, args, target):
     return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
 
 
-def compiled_only(mode, T, Hk, Hv, D, target, sequences=1):
+def compiled_only(mode, T, Hk, Hv, D, target, sequences=1, depth=1):
     """``train`` / ``prefill`` (JAX) compiled for ``target``, not run: the memory of each
-    composition's compiled step (`compiled_memory`)."""
+    composition's compiled step (`compiled_memory`); ``depth`` > 1: of a stack of that many
+    layers (`stack_loss`), where the residuals of every layer are live at once."""
     import jax
     import jax.numpy as jnp
 
@@ -180,12 +216,13 @@ def compiled_only(mode, T, Hk, Hv, D, target, sequences=1):
     a = {n: jnp.asarray(x, jnp.float32) for n, x in inputs.items()}
     args = [a[n] for n in ARGS]
     memory = {}
-    for name, loss in losses("jax", a["dout"], Hk, Hv, D, offsets, variant).items():
+    for name, layer in layers("jax", Hk, Hv, D, offsets, variant).items():
+        loss = stack_loss(layer, depth, a["dout"])
         fn = jax.grad(loss, argnums=tuple(range(len(args)))) if mode == "train" else loss
         memory[name] = {"temp_and_output_bytes": compiled_memory(fn, args, target)}
     return {"mode": mode, "framework": "jax", "target": target, "variant": variant.as_dict(),
             "T": T, "Hk": Hk, "Hv": Hv,
-            "D": D, "sequences": sequences, "memory": memory,
+            "D": D, "sequences": sequences, "depth": depth, "memory": memory,
             "memory_ratios": {n: {k: memory[n][k] / memory["mixer"][k] for k in memory["mixer"]}
                               for n in memory if n != "mixer"}}
 
@@ -338,6 +375,8 @@ def main(argv=None):
                    help="train on one packed row of this many sequences (cu_seqlens)")
     p.add_argument("--target", default=None,
                    help="JAX train / prefill: compile for this device's topology, no run")
+    p.add_argument("--depth", type=int, default=1,
+                   help="with --target: compile a stack of this many layers")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     Hk, Hv = (int(h) for h in args.heads.split(","))
@@ -346,7 +385,8 @@ def main(argv=None):
     modes = args.modes.split(",")
     if args.target is not None:
         rows += [compiled_only(mode, int(seq["jax"]), Hk, Hv, args.dim, args.target,
-                               args.sequences) for mode in modes if mode in ("train", "prefill")]
+                               args.sequences, args.depth)
+                 for mode in modes if mode in ("train", "prefill")]
         modes = []
     if "train" in modes:
         rows += [train(fw, int(seq[fw]), Hk, Hv, args.dim, args.repeats, args.sequences)
@@ -366,8 +406,9 @@ def main(argv=None):
                 mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
                                 f"{r['memory'][n][k] / 2**20:.0f} MiB "
                                 f"({r['memory_ratios'][n][k]:.2f}x)" for k in r["memory"]["mixer"])
-                print(f"{r['mode']} jax T={r['T']} compiled for {r['target']}: mixer vs {n}: "
-                      f"{mem}")
+                depth = f" x{r['depth']} layers" if r["depth"] > 1 else ""
+                print(f"{r['mode']} jax T={r['T']}{depth} compiled for {r['target']}: mixer "
+                      f"vs {n}: {mem}")
         elif r["mode"] in ("train", "prefill"):
             for n in r["time_ratio"]:
                 mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
