@@ -13,6 +13,11 @@ Both callables get the same raw arrays: q, k un-normalised, ``a`` the gate proje
   (`gdngen.prepare.normalize_qk`, `gdngen.algebra.layer_inputs.log_gate`), then the
   plain call.
 
+``--compare norm``: the output's gated RMSNorm (the mixer's, z ``[B, T, Hv, Dv]``, a weight
+``[Dv]``) instead: ``fused`` passes ``norm_weight`` / ``output_gate`` to ``gated_delta`` (a
+backend listing "norm" computes it in its kernel's stores), ``outside`` applies
+`gdngen.algebra.mixer.gated_norm` to its y; both take the q/k norm and the gate inside.
+
 JAX: each jitted whole; MLX: eager, as a model calls it. The plain ``gdngen.<framework>.
 gated_delta`` dispatch runs (tuned entry, else the default variant; ``--backend`` forces that
 backend's default variant). Interleaved (`gdngen.tools.timing._interleaved`), median of
@@ -21,7 +26,7 @@ root::
 
     python benchmarks/bench_decode_inputs.py [--frameworks jax,mlx] [--seq-lens 1,16]
         [--heads 16,32] [--dim 128] [--gates scalar,vector] [--backend NAME]
-        [--repeats 51] [--json]
+        [--repeats 51] [--compare inputs|norm] [--json]
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ def make_inputs(B, T, Hk, Hv, D, vector, seed=0):
             "beta": rng.uniform(0, 1, (B, T, Hv)).astype(f),
             "A_log": (rng.standard_normal((Hv, 1) if vector else (Hv,)) * 0.5).astype(f),
             "dt_bias": (rng.standard_normal((Hv, D) if vector else (Hv,)) * 0.5).astype(f),
-            "state": (rng.standard_normal((B, Hv, D, D)) * 0.1).astype(f)}
+            "state": (rng.standard_normal((B, Hv, D, D)) * 0.1).astype(f),
+            "z": rng.standard_normal((B, T, Hv, D)).astype(f),
+            "norm_weight": (1.0 + 0.1 * rng.standard_normal(D)).astype(f)}
 
 
 def callables(framework, D, variant):
@@ -75,18 +82,43 @@ def callables(framework, D, variant):
     return {"fused": fused, "outside": outside}
 
 
-def run(framework, T, Hk, Hv, D, vector, backend, repeats):
+def norm_callables(framework, D, variant):
+    """``{"fused", "outside"}`` of ``--compare norm``: ``(q, k, v, a, beta, A_log, dt_bias,
+    state, z, norm_weight) -> (out, state)``."""
+    from gdngen.algebra import mixer as stages
+
+    if framework == "jax":
+        from gdngen.jax import gated_delta
+    else:
+        from gdngen.mlx import gated_delta
+    xp = prepare.namespace(framework)
+    options = {"scale": D ** -0.5, "qk_norm": True, "gate": "softplus", "variant": variant}
+
+    def fused(q, k, v, a, beta, A_log, dt_bias, state, z, w):
+        return gated_delta(q, k, v, a, beta, state, A_log=A_log, dt_bias=dt_bias,
+                           norm_weight=w, output_gate=z, **options)
+
+    def outside(q, k, v, a, beta, A_log, dt_bias, state, z, w):
+        y, s = gated_delta(q, k, v, a, beta, state, A_log=A_log, dt_bias=dt_bias, **options)
+        return stages.gated_norm(xp, y, z, w, 1e-6, "silu"), s
+
+    return {"fused": fused, "outside": outside}
+
+
+def run(framework, T, Hk, Hv, D, vector, backend, repeats, compare="inputs"):
     from gdngen import registry
     from gdngen.problem import Problem
     from gdngen.tools import timing
 
     raw = make_inputs(1, T, Hk, Hv, D, vector)
     order = ("q", "k", "v", "a", "beta", "A_log", "dt_bias", "state")
+    if compare == "norm":
+        order += ("z", "norm_weight")
     variant = None
     if backend:
         problem = Problem(Hk, Hv, D, D, gate="vector" if vector else "scalar")
         variant = registry.default_variant(backend, problem)
-    fns = callables(framework, D, variant)
+    fns = (norm_callables if compare == "norm" else callables)(framework, D, variant)
     if framework == "jax":
         import jax
         import jax.numpy as jnp
@@ -105,6 +137,7 @@ def run(framework, T, Hk, Hv, D, vector, backend, repeats):
     timings = timing._interleaved(calls, sync, repeats, 3, False)
     ms = {n: t.median_s * 1e3 for n, t in timings.items()}
     return {"framework": framework, "T": T, "gate": "vector" if vector else "scalar",
+            "compare": compare,
             "backend": backend or "dispatch", "ms": ms,
             "spread": {n: max(t.times_s) / min(t.times_s) for n, t in timings.items()},
             "outside_over_fused": ms["outside"] / ms["fused"]}
@@ -119,16 +152,22 @@ def main(argv=None) -> int:
     p.add_argument("--gates", default="scalar,vector")
     p.add_argument("--backend", default=None)
     p.add_argument("--repeats", type=int, default=51)
+    p.add_argument("--compare", default="inputs", choices=("inputs", "norm"),
+                   help="inputs: q/k norm + gate inside vs before; norm: the output's gated "
+                        "norm inside vs after")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     Hk, Hv = (int(h) for h in ns.heads.split(","))
-    rows = [run(fw, int(T), Hk, Hv, ns.dim, gate == "vector", ns.backend, ns.repeats)
+    rows = [run(fw, int(T), Hk, Hv, ns.dim, gate == "vector", ns.backend, ns.repeats,
+                ns.compare)
             for fw in ns.frameworks.split(",") for gate in ns.gates.split(",")
             for T in ns.seq_lens.split(",")]
     if ns.json:
         json.dump(rows, sys.stdout, indent=2)
         return 0
-    print(f"forward with a state, raw layer inputs (qk_norm + softplus gate), B=1 Hk={Hk} "
+    what = "the output's gated norm" if ns.compare == "norm" else \
+        "raw layer inputs (qk_norm + softplus gate)"
+    print(f"forward with a state, {what}, B=1 Hk={Hk} "
           f"Hv={Hv} D={ns.dim} float32, median of {ns.repeats} (max/min spread in brackets); "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"{'fw':4} {'backend':9} {'gate':7} {'T':>4} {'fused ms':>15} {'outside ms':>15} "

@@ -9,7 +9,9 @@ A backend (one per execution target; `gdngen.registry.BACKENDS` lists them) is a
   `gdngen.devices.Device.kind` values it targets), ``portable`` (the framework's fallback);
 * ``gates`` / ``dtypes``: gate kinds and input dtypes it implements; ``tuned_gates`` the gate
   kinds whose execution depends on the variant; ``fused_inputs``: the layer inputs it takes
-  raw (``"qk_norm"``, ``"gate"``; the others `run` computes before it); ``packed_gates``: the
+  raw (``"qk_norm"``, ``"gate"``, ``"conv"``; the others `run` computes before it) and
+  ``"norm"``, the output's gated norm its `forward` applies itself (`normalises`; else `run`
+  applies it after); ``packed_gates``: the
   gate kinds whose packed rows (`gdngen.algebra.packed`) run in its own kernels (`packed`);
 * ``space(problem, device) -> [config]``, ``default(problem, device) -> config``;
   ``device_limit`` with ``footprint(variant, problem)`` (bytes of that `Device.limits`
@@ -239,6 +241,9 @@ class Backend:
         ``options``: keywords of this backend's hooks (e.g. ``templates_dir``)."""
         from gdngen.backends import fallback
 
+        if call.norm_gate is not None and not self.normalises(call):
+            y, states = self.run(*prepare.without_norm(call, operands), variant, **options)
+            return prepare.normed(call, operands, y), states
         if call.return_states != "final":
             call, operands = prepare.computed(call, operands)
             if call.return_states == "chunks":
@@ -256,6 +261,12 @@ class Backend:
             return fallback.packed(call, operands, self.packed_params(variant, call.vector_gate))
         call, operands = prepare.computed(call, operands, self.fused_inputs)
         return self.forward(call, operands, variant, **options)
+
+    def normalises(self, call) -> bool:
+        """Whether `forward` takes ``call``'s gated norm (``call.norm_gate``) itself: a dense
+        call returning the final state, on a backend listing "norm" in `fused_inputs`."""
+        return ("norm" in self.fused_inputs and call.return_states == "final"
+                and not call.packed)
 
     def run_packed_kernels(self, call, operands, variant: Variant, **options):
         """`run` for a backend's own packed entry point (``packed_gated_delta``): ValueError

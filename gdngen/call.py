@@ -52,6 +52,9 @@ class Call:
     * ``conv_size``: None, or the kernel size K of the causal depthwise conv + SiLU the raw
       q, k, v go through first (operands ``conv_weight``, ``conv_state``; `gdngen.prepare.
       conv_parts`).
+    * ``norm_gate``: None, or the gated RMSNorm's gate activation ("silu" / "sigmoid") the
+      output goes through last, ``rmsnorm(y) * norm_weight * act(output_gate)`` per value head
+      with ``norm_eps`` (operands ``norm_weight``, ``output_gate``; `gdngen.prepare.normed`).
     """
 
     framework: str
@@ -68,6 +71,8 @@ class Call:
     return_states: str = "final"
     checkpoint_every: int | None = None
     conv_size: int | None = None
+    norm_gate: str | None = None
+    norm_eps: float = 1e-6
 
     @property
     def problem(self):
@@ -120,7 +125,8 @@ class Operands(NamedTuple):
     (the raw projection ``a`` with a ``gate_form``); beta ``[B,T,Hv]``; initial_state
     ``[B|N,Hv,Dv,Dk]`` or None; mask ``[B,T]`` bool or None; A_log, dt_bias (a ``gate_form``'s
     parameters, else None); cu_seqlens int32 ``[N+1]`` or None; conv_weight ``[C, K]``,
-    conv_state ``[B|N, C, K-1]`` or None (``C = 2 Hk Dk + Hv Dv``; a ``conv_size`` call's)."""
+    conv_state ``[B|N, C, K-1]`` or None (``C = 2 Hk Dk + Hv Dv``; a ``conv_size`` call's);
+    norm_weight ``[Dv]``, output_gate ``[B,T,Hv,Dv]`` or None (a ``norm_gate`` call's)."""
 
     q: object
     k: object
@@ -134,6 +140,8 @@ class Operands(NamedTuple):
     cu_seqlens: object = None
     conv_weight: object = None
     conv_state: object = None
+    norm_weight: object = None
+    output_gate: object = None
 
     def kernel_gates(self):
         """``g`` as the chunk cores take it: ``(a, A_log, dt_bias)`` when the gate has
@@ -147,7 +155,8 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
           gate="log", chunk_size=None, qk_norm=False, A_log=None, dt_bias=None,
           lower_bound=None, beta_activation=None, cu_seqlens=None, context_axis=None,
           return_states="final", checkpoint_every=None, conv_weight=None,
-          conv_state=None) -> tuple[Call, Operands]:
+          conv_state=None, norm_weight=None, output_gate=None, norm_eps=1e-6,
+          norm_gate="silu") -> tuple[Call, Operands]:
     """Check one call's arrays and options (as `gdngen.jax.gated_delta`; ``initial_state``
     float states ``[B|N,Hv,Dv,Dk]``, not a pool); return its `Call` and `Operands`. ValueErrors
     name the argument and what was expected (the checks of
@@ -156,7 +165,7 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
     concrete), so it runs under ``jax.jit`` and ``mx.compile``. Nothing is remembered here
     (`gdngen.entry.bind` remembers)."""
     operands = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, cu_seqlens,
-                        conv_weight, conv_state)
+                        conv_weight, conv_state, norm_weight, output_gate)
     check_framework(framework)
     _check_return_states(return_states, checkpoint_every, cu_seqlens, context_axis)
     options = check_options(gate=gate, qk_norm=qk_norm, A_log=A_log,
@@ -166,12 +175,45 @@ def check(framework: str, q, k, v, g, beta, initial_state=None, mask=None, *, sc
                        chunk_size=64 if chunk_size is None else chunk_size, scale=scale,
                        cu_seqlens=cu_seqlens)
     options = check_parameters(options, shape, g, A_log, dt_bias)
+    norm = check_norm(shape, norm_weight, output_gate, norm_eps, norm_gate)
     found = Call(framework, shape, dtype_name(q), options.call_gate,
                  options.gate if options.gate in PARAMETER_GATES else None,
                  options.lower_bound, qk_norm, beta_activation, float(scale), chunk_size,
                  context_axis, return_states, checkpoint_every,
-                 check_conv(shape, conv_weight, conv_state, context_axis))
+                 check_conv(shape, conv_weight, conv_state, context_axis),
+                 norm, 1e-6 if norm is None else float(norm_eps))
     return found, operands
+
+
+def check_norm(shape, norm_weight, output_gate, norm_eps, norm_gate) -> str | None:
+    """The gated norm's activation (None without ``norm_weight``) after its checks:
+    norm_weight ``[Dv]``, output_gate ``[B, T, Hv, Dv]`` (both or neither), float dtypes;
+    ``norm_eps`` a positive float; ``norm_gate`` one of `gdngen.algebra.mixer.NORM_GATES`."""
+    from gdngen.algebra.mixer import NORM_GATES
+
+    if norm_gate not in NORM_GATES:
+        raise ValueError(f"norm_gate must be one of {NORM_GATES}, got {norm_gate!r}")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) \
+            or not norm_eps > 0:
+        raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
+    if norm_weight is None:
+        if output_gate is not None:
+            raise ValueError("output_gate needs norm_weight: the output is "
+                             "rmsnorm(y) * norm_weight * act(output_gate)")
+        return None
+    if output_gate is None:
+        raise ValueError("norm_weight needs output_gate [B, T, Hv, Dv]: the output is "
+                         "rmsnorm(y) * norm_weight * act(output_gate)")
+    expected = {"norm_weight": ((shape.Dv,), "[Dv]"),
+                "output_gate": ((shape.B, shape.T, shape.Hv, shape.Dv), "[B, T, Hv, Dv]")}
+    for name, x in (("norm_weight", norm_weight), ("output_gate", output_gate)):
+        want, what = expected[name]
+        got = tuple(int(n) for n in getattr(x, "shape", ()))
+        if got != want:
+            raise ValueError(f"{name} has shape {got}, expected {what} = {want}")
+        if dtype_name(x) not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {dtype_name(x)}, expected one of {FLOAT_DTYPES}")
+    return norm_gate
 
 
 def check_conv(shape, conv_weight, conv_state, context_axis=None) -> int | None:

@@ -32,7 +32,8 @@ __all__ = ["ARRAYS", "Bound", "Options", "TunedGatedDelta", "bind", "body",
 
 #: the array arguments of ``gated_delta``, in its signature's order
 ARRAYS = ("q", "k", "v", "g", "beta", "initial_state", "mask", "A_log", "dt_bias", "cu_seqlens",
-          "state_indices", "output_state_indices", "conv_weight", "conv_state")
+          "state_indices", "output_state_indices", "conv_weight", "conv_state", "norm_weight",
+          "output_gate")
 _OPERANDS = Operands._fields  # the pool's indices are the entry's
 
 
@@ -53,6 +54,8 @@ class Options:
     state_dtype: str = "float32"
     return_states: str = "final"
     checkpoint_every: int | None = None
+    norm_eps: float = 1e-6
+    norm_gate: str = "silu"
 
     @classmethod
     def split(cls, arguments: dict) -> tuple[dict, Options]:
@@ -82,7 +85,7 @@ _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
 _OPTION_SET = frozenset(_OPTION_NAMES)
 #: the options a `gdngen.call.Call` records (`gdngen.call.check`'s keywords)
 _CALL_OPTIONS = ("scale", "gate", "chunk_size", "qk_norm", "lower_bound", "beta_activation",
-                 "context_axis", "return_states", "checkpoint_every")
+                 "context_axis", "return_states", "checkpoint_every", "norm_eps", "norm_gate")
 
 
 class Bound(NamedTuple):
@@ -153,6 +156,7 @@ def _checked(framework: str, x: Operands, o: Options, state_indices, written) ->
     call, _ = check(framework, *x._replace(initial_state=None if pooled else x.initial_state)
                     [:7], A_log=x.A_log, dt_bias=x.dt_bias, cu_seqlens=x.cu_seqlens,
                     conv_weight=x.conv_weight, conv_state=x.conv_state,
+                    norm_weight=x.norm_weight, output_gate=x.output_gate,
                     **{name: getattr(o, name) for name in _CALL_OPTIONS})
     if pooled:
         _check_pool(framework, call, x.initial_state, state_indices, written)
@@ -239,20 +243,30 @@ def placed(call: Call, operands: Operands, variant=None, device: str | None = No
     call, operands = prepare.prepared(
         call, operands, compute_gate=not sharding.fuses_gate(call.context_axis))
     names = ("q", "k", "v", "g", "beta", "initial_state", "mask", *sharding.PARAMETERS)
+    whole = sharding.whole({n: getattr(operands, n) for n in names})
     if call.conv_size is not None:
-        if sharding.whole({n: getattr(operands, n) for n in names}):
+        if whole:
             names += ("conv_weight", "conv_state")  # the backend convolves
         else:  # the conv's channels are not laid out by heads: convolved before the shards
             call, operands = prepare.convolved(call, operands)
+    normed = None
+    if call.norm_gate is not None:
+        if whole:
+            names += ("norm_weight", "output_gate")  # the backend normalises
+        else:  # the norm after the shards (row-wise: it partitions as y does)
+            normed, call = call, call.replace(norm_gate=None, norm_eps=1e-6)
 
     def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None,
-                 conv_weight=None, conv_state=None):
+                 conv_weight=None, conv_state=None, norm_weight=None, output_gate=None):
         shard = Operands(q, k, v, g, beta, initial_state, mask, A_log, dt_bias, None,
-                         conv_weight, conv_state)
+                         conv_weight, conv_state, norm_weight, output_gate)
         return dispatch.run(call.for_arrays(q, v), shard, **look)
 
     arrays = {name: getattr(operands, name) for name in names}
-    return sharding.run(one_call, arrays, call.shape, context_axis=call.context_axis)
+    y, states = sharding.run(one_call, arrays, call.shape, context_axis=call.context_axis)
+    if normed is not None:
+        y = prepare.normed(normed, operands, y)
+    return y, states
 
 
 # ------------------------------------------------------------------------------ load_tuned

@@ -77,9 +77,9 @@ def verdict_dir(device: str) -> Path:
 def call_kind(call, backend: str | None = None) -> str:
     """What of a `gdngen.call.Call` picks different kernels of ``backend``: gate kind, gate
     convention, packed rows, returned states, the layer inputs its kernels compute
-    (`gdngen.backend.Backend.fused_inputs`: ``qk_norm``, the gate form, the conv); e.g.
-    "scalar log", "vector linear packed", "scalar log steps", "scalar log qk_norm softplus",
-    "scalar log qk_norm softplus conv"."""
+    (`gdngen.backend.Backend.fused_inputs`: ``qk_norm``, the gate form, the conv, the output's
+    norm); e.g. "scalar log", "vector linear packed", "scalar log steps", "scalar log qk_norm
+    softplus", "scalar log qk_norm softplus conv norm_silu"."""
     parts = [call.problem.gate, call.decay]
     if call.packed:
         parts.append("packed")
@@ -92,6 +92,8 @@ def call_kind(call, backend: str | None = None) -> str:
         parts.append(call.gate_form)
     if call.conv_size is not None and "conv" in fused and call.return_states == "final":
         parts.append("conv")
+    if call.norm_gate is not None and "norm" in fused and call.return_states == "final":
+        parts.append(f"norm_{call.norm_gate}")
     return " ".join(parts)
 
 
@@ -145,13 +147,15 @@ def _check_into(result: dict, variant: Variant, problem: Problem, kind: str,
         runner = validate.runner_for(variant.backend)
         tokens = kind.split()
         form = next((t for t in tokens if t in _GATE_FORMS), None)
-        fused = form is not None or "qk_norm" in tokens or "conv" in tokens
+        norm = next((t.removeprefix("norm_") for t in tokens if t.startswith("norm_")), None)
+        fused = form is not None or "qk_norm" in tokens or "conv" in tokens or norm is not None
         passing = True  # the worst case is the first failing one, else the largest error
         for case in probe_cases(problem, chunk, kind):
             if fused:  # the layer's raw inputs, computed in the kernels' loads
                 res = validate.check_fused_case(variant, case, qk_norm="qk_norm" in tokens,
                                                 gate_form=form, dtype=problem.dtype,
-                                                precision=precision, conv="conv" in tokens)
+                                                precision=precision, conv="conv" in tokens,
+                                                norm=norm)
             else:
                 res = validate.check_case(runner, case, dtype=problem.dtype, variant=variant,
                                           precision=precision, gates=(gate,))

@@ -15,7 +15,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                 dt_bias=None, lower_bound=None, beta_activation=None, cu_seqlens=None,
                 state_indices=None, output_state_indices=None, state_dtype="float32",
                 return_states="final", checkpoint_every=None, conv_weight=None,
-                conv_state=None):
+                conv_state=None, norm_weight=None, output_gate=None, norm_eps=1e-6,
+                norm_gate="silu"):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]`` (Hv a multiple of Hk; value head h reads key head
@@ -61,6 +62,13 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     k, v (the other backends, a packed row and the sharded paths get them convolved first).
     The new conv state is not returned: it is the last K-1 raw inputs
     (`gdngen.algebra.mixer.conv_new_state`). No ``context_axis``.
+
+    Gated RMSNorm on the output (the mixer's, `gdngen.mixer`): with ``norm_weight`` ``[Dv]``
+    and ``output_gate`` ``[B, T, Hv, Dv]`` the first output is ``rmsnorm(y) * norm_weight *
+    act(output_gate)`` per value head (``norm_eps``; ``norm_gate`` "silu" or "sigmoid"), in
+    q's dtype. A backend listing "norm" in its ``fused_inputs`` computes it in its forward
+    kernels' stores when the call is not differentiated (ffi_cpu's recurrent kernel); under
+    differentiation y is kept for the norm's VJP, which keeps y, output_gate and norm_weight.
 
     Packed sequences (`gdngen.algebra.packed`): ``cu_seqlens`` int32 ``[N+1]`` (fla's offsets:
     ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``; may be traced under

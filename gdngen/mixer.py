@@ -22,7 +22,9 @@ front of the row (masked steps' inputs are zeros, as in mlx-lm); q, k, v split f
 beta_activation="sigmoid", scale)`` (the core computes the norm and the gate in its loads; it
 takes the raw slices of mixed_qkv with ``conv_weight`` and ``conv_state`` and convolves them
 itself);
-``out = rmsnorm(y) * norm_weight * act(z)``, in y's dtype. ``scale`` defaults to Dk**-0.5
+``out = rmsnorm(y) * norm_weight * act(z)``, in y's dtype (``gated_delta``'s ``norm_weight``,
+``output_gate=z``: ffi_cpu's recurrent kernel computes it in its stores when the call is not
+differentiated). ``scale`` defaults to Dk**-0.5
 (mlx-lm's ``normalize_qk`` puts it on q). Returns ``out [B, T, Hv, Dv]``, the final state (as
 ``gated_delta``: float32) and the new conv state ``[B, C, K-1]`` (mixed_qkv's dtype).
 
@@ -153,6 +155,6 @@ def gated_delta_mixer(framework, gated_delta, mixed_qkv, conv_weight, a, b, z, *
         gate=gate, qk_norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         beta_activation=beta_activation, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         variant=variant, return_states=return_states, conv_weight=conv_weight,
-        conv_state=conv_state)
-    norm = prepare.norm_stage(framework, float(norm_eps), norm_gate)
-    return norm(y, z, norm_weight), final_state, new_conv_state
+        conv_state=conv_state, norm_weight=norm_weight, output_gate=z,
+        norm_eps=float(norm_eps), norm_gate=norm_gate)
+    return y, final_state, new_conv_state

@@ -12,7 +12,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
                 chunk_size=None, variant=None, qk_norm=False, A_log=None, dt_bias=None,
                 lower_bound=None, beta_activation=None, cu_seqlens=None, state_indices=None,
                 output_state_indices=None, state_dtype="float32", return_states="final",
-                checkpoint_every=None, conv_weight=None, conv_state=None):
+                checkpoint_every=None, conv_weight=None, conv_state=None, norm_weight=None,
+                output_gate=None, norm_eps=1e-6, norm_gate="silu"):
     """Gated delta rule over a sequence; returns ``(y, final_state)``.
 
     Same contract as `gdngen.jax.gated_delta`: q, k ``[B,T,Hk,Dk]``; v ``[B,T,Hv,Dv]``; g
@@ -31,7 +32,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     gradients reach the raw arrays): ``qk_norm``; ``gate="softplus"`` / ``"sigmoid_bound"``
     with ``A_log``, ``dt_bias`` (and ``lower_bound``), g then the raw gate projection;
     ``beta_activation="sigmoid"``; ``conv_weight`` / ``conv_state`` (q, k, v raw before the
-    causal conv + SiLU, computed first on MLX).
+    causal conv + SiLU, computed first on MLX); ``norm_weight`` / ``output_gate`` (the gated
+    RMSNorm on the output, `gdngen.jax.gated_delta`).
 
     Packed sequences, as in `gdngen.jax.gated_delta`: ``cu_seqlens`` int32 ``[N+1]``, B = 1,
     ``initial_state`` and the final state ``[N,Hv,Dv,Dk]`` (`gdngen.algebra.packed`).

@@ -193,6 +193,21 @@ def conv_stage(framework: str):
     return conv
 
 
+def normed(call, operands, y):
+    """``y`` through the gated RMSNorm of a ``norm_gate`` call (`norm_stage`: its custom VJP
+    keeps y, ``output_gate`` and ``norm_weight``): ``rmsnorm(y) * norm_weight *
+    act(output_gate)`` in y's dtype."""
+    norm = norm_stage(call.framework, float(call.norm_eps), call.norm_gate)
+    return norm(y, operands.output_gate, operands.norm_weight)
+
+
+def without_norm(call, operands):
+    """``(call, operands)`` of the recurrence alone: no ``norm_gate``, no norm operands (the
+    caller applies `normed` to its y)."""
+    return (call.replace(norm_gate=None, norm_eps=1e-6),
+            operands._replace(norm_weight=None, output_gate=None))
+
+
 @functools.cache
 def norm_stage(framework: str, eps: float, activation: str):
     """The gated RMSNorm ``norm(y, z, weight) -> out`` of ``framework`` with its hand-derived

@@ -460,9 +460,12 @@ def results_to_json(results) -> list[dict]:
 
 #: the quantities of `check_fused_case` (gradients of the raw layer inputs)
 FUSED_QUANTITIES = ("y", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state",
-                    "dA_log", "ddt_bias", "dconv_weight", "dconv_state")
+                    "dA_log", "ddt_bias", "dconv_weight", "dconv_state", "dnorm_weight",
+                    "doutput_gate")
 #: the causal conv's kernel size in a fused check with ``conv`` (the mixers' K)
 FUSED_CONV_SIZE = 4
+#: the gated norm's epsilon in a fused check with ``norm`` (the mixers')
+NORM_EPS = 1e-6
 
 
 def _conv64(x, w, state):
@@ -488,15 +491,19 @@ def _conv64(x, w, state):
 
 def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
                      lower_bound: float | None = None, dtype: str = "float32",
-                     precision: str = "ieee", seed=None, conv: bool = False) -> CaseResult:
+                     precision: str = "ieee", seed=None, conv: bool = False,
+                     norm: str | None = None) -> CaseResult:
     """``case`` through ``variant`` as a layer calls it with the inputs its kernels compute
     (`gdngen.backend.Backend.fused_inputs`): raw q, k with ``qk_norm``; with ``gate_form``
     ("softplus" / "sigmoid_bound") the raw projection ``a`` and ``A_log``, ``dt_bias``
     (``[Hv]``; per-channel ``[Hv, 1]`` and ``[Hv, Dk]``; A_log up to 2); with ``conv`` raw q,
     k, v before the causal conv + SiLU, ``conv_weight [C, 4]`` and ``conv_state [B, C, 3]``
-    (the mixer's layout). Values and every gradient (of the raw arrays) against the float64
-    composition (`_conv64`, `gdngen.algebra.reference.LayerInputsVJP`,
-    `gdngen.algebra.reference.vjp`)."""
+    (the mixer's layout); with ``norm`` (the activation) the output's gated RMSNorm,
+    ``norm_weight [Dv]`` and ``output_gate [B, T, Hv, Dv]``, whose value is the call's
+    undifferentiated output (the kernel computing it in its stores) and whose gradients come
+    from the differentiated call. Values and every gradient (of the raw arrays) against the
+    float64 composition (`_conv64`, `gdngen.algebra.reference.LayerInputsVJP`,
+    `gdngen.algebra.reference.vjp`, `gdngen.algebra.mixer.gated_norm_reference`)."""
     from gdngen.algebra import reference
 
     raw = case.inputs(seed)
@@ -539,8 +546,22 @@ def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
         h = dict(zip(("q", "k", "v"), (part.reshape(x[n].shape) for n, part in zip(
             ("q", "k", "v"), np.split(h_row, np.cumsum(widths)[:2], axis=-1)))))
     q, k = (reference.l2_normalize(h[n])[0] for n in ("q", "k")) if qk_norm else (h["q"], h["k"])
-    ref = reference.vjp(q, k, h["v"], g_log, x["beta"], x["initial_state"], x["dy"],
+    dy, normed = x["dy"], None
+    if norm is not None:  # y's cotangent through the float64 norm, at the float64 y
+        from gdngen.algebra.mixer import gated_norm_reference
+
+        params["norm_weight"] = 1.0 + 0.1 * rng.standard_normal(case.Dv)
+        params["output_gate"] = rng.standard_normal(x["v"].shape)
+        y64 = reference.vjp(q, k, h["v"], g_log, x["beta"], x["initial_state"], None, None,
+                            mask=x["mask"], scale=case.scale, gate="log")["y"]
+        nargs = (y64, params["output_gate"], params["norm_weight"], NORM_EPS, norm)
+        dy, normed = gated_norm_reference(*nargs, x["dy"])
+        normed.update(y=gated_norm_reference(*nargs, None)[0])
+    ref = reference.vjp(q, k, h["v"], g_log, x["beta"], x["initial_state"], dy,
                         x["dfinal_state"], mask=x["mask"], scale=case.scale, gate="log")
+    if normed is not None:
+        ref.update(y=normed["y"], dnorm_weight=normed["dnorm_weight"],
+                   doutput_gate=normed["dz"])
     if qk_norm:
         for n in ("q", "k"):
             xn, r = reference.l2_normalize(h[n])
@@ -555,6 +576,8 @@ def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
         chained = layer.grads(dict(ref, dbeta=np.zeros_like(ref["dbeta"])))
         ref.update(dg=chained["dg"], dA_log=chained["dA_log"], ddt_bias=chained["ddt_bias"])
     options = {"qk_norm": qk_norm, "scale": case.scale}
+    if norm is not None:
+        options.update(norm_gate=norm, norm_eps=NORM_EPS)
     if gate_form is not None:
         options.update(gate=gate_form, lower_bound=lower_bound)
     spec = registry.get(variant.backend)
@@ -567,6 +590,8 @@ def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
               if name in ref and (name in out or name not in ("dA_log", "ddt_bias"))}
     if conv and not {"dconv_weight", "dconv_state"} <= set(errors):
         raise AssertionError("a conv check must compare dconv_weight and dconv_state")
+    if norm and not {"dnorm_weight", "doutput_gate"} <= set(errors):
+        raise AssertionError("a norm check must compare dnorm_weight and doutput_gate")
     return CaseResult(case=case.name, dtype=dtype, errors=errors,
                       tolerance=allowed_error(variant, dtype, precision))
 
@@ -597,6 +622,8 @@ def _fused_jax(x, params, options, variant, dtype):
 
     (y, s), pullback = jax.vjp(f, *args)
     grads = pullback((jnp.asarray(x["dy"], dtype), jnp.asarray(x["dfinal_state"], jnp.float32)))
+    if "norm_weight" in params:  # the undifferentiated call's output (a kernel's norm)
+        y, s = f(*args)
     out = {"y": y, "final_state": s, **dict(zip(_fused_grads(params), grads))}
     return {n: np.asarray(v, np.float64) for n, v in out.items()}
 

@@ -320,6 +320,13 @@ def test_the_call_kind_names_the_conv_where_the_kernels_take_it():
     assert firstuse.call_kind(call, "mlx") == "scalar log qk_norm softplus"  # no conv
     steps = call.replace(return_states="steps")  # the conv is computed before such calls
     assert firstuse.call_kind(steps, "metal") == "scalar log steps qk_norm softplus"
+    normed = Call("jax", CallShape(1, 8, 1, 2, 32, 32, False), "float32", qk_norm=True,
+                  gate_form="softplus", conv_size=4, norm_gate="sigmoid")
+    assert firstuse.call_kind(normed, "ffi_cpu") == \
+        "scalar log qk_norm softplus conv norm_sigmoid"
+    assert firstuse.call_kind(normed, "xla") == "scalar log qk_norm softplus"  # norm after
+    assert firstuse.call_kind(normed.replace(return_states="steps"), "ffi_cpu") == \
+        "scalar log steps qk_norm softplus"
 
 
 @pytest.mark.parametrize("planted", [False, True])
@@ -353,6 +360,31 @@ def test_a_conv_build_is_checked_from_the_raw_inputs(fresh, monkeypatch, planted
     assert set(record["cases"]) == {"hard_decay", "short_masked", "identical_keys", "t1"}
     if planted:
         assert record["worst_case"] == "t1" and record["worst_error"] > 1e-2, record
+
+
+@needs_ffi
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted):
+    """An ffi_cpu call whose recurrent kernel computes the output's gated norm in its stores
+    is checked through that kernel (the undifferentiated call's output; the gradients through
+    the norm's VJP) against the float64 recurrence + norm, dnorm_weight and doutput_gate
+    included: a planted norm dividing by Dv - 1 fails, the shipped one passes."""
+    # a problem each: the eager calls' compiled steps are cached per call in the process
+    problem = Problem(1, 2, 32, 32 if planted else 48, "float32", "scalar")
+    if planted:
+        old = "squares / static_cast<float>(Dv) + eps"
+        text = (templates_dir("ffi_cpu") / "recurrent.cc.j2").read_text()
+        assert text.count(old) == 1
+        folder = fresh / "override" / "ffi_cpu"
+        folder.mkdir(parents=True)
+        (folder / "recurrent.cc.j2").write_text(text.replace(old, old.replace("Dv)", "Dv - 1)")))
+        monkeypatch.setenv("GDNGEN_TEMPLATES", str(folder.parent))
+    variant = registry.default_variant("ffi_cpu", problem)
+    record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
+    assert record["passed"] is not planted, record
+    assert set(record["cases"]) == {"hard_decay", "short_masked", "identical_keys", "t1"}
+    if planted:
+        assert record["worst_quantity"] == "y" and record["worst_error"] > 1e-3, record
 
 
 @needs_ffi

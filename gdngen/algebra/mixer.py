@@ -373,11 +373,11 @@ def reference_vjp(mixed_qkv, conv_weight, a, b, z, *, Hk, Hv, Dk, Dv, A_log, dt_
     cot_y = None
     if dout is not None:  # the gated norm's backward needs y first: forward, then the VJP
         y0, _ = _recurrence(inputs, v, initial_state, mask, cu_seqlens, scale, None, None)
-        cot_y, norm_grads = _gated_norm_vjp(y0, z, nw, norm_eps, norm_gate, f(dout))
+        cot_y, norm_grads = gated_norm_reference(y0, z, nw, norm_eps, norm_gate, f(dout))
     out = _recurrence(inputs, v, initial_state, mask, cu_seqlens, scale, cot_y,
                       f(dfinal_state), full=True)
     y = out["y"]
-    result = {"out": _gated_norm_vjp(y, z, nw, norm_eps, norm_gate, None)[0],
+    result = {"out": gated_norm_reference(y, z, nw, norm_eps, norm_gate, None)[0],
               "final_state": out["final_state"], "conv_state": np.stack(new_state)}
     grads = inputs.grads(out)
     dh = np.concatenate([grads["dq"].reshape(B, T, kd), grads["dk"].reshape(B, T, kd),
@@ -422,7 +422,7 @@ def _recurrence(inputs, v, initial_state, mask, cu_seqlens, scale, dy, dfinal, f
     return out if full else (out["y"], out["final_state"])
 
 
-def _gated_norm_vjp(y, z, weight, eps, activation, dout):
+def gated_norm_reference(y, z, weight, eps, activation, dout):
     """Float64 ``(out, grads)`` of `gated_norm`; with ``dout`` None, ``(out, None)``; else
     ``(dy, {"dz", "dnorm_weight"})``."""
     D = y.shape[-1]

@@ -194,6 +194,41 @@ def conv_pullbacks(xp, primals):
     return (*out, *primals[3:]), pullbacks
 
 
+def norm_switch(plain, normed, eps: float, activation: str):
+    """``call(args, z, w) -> (out, final_state)`` as a ``jax.custom_vjp``, ``out = rmsnorm(y) *
+    w * act(z)`` (`gdngen.algebra.mixer.gated_norm`) of ``(y, final_state) = plain(*args)``.
+    Not differentiated it runs ``normed(*args, z, w, norm_eps=eps)``, a kernel computing the
+    norm in its stores (None: ``plain`` then the norm as array ops); differentiated, ``plain``
+    and the norm, whose VJP keeps y, z and w and maps dy into ``plain``'s own VJP."""
+    import jax
+
+    from gdngen.algebra import mixer as stages
+    from gdngen.backends.portable.jax_chunkwise import XP
+
+    def unfused(args, z, w):
+        y, state = plain(*args)
+        return stages.gated_norm(XP, y, z, w, eps, activation), state
+
+    @jax.custom_vjp
+    def call(args, z, w):
+        if normed is None:
+            return unfused(args, z, w)
+        return normed(*args, z, w, norm_eps=eps)
+
+    def forward(args, z, w):
+        (y, state), pull = jax.vjp(plain, *args)
+        return (stages.gated_norm(XP, y, z, w, eps, activation), state), (pull, y, z, w)
+
+    def backward(saved, cotangents):
+        pull, y, z, w = saved
+        dout, dstate = cotangents
+        dy, dz, dw = stages.gated_norm_vjp(XP, y, z, w, eps, activation, dout)
+        return pull((dy.astype(y.dtype), dstate)), dz, dw
+
+    call.defvjp(forward, backward)
+    return call
+
+
 def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: int):
     """``(forward, backward)`` over the call's layout (q, k, v ``[B, T, H, D]``, gates
     ``[B, T, Hv(, Dk)]`` or a ParameterGate's ``(a, A_log, dt_bias)``, beta ``[B, T, Hv]``, S0

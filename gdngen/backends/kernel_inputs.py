@@ -5,7 +5,8 @@ hands a generated backend the raw q, k and the raw gate projection ``a`` with ``
 ``dt_bias``. A kernel rendered with `KernelInputs.context` computes them where it loads its
 operands, so no normalised q, k and no log gate exist as arrays between kernels. A call with
 ``conv_weight`` also hands ffi_cpu's chunk forward and metal's recurrent kernel the raw q, k, v
-(``conv``)::
+(``conv``); a call with ``norm_weight`` hands ffi_cpu's recurrent kernel the gated norm of its
+output (``norm``, in its stores, not in its loads)::
 
     conv         x <- silu(sum_j w[c, j] x[t - (K-1) + j, c])  (the conv state before the row;
                  before the norm)
@@ -13,6 +14,8 @@ operands, so no normalised q, k and no log gate exist as arrays between kernels.
     "softplus"   log g = -exp(A_log) * softplus(a + dt_bias)
     "sigmoid_bound"  log g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
     a = -inf     log g = 0 exactly (an identity step: masked or padded), whatever the form
+    norm         out <- y * rsqrt(mean_Dv(y^2) + norm_eps) * w * act(z)  (per value head and
+                 step; act silu or sigmoid; w [Dv], z [B, T, Hv, Dv], norm_eps a runtime scalar)
 
 softplus(x) = max(x, 0) + log1p(exp(-|x|)) and sigmoid(z) = 1 / (1 + exp(-z)) for z >= 0,
 exp(z) / (1 + exp(z)) below, so no exp of a large positive number is formed; the log gate is
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gdngen.algebra import layer_inputs
+from gdngen.algebra.mixer import NORM_GATES
 
 #: the parameterised gate forms a kernel computes (`gdngen.call.PARAMETER_GATES`)
 GATE_FORMS = ("softplus", "sigmoid_bound")
@@ -49,12 +53,15 @@ class KernelInputs:
     gate_form: str | None = None
     lower_bound: float = 0.0
     conv: bool = False
+    norm: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"qk_norm must be a bool, got {self.qk_norm!r}")  # noqa: TRY004
         if not isinstance(self.conv, bool):
             raise ValueError(f"conv must be a bool, got {self.conv!r}")  # noqa: TRY004
+        if self.norm not in (None, *NORM_GATES):
+            raise ValueError(f"norm must be None or one of {NORM_GATES}, got {self.norm!r}")
         if self.gate_form not in (None, *GATE_FORMS):
             raise ValueError(f"gate_form must be None or one of {GATE_FORMS}, "
                              f"got {self.gate_form!r}")
@@ -63,27 +70,33 @@ class KernelInputs:
                              f"got {self.lower_bound!r} with gate_form={self.gate_form!r}")
 
     @classmethod
-    def of(cls, qk_norm: bool, gate, conv: bool = False) -> KernelInputs:
+    def of(cls, qk_norm: bool, gate, conv: bool = False, norm: str | None = None
+           ) -> KernelInputs:
         """The inputs of a call with ``qk_norm`` and ``gate`` (a `gdngen.algebra.chunkwise.
         ParameterGate` or a plain convention, "log" / "linear", which fuses no gate);
-        ``conv``: q, k, v arrive before the causal conv + SiLU (a chunk forward's build)."""
+        ``conv``: q, k, v arrive before the causal conv + SiLU (a chunk forward's build);
+        ``norm``: the output's gated norm activation (a recurrent kernel's stores)."""
         if isinstance(gate, layer_inputs.ParameterGate):
             if gate.lower_bound is None:
-                return cls(bool(qk_norm), "softplus", conv=conv)
-            return cls(bool(qk_norm), "sigmoid_bound", float(gate.lower_bound), conv=conv)
-        return cls(bool(qk_norm), conv=conv)
+                return cls(bool(qk_norm), "softplus", conv=conv, norm=norm)
+            return cls(bool(qk_norm), "sigmoid_bound", float(gate.lower_bound), conv=conv,
+                       norm=norm)
+        return cls(bool(qk_norm), conv=conv, norm=norm)
 
     @property
     def fused(self) -> bool:
-        """Whether the kernel computes anything (a conv, a norm or a gate) in its loads."""
-        return self.qk_norm or self.gate_form is not None or self.conv
+        """Whether the kernel computes anything (a conv, a norm or a gate) in its loads, or
+        the gated norm in its stores."""
+        return self.qk_norm or self.gate_form is not None or self.conv or self.norm is not None
 
     def context(self) -> dict:
         """The template context: ``qk_norm`` (bool) and ``gate_form`` (None or a form), and
         ``conv: True`` only when it is on (the templates read ``conv | default(false)``). All
-        off render the plain kernel byte for byte."""
+        off render the plain kernel byte for byte; ``norm`` (the activation) likewise only when
+        on."""
         return {"qk_norm": self.qk_norm, "gate_form": self.gate_form,
-                **({"conv": True} if self.conv else {})}
+                **({"conv": True} if self.conv else {}),
+                **({"norm": self.norm} if self.norm else {})}
 
     def tag(self) -> str:
         """A short name of the fused build ("" when nothing is fused): for file and target
@@ -94,10 +107,11 @@ class KernelInputs:
 def context_tag(context: dict) -> str:
     """`KernelInputs.tag` of a rendering context (`KernelInputs.context`, or the mapping of a
     backend's hashable key of it): ``"_conv"`` with ``conv``, ``"_qknorm"`` with ``qk_norm``,
-    then ``"_<gate_form>"``."""
+    then ``"_<gate_form>"``, then ``"_norm<activation>"`` with ``norm``."""
     return "".join(f"_{part}" for part in (("conv",) if context.get("conv") else ())
                    + (("qknorm",) if context.get("qk_norm") else ())
-                   + ((context["gate_form"],) if context.get("gate_form") else ()))
+                   + ((context["gate_form"],) if context.get("gate_form") else ())
+                   + ((f"norm{context['norm']}",) if context.get("norm") else ()))
 
 
 def kernel_parameters(module, A_log, dt_bias, Hv: int, Dk: int, vector_gate: bool):

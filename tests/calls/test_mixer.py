@@ -318,6 +318,108 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
             assert relative_error(np.asarray(a), np.asarray(b)) <= 2e-6, (name, rows)
 
 
+@pytest.mark.parametrize("form", [
+    "scalar", pytest.param("vector", marks=pytest.mark.slow)])
+def test_ffi_cpu_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
+    """A short mixer call on ffi_cpu (T = 17, under ``recurrent_below``): undifferentiated,
+    its recurrent kernel is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`)
+    and returns the gated norm itself, with no norm stage after it; values and every gradient
+    (through the norm's VJP) against float64, outputs poisoned."""
+    from gdngen.backends.ffi_cpu import vjp
+
+    spec = registry.get("ffi_cpu")
+    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"ffi_cpu cannot run here: {why}")
+    variant = registry.default_variant("ffi_cpu", problem)
+    assert spec.parse(variant).recurrent_below > 17
+    builds, norms = [], []
+    recurrent, gated_norm = vjp.recurrent, stages.gated_norm
+    monkeypatch.setattr(vjp, "recurrent", lambda *a, **kw: builds.append(
+        a[3] if len(a) > 3 else kw.get("inputs")) or recurrent(*a, **kw))
+    monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
+        *a, **kw))
+    fw = Framework("jax")
+    x, options = inputs(form, seed=61, steps=17)
+    args = {n: fw.array(v) for n, v in x.items() if v is not None}
+    opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+    out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+    assert [b.norm for b in builds if b is not None and b.norm] == [FORMS[form].get(
+        "norm_gate", "silu")] and norms == [], (builds, norms)
+    errors = check_against_reference(fw, x, options, cotangents(61, steps=17), variant=variant)
+    assert float(fw.m.max(fw.m.abs(out[0]))) > 0
+    print("ffi_cpu recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_gated_delta_norm_weight_is_the_call_then_the_norm(framework):
+    """``gated_delta(..., norm_weight=, output_gate=)`` equals the call followed by the gated
+    RMSNorm (`gdngen.algebra.mixer.gated_norm`), values (undifferentiated: ffi_cpu's norm
+    build for the short row) and every gradient, both activations, a dense short row, a dense
+    chunked row and a packed row."""
+    fw = Framework(framework)
+    gated_delta = fw.gated_delta
+    xp = prepare.namespace(framework)
+    rng = np.random.default_rng(43)
+
+    def arr(*shape, scale=1.0):
+        return fw.array(scale * rng.standard_normal(shape))
+
+    for rows, steps, cu, act in ((B, 9, None, "silu"), (B, 150, None, "sigmoid"),
+                                 (1, 60, [0, 20, 21, 60], "silu")):
+        n = rows if cu is None else len(cu) - 1
+        q, k, v = arr(rows, steps, Hk, Dk), arr(rows, steps, Hk, Dk), arr(rows, steps, Hv, Dv)
+        g, beta, S0 = arr(rows, steps, Hv), arr(rows, steps, Hv), arr(n, Hv, Dv, Dk, scale=0.1)
+        A_log, dt_bias = arr(Hv, scale=0.5), arr(Hv, scale=0.5)
+        z, w = arr(rows, steps, Hv, Dv), fw.array(1.0 + 0.1 * rng.standard_normal(Dv))
+        mask = np.ones((rows, steps), bool)
+        mask[-1, : steps // 4] = False
+        offsets = None if cu is None else fw.array(np.asarray(cu, np.int32))
+        opts = {"gate": "softplus", "qk_norm": True, "beta_activation": "sigmoid",
+                "scale": Dk ** -0.5, "mask": fw.array(mask), "cu_seqlens": offsets}
+
+        def composed(z, w, *rest, opts=opts, act=act):
+            y, s = gated_delta(*rest[:6], A_log=rest[6], dt_bias=rest[7], **opts)
+            return stages.gated_norm(xp, y, z, w, 1e-5, act), s
+
+        def fused(z, w, *rest, opts=opts, act=act):
+            return gated_delta(*rest[:6], A_log=rest[6], dt_bias=rest[7], norm_weight=w,
+                               output_gate=z, norm_eps=1e-5, norm_gate=act, **opts)
+
+        args = (z, w, q, k, v, g, beta, S0, A_log, dt_bias)
+        want, got = fw.grads(composed, args), fw.grads(fused, args)
+        for name, a, b in zip(("out", "S", "z", "w", "q", "k", "v", "g", "beta", "S0",
+                               "A_log", "dt_bias"), got, want):
+            assert relative_error(np.asarray(a), np.asarray(b)) <= 2e-6, (name, rows, steps)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"norm_weight": np.zeros(Dv + 1)}, f"norm_weight has shape {(Dv + 1,)}, expected [Dv]"),
+    ({"output_gate": np.zeros((B, T, Hv, Dv - 1))},
+     f"output_gate has shape {(B, T, Hv, Dv - 1)}, expected [B, T, Hv, Dv]"),
+    ({"output_gate": None}, "norm_weight needs output_gate"),
+    ({"norm_weight": None}, "output_gate needs norm_weight"),
+    ({"norm_gate": "relu"}, "norm_gate must be one of ('silu', 'sigmoid'), got 'relu'"),
+    ({"norm_eps": 0.0}, "norm_eps must be a positive float, got 0.0"),
+    ({"norm_weight": np.zeros(Dv, np.int32)}, "norm_weight has dtype int32"),
+])
+def test_gated_delta_norm_arguments_name_the_argument(change, message):
+    from gdngen.jax import gated_delta
+
+    rng = np.random.default_rng(3)
+    arrays = {"q": rng.standard_normal((B, T, Hk, Dk)), "k": rng.standard_normal((B, T, Hk, Dk)),
+              "v": rng.standard_normal((B, T, Hv, Dv)), "g": -rng.random((B, T, Hv)),
+              "beta": rng.random((B, T, Hv)), "norm_weight": rng.standard_normal(Dv),
+              "output_gate": rng.standard_normal((B, T, Hv, Dv))}
+    options = {n: change.pop(n) for n in ("norm_gate", "norm_eps") if n in change}
+    arrays.update(change)
+    arrays = {n: None if x is None else np.asarray(x, np.float32 if x.dtype.kind == "f" else
+                                                   x.dtype) for n, x in arrays.items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gated_delta(**arrays, **options)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"conv_weight": np.zeros((C + 1, K))}, f"conv_weight has shape {(C + 1, K)}, expected"),
     ({"conv_weight": np.zeros((C,))}, f"conv_weight has shape {(C,)}, expected"),

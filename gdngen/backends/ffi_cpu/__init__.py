@@ -77,7 +77,8 @@ class FfiCpu(Backend):
     name, framework, config = BACKEND, "jax", Config
     tolerances, device_kinds, dtypes = TOLERANCES, ("cpu",), INPUT_DTYPES
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate", "conv"), ("scalar", "vector")
+    fused_inputs = ("qk_norm", "gate", "conv", "norm")
+    packed_gates = ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
 
     # ------------------------------------------------------------------ variants
@@ -155,10 +156,16 @@ class FfiCpu(Backend):
         ``inputs.qk_norm`` and, with ``inputs.gate_form``, the raw projection ``a`` where the
         decay (recurrent) or log gate (chunk forward) was, plus ``A_log``, ``dt_bias`` float32
         ``[Hv]`` (``[Hv, Dk]`` per channel) after S0 and a ``lower_bound`` float attribute
-        (`gdngen.backends.kernel_inputs`). The plain renders do not depend on it."""
+        (`gdngen.backends.kernel_inputs`); with ``inputs.norm`` (the recurrent kernel) it also
+        takes ``z``, ``norm_weight`` and a ``norm_eps`` attribute and returns the gated norm of
+        y. The plain renders do not depend on it."""
         self.parse(variant)
         if not inputs.fused:
-            raise ValueError(f"inputs must fuse a conv, a qk norm or a gate, got {inputs!r}")
+            raise ValueError(f"inputs must fuse a conv, a qk norm, a gate or the output's norm, "
+                             f"got {inputs!r}")
+        if inputs.norm and source != RECURRENT_SOURCE_NAME:
+            raise ValueError(f"inputs.norm is a build of the recurrent kernel "
+                             f"({RECURRENT_SOURCE_NAME}), got {source}")
         if inputs.conv and source != SOURCE_NAME:
             raise ValueError(f"inputs.conv is a build of the chunk forward ({SOURCE_NAME}), "
                              f"got {source}")
@@ -240,24 +247,40 @@ class FfiCpu(Backend):
                           if chunk_inputs.fused else None)
         chunkwise_call = vjp.core(loaded.sha256, gate, scale, poison, call.qk_norm,
                                   forward_sha256, conv, chunk_inputs.conv)
-        if not self.chunked(call, variant):
-            fused = (self.load_fused_kernels(variant, problem, inputs,
-                                             templates_dir=templates_dir)
-                     if inputs.fused else loaded)
-            run = vjp.recurrent(fused.sha256, scale, poison, inputs)
+        chunked = self.chunked(call, variant)
+        if not chunked:
+            def recurrent_build(inputs):
+                built = (self.load_fused_kernels(variant, problem, inputs,
+                                                 templates_dir=templates_dir)
+                         if inputs.fused else loaded)
+                run = vjp.recurrent(built.sha256, scale, poison, inputs)
 
-            def recurrent(q, k, v, g, beta, S0):
-                q, k, v = generated.conv_inputs(jax_chunkwise.XP, (q, k, v))
-                if inputs.gate_form:  # the kernel forms the decay from a, A_log, dt_bias
-                    a, A_log, dt_bias = g
-                    return run(q, k, v, a, beta, S0, *kernel_parameters(
-                        jnp, A_log, dt_bias, shape.Hv, shape.Dk, shape.vector_gate))
-                # raw q, k when the kernel normalises them (inputs.qk_norm)
-                return run(q, k, v, layer_inputs.linear_decay(jax_chunkwise.XP, g, gate), beta, S0)
+                def recurrent(q, k, v, g, beta, S0, *norm, norm_eps=None):
+                    q, k, v = generated.conv_inputs(jax_chunkwise.XP, (q, k, v))
+                    if inputs.gate_form:  # the kernel forms the decay from a, A_log, dt_bias
+                        a, A_log, dt_bias = g
+                        return run(q, k, v, a, beta, S0, *kernel_parameters(
+                            jnp, A_log, dt_bias, shape.Hv, shape.Dk,
+                            shape.vector_gate), *norm, norm_eps=norm_eps)
+                    # raw q, k when the kernel normalises them (inputs.qk_norm)
+                    return run(q, k, v, layer_inputs.linear_decay(jax_chunkwise.XP, g, gate),
+                               beta, S0, *norm, norm_eps=norm_eps)
 
-            y, state = jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call)(*args)
+                return recurrent
+
+            plain = jax_chunkwise.recurrent_or_chunkwise(recurrent_build(inputs), chunkwise_call)
         else:
-            y, state = chunkwise_call(*args)
+            plain = chunkwise_call
+        if call.norm_gate is None:
+            y, state = plain(*args)
+        else:  # the gated norm: the recurrent kernel's stores when not differentiated
+            z, w = operands.output_gate.astype(f32), operands.norm_weight.astype(f32)
+            normed = None
+            if not chunked:
+                normed = recurrent_build(KernelInputs.of(call.qk_norm, gate,
+                                                         norm=call.norm_gate))
+            y, state = generated.norm_switch(plain, normed, call.norm_eps, call.norm_gate)(
+                args, z, w)
         if mask is not None:
             y = jnp.where(mask[..., None, None], y, 0.0)
         return y.astype(q.dtype), state

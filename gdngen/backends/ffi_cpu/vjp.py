@@ -219,19 +219,25 @@ def recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PL
     state ``[B, T, Hv, Dv, Dk]`` in place of S_T): the plain one (``inputs`` off) takes the linear
     decay; a fused one (`render_fused` for ``inputs``) the raw q, k when ``inputs.qk_norm`` and,
     with ``inputs.gate_form``, the raw projection ``a`` as ``decay`` and ``parameters`` =
-    ``(A_log, dt_bias)`` as `kernel_parameters` gives them (``lower_bound`` from ``inputs``)."""
+    ``(A_log, dt_bias)`` as `kernel_parameters` gives them (``lower_bound`` from ``inputs``);
+    with ``inputs.norm`` the kernel returns the gated norm of y: ``parameters`` end with ``z``
+    ``[B, T, Hv, Dv]``, ``norm_weight`` ``[Dv]`` (float32) and the call takes ``norm_eps=``."""
     import jax.numpy as jnp
     import numpy as np
 
     loaded = kernels.LOADED[sha256]
     workers = kernels.threads()
     extra = {"lower_bound": np.float32(inputs.lower_bound)} if inputs.gate_form else {}
-    n_parameters = 2 if inputs.gate_form else 0
+    n_parameters = (2 if inputs.gate_form else 0) + (2 if inputs.norm else 0)
 
-    def call(q, k, v, decay, beta, S0, *parameters):
+    def call(q, k, v, decay, beta, S0, *parameters, norm_eps=None):
         if len(parameters) != n_parameters:
-            raise ValueError(f"the recurrent kernel of {inputs!r} takes {n_parameters} gate "
-                             f"parameters (A_log, dt_bias), got {len(parameters)}")
+            raise ValueError(f"the recurrent kernel of {inputs!r} takes {n_parameters} "
+                             f"parameters (A_log, dt_bias; z, norm_weight), got "
+                             f"{len(parameters)}")
+        if (norm_eps is None) != (inputs.norm is None):
+            raise ValueError(f"norm_eps goes with a norm build, got {norm_eps!r} for {inputs!r}")
+        norm = {} if norm_eps is None else {"norm_eps": np.float32(norm_eps)}
         B, T, _, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         states = (B, T, Hv, Dv, Dk) if steps else (B, Hv, Dv, Dk)
@@ -240,7 +246,7 @@ def recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PL
             generated.result_type(states, jnp.float32, q)),
             vmap_method="sequential")(q, k, v, decay, beta, S0, *parameters,
                                       scale=np.float32(scale), threads=np.int64(workers),
-                                      poison=poison, **extra,
+                                      poison=poison, **extra, **norm,
                                       rows=np.int64(recurrent_rows(B, Hv, Dv, workers)))
 
     return call
