@@ -9,8 +9,9 @@ Everything gdngen uses from jax that moved between releases, or that lives in a 
 is reached through the functions below, so a new jax release changes this module only:
 
 * `shard_map` (``jax.shard_map``; ``jax.experimental.shard_map`` before jax 0.6);
-* `typeof`, `varying_axes`, `result_struct`: an array's abstract value, the manual axes it
-  varies over (``manual_axis_type.varying``; ``vma`` before), a kernel result typed like it;
+* `typeof`, `varying_axes`, `varying`, `result_struct`: an array's abstract value, the manual
+  axes it varies over (``manual_axis_type.varying``; ``vma`` before), it made varying over
+  more (``jax.lax.pcast``; ``pvary`` before), a kernel result typed like it;
 * `custom_partitioning` (``jax.experimental.custom_partitioning``);
 * `get_topology_desc`: libtpu's and the CUDA plugin's compile-only topologies
   (``jax.experimental.topologies``); `gpu_target`, `abstract_gpu`: Pallas Triton's lowering
@@ -53,7 +54,7 @@ __all__ = ["SUPPORTED", "UnsupportedJax", "abstract_gpu", "check_versions",
            "gpu_target", "host_settings", "libtpu_single_host", "pallas", "pallas_tpu",
            "quiet_host", "release", "require", "result_struct", "shard_map", "skip_absent_tpu",
            "tpu_attached", "tpu_hardware", "tpu_interpreter", "tpu_topology_missing", "typeof",
-           "varying_axes"]
+           "varying", "varying_axes"]
 
 #: the (major, minor) releases of jax and jaxlib gdngen is tested with, lowest and highest
 SUPPORTED = ((0, 10), (0, 12))
@@ -123,6 +124,19 @@ def typeof(x):
 def varying_axes(x) -> frozenset:
     """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside one)."""
     return frozenset(typeof(x).manual_axis_type.varying)
+
+
+def varying(x, axes):
+    """``x`` made varying over the manual mesh ``axes`` it does not vary over yet (inside
+    ``jax.shard_map``; ``jax.lax.pcast(..., to="varying")``, ``jax.lax.pvary`` before), so a
+    custom VJP's cotangent of it may vary as its other inputs' do; the transpose sums it."""
+    jax = require()
+    axes = tuple(sorted(set(axes) - varying_axes(x)))
+    if not axes:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
 
 
 def result_struct(shape, dtype, like):

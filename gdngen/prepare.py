@@ -226,9 +226,16 @@ def norm_stage(framework: str, eps: float, activation: str):
     if framework == "jax":
         import jax
 
-        norm = jax.custom_vjp(values)
-        norm.defvjp(lambda y, z, weight: (values(y, z, weight), (y, z, weight)),
-                    lambda saved, dout: cotangents(*saved, dout))
+        from gdngen import jaxcompat
+
+        custom = jax.custom_vjp(values)
+        custom.defvjp(lambda y, z, weight: (values(y, z, weight), (y, z, weight)),
+                      lambda saved, dout: cotangents(*saved, dout))
+
+        def norm(y, z, weight):  # inside shard_map: a replicated weight's cotangent varies
+            axes = jaxcompat.varying_axes(y) | jaxcompat.varying_axes(z)
+            return custom(y, z, jaxcompat.varying(weight, axes))
+
         return norm
     import mlx.core as mx
 

@@ -16,6 +16,7 @@ in the compiled forward + VJP and the output specs. Other modes: "errors", "comm
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -340,6 +341,77 @@ def layer_inputs_on_many_devices(backend: str) -> dict:
             "qk_bytes": int(q.nbytes + k.nbytes)}
 
 
+def output_norm_on_many_devices(backend: str) -> dict:
+    """The output's gated norm (``norm_weight``, ``output_gate``) on this many-device host,
+    against the call followed by `gdngen.algebra.mixer.gated_norm` on one device (relative
+    differences of the value and every gradient): eager one-device calls (a short row: the
+    recurrent kernel's norm build on ffi_cpu; a chunked row), a jit over inputs sharded over
+    data x heads (the norm after the partitioned call) and a shard_map over heads (the
+    shard's z, the weight replicated)."""
+    from gdngen.algebra import mixer as stages
+
+    rng = np.random.default_rng(3)
+    B, Hk, Hv, D = 2, 4, 8, 16
+    variant = registry.default_variant(backend, Problem(Hk, Hv, D, D, "float32", "scalar"))
+    xp = prepare.namespace("jax")
+
+    def arrays(T):
+        q, k = (jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32) for _ in range(2))
+        v, z = (jnp.asarray(rng.standard_normal((B, T, Hv, D)), jnp.float32) for _ in range(2))
+        g = jnp.asarray(-rng.random((B, T, Hv)), jnp.float32)
+        beta = jnp.asarray(rng.random((B, T, Hv)), jnp.float32)
+        w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(D), jnp.float32)
+        return q, k, v, g, beta, z, w
+
+    def fused(q, k, v, g, beta, z, w):
+        out, S = gated_delta(q, k, v, g, beta, norm_weight=w, output_gate=z,
+                             norm_gate="sigmoid", variant=variant)
+        return (out * out).sum() + (S * S).sum()
+
+    def composed(q, k, v, g, beta, z, w):
+        y, S = gated_delta(q, k, v, g, beta, variant=variant)
+        out = stages.gated_norm(xp, y, z, w, 1e-6, "sigmoid")
+        return (out * out).sum() + (S * S).sum()
+
+    everything = tuple(range(7))
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "heads"))
+
+    def placement(x):
+        return {1: P(None)}.get(x.ndim, P("data", None, "heads"))
+
+    def difference(x, y):
+        return float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
+
+    def largest(out, ref):
+        return max(difference(x, y) for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+
+    differences = {}
+    for T in (5, 40):
+        args = arrays(T)
+        want = jax.jit(jax.value_and_grad(composed, argnums=everything))(*args)
+        placed = [jax.device_put(x, NamedSharding(mesh, placement(x))) for x in args]
+        specs = tuple(placement(x) for x in args)
+
+        def per_shard(*xs, loss=fused):
+            value, grads = jax.value_and_grad(loss, argnums=everything)(*xs)
+            return jax.lax.psum(value, ("data", "heads")), grads
+
+        def shard_mapped(loss, specs=specs, placed=placed):
+            return jax.jit(jax.shard_map(functools.partial(per_shard, loss=loss), mesh=mesh,
+                                         in_specs=specs, out_specs=(P(), specs)))(*placed)
+
+        got = {"eager_forward": fused(*args),
+               "eager": jax.value_and_grad(fused, argnums=everything)(*args),
+               "jit_sharded": jax.jit(jax.value_and_grad(fused, argnums=everything))(*placed),
+               "shard_map": shard_mapped(fused)}
+        # the shards' own float32 path (dq differs from one device's by ~1.6e-5 with or
+        # without the norm): the shard_map call against the composition under the same map
+        refs = {"eager_forward": want[0], "shard_map": shard_mapped(composed)}
+        for name, out in got.items():
+            differences[f"{name} T={T}"] = largest(out, refs.get(name, want))
+    return {"differences": differences}
+
+
 def _problem_arrays(B, T, Hk, Hv, D, seed=0):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, T, Hk, D)), jnp.float32)
@@ -415,6 +487,8 @@ def main(request: dict) -> dict:
         return vmap_on_many_devices(request["backend"])
     if request["mode"] == "layer_inputs":
         return layer_inputs_on_many_devices(request["backend"])
+    if request["mode"] == "output_norm":
+        return output_norm_on_many_devices(request["backend"])
     report = {"cases": {}}
     runner = runner_for(request["mode"], request["backend"], request.get("check_vma", True),
                         report, request.get("entry", "gated_delta"))

@@ -182,6 +182,16 @@ def test_layer_inputs_on_a_many_device_host(backend):
     assert saved >= report["qk_bytes"], report["residual_bytes"]
 
 
+def test_output_norm_on_a_many_device_host():
+    """``gated_delta(..., norm_weight=, output_gate=)`` on 8 devices (ffi_cpu): eager
+    one-device calls (a short row through the recurrent kernel's norm build, a chunked row),
+    a jit over inputs sharded over data x heads and a shard_map over heads give the value and
+    every gradient of the call followed by the gated norm on one device."""
+    report = run_checks({"mode": "output_norm", "backend": "ffi_cpu"})
+    assert len(report["differences"]) == 8, report
+    assert max(report["differences"].values()) < 1e-5, report["differences"]
+
+
 def test_pallas_gpu_lowers_under_checked_shard_map():
     report = run_checks({"mode": "lower_gpu"})
     assert report["triton_calls"] >= 3  # forward, residuals / state grads, chunk grads
