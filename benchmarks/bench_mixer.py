@@ -362,6 +362,13 @@ def decode(Hk, Hv, D, tokens, repeats):
             "spread": {n: max(t) / min(t) for n, t in times.items()}}
 
 
+def _memory_text(row, name):
+    """The mixer's memory against composition ``name``'s, each measure of ``row``."""
+    mem, ratios = row["memory"], row["memory_ratios"][name]
+    return ", ".join(f"{k} {mem['mixer'][k] / 2**20:.0f} vs {mem[name][k] / 2**20:.0f} MiB "
+                     f"({ratios[k]:.2f}x)" for k in mem["mixer"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="train,decode")
@@ -403,17 +410,13 @@ def main(argv=None):
     for r in rows:
         if "target" in r:
             for n in r["memory_ratios"]:
-                mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
-                                f"{r['memory'][n][k] / 2**20:.0f} MiB "
-                                f"({r['memory_ratios'][n][k]:.2f}x)" for k in r["memory"]["mixer"])
+                mem = _memory_text(r, n)
                 depth = f" x{r['depth']} layers" if r["depth"] > 1 else ""
                 print(f"{r['mode']} jax T={r['T']}{depth} compiled for {r['target']}: mixer "
                       f"vs {n}: {mem}")
         elif r["mode"] in ("train", "prefill"):
             for n in r["time_ratio"]:
-                mem = ", ".join(f"{k} {r['memory']['mixer'][k] / 2**20:.0f} vs "
-                                f"{r['memory'][n][k] / 2**20:.0f} MiB "
-                                f"({r['memory_ratios'][n][k]:.2f}x)" for k in r["memory"]["mixer"])
+                mem = _memory_text(r, n)
                 packed = f" packed {r['sequences']}" if r["sequences"] > 1 else ""
                 print(f"{r['mode']} {r['framework']} T={r['T']}{packed}: mixer "
                       f"{r['ms']['mixer']:.0f} ms, {n} {r['ms'][n]:.0f} ms "

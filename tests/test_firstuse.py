@@ -43,6 +43,17 @@ def _cache_root(root: Path, builds: Path) -> Path:
     return root
 
 
+def plant(fresh, monkeypatch, backend: str, template: str, old: str, new: str) -> None:
+    """Serve ``backend``'s ``template`` with its one ``old`` replaced by ``new`` (a planted bug)
+    from an override folder under ``fresh`` (``GDNGEN_TEMPLATES``)."""
+    text = (templates_dir(backend) / template).read_text()
+    assert text.count(old) == 1
+    folder = fresh / "override" / backend
+    folder.mkdir(parents=True)
+    (folder / template).write_text(text.replace(old, new))
+    monkeypatch.setenv("GDNGEN_TEMPLATES", str(folder.parent))
+
+
 @pytest.fixture
 def fresh(tmp_path, monkeypatch, ffi_cpu_builds):
     """A checking process of its own: a cache root with no verdicts (compiled ffi_cpu libraries
@@ -343,13 +354,8 @@ def test_a_conv_build_is_checked_from_the_raw_inputs(fresh, monkeypatch, planted
     problem = Problem(1, 2, 32, 32, "float32", "scalar")
     if planted:
         old = "  for (int i = 0; i < K; ++i) {\n    const int u = t - (K - 1) + i;"
-        text = (templates_dir("metal") / "layer_inputs.metal.j2").read_text()
-        assert text.count(old) == 1
-        folder = fresh / "override" / "metal"
-        folder.mkdir(parents=True)
-        (folder / "layer_inputs.metal.j2").write_text(text.replace(old, old.replace(
-            "i = 0;", "i = 1;")))
-        monkeypatch.setenv("GDNGEN_TEMPLATES", str(folder.parent))
+        plant(fresh, monkeypatch, "metal", "layer_inputs.metal.j2", old,
+              old.replace("i = 0;", "i = 1;"))
     # fixed inputs: the identical_keys case's dA_log / ddt_bias (sums over every step, which
     # cancel) have a heavy-tailed float32 error over fresh draws, conv or not
     monkeypatch.setattr(validate, "check_fused_case",
@@ -373,12 +379,8 @@ def test_a_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted)
     problem = Problem(1, 2, 32, 32 if planted else 48, "float32", "scalar")
     if planted:
         old = "squares / static_cast<float>(Dv) + eps"
-        text = (templates_dir("ffi_cpu") / "recurrent.cc.j2").read_text()
-        assert text.count(old) == 1
-        folder = fresh / "override" / "ffi_cpu"
-        folder.mkdir(parents=True)
-        (folder / "recurrent.cc.j2").write_text(text.replace(old, old.replace("Dv)", "Dv - 1)")))
-        monkeypatch.setenv("GDNGEN_TEMPLATES", str(folder.parent))
+        plant(fresh, monkeypatch, "ffi_cpu", "recurrent.cc.j2", old,
+              old.replace("Dv)", "Dv - 1)"))
     variant = registry.default_variant("ffi_cpu", problem)
     record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
     assert record["passed"] is not planted, record
@@ -398,12 +400,8 @@ def test_fused_layer_inputs_are_checked_from_the_raw_inputs(fresh, monkeypatch, 
     problem = PROBLEM if planted else Problem(1, 2, 16, 32, "float32", "scalar")
     if planted:
         old = "return -rate * (std::max(x, 0.f) + std::log1p(std::exp(-std::fabs(x))));"
-        text = (templates_dir("ffi_cpu") / "layer_inputs.cc.j2").read_text()
-        assert text.count(old) == 1
-        folder = fresh / "override" / "ffi_cpu"
-        folder.mkdir(parents=True)
-        (folder / "layer_inputs.cc.j2").write_text(text.replace(old, "return -0.5f" + old[6:]))
-        monkeypatch.setenv("GDNGEN_TEMPLATES", str(folder.parent))
+        plant(fresh, monkeypatch, "ffi_cpu", "layer_inputs.cc.j2", old,
+              "return -0.5f" + old[6:])
     variant = registry.default_variant("ffi_cpu", problem)
     record = firstuse.check(variant, problem, "scalar log qk_norm softplus")
     assert record["passed"] is not planted, record

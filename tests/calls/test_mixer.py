@@ -137,6 +137,17 @@ class Framework:
         return out
 
 
+def variant_here(backend: str, form: str = "scalar"):
+    """``(spec, default variant)`` of ``backend`` for the module's heads and ``form``'s gate;
+    skips where the backend cannot run here."""
+    spec = registry.get(backend)
+    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
+    ok, why = spec.capability(problem)
+    if not ok:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    return spec, registry.default_variant(backend, problem)
+
+
 def check_against_reference(fw, x, options, cots, **extra):
     ref = stages.reference_vjp(**x, **DIMS, **options, **cots,
                                cu_seqlens=extra.get("cu_seqlens"))
@@ -173,15 +184,10 @@ def test_the_float64_composition_agrees_with_central_differences():
     pytest.param(b, f, marks=[pytest.mark.slow] if (b, f) in SLOW else [])
     for b in registry.names() for f in sorted(FORMS)])
 def test_mixer_matches_the_float64_composition(backend, form):
-    spec = registry.get(backend)
-    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
-    fw = Framework(spec.framework)
-    ok, why = spec.capability(problem)
-    if not ok:
-        pytest.skip(f"{backend} cannot run here: {why}")
+    fw = Framework(registry.get(backend).framework)
+    _, variant = variant_here(backend, form)
     x, options = inputs(form, seed=zlib.crc32(f"{backend}-{form}".encode()) % 1000)
-    errors = check_against_reference(fw, x, options, cotangents(7),
-                                     variant=registry.default_variant(backend, problem))
+    errors = check_against_reference(fw, x, options, cotangents(7), variant=variant)
     print(backend, form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
@@ -189,12 +195,7 @@ def test_ffi_cpu_chunk_core_convolves_and_matches_the_float64_composition():
     """A row past ffi_cpu's recurrent switch (T = 150 >= 128): the chunk kernels run the
     forward with the conv inside the chunk core (raw q, k, v in, `gdngen.backends.generated.
     custom_vjp_core`), a padding mask on the last row, every gradient against float64."""
-    spec = registry.get("ffi_cpu")
-    problem = Problem(Hk, Hv, Dk, Dv)
-    ok, why = spec.capability(problem)
-    if not ok:
-        pytest.skip(f"ffi_cpu cannot run here: {why}")
-    variant = registry.default_variant("ffi_cpu", problem)
+    spec, variant = variant_here("ffi_cpu")
     assert spec.parse(variant).recurrent_below <= 150
     x, options = inputs("scalar", seed=29, steps=150)
     errors = check_against_reference(Framework("jax"), x, options, cotangents(29, steps=150),
@@ -212,12 +213,7 @@ def test_pallas_chunk_cores_convolve_and_match_the_float64_composition(backend, 
     gates `chunk_core`, per-channel `channel_core`), a padding mask on the last row; every
     gradient against float64 (interpret mode, outputs poisoned). What it keeps:
     test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward."""
-    spec = registry.get(backend)
-    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
-    ok, why = spec.capability(problem)
-    if not ok:
-        pytest.skip(f"{backend} cannot run here: {why}")
-    variant = registry.default_variant(backend, problem)
+    spec, variant = variant_here(backend, form)
     assert spec.parse(variant).recurrent_below <= 150
     x, options = inputs(form, seed=31, steps=150)
     errors = check_against_reference(Framework("jax"), x, options, cotangents(31, steps=150),
@@ -235,12 +231,7 @@ def test_metal_recurrent_kernel_convolves_and_matches_the_float64_composition(fo
     conv's own) against float64, outputs poisoned, with and without an incoming conv state."""
     from gdngen.backends.metal import calls, launch
 
-    spec = registry.get("metal")
-    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
-    ok, why = spec.capability(problem)
-    if not ok:
-        pytest.skip(f"metal cannot run here: {why}")
-    variant = registry.default_variant("metal", problem)
+    _, variant = variant_here("metal", form)
     variant = variant.replace(recurrent_below=16)
     fw = Framework("mlx")
     convs, kernel_convs = [], []
@@ -327,12 +318,7 @@ def test_ffi_cpu_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
     (through the norm's VJP) against float64, outputs poisoned."""
     from gdngen.backends.ffi_cpu import vjp
 
-    spec = registry.get("ffi_cpu")
-    problem = Problem(Hk, Hv, Dk, Dv, gate=form)
-    ok, why = spec.capability(problem)
-    if not ok:
-        pytest.skip(f"ffi_cpu cannot run here: {why}")
-    variant = registry.default_variant("ffi_cpu", problem)
+    spec, variant = variant_here("ffi_cpu", form)
     assert spec.parse(variant).recurrent_below > 17
     builds, norms = [], []
     recurrent, gated_norm = vjp.recurrent, stages.gated_norm
