@@ -67,7 +67,8 @@ def gated_delta(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, g
     and ``output_gate`` ``[B, T, Hv, Dv]`` the first output is ``rmsnorm(y) * norm_weight *
     act(output_gate)`` per value head (``norm_eps``; ``norm_gate`` "silu" or "sigmoid"), in
     q's dtype. A backend listing "norm" in its ``fused_inputs`` computes it in its forward
-    kernels' stores when the call is not differentiated (ffi_cpu's recurrent kernel); under
+    kernels' stores when the call is not differentiated (the recurrent kernels of ffi_cpu and
+    of pallas_tpu, the latter where a program holds a head's whole Dv); under
     differentiation y is kept for the norm's VJP, which keeps y, output_gate and norm_weight.
 
     Packed sequences (`gdngen.algebra.packed`): ``cu_seqlens`` int32 ``[N+1]`` (fla's offsets:

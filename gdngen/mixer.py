@@ -23,8 +23,8 @@ beta_activation="sigmoid", scale)`` (the core computes the norm and the gate in 
 takes the raw slices of mixed_qkv with ``conv_weight`` and ``conv_state`` and convolves them
 itself);
 ``out = rmsnorm(y) * norm_weight * act(z)``, in y's dtype (``gated_delta``'s ``norm_weight``,
-``output_gate=z``: ffi_cpu's recurrent kernel computes it in its stores when the call is not
-differentiated). ``scale`` defaults to Dk**-0.5
+``output_gate=z``: the recurrent kernels of ffi_cpu and pallas_tpu compute it in their stores
+when the call is not differentiated). ``scale`` defaults to Dk**-0.5
 (mlx-lm's ``normalize_qk`` puts it on q). Returns ``out [B, T, Hv, Dv]``, the final state (as
 ``gated_delta``: float32) and the new conv state ``[B, C, K-1]`` (mixed_qkv's dtype).
 

@@ -16,7 +16,8 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
 * ``packed_fwd_bwd`` (scalar gates): a packed row of two sequences (``cu_seqlens``) and its
   gradient (the packed build);
 * ``fused_fwd_bwd`` / ``fused_recurrent_forward``: ``qk_norm=True``, ``gate="softplus"`` with
-  ``A_log``, ``dt_bias`` (the fused-input build) at ``T`` and at the recurrent length;
+  ``A_log``, ``dt_bias`` and the output's gated norm (``norm_weight``, ``output_gate``) (the
+  fused-input builds; pallas_tpu's recurrent norm build) at ``T`` and at the recurrent length;
 * ``steps_forward`` (backends whose recurrent kernels write the per-step states,
   `gdngen.backend.Backend.step_states`): a ``return_states="steps"`` verify window of
   `STEPS_T` steps (the per-step-states build).

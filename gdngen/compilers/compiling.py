@@ -153,8 +153,9 @@ def _program_fn(name: str, variant: Variant, problem: Problem, T: int, sharding)
     gate_shape = (1, T, Hv) + ((Dk,) if vector else ())
     args = [spec((1, T, Hk, Dk), dtype), spec((1, T, Hk, Dk), dtype),
             spec((1, T, Hv, Dv), dtype), spec(gate_shape), spec((1, T, Hv))]
-    if fused:
-        args += [spec((Hv, Dk) if vector else (Hv,)), spec((Hv, Dk) if vector else (Hv,))]
+    if fused:  # + the output's gated norm (a backend's norm build, where it has one)
+        args += [spec((Hv, Dk) if vector else (Hv,)), spec((Hv, Dk) if vector else (Hv,)),
+                 spec((Dv,)), spec((1, T, Hv, Dv), dtype)]
     if packed:
         args.append(spec((3,), jnp.int32))
     kwargs = {"variant": variant, "scale": Dk ** -0.5}
@@ -162,7 +163,8 @@ def _program_fn(name: str, variant: Variant, problem: Problem, T: int, sharding)
     def call(q, k, v, g, beta, *rest):
         extra = dict(kwargs)
         if fused:
-            extra.update(qk_norm=True, gate="softplus", A_log=rest[0], dt_bias=rest[1])
+            extra.update(qk_norm=True, gate="softplus", A_log=rest[0], dt_bias=rest[1],
+                         norm_weight=rest[2], output_gate=rest[3])
         if packed:
             extra["cu_seqlens"] = rest[-1]
         if steps:

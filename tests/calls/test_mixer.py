@@ -309,21 +309,35 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
             assert relative_error(np.asarray(a), np.asarray(b)) <= 2e-6, (name, rows)
 
 
-@pytest.mark.parametrize("form", [
-    "scalar", pytest.param("vector", marks=pytest.mark.slow)])
-def test_ffi_cpu_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
-    """A short mixer call on ffi_cpu (T = 17, under ``recurrent_below``): undifferentiated,
-    its recurrent kernel is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`)
-    and returns the gated norm itself, with no norm stage after it; values and every gradient
-    (through the norm's VJP) against float64, outputs poisoned."""
-    from gdngen.backends.ffi_cpu import vjp
+@pytest.mark.parametrize("backend, form", [
+    pytest.param(b, f, marks=[pytest.mark.slow] if f == "vector" else [])
+    for b in ("ffi_cpu", "pallas_tpu") for f in sorted(FORMS)])
+def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
+    """A short mixer call (T = 17, under ``recurrent_below``) on ffi_cpu and pallas_tpu (a
+    variant whose program holds the head's whole Dv): undifferentiated, its recurrent kernel
+    is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`) and returns the gated
+    norm itself, with no norm stage after it; values and every gradient (through the norm's
+    VJP) against float64, outputs poisoned."""
+    spec, variant = variant_here(backend, form)
+    if backend == "pallas_tpu":
+        from gdngen.backends.pallas.backend import PallasBackend as owner
 
-    spec, variant = variant_here("ffi_cpu", form)
+        variant = variant.replace(dv_tile=Dv)
+        name, position = "recurrent_forward", None
+    else:
+        from gdngen.backends.ffi_cpu import vjp as owner
+
+        name, position = "recurrent", 3
     assert spec.parse(variant).recurrent_below > 17
     builds, norms = [], []
-    recurrent, gated_norm = vjp.recurrent, stages.gated_norm
-    monkeypatch.setattr(vjp, "recurrent", lambda *a, **kw: builds.append(
-        a[3] if len(a) > 3 else kw.get("inputs")) or recurrent(*a, **kw))
+    recurrent, gated_norm = getattr(owner, name), stages.gated_norm
+
+    def spy(*a, **kw):
+        builds.append(kw.get("inputs") if position is None or len(a) <= position
+                      else a[position])
+        return recurrent(*a, **kw)
+
+    monkeypatch.setattr(owner, name, spy)
     monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
         *a, **kw))
     fw = Framework("jax")
@@ -335,7 +349,7 @@ def test_ffi_cpu_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
         "norm_gate", "silu")] and norms == [], (builds, norms)
     errors = check_against_reference(fw, x, options, cotangents(61, steps=17), variant=variant)
     assert float(fw.m.max(fw.m.abs(out[0]))) > 0
-    print("ffi_cpu recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    print(backend, "recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])

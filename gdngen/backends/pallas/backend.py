@@ -90,7 +90,10 @@ class PallasBackend(Backend):
 
         if not inputs.fused:
             raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
-        names = ("recurrent.py",) if problem.gate == "vector" else ("recurrent.py", "forward.py")
+        if inputs.norm and "norm" not in self.fused_inputs:
+            raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
+        names = ("recurrent.py",) if problem.gate == "vector" or inputs.norm else \
+            ("recurrent.py", "forward.py")
         self.parse(variant)
         plan = self.render_plan(variant, problem)
         env = environment(templates_dir)
@@ -178,9 +181,10 @@ class PallasBackend(Backend):
         if key not in self.loaded:
             modules = {name.removesuffix(inputs.tag() + ".py"): self._exec(rendered, name)
                        for name in rendered.sources}
+            static = SCALED + (("norm_eps",) if inputs.norm else ())
             kernels = self._namespace(rendered, modules, interpret, context=inputs.context(),
                                       run_recurrent=jit_pair(modules["recurrent"].recurrent,
-                                                             SCALED, interpret))
+                                                             static, interpret))
             if "forward" in modules:
                 kernels.run_forward = jit_pair(modules["forward"].forward, SCALED, interpret)
             self.loaded[key] = kernels
@@ -225,7 +229,7 @@ class PallasBackend(Backend):
     # ------------------------------------------------------------------ recurrent kernel
 
     def recurrent_forward(self, q, k, v, decay, beta, S0, *, scale, variant, problem=None,
-                          templates_dir=None, inputs=None):
+                          templates_dir=None, inputs=None, norm=None):
         """The recurrent kernel of ``variant``: forward only, nothing saved.
 
         float32, masks folded (decay 1, beta 0): q, k ``[B, T, Hk, Dk]`` (q unscaled), v
@@ -234,7 +238,9 @@ class PallasBackend(Backend):
         Hv, Dv], S_T [B, Hv, Dv, Dk])`` of `gdngen.algebra.recurrent.recurrent_forward`.
         ``problem``: default the float32 one of these shapes. ``inputs`` (a
         `gdngen.backends.kernel_inputs.KernelInputs`) selects the fused build: raw q, k with
-        ``qk_norm``; with ``gate_form`` ``decay`` is ``(a, A_log, dt_bias)``."""
+        ``qk_norm``; with ``gate_form`` ``decay`` is ``(a, A_log, dt_bias)``; with ``norm``
+        (the activation) ``norm = (z [B, T, Hv, Dv], norm_weight [Dv], norm_eps)`` and y is the
+        gated norm of the recurrence's output."""
         inputs = KernelInputs() if inputs is None else inputs
         parameters = ()
         if inputs.gate_form is not None:
@@ -258,8 +264,15 @@ class PallasBackend(Backend):
         if parameters:
             parameters = fused_gate_operands(inputs, *parameters, problem.Hv, problem.Dk,
                                              per_channel)
+        if (norm is None) != (inputs.norm is None):
+            raise ValueError(f"norm (z, norm_weight, norm_eps) goes with inputs.norm, got "
+                             f"{'None' if norm is None else 'arrays'} for {inputs!r}")
+        extra = {}
+        if norm is not None:
+            *arrays, eps = norm
+            parameters, extra = (*parameters, *arrays), {"norm_eps": float(eps)}
         return self.run_recurrent(kernels, q, k, v, decay, beta, S0, parameters,
-                                  scale=float(scale), what="recurrent")
+                                  scale=float(scale), what="recurrent", **extra)
 
     def recurrent_steps_forward(self, q, k, v, decay, beta, S0, *, scale, variant, problem,
                                 templates_dir=None):
@@ -342,6 +355,8 @@ class PallasBackend(Backend):
         from gdngen import prepare
         from gdngen.backends.portable import jax_chunkwise
 
+        if call.norm_gate is not None:
+            return self.normed_forward(call, operands, variant, templates_dir)
         shape, problem, gate, qk_norm = call.shape, call.problem, call.core_gate, call.qk_norm
         chunked = self.chunked(call, variant)
         if not shape.vector_gate and chunked:
@@ -397,6 +412,59 @@ class PallasBackend(Backend):
         if mask is not None:
             y = jnp.where(mask[..., None, None], y, 0.0)
         return y.astype(q.dtype), state
+
+    def normed_forward(self, call, operands, variant, templates_dir=None):
+        """`forward` of a ``norm_gate`` call (`gdngen.backends.generated.norm_switch`):
+        undifferentiated, a short call (under ``recurrent_below``) on a variant whose program
+        holds a head's whole Dv runs the recurrent kernel's norm build (the norm in its stores);
+        otherwise, and under differentiation, `forward` without the norm, then the norm."""
+        import jax.numpy as jnp
+
+        from gdngen import prepare
+        from gdngen.backends import generated
+        from gdngen.backends.portable import jax_chunkwise
+
+        plain_call, plain_operands = prepare.without_norm(call, operands)
+        names = tuple(n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log",
+                                  "dt_bias", "conv_weight", "conv_state")
+                      if getattr(operands, n) is not None)
+
+        def with_arrays(arrays):
+            return plain_operands._replace(**dict(zip(names, arrays)))
+
+        def plain(*arrays):
+            return self.forward(plain_call, with_arrays(arrays), variant, templates_dir)
+
+        normed = None
+        params = self.kernel_params(variant, call.problem)
+        if "norm" in self.fused_inputs and not self.chunked(call, variant) \
+                and params.get("dv_tile", 0) == call.shape.Dv:
+            def normed(*arrays, norm_eps):
+                ncall, nops = plain_call, with_arrays(arrays[:-2])
+                if ncall.conv_size is not None:  # short calls: the conv first
+                    ncall, nops = prepare.convolved(ncall, nops)
+                f32, gate, shape = jnp.float32, ncall.core_gate, ncall.shape
+                s0 = nops.initial_state
+                s0 = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32) if s0 is None \
+                    else s0.astype(f32)
+                g, beta = layer_inputs.fold_mask(
+                    jax_chunkwise.XP, layer_inputs.cast_gates(nops.kernel_gates(), f32),
+                    nops.beta.astype(f32), nops.mask, gate)
+                inputs = KernelInputs.of(ncall.qk_norm, gate, norm=call.norm_gate)
+                if inputs.gate_form is None:
+                    g = layer_inputs.linear_decay(jax_chunkwise.XP, g, gate)
+                out, state = self.recurrent_forward(
+                    nops.q.astype(f32), nops.k.astype(f32), nops.v.astype(f32), g, beta, s0,
+                    scale=call.scale, variant=variant, problem=call.problem,
+                    templates_dir=templates_dir, inputs=inputs,
+                    norm=(*arrays[-2:], norm_eps))
+                if nops.mask is not None:
+                    out = jnp.where(nops.mask[..., None, None], out, 0.0)
+                return out.astype(nops.q.dtype), state
+
+        z, w = operands.output_gate, operands.norm_weight
+        return generated.norm_switch(plain, normed, call.norm_eps, call.norm_gate)(
+            tuple(getattr(operands, n) for n in names), z, w)
 
     def packed(self, call, operands, variant, templates_dir=None):
         """A packed row (`gdngen.algebra.packed`), float32 inside: scalar gates, the row's chunk

@@ -65,6 +65,8 @@ class PallasTPU(TPUKernels):
 
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("tpu",), "vmem_budget", "tpu-v5e"
+    #: the recurrent kernel has an output norm build (variants whose dv_tile is Dv)
+    fused_inputs = ("qk_norm", "gate", "conv", "norm")
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
               channel_intra, channel_grads, channel_walk_core)
@@ -76,12 +78,14 @@ class PallasTPU(TPUKernels):
     channel_grads = staticmethod(channel_grads)
     channel_walk_core = staticmethod(channel_walk_core)
 
-    def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what):
+    def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what,
+                      **norm):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v
-        ``[B, T, Hv, Dv]``, decay, beta, S0; ``gate`` a fused build's gate operands) with the
-        race check: ``(y, final state or every step's)``."""
+        ``[B, T, Hv, Dv]``, decay, beta, S0; ``gate`` a fused build's gate operands, then a
+        norm build's z and norm_weight, whose ``norm_eps`` comes in ``norm``) with the race
+        check: ``(y, final state or every step's)``."""
         return run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, *gate, scale=scale,
-                          what=what, interpret=kernels.interpret)
+                          what=what, interpret=kernels.interpret, **norm)
 
 
 SPEC = PallasTPU()
