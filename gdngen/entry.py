@@ -254,7 +254,7 @@ def placed(call: Call, operands: Operands, variant=None, device: str | None = No
         if whole:
             names += ("norm_weight", "output_gate")  # the backend normalises
         else:  # the norm after the shards (row-wise: it partitions as y does)
-            normed, call = call, call.replace(norm_gate=None, norm_eps=1e-6)
+            normed, call = call, prepare.without_norm(call, operands)[0]
 
     def one_call(q, k, v, g, beta, initial_state, mask, A_log=None, dt_bias=None,
                  conv_weight=None, conv_state=None, norm_weight=None, output_gate=None):
