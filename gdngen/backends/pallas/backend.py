@@ -349,16 +349,25 @@ class PallasBackend(Backend):
         per-channel chunk core (``channel_core``: the intra-chunk kernel and the kernel walk of
         `chunk_walks`; its VJP the reverse walk and the grads kernel); shorter calls
         `recurrent_forward` inside
-        `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP)."""
+        `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP).
+        A ``norm_gate`` call: a short call on a backend with a norm build (pallas_tpu, variants
+        whose program holds a head's whole Dv) runs it when not differentiated
+        (`gdngen.backends.generated.norm_switch`); other calls get the norm after them."""
         import jax.numpy as jnp
 
         from gdngen import prepare
+        from gdngen.backends import generated
         from gdngen.backends.portable import jax_chunkwise
 
-        if call.norm_gate is not None:
-            return self.normed_forward(call, operands, variant, templates_dir)
         shape, problem, gate, qk_norm = call.shape, call.problem, call.core_gate, call.qk_norm
         chunked = self.chunked(call, variant)
+        normed = call.norm_gate is not None
+        if normed and (chunked or "norm" not in self.fused_inputs
+                       or self.kernel_params(variant, problem).get("dv_tile") != shape.Dv):
+            # no norm build runs this call: the norm after it
+            y, state = self.forward(*prepare.without_norm(call, operands), variant,
+                                    templates_dir)
+            return prepare.normed(call, operands, y), state
         if not shape.vector_gate and chunked:
             return self.chunk_forward(call, operands, variant, templates_dir)
         if call.conv_size is not None and not (chunked and shape.vector_gate):
@@ -382,14 +391,17 @@ class PallasBackend(Backend):
             channel_core = self.channel_core((kernels.sha256, kernels.interpret), gate,
                                              call.scale, qk_norm, walks)
 
-        inputs = KernelInputs.of(qk_norm, gate)
+        def recurrent_build(inputs):
+            def recurrent(q, k, v, g, beta, S0, *norm, norm_eps=None):
+                # the fused kernel: raw q, k and (a, A_log, dt_bias); a norm build's z, weight
+                if inputs.gate_form is None:
+                    g = layer_inputs.linear_decay(jax_chunkwise.XP, g, gate)
+                return self.recurrent_forward(
+                    q, k, v, g, beta, S0, scale=call.scale, variant=variant, problem=problem,
+                    templates_dir=templates_dir, inputs=inputs,
+                    norm=None if norm_eps is None else (*norm, norm_eps))
 
-        def recurrent(q, k, v, g, beta, S0):  # the fused kernel: raw q, k and (a, A_log, dt_bias)
-            if inputs.gate_form is None:
-                g = layer_inputs.linear_decay(jax_chunkwise.XP, g, gate)
-            return self.recurrent_forward(q, k, v, g, beta, S0, scale=call.scale,
-                                          variant=variant, problem=problem,
-                                          templates_dir=templates_dir, inputs=inputs)
+            return recurrent
 
         def chunkwise_call(q, k, v, g, beta, S0):  # float32 in and out, masks folded
             if shape.vector_gate:  # the core scales q itself (after the q/k norm)
@@ -407,64 +419,19 @@ class PallasBackend(Backend):
             return y.astype(f32), state
 
         run = (chunkwise_call if chunked  # per-channel gates: evaluated on the chunk path too
-               else jax_chunkwise.recurrent_or_chunkwise(recurrent, chunkwise_call))
-        y, state = run(q32, k32, v32, g32, beta32, s0)
+               else jax_chunkwise.recurrent_or_chunkwise(
+                   recurrent_build(KernelInputs.of(qk_norm, gate)), chunkwise_call))
+        args = (q32, k32, v32, g32, beta32, s0)
+        if normed:  # the recurrent kernel's norm build when not differentiated
+            y, state = generated.norm_switch(
+                run, recurrent_build(KernelInputs.of(qk_norm, gate, norm=call.norm_gate)),
+                call.norm_eps, call.norm_gate)(
+                args, operands.output_gate.astype(f32), operands.norm_weight.astype(f32))
+        else:
+            y, state = run(*args)
         if mask is not None:
             y = jnp.where(mask[..., None, None], y, 0.0)
         return y.astype(q.dtype), state
-
-    def normed_forward(self, call, operands, variant, templates_dir=None):
-        """`forward` of a ``norm_gate`` call (`gdngen.backends.generated.norm_switch`):
-        undifferentiated, a short call (under ``recurrent_below``) on a variant whose program
-        holds a head's whole Dv runs the recurrent kernel's norm build (the norm in its stores);
-        otherwise, and under differentiation, `forward` without the norm, then the norm."""
-        import jax.numpy as jnp
-
-        from gdngen import prepare
-        from gdngen.backends import generated
-        from gdngen.backends.portable import jax_chunkwise
-
-        plain_call, plain_operands = prepare.without_norm(call, operands)
-        names = tuple(n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log",
-                                  "dt_bias", "conv_weight", "conv_state")
-                      if getattr(operands, n) is not None)
-
-        def with_arrays(arrays):
-            return plain_operands._replace(**dict(zip(names, arrays)))
-
-        def plain(*arrays):
-            return self.forward(plain_call, with_arrays(arrays), variant, templates_dir)
-
-        normed = None
-        params = self.kernel_params(variant, call.problem)
-        if "norm" in self.fused_inputs and not self.chunked(call, variant) \
-                and params.get("dv_tile", 0) == call.shape.Dv:
-            def normed(*arrays, norm_eps):
-                ncall, nops = plain_call, with_arrays(arrays[:-2])
-                if ncall.conv_size is not None:  # short calls: the conv first
-                    ncall, nops = prepare.convolved(ncall, nops)
-                f32, gate, shape = jnp.float32, ncall.core_gate, ncall.shape
-                s0 = nops.initial_state
-                s0 = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32) if s0 is None \
-                    else s0.astype(f32)
-                g, beta = layer_inputs.fold_mask(
-                    jax_chunkwise.XP, layer_inputs.cast_gates(nops.kernel_gates(), f32),
-                    nops.beta.astype(f32), nops.mask, gate)
-                inputs = KernelInputs.of(ncall.qk_norm, gate, norm=call.norm_gate)
-                if inputs.gate_form is None:
-                    g = layer_inputs.linear_decay(jax_chunkwise.XP, g, gate)
-                out, state = self.recurrent_forward(
-                    nops.q.astype(f32), nops.k.astype(f32), nops.v.astype(f32), g, beta, s0,
-                    scale=call.scale, variant=variant, problem=call.problem,
-                    templates_dir=templates_dir, inputs=inputs,
-                    norm=(*arrays[-2:], norm_eps))
-                if nops.mask is not None:
-                    out = jnp.where(nops.mask[..., None, None], out, 0.0)
-                return out.astype(nops.q.dtype), state
-
-        z, w = operands.output_gate, operands.norm_weight
-        return generated.norm_switch(plain, normed, call.norm_eps, call.norm_gate)(
-            tuple(getattr(operands, n) for n in names), z, w)
 
     def packed(self, call, operands, variant, templates_dir=None):
         """A packed row (`gdngen.algebra.packed`), float32 inside: scalar gates, the row's chunk
