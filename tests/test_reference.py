@@ -175,3 +175,27 @@ def test_masked_steps():
     out = reference.vjp(*args, inp["dy"], inp["dfin"], mask=full, gate="log")
     np.testing.assert_array_equal(out["final_state"], inp["initial_state"])
     np.testing.assert_array_equal(out["dinitial_state"], inp["dfin"])
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_dg_scale_is_the_size_of_the_terms_dg_sums(vector):
+    """``dg_scale``: each step's dg is a sum over the state's entries; its root sum of squares
+    matches |dg| in size on random keys, and stays at the terms' size where identical keys
+    with beta = 1 and strong scalar decay cancel dg to ~0 (S_{t-1}(I - k k^T) has decayed)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    inp = _make(rng, B=1, T=12, Hv=2, vector=vector, gate="log", beta_hi=1.0)
+    rest = (inp["beta"], inp["initial_state"], inp["dy"], inp["dfin"])
+    out = reference.vjp(inp["q"], inp["k"], inp["v"], inp["g"], *rest, dg_scale=True)
+    assert out["dg_scale"].shape == out["dg"].shape and "dg_scale" not in reference.vjp(
+        inp["q"], inp["k"], inp["v"], inp["g"], *rest)
+    ratio = np.linalg.norm(out["dg"]) / np.linalg.norm(out["dg_scale"])
+    assert 0.05 < ratio < 20.0, f"seed={seed} ratio={ratio}"
+    if vector:  # diag(g) does not commute with I - k k^T: no such trap per channel
+        return
+    k = np.broadcast_to(inp["k"][:, :1], inp["k"].shape)  # one key, beta = 1, g = e^-8
+    g = np.full(inp["g"].shape, -8.0)
+    beta = np.ones_like(inp["beta"])
+    out = reference.vjp(inp["q"], k, inp["v"], g, beta, *rest[1:], dg_scale=True)
+    later, scale = np.abs(out["dg"][:, 3:]), out["dg_scale"][:, 3:]
+    assert np.all(later < 1e-9 * scale), f"seed={seed}"

@@ -222,8 +222,38 @@ def test_relative_error_edge_cases():
     assert validate.relative_error(np.zeros(2), np.zeros(2)) == 0.0
     assert validate.relative_error(np.array([0.0, 1e-3]), np.zeros(2)) == pytest.approx(1e-3)
     assert validate.relative_error(np.float32([3.0, 4.0]), ref) == 0.0
+    # with a scale: over the larger of ||ref|| and ||scale||
+    assert validate.relative_error(np.array([3.0, 4.5]), ref, np.zeros(2)) == pytest.approx(0.1)
+    assert validate.relative_error(np.array([1e-3, 0.0]), np.zeros(2), np.array([0.0, 2.0])) \
+        == pytest.approx(5e-4)
+    assert validate.relative_error(np.array([3.0, np.nan]), ref, ref) == math.inf
     with pytest.raises(ValueError):
         validate.relative_error(ref, np.array([np.nan, 1.0]))
+
+
+def test_a_cancelling_parameter_sum_is_measured_against_its_terms():
+    """dA_log sums dg * log g over every step: where the sum cancels, a float32 sum's error
+    is ulp-sized against its terms' size (`LayerInputsVJP.reduction_scales`: their root sum
+    of squares), not against the sum; a sum that drops a step's term is still far off."""
+    rng = np.random.default_rng(5)
+    B, T, Hv, D = 1, 64, 2, 8
+    q, k = (rng.standard_normal((B, T, 1, D)) for _ in range(2))
+    layer = reference.LayerInputsVJP(q, k, rng.standard_normal((B, T, Hv)),
+                                     np.zeros((B, T, Hv)), rng.uniform(-1, 2, Hv),
+                                     rng.uniform(-0.5, 0.5, Hv), "softplus")
+    dg = rng.standard_normal((B, T, Hv))  # head 0's terms sum to (nearly) zero
+    terms = dg * layer.log_g
+    dg[0, -1, 0] = -terms[0, :-1, 0].sum() / layer.log_g[0, -1, 0]
+    terms = dg * layer.log_g
+    ref = layer.grads({"dq": q, "dk": k, "dg": dg, "dbeta": np.zeros((B, T, Hv))})["dA_log"]
+    scale = layer.reduction_scales(np.abs(dg))["dA_log"]
+    assert abs(ref[0]) < 1e-9 * scale[0] and abs(ref[1]) > 0.1 * scale[1]
+    in_float32 = terms.astype(np.float32).sum(axis=(0, 1), dtype=np.float32)
+    assert validate.relative_error(in_float32[:1], ref[:1]) > 1e-3  # its own digits: gone
+    assert validate.relative_error(in_float32[:1], ref[:1], scale[:1]) < 1e-6
+    assert validate.relative_error(in_float32, ref, scale) < 1e-6
+    dropped = terms[:, 1:].sum(axis=(0, 1))
+    assert validate.relative_error(dropped, ref, scale) > 1e-3
 
 
 def test_round_to_dtype_bfloat16():

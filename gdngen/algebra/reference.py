@@ -90,14 +90,16 @@ def forward(q, k, v, g, beta, initial_state=None, *, mask=None, scale=1.0, gate=
 
 
 def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1.0,
-        gate="log", steps=False):
+        gate="log", steps=False, dg_scale=False):
     """Forward plus vector-Jacobian product of the loss <y, dy> + <final_state, dfinal_state>.
 
     ``initial_state`` None means zeros (``dinitial_state`` is still returned); ``dy`` or
     ``dfinal_state`` None means zeros. Returns a dict with "y", "final_state" and the gradients
     "dq", "dk", "dv", "dg", "dbeta", "dinitial_state", each with its input's shape; "dg" is in
     the gate's own convention (gate="log": d/d g_log, exactly 0 where g = -inf). ``steps``:
-    also "states", the state after every step [B,T,Hv,Dv,Dk].
+    also "states", the state after every step [B,T,Hv,Dv,Dk]. ``dg_scale``: also "dg_scale",
+    the root sum of squares of the terms each step's dg sums (the state's entries): the scale
+    a float32 dg is accurate to where they cancel (identical keys, beta = 1, strong decay).
     """
     shape, qh, kh, v, _, a, beta, s0, m = _prepare(q, k, v, g, beta, initial_state, mask,
                                                    scale, gate)
@@ -116,6 +118,7 @@ def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1
     y, states = _run(shape, qh, kh, v, a, beta, s0, m, scale)
     dqh, dkh = np.zeros_like(qh), np.zeros_like(kh)
     dv, dbeta, da = np.zeros_like(v), np.zeros_like(beta), np.zeros_like(a)
+    da_rss = np.zeros_like(a)
 
     for t in range(T - 1, -1, -1):
         S_prev, S = states[t], states[t + 1]
@@ -145,11 +148,15 @@ def vjp(q, k, v, g, beta, initial_state, dy, dfinal_state, *, mask=None, scale=1
         dv[:, t] = np.where(on[:, None, None], dres, 0.0)
         dbeta[:, t] = np.where(on[:, None], np.sum(ddelta * resid, axis=-1), 0.0)
         da[:, t] = np.where(on[:, None, None] if vg else on[:, None], da_t, 0.0)
+        sq_t = (prod * prod).sum(axis=2) if vg else (prod * prod).sum(axis=(2, 3))
+        da_rss[:, t] = np.where(on[:, None, None] if vg else on[:, None], np.sqrt(sq_t), 0.0)
         dS = np.where(mt, _decay(dSp, a[:, t], vg), dS)
 
     # d/d g_log = da * exp(g_log) = da * a: exactly 0 where a == 0, never a division.
     dg = da * a if gate == "log" else da
     extra = {"states": np.moveaxis(states[1:], 0, 1)} if steps else {}
+    if dg_scale:
+        extra["dg_scale"] = da_rss * np.abs(a) if gate == "log" else da_rss
     return {
         **extra,
         "y": y,
@@ -253,15 +260,26 @@ class LayerInputsVJP:
         """``(q, k, log_g, beta)`` the recurrence takes."""
         return self.q, self.k, self.log_g, self.beta
 
+    def _gate_terms(self, dg):
+        """``(d_pre, d_A)``: the gate's cotangent ``dg`` (d/d log g) per step, ``[B,T,Hv(,Dk)]``
+        each, before ``dA_log`` / ``ddt_bias`` sum them over the batch and time."""
+        if self.gate == "softplus":  # d log g/d pre = -exp(A) sigmoid(pre), d log g/dA = log g
+            return dg * -np.exp(self.A) * sigmoid(self.pre), dg * self.log_g
+        s = sigmoid(self.zg)  # d log g / dz = lb s (1 - s), dz / d pre = exp(A), dz / dA = z
+        dz = dg * self.lower_bound * s * (1.0 - s)
+        return dz * np.exp(self.A), dz * self.zg
+
+    def reduction_scales(self, dg_scale):
+        """``dg`` (d/da), ``dA_log``, ``ddt_bias``'s scales from the recurrence's ``dg_scale``
+        (`vjp`'s): the chain rule's |factor| times it, then the parameters' root sums of
+        squares over B, T (their sums can cancel far below their terms over long calls)."""
+        d_pre, d_A = (np.abs(d) for d in self._gate_terms(dg_scale))
+        return {"dg": d_pre, "dA_log": np.sqrt(sum_to(d_A * d_A, self.shapes[0])),
+                "ddt_bias": np.sqrt(sum_to(d_pre * d_pre, self.shapes[1]))}
+
     def grads(self, out):
         """``dq, dk`` (raw), ``dg`` (d/da), ``dA_log``, ``ddt_bias``, ``dbeta`` (d/db)."""
-        if self.gate == "softplus":  # d log g/d pre = -exp(A) sigmoid(pre), d log g/dA = log g
-            d_pre = out["dg"] * -np.exp(self.A) * sigmoid(self.pre)
-            d_A = out["dg"] * self.log_g
-        else:  # d log g / dz = lb s (1 - s), dz / d pre = exp(A), dz / dA = z
-            s = sigmoid(self.zg)
-            dz = out["dg"] * self.lower_bound * s * (1.0 - s)
-            d_pre, d_A = dz * np.exp(self.A), dz * self.zg
+        d_pre, d_A = self._gate_terms(out["dg"])
         return {"dq": l2_normalize_vjp(self.q, self.rq, out["dq"]),
                 "dk": l2_normalize_vjp(self.k, self.rk, out["dk"]),
                 "dg": d_pre, "dA_log": sum_to(d_A, self.shapes[0]),
