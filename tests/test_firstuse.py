@@ -383,6 +383,24 @@ def test_a_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted)
         assert record["worst_quantity"] == "y" and record["worst_error"] > 1e-3, record
 
 
+@pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted):
+    """pallas_gpu's norm build with Dv = 24 (rows zero-padded to 32, one program per head):
+    its mean is over the real Dv; a planted mean over the padded DV fails the first-use check
+    (in y, the T = 1 case through the kernel), the shipped one passes."""
+    problem = Problem(1, 2, 32, 24, "float32", "scalar")
+    if planted:
+        old = "jnp.sum(y * y) / NORM_DV + eps"
+        plant(fresh, monkeypatch, "pallas_gpu", "recurrent.py.j2", old,
+              old.replace("NORM_DV", "DV"))
+    variant = registry.default_variant("pallas_gpu", problem)
+    assert registry.get("pallas_gpu").holds_whole_head(variant, problem)
+    record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
+    assert record["passed"] is not planted, record
+    if planted:
+        assert record["worst_quantity"] == "y" and record["worst_error"] > 1e-2, record
+
+
 @needs_ffi
 @pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_fused_layer_inputs_are_checked_from_the_raw_inputs(fresh, monkeypatch, planted):

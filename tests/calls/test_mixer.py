@@ -311,18 +311,19 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
 
 @pytest.mark.parametrize("backend, form", [
     pytest.param(b, f, marks=[pytest.mark.slow] if f == "vector" else [])
-    for b in ("ffi_cpu", "pallas_tpu") for f in sorted(FORMS)])
+    for b in ("ffi_cpu", "pallas_tpu", "pallas_gpu") for f in sorted(FORMS)])
 def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
-    """A short mixer call (T = 17, under ``recurrent_below``) on ffi_cpu and pallas_tpu (a
-    variant whose program holds the head's whole Dv): undifferentiated, its recurrent kernel
-    is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`) and returns the gated
-    norm itself, with no norm stage after it; values and every gradient (through the norm's
-    VJP) against float64, outputs poisoned."""
+    """A short mixer call (T = 17, under ``recurrent_below``) on ffi_cpu, pallas_tpu and
+    pallas_gpu (a variant whose program holds the head's whole Dv): undifferentiated, its
+    recurrent kernel is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`) and
+    returns the gated norm itself, with no norm stage after it; values and every gradient
+    (through the norm's VJP) against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
-    if backend == "pallas_tpu":
+    if backend.startswith("pallas"):
         from gdngen.backends.pallas.backend import PallasBackend as owner
 
-        variant = variant.replace(dv_tile=Dv)
+        variant = variant.replace(**{"dv_tile" if backend == "pallas_tpu" else "bv": Dv})
+        assert spec.holds_whole_head(variant, Problem(Hk, Hv, Dk, Dv, gate=form))
         name, position = "recurrent_forward", None
     else:
         from gdngen.backends.ffi_cpu import vjp as owner

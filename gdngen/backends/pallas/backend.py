@@ -27,7 +27,9 @@ class PallasBackend(Backend):
     ``default_interpret_mode()``, ``add_recompute(kernels)`` (the recomputing walk's entry
     point), ``chunk_core``, ``packed_core``, ``chunk_walks``, ``entering_core``,
     ``channel_core`` (per-channel gates: the intra-chunk kernel, then the walks) and
-    ``run_recurrent``; ``packed_context`` / ``steps_context`` where its builds need more."""
+    ``run_recurrent``; ``packed_context`` / ``steps_context`` where its builds need more;
+    ``holds_whole_head`` where its recurrent kernel has an output norm build ("norm" in
+    ``fused_inputs``)."""
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
@@ -40,6 +42,11 @@ class PallasBackend(Backend):
     def __init__(self):
         self._interpret_override: list = []
         super().__init__()
+
+    def holds_whole_head(self, variant, problem) -> bool:
+        """Whether the recurrent kernel's programs each hold a value head's whole Dv (what its
+        output norm build needs: the norm's mean is over Dv)."""
+        return False
 
     # ------------------------------------------------------------------ interpret mode
 
@@ -98,7 +105,7 @@ class PallasBackend(Backend):
         plan = self.render_plan(variant, problem)
         env = environment(templates_dir)
         extra = {"qk_norm_eps": repr(QK_NORM_EPS), "log_gate_floor": repr(self.log_gate_floor),
-                 **inputs.context()}
+                 **inputs.context(), **({"norm_dv": problem.Dv} if inputs.norm else {})}
         texts = {f"{name.removesuffix('.py')}{inputs.tag()}.py": env.get_template(
             plan[name][0]).render(**dict(plan[name][1], **extra)) for name in names}
         return Rendered(variant, problem, texts, sources_sha256(texts))
@@ -350,8 +357,9 @@ class PallasBackend(Backend):
         `chunk_walks`; its VJP the reverse walk and the grads kernel); shorter calls
         `recurrent_forward` inside
         `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP).
-        A ``norm_gate`` call: a short call on a backend with a norm build (pallas_tpu, variants
-        whose program holds a head's whole Dv) runs it when not differentiated
+        A ``norm_gate`` call: a short call on a backend with a norm build (pallas_tpu,
+        pallas_gpu: variants whose program holds a head's whole Dv) runs it when not
+        differentiated
         (`gdngen.backends.generated.norm_switch`); other calls get the norm after them."""
         import jax.numpy as jnp
 
@@ -363,7 +371,7 @@ class PallasBackend(Backend):
         chunked = self.chunked(call, variant)
         normed = call.norm_gate is not None
         if normed and (chunked or "norm" not in self.fused_inputs
-                       or self.kernel_params(variant, problem).get("dv_tile") != shape.Dv):
+                       or not self.holds_whole_head(variant, problem)):
             # no norm build runs this call: the norm after it
             y, state = self.forward(*prepare.without_norm(call, operands), variant,
                                     templates_dir)

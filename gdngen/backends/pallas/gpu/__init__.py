@@ -73,6 +73,8 @@ class PallasGPU(GPUKernels):
 
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("gpu",), "shared_memory", "h100"
+    #: the recurrent kernel has an output norm build (variants whose bv is the padded Dv)
+    fused_inputs = ("qk_norm", "gate", "conv", "norm")
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
               channel_intra, channel_grads, channel_walk_core)
@@ -84,25 +86,35 @@ class PallasGPU(GPUKernels):
     channel_grads = staticmethod(channel_grads)
     channel_walk_core = staticmethod(channel_walk_core)
 
-    def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what):
+    def holds_whole_head(self, variant, problem) -> bool:
+        """A program holds a head's whole (padded) Dv where the variant's ``bv`` is it."""
+        params = self.kernel_params(variant, problem)
+        return params["bv"] == params["dv"]
+
+    def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what,
+                      **norm):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v
-        ``[B, T, Hv, Dv]``, decay, beta, S0; ``gate`` a fused build's gate operands), head dims
-        zero-padded to the kernels' ``dk`` / ``dv`` (exact) and cut back: ``(y, final state or
-        every step's)``."""
+        ``[B, T, Hv, Dv]``, decay, beta, S0; ``gate`` a fused build's gate operands, then a
+        norm build's z and norm_weight, whose ``norm_eps`` comes in ``norm``), head dims
+        zero-padded to the kernels' ``dk`` / ``dv`` (exact: the norm's mean is over the real
+        Dv) and cut back: ``(y, final state or every step's)``."""
         import jax.numpy as jnp
 
         del what  # no race detector here
         p, f32 = kernels.params, jnp.float32
         Dk, Dv = q.shape[-1], v.shape[-1]
+        gate, normed = (gate[:-2], gate[-2:]) if norm else (gate, ())
         if gate and decay.ndim == 4:  # padded key channels: their state columns stay zero
             gate = (*(pad_last(x, p["dk"]) for x in gate[:2]), *gate[2:])
+        # a norm build's z [B, T, Hv, Dv] and norm_weight [Dv]: zero rows past Dv
+        gate = (*gate, *(pad_last(x.astype(f32), p["dv"]) for x in normed))
         q, k = (pad_last(x.astype(f32), p["dk"]) for x in (q, k))
         if decay.ndim == 4:
             decay = pad_last(decay.astype(f32), p["dk"])
         y, s_final = call_jitted(kernels.run_recurrent, q, k, pad_last(v.astype(f32), p["dv"]),
                                  decay.astype(f32), beta.astype(f32),
                                  states_to_kernel(S0.astype(f32)[:, :, None], p["dk"], p["dv"]),
-                                 *gate, scale=scale, interpret=kernels.interpret)
+                                 *gate, scale=scale, interpret=kernels.interpret, **norm)
         return y[..., :Dv], s_final[..., :Dv, :Dk]
 
 

@@ -78,6 +78,10 @@ class PallasTPU(TPUKernels):
     channel_grads = staticmethod(channel_grads)
     channel_walk_core = staticmethod(channel_walk_core)
 
+    def holds_whole_head(self, variant, problem) -> bool:
+        """A program holds a head's whole Dv where the variant's ``dv_tile`` is Dv."""
+        return self.kernel_params(variant, problem)["dv_tile"] == problem.Dv
+
     def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what,
                       **norm):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v
