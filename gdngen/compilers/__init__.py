@@ -17,7 +17,8 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
   gradient (the packed build);
 * ``fused_fwd_bwd`` / ``fused_recurrent_forward``: ``qk_norm=True``, ``gate="softplus"`` with
   ``A_log``, ``dt_bias`` and the output's gated norm (``norm_weight``, ``output_gate``) (the
-  fused-input builds; the recurrent norm builds of pallas_tpu and pallas_gpu) at ``T`` and at the recurrent length;
+  fused-input builds; the recurrent norm builds of pallas_tpu and pallas_gpu) at ``T`` and at
+  the recurrent length;
 * ``steps_forward`` (backends whose recurrent kernels write the per-step states,
   `gdngen.backend.Backend.step_states`): a ``return_states="steps"`` verify window of
   `STEPS_T` steps (the per-step-states build).
