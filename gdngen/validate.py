@@ -508,7 +508,11 @@ def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
     undifferentiated output (the kernel computing it in its stores) and whose gradients come
     from the differentiated call. Values and every gradient (of the raw arrays) against the
     float64 composition (`_conv64`, `gdngen.algebra.reference.LayerInputsVJP`,
-    `gdngen.algebra.reference.vjp`, `gdngen.algebra.mixer.gated_norm_reference`)."""
+    `gdngen.algebra.reference.vjp`, `gdngen.algebra.mixer.gated_norm_reference`), and the
+    values of a forward-only call through the other side of the variant's recurrent switch
+    (``y_other_path``, ``final_state_other_path``: the chunk forward's fused build where the
+    case is short). dg, dA_log, ddt_bias are measured against their terms' size too
+    (`relative_error`'s ``scale``)."""
     from gdngen.algebra import reference
 
     raw = case.inputs(seed)
@@ -595,10 +599,13 @@ def check_fused_case(variant, case, *, qk_norm: bool, gate_form: str | None,
     from gdngen import dispatch
 
     with dispatch.ungated():
-        out = run(x, params, options, variant, dtype)
+        out = run(x, params, options, variant, dtype,
+                  _other_path(variant, np.shape(x["q"])[1]))
     errors = {name: relative_error(out.get(name), ref[name], scales.get(name))
               for name in FUSED_QUANTITIES
               if name in ref and (name in out or name not in ("dA_log", "ddt_bias"))}
+    errors.update({name: relative_error(out[name], ref[_OTHER_PATH[name]])
+                   for name in OTHER_PATH_QUANTITIES if name in out})
     if conv and not {"dconv_weight", "dconv_state"} <= set(errors):
         raise AssertionError("a conv check must compare dconv_weight and dconv_state")
     if norm and not {"dnorm_weight", "doutput_gate"} <= set(errors):
@@ -617,7 +624,7 @@ def _fused_grads(params: dict) -> tuple:
     return _FUSED_GRADS + tuple(f"d{name}" for name in params)
 
 
-def _fused_jax(x, params, options, variant, dtype):
+def _fused_jax(x, params, options, variant, dtype, other_path=None):
     import jax
     import jax.numpy as jnp
 
@@ -636,10 +643,13 @@ def _fused_jax(x, params, options, variant, dtype):
     if "norm_weight" in params:  # the undifferentiated call's output (a kernel's norm)
         y, s = f(*args)
     out = {"y": y, "final_state": s, **dict(zip(_fused_grads(params), grads))}
+    if other_path is not None:  # forward only, through the other side of the switch
+        out["y_other_path"], out["final_state_other_path"] = gated_delta(
+            *args[:6], mask=mask, variant=other_path, **dict(zip(params, args[6:])), **options)
     return {n: np.asarray(v, np.float64) for n, v in out.items()}
 
 
-def _fused_mlx(x, params, options, variant, dtype):
+def _fused_mlx(x, params, options, variant, dtype, other_path=None):
     import mlx.core as mx
 
     from gdngen.mlx import gated_delta
@@ -658,4 +668,7 @@ def _fused_mlx(x, params, options, variant, dtype):
            mx.array(np.asarray(x["dfinal_state"], np.float32))]
     (y, s), grads = mx.vjp(lambda *a: f(*a), args, cot)
     out = {"y": y, "final_state": s, **dict(zip(_fused_grads(params), grads))}
+    if other_path is not None:  # forward only, through the other side of the switch
+        out["y_other_path"], out["final_state_other_path"] = gated_delta(
+            *args[:6], mask=mask, variant=other_path, **dict(zip(params, args[6:])), **options)
     return {n: np.asarray(v.astype(mx.float32), np.float64) for n, v in out.items()}

@@ -342,7 +342,7 @@ def test_the_call_kind_names_the_conv_where_the_kernels_take_it():
 @pytest.mark.parametrize("planted", [False, True])
 def test_a_conv_build_is_checked_from_the_raw_inputs(fresh, monkeypatch, planted):
     """A metal call whose recurrent kernel convolves in its loads is checked through that
-    kernel (the T = 1 case; the others run the chunk path, q, k, v convolved first) against
+    kernel (the T = 1 case, and the others' forward through the switch's other side) against
     the float64 conv + norm + gate + recurrence, every gradient included (dconv_weight,
     dconv_state): a planted conv that drops the oldest tap fails, the shipped one passes."""
     from gdngen.backends.metal import sim
@@ -358,37 +358,48 @@ def test_a_conv_build_is_checked_from_the_raw_inputs(fresh, monkeypatch, planted
     record = firstuse.check(variant, problem, "scalar log qk_norm softplus conv")
     assert record["passed"] is not planted, record
     assert set(record["cases"]) == {"hard_decay", "short_masked", "identical_keys", "t1"}
-    if planted:
-        assert record["worst_case"] == "t1" and record["worst_error"] > 1e-2, record
+    if planted:  # T = 1, or a longer probe's forward through the other side of the switch
+        assert record["worst_case"] == "t1" or record["worst_quantity"].endswith(
+            "_other_path"), record
+        assert record["worst_error"] > 1e-2, record
 
 
 @needs_ffi
-@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("planted", [None, "mean", "chunk_rows"])
 def test_a_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted):
-    """An ffi_cpu call whose recurrent kernel computes the output's gated norm in its stores
-    is checked through that kernel (the undifferentiated call's output; the gradients through
-    the norm's VJP) against the float64 recurrence + norm, dnorm_weight and doutput_gate
-    included: a planted norm dividing by Dv - 1 fails, the shipped one passes."""
+    """An ffi_cpu call whose kernels compute the output's gated norm in their stores is checked
+    through them (the undifferentiated call's output: the recurrent kernel's at the probes' T,
+    the chunk forward's through the switch's other side; the gradients through the norm's VJP)
+    against the float64 recurrence + norm, dnorm_weight and doutput_gate included: a planted
+    norm dividing by Dv - 1 (both kernels) fails in y, one that reads the chunk's first z row
+    for every row (the chunk forward only) in y_other_path; the shipped ones pass."""
     # a problem each: the eager calls' compiled steps are cached per call in the process
-    problem = Problem(1, 2, 32, 32 if planted else 48, "float32", "scalar")
-    if planted:
+    problem = Problem(1, 2, 32, {None: 48, "mean": 32, "chunk_rows": 64}[planted], "float32",
+                      "scalar")
+    if planted == "mean":
         old = "squares / static_cast<float>(Dv) + eps"
-        plant(fresh, monkeypatch, "ffi_cpu", "recurrent.cc.j2", old,
+        plant(fresh, monkeypatch, "ffi_cpu", "layer_inputs.cc.j2", old,
               old.replace("Dv)", "Dv - 1)"))
+    elif planted == "chunk_rows":
+        old = "nm.z + ((b * s.T + n * C + t)"
+        plant(fresh, monkeypatch, "ffi_cpu", "gated_delta.cc.j2", old, old.replace(" + t)", ")"))
     variant = registry.default_variant("ffi_cpu", problem)
     record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
-    assert record["passed"] is not planted, record
+    assert record["passed"] is (planted is None), record
     assert set(record["cases"]) == {"hard_decay", "short_masked", "identical_keys", "t1"}
-    if planted:
-        assert record["worst_quantity"] == "y" and record["worst_error"] > 1e-3, record
+    if planted:  # a wrong mean: both kernels
+        quantities = {"y", "y_other_path"} if planted == "mean" else {"y_other_path"}
+        assert record["worst_quantity"] in quantities and record["worst_error"] > 1e-3, record
 
 
 @pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted):
     """pallas_gpu's norm build with Dv = 24 (rows zero-padded to 32, one program per head):
     its mean is over the real Dv; a planted mean over the padded DV fails the first-use check
-    (in y, the T = 1 case through the kernel), the shipped one passes."""
-    problem = Problem(1, 2, 32, 24, "float32", "scalar")
+    (in y or, where the probe's T takes the chunk path, y_other_path: the recurrent side of
+    the switch), the shipped one passes."""
+    # a problem each: the eager calls' compiled steps are cached per call in the process
+    problem = Problem(1, 2, 16 if planted else 32, 24, "float32", "scalar")
     if planted:
         old = "jnp.sum(y * y) / NORM_DV + eps"
         plant(fresh, monkeypatch, "pallas_gpu", "recurrent.py.j2", old,
@@ -398,7 +409,8 @@ def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, p
     record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
     assert record["passed"] is not planted, record
     if planted:
-        assert record["worst_quantity"] == "y" and record["worst_error"] > 1e-2, record
+        assert record["worst_quantity"] in {"y", "y_other_path"}, record
+        assert record["worst_error"] > 1e-2, record
 
 
 @needs_ffi

@@ -353,6 +353,36 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     print(backend, "recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
+@pytest.mark.parametrize("form", [
+    pytest.param(f, marks=[pytest.mark.slow] if f == "vector" else []) for f in sorted(FORMS)])
+def test_chunk_forward_normalises_in_its_stores(form, monkeypatch):
+    """A chunked mixer call on ffi_cpu (T = 37 over ``recurrent_below`` = 16): undifferentiated,
+    its chunk forward is the norm build (`gdngen.backends.ffi_cpu.vjp.normed_chunk`: the conv,
+    the q/k norm and the gate in its loads, the gated norm in each chunk's stores), with no
+    norm stage after it; values and every gradient against float64, outputs poisoned."""
+    from gdngen.backends.ffi_cpu import vjp
+
+    spec, variant = variant_here("ffi_cpu", form)
+    variant = variant.replace(recurrent_below=16)
+    assert spec.parse(variant).recurrent_below <= T
+    builds, norms = [], []
+    normed_chunk, gated_norm = vjp.normed_chunk, stages.gated_norm
+    monkeypatch.setattr(vjp, "normed_chunk", lambda *a, **kw: builds.append(a) or normed_chunk(
+        *a, **kw))
+    monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
+        *a, **kw))
+    fw = Framework("jax")
+    x, options = inputs(form, seed=67)
+    args = {n: fw.array(v) for n, v in x.items() if v is not None}
+    opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+    out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+    norm_gate = FORMS[form].get("norm_gate", "silu")
+    assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (builds, norms)
+    errors = check_against_reference(fw, x, options, cotangents(67), variant=variant)
+    assert float(fw.m.max(fw.m.abs(out[0]))) > 0
+    print("ffi_cpu chunk norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_gated_delta_norm_weight_is_the_call_then_the_norm(framework):
     """``gated_delta(..., norm_weight=, output_gate=)`` equals the call followed by the gated

@@ -156,16 +156,14 @@ class FfiCpu(Backend):
         ``inputs.qk_norm`` and, with ``inputs.gate_form``, the raw projection ``a`` where the
         decay (recurrent) or log gate (chunk forward) was, plus ``A_log``, ``dt_bias`` float32
         ``[Hv]`` (``[Hv, Dk]`` per channel) after S0 and a ``lower_bound`` float attribute
-        (`gdngen.backends.kernel_inputs`); with ``inputs.norm`` (the recurrent kernel) it also
-        takes ``z``, ``norm_weight`` and a ``norm_eps`` attribute and returns the gated norm of
-        y. The plain renders do not depend on it."""
+        (`gdngen.backends.kernel_inputs`); with ``inputs.norm`` it also takes ``z``,
+        ``norm_weight`` (after the conv's operands) and a ``norm_eps`` attribute and returns the
+        gated norm of y (the recurrent kernel after its walks, the chunk forward in each
+        chunk's stores). The plain renders do not depend on it."""
         self.parse(variant)
         if not inputs.fused:
             raise ValueError(f"inputs must fuse a conv, a qk norm, a gate or the output's norm, "
                              f"got {inputs!r}")
-        if inputs.norm and source != RECURRENT_SOURCE_NAME:
-            raise ValueError(f"inputs.norm is a build of the recurrent kernel "
-                             f"({RECURRENT_SOURCE_NAME}), got {source}")
         if inputs.conv and source != SOURCE_NAME:
             raise ValueError(f"inputs.conv is a build of the chunk forward ({SOURCE_NAME}), "
                              f"got {source}")
@@ -217,7 +215,9 @@ class FfiCpu(Backend):
         the kernels' loads (the chunk backward gets them as arrays: `vjp.core`); the causal
         conv (``call.conv_size``) in the chunk core, which keeps the raw q, k, v: the chunk
         forward convolves in its loads, the chunk backward gets q, k, v convolved as arrays,
-        and the recurrent kernel's call convolves them before it."""
+        and the recurrent kernel's call convolves them before it. The output's gated norm
+        (``call.norm_gate``): undifferentiated, the recurrent kernel's or the chunk forward's
+        norm build computes it in its stores (`gdngen.backends.generated.norm_switch`)."""
         import jax.numpy as jnp
 
         from gdngen.backends.portable import jax_chunkwise
@@ -273,10 +273,14 @@ class FfiCpu(Backend):
             plain = chunkwise_call
         if call.norm_gate is None:
             y, state = plain(*args)
-        else:  # the gated norm: the recurrent kernel's stores when not differentiated
+        else:  # the gated norm: the kernels' stores when not differentiated
             z, w = operands.output_gate.astype(f32), operands.norm_weight.astype(f32)
-            normed = None
-            if not chunked:
+            if chunked:  # the chunk forward's norm build
+                normed = vjp.normed_chunk(loaded.sha256, self.load_fused_kernels(
+                    variant, problem, KernelInputs.of(call.qk_norm, gate, conv, call.norm_gate),
+                    SOURCE_NAME, templates_dir=templates_dir).sha256, gate, scale, poison,
+                    call.norm_gate, call.qk_norm, conv)
+            else:
                 normed = recurrent_build(KernelInputs.of(call.qk_norm, gate,
                                                          norm=call.norm_gate))
             y, state = generated.norm_switch(plain, normed, call.norm_eps, call.norm_gate)(

@@ -38,6 +38,49 @@ def call_context(sha256: str, gate: str, scale: float, poison: bool):
             f32, log_gates)
 
 
+def forward_call(context, forward_loaded, inputs: KernelInputs, primals, norm=(),
+                 norm_eps=None):
+    """``((y, S_final), entering)``: the chunk forward kernel of ``forward_loaded`` (the plain
+    build, ``inputs`` `PLAIN_INPUTS`, or `render_fused`'s for ``inputs`` with `SOURCE_NAME`)
+    on ``primals`` (`core`'s; the raw ones its loads take: conv tuples with ``inputs.conv``,
+    ``(a, A_log, dt_bias)`` with ``inputs.gate_form``), ``context`` a `call_context`;
+    ``entering`` ``[B, Hv, N, DK, DV]`` the states entering each chunk, transposed and padded.
+    A norm build takes ``norm = (z, norm_weight)`` and ``norm_eps`` and returns the norm of y."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    loaded, workers, attrs, f32, log_gates = context
+    C = loaded.params["chunk_size"]
+    q, k, v, g, beta, S0 = primals
+    conv_operands = ()
+    if inputs.conv:  # the raw inputs, the whole weight and state
+        (q, wq, sq), (k, wk, sk), (v, wv, sv) = q, k, v
+        conv_operands = (jnp.concatenate([wq, wk, wv], axis=0),
+                         jnp.zeros((q.shape[0], wq.shape[0] + wk.shape[0] + wv.shape[0],
+                                    wq.shape[1] - 1), jnp.float32)
+                         if sq is None else jnp.concatenate([sq, sk, sv], axis=1))
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    if inputs.gate_form:  # the kernel forms log g from a, A_log, dt_bias
+        a, A_log, dt_bias = g
+        gate_operands = (a, beta, S0, *kernel_parameters(
+            jnp, A_log, dt_bias, Hv, Dk, loaded.problem.gate == "vector"))
+        extra = {"lower_bound": np.float32(inputs.lower_bound)}
+    else:
+        gate_operands, extra = (log_gates(g), beta, S0), {}
+    if (norm_eps is None) != (inputs.norm is None) or len(norm) != (2 if inputs.norm else 0):
+        raise ValueError(f"norm (z, norm_weight) and norm_eps go with a norm build, got "
+                         f"{len(norm)} arrays and {norm_eps!r} for {inputs!r}")
+    if norm_eps is not None:
+        extra["norm_eps"] = np.float32(norm_eps)
+    y, s_final, states = jaxcompat.ffi().ffi_call(forward_loaded.target_forward, (
+        f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
+        f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
+        vmap_method="sequential")(q, k, v, *gate_operands, *conv_operands, *norm, **attrs,
+                                  **extra, splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
+    return (y, s_final), states
+
+
 @functools.cache
 def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
          forward_sha256: str | None = None, conv: bool = False,
@@ -61,8 +104,8 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
     import numpy as np
 
     parameter_gate, gate = gate, layer_inputs.convention(gate)
-    loaded, workers, attrs, f32, log_gates = call_context(sha256, gate, scale, poison)
-    C = loaded.params["chunk_size"]
+    context = call_context(sha256, gate, scale, poison)
+    loaded, workers, attrs, f32, log_gates = context
     inputs = KernelInputs.of(qk_norm, parameter_gate, forward_convolves)
     fuses = forward_sha256 is not None
     if fuses and not inputs.fused:
@@ -72,29 +115,8 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
     forward_loaded = kernels.LOADED[forward_sha256] if fuses else loaded
 
     def forward(primals):
-        q, k, v, g, beta, S0 = primals
-        conv_operands = ()
-        if forward_convolves:  # the raw inputs, the whole weight and state
-            (q, wq, sq), (k, wk, sk), (v, wv, sv) = q, k, v
-            conv_operands = (jnp.concatenate([wq, wk, wv], axis=0),
-                             jnp.zeros((q.shape[0], wq.shape[0] + wk.shape[0] + wv.shape[0],
-                                        wq.shape[1] - 1), jnp.float32)
-                             if sq is None else jnp.concatenate([sq, sk, sv], axis=1))
-        B, T, Hk, Dk = q.shape
-        Hv, Dv = v.shape[2], v.shape[3]
-        if fuses and inputs.gate_form:  # the kernel forms log g from a, A_log, dt_bias
-            a, A_log, dt_bias = g
-            gate_operands = (a, beta, S0, *kernel_parameters(
-                jnp, A_log, dt_bias, Hv, Dk, loaded.problem.gate == "vector"))
-            extra = {"lower_bound": np.float32(inputs.lower_bound)}
-        else:
-            gate_operands, extra = (log_gates(g), beta, S0), {}
-        y, s_final, states = jaxcompat.ffi().ffi_call(forward_loaded.target_forward, (
-            f32((B, T, Hv, Dv), q), f32((B, Hv, Dv, Dk), q),
-            f32((B, Hv, -(-T // C), padded(Dk), padded(Dv)), q)),
-            vmap_method="sequential")(q, k, v, *gate_operands, *conv_operands, **attrs, **extra,
-                                      splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
-        return (y, s_final), states
+        return forward_call(context, forward_loaded, inputs if fuses else PLAIN_INPUTS,
+                            primals)
 
     def backward(primals, states, cotangents):
         q, k, v, g, beta, _ = primals
@@ -115,6 +137,26 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
     return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
                                      forward_fuses=fuses, conv=conv,
                                      forward_convolves=forward_convolves)
+
+
+@functools.cache
+def normed_chunk(sha256: str, forward_sha256: str, gate, scale: float, poison: bool,
+                 norm: str, qk_norm: bool = False, conv: bool = False):
+    """``call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps) -> (out, S_final)``,
+    forward only: the chunk forward's norm build ``forward_sha256`` (`render_fused` with
+    `SOURCE_NAME` for ``KernelInputs.of(qk_norm, gate, conv, norm)``), which computes the
+    layer inputs in its loads and the output's gated norm in each chunk's stores. The primals
+    as `core`'s with its fused forward (raw q, k; conv tuples with ``conv``; ``(a, A_log,
+    dt_bias)`` for a ParameterGate); z ``[B, T, Hv, Dv]``, norm_weight ``[Dv]`` float32."""
+    context = call_context(sha256, layer_inputs.convention(gate), scale, poison)
+    inputs = KernelInputs.of(qk_norm, gate, conv, norm)
+
+    def call(q, k, v, g, beta, S0, z, norm_weight, *, norm_eps):
+        (y, s_final), _ = forward_call(context, kernels.LOADED[forward_sha256], inputs,
+                                       (q, k, v, g, beta, S0), (z, norm_weight), norm_eps)
+        return y, s_final
+
+    return call
 
 
 @functools.cache
