@@ -355,6 +355,46 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
 
 @pytest.mark.parametrize("form", [
     pytest.param(f, marks=[pytest.mark.slow] if f == "vector" else []) for f in sorted(FORMS)])
+def test_metal_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
+    """A short mixer call on metal (the MSL simulator; the norm build takes one threadgroup per
+    head, whatever the dv_tile): undifferentiated, its recurrent kernel is the norm build (the conv,
+    the q/k norm and the gate in its loads, the gated norm in its stores, the heads' sums of
+    squares meeting in threadgroup memory) with no norm stage after it; values and every
+    gradient (the plain call's VJP, then the norm's) against float64, outputs poisoned."""
+    from gdngen.backends.metal import calls
+
+    spec, variant = variant_here("metal", form)
+    assert spec.parse(variant).dv_tile < Dv
+    assert spec.parse(variant).recurrent_below > 17
+    builds, norms = [], []
+    recurrent, gated_norm = calls.recurrent_forward, stages.gated_norm
+    monkeypatch.setattr(calls, "recurrent_forward", lambda *a, **kw: builds.append(
+        kw.get("norm_gate")) or recurrent(*a, **kw))
+    monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
+        *a, **kw))
+    fw = Framework("mlx")
+    x, options = inputs(form, seed=71, steps=17)
+    args = {n: fw.array(v) for n, v in x.items() if v is not None}
+    opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+    out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+    assert builds == [FORMS[form].get("norm_gate", "silu")] and norms == [], (builds, norms)
+    errors = check_against_reference(fw, x, options, cotangents(71, steps=17), variant=variant)
+    assert float(fw.m.max(fw.m.abs(out[0]))) > 0
+    # bit-identical under every thread order of the simulator (the barrier between a step's
+    # sums of squares and their reads)
+    from gdngen.backends.metal import launch
+
+    for schedule, seed in (("reverse", 0), ("random", 1), ("low_first", 0), ("high_first", 0)):
+        launcher = launch.SimLauncher(schedule, seed)
+        monkeypatch.setattr(launch, "default_launcher", lambda launcher=launcher: launcher)
+        again = fw.mixer(**args, **DIMS, **opts, variant=variant)
+        assert launcher.threadgroup_bytes, "the patched launcher ran the kernel"
+        np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(out[0]), err_msg=schedule)
+    print("metal recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
+@pytest.mark.parametrize("form", [
+    pytest.param(f, marks=[pytest.mark.slow] if f == "vector" else []) for f in sorted(FORMS)])
 def test_chunk_forward_normalises_in_its_stores(form, monkeypatch):
     """A chunked mixer call on ffi_cpu (T = 37 over ``recurrent_below`` = 16): undifferentiated,
     its chunk forward is the norm build (`gdngen.backends.ffi_cpu.vjp.normed_chunk`: the conv,

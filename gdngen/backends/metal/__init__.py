@@ -192,7 +192,7 @@ class Metal(Backend):
     name, framework, config, tolerances = BACKEND, "mlx", Config, POLICY_TOLERANCES
     device_kinds, device_limit, reference_device = ("apple",), "threadgroup_memory", "apple-m1"
     gates = tuned_gates = ("scalar", "vector")
-    fused_inputs, packed_gates = ("qk_norm", "gate", "conv"), ("scalar", "vector")
+    fused_inputs, packed_gates = ("qk_norm", "gate", "conv", "norm"), ("scalar", "vector")
     step_states = chunk_states = ("scalar", "vector")
 
     def space(self, problem, device=None):

@@ -25,7 +25,8 @@ from gdngen.variant import Variant
 
 
 def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None, launcher=None,
-                      templates_dir=None, qk_norm=False, gate=None, conv=None):
+                      templates_dir=None, qk_norm=False, gate=None, conv=None, norm_gate=None,
+                      norm=None):
     """The recurrent kernel (``recurrent.metal.j2``, `recurrent_plan`): the forward one step at a
     time, for short calls (decode / short prefill); no VJP (`gated_delta` differentiates the chunk
     path).
@@ -45,7 +46,9 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     any form `kernel_parameters` takes), log g and the decay formed per step in the kernel.
     ``conv``: ``(conv_weight [C, K], conv_state [B, C, K-1] or None)`` (C = 2 Hk Dk + Hv Dv,
     the mixer's layout): q, k, v are raw, each element convolved + SiLU in the kernel's loads
-    (`gdngen.algebra.mixer.conv`), before the norm."""
+    (`gdngen.algebra.mixer.conv`), before the norm. ``norm_gate`` (the activation) with ``norm
+    = (z [B,T,Hv,Dv], norm_weight [Dv], norm_eps)``: the norm build, whose y is the output's
+    gated RMSNorm (its threadgroups each hold a head's every row, whatever the dv_tile)."""
     import mlx.core as mx
 
 
@@ -57,7 +60,10 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
     if parameter_gate != isinstance(decay, tuple) or (parameter_gate and len(decay) != 3):
         raise ValueError("decay must be the tuple (a, A_log, dt_bias) exactly when gate is a "
                          f"ParameterGate, got {type(decay).__name__} with gate={gate!r}")
-    inputs = KernelInputs.of(qk_norm, gate, conv is not None)
+    if (norm_gate is None) != (norm is None):
+        raise ValueError(f"norm (z, norm_weight, norm_eps) goes with norm_gate, got "
+                         f"{'None' if norm is None else 'arrays'} for norm_gate={norm_gate!r}")
+    inputs = KernelInputs.of(qk_norm, gate, conv is not None, norm_gate)
     gate_kind = "vector" if layer_inputs.raw_gates(decay).ndim == 4 else "scalar"
     if problem is None:
         problem = Problem(Hk, Hv, Dk, Dv, "float32", gate_kind)
@@ -72,12 +78,15 @@ def recurrent_forward(q, k, v, decay, beta, S0, *, scale, variant, problem=None,
            "a": layer_inputs.raw_gates(decay).astype(f32), "beta": beta.astype(f32),
            "s0": S0.astype(f32), "prm": mx.array([float(scale)], f32)}
     if inputs.fused:
-        env["prm"] = mx.array([float(scale), inputs.lower_bound], f32)
+        env["prm"] = mx.array([float(scale), inputs.lower_bound]
+                              + ([float(norm[2])] if norm is not None else []), f32)
     if parameter_gate:
         env["A_log"], env["dt_bias"] = kernel_parameters(mx, *decay[1:], Hv, Dk,
                                                          gate_kind == "vector")
     if conv is not None:
         env["conv_w"], env["conv_s"] = _conv_operands(conv, B, 2 * Hk * Dk + Hv * Dv)
+    if norm is not None:
+        env["z"], env["norm_w"] = norm[0].astype(f32), norm[1].astype(f32)
     if hasattr(launcher, "prepare"):
         launcher.prepare(plan, env)
     env = launch.run_launches(plan, plan.forward, env, launcher)
@@ -201,18 +210,23 @@ def _chunk_call(variant: Variant, problem: Problem, gate, scale: float, launcher
     return chunkwise_call
 
 
-def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
+def dense_call(call, operands, variant, launcher=None, *, chunked: bool,
+               norm_build: bool = False):
     """`gated_delta`'s body on a checked dense `gdngen.call.Call`: ``(y in q's dtype,
     final_state float32)``. ``chunked``: the recurrent switch for this call
     (`gdngen.backend.Backend.chunked`): the chunk kernels, else the recurrent kernel forward.
     A conv call (``call.conv_size``, raw q, k, v): the recurrent kernel convolves in its loads
     (`_conv_switch`); the chunk kernels get q, k, v convolved first
-    (`gdngen.prepare.convolved`)."""
+    (`gdngen.prepare.convolved`). A ``norm_gate`` call: `_normed_call` (``norm_build``: the
+    recurrent kernel's norm build runs it, undifferentiated)."""
     import mlx.core as mx
 
     from gdngen import prepare
     from gdngen.backends.portable import mlx_chunkwise
     from gdngen.backends.portable.mlx_chunkwise import XP
+
+    if call.norm_gate is not None and not norm_build:
+        return _normed_call(call, operands, variant, launcher, chunked)
 
     if call.conv_size is not None and chunked:
         call, operands = prepare.convolved(call, operands)
@@ -242,13 +256,16 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
         return chunkwise_call(*args, mask)
 
     parameter_gate = gate if isinstance(gate, layer_inputs.ParameterGate) else None
+    norm = None if call.norm_gate is None else (operands.output_gate, operands.norm_weight,
+                                                 call.norm_eps)
 
     def recurrent(q, k, v, g, beta, s0, conv=None):
         # the kernel normalises q, k and forms a ParameterGate's decay in its loads
         decay = g if parameter_gate else layer_inputs.linear_decay(XP, g, gate)  # exp(-inf) = 0
         y, state = recurrent_forward(q, k, v, decay, beta, s0, scale=scale, variant=variant,
                                      problem=problem, launcher=launcher, qk_norm=qk_norm,
-                                     gate=parameter_gate, conv=conv)
+                                     gate=parameter_gate, conv=conv, norm_gate=call.norm_gate,
+                                     norm=norm)
         return y.astype(q.dtype), state
 
     g, beta = layer_inputs.fold_mask(XP, args[3], args[4], mask, gate)
@@ -260,6 +277,41 @@ def dense_call(call, operands, variant, launcher=None, *, chunked: bool):
     if mask is not None:
         y = mx.where(mask[..., None, None], y, mx.zeros((), y.dtype))
     return y.astype(q.dtype), state
+
+
+def _normed_call(call, operands, variant, launcher, chunked: bool):
+    """A ``norm_gate`` call (`dense_call`): a short one runs the recurrent kernel's norm build
+    when not differentiated, an ``mx.custom_function`` over the call's arrays whose VJP is the
+    plain call's then the norm's (`gdngen.prepare.normed`); a chunked one runs the plain call
+    and the norm after it."""
+    import mlx.core as mx
+
+    from gdngen import prepare
+
+    plain = prepare.without_norm(call, operands)
+    if chunked:
+        y, state = dense_call(*plain, variant, launcher, chunked=chunked)
+        return prepare.normed(call, operands, y), state
+    names = [n for n in operands._fields
+             if n != "mask" and isinstance(getattr(operands, n), mx.array)]
+
+    def arrays(flat):
+        return operands._replace(**dict(zip(names, flat)))
+
+    @mx.custom_function
+    def normed(*flat):
+        return dense_call(call, arrays(flat), variant, launcher, chunked=False, norm_build=True)
+
+    @normed.vjp
+    def normed_vjp(primals, cotangents, outputs):
+        def unfused(*flat):
+            y, state = dense_call(*prepare.without_norm(call, arrays(flat)), variant, launcher,
+                                  chunked=False)
+            return prepare.normed(call, arrays(flat), y), state
+
+        return mx.vjp(unfused, list(primals), list(cotangents))[1]
+
+    return normed(*(getattr(operands, n) for n in names))
 
 
 def _conv_switch(raw, recurrent, chunkwise_call, g, beta, S0):

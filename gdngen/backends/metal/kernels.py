@@ -127,9 +127,11 @@ def render_fused(variant: Variant, problem: Problem, inputs: KernelInputs, *,
     helpers), each rendered with ``inputs.context()``. They take raw q, k and, with a gate form,
     ``a``, ``A_log``, ``dt_bias`` in place of the gate. ``inputs.conv``: the recurrent kernel
     alone (it takes raw q, k, v with ``conv_w``, ``conv_s`` and convolves in its loads; the
-    chunk kernels take convolved inputs). ``inputs`` must fuse something (the plain
-    build is `render_plan`'s, whose sha256 does not depend on this one); ``templates_dir`` default
-    ``GDNGEN_TEMPLATES``."""
+    chunk kernels take convolved inputs); ``inputs.norm`` too (it takes ``z``, ``norm_w``
+    after them and stores the output's gated norm; rendered with ROWS = Dv whatever the
+    variant's dv_tile: a threadgroup holds a head's every row). ``inputs`` must fuse something
+    (the plain build is `render_plan`'s, whose sha256 does not depend on this one);
+    ``templates_dir`` default ``GDNGEN_TEMPLATES``."""
     if not inputs.fused:
         raise ValueError(f"inputs must fuse a conv, a qk norm or a gate (the plain build is "
                          f"render_plan's), got {inputs!r}")
@@ -145,10 +147,14 @@ def render_fused_kernels(variant: Variant, problem: Problem, fused: tuple, templ
     plan["layer_inputs.metal"] = ("metal/layer_inputs.metal.j2",
                                   _recurrent_context(variant, problem))
     names = {"recurrent.metal", "layer_inputs.metal"}
-    if problem.gate == "scalar" and not dict(fused).get("conv"):  # a conv build: recurrent only
+    context = dict(fused)
+    if problem.gate == "scalar" and not (context.get("conv") or context.get("norm")):
+        # a conv or norm build: the recurrent kernel only
         names |= {"common.metal", *(f"{n}.metal" for n in fused_kernels(variant))}
+    whole = {"ROWS": problem.Dv} if context.get("norm") else {}  # a threadgroup per head
     return render_planned(variant, problem,
-                          {name: (template, dict(context, **dict(fused)))
+                          {name: (template, dict(context, **dict(fused),
+                                                 **(whole if name == "recurrent.metal" else {})))
                            for name, (template, context) in plan.items() if name in names},
                           templates_dir=templates_dir)
 

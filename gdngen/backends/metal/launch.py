@@ -141,7 +141,8 @@ def lower_check(variant: Variant, problem: Problem) -> None:
     else:
         compile_plan(channel_plan(adapt(variant, problem), problem, 2, 1,
                                   settings.templates_override()))
-    for inputs in (None, *fused, KernelInputs(True, "softplus", conv=True)):
+    for inputs in (None, *fused, KernelInputs(True, "softplus", conv=True),
+                   KernelInputs(True, "softplus", conv=True, norm="silu")):
         plan = recurrent_plan(variant, problem, 2, 1, inputs=inputs)
         compile_plan(plan, recurrent_input_metas(plan))
     plan = steps_plan(variant, problem, 2, 1)

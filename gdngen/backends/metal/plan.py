@@ -163,11 +163,12 @@ def packed_launch_plan(variant: Variant, problem: Problem, N: int, B: int,
 
 def _recurrent_io(fused: tuple) -> tuple:
     """``(inputs, outputs)`` of the recurrent kernel; a fused gate adds ``A_log``, ``dt_bias``,
-    a fused conv ``conv_w``, ``conv_s`` (after them)."""
+    a fused conv ``conv_w``, ``conv_s``, a norm build ``z``, ``norm_w`` (in that order)."""
     ins, outs = _KERNEL_IO["recurrent"]
     context = dict(fused)
     return (ins + (("A_log", "dt_bias") if context.get("gate_form") else ())
-            + (("conv_w", "conv_s") if context.get("conv") else ())), outs
+            + (("conv_w", "conv_s") if context.get("conv") else ())
+            + (("z", "norm_w") if context.get("norm") else ())), outs
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,7 +189,8 @@ def _recurrent_kernel(variant: Variant, problem: Problem, templates, fused: tupl
 def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
                    templates_dir=None, inputs: KernelInputs | None = None) -> Plan:
     """The one launch of the recurrent kernel of ``variant`` (adapted to ``problem``) for T steps
-    and batch B: grid (32 * simdgroups, Dv / dv_tile, B * Hv). In this `Plan`, ``N`` is T (the
+    and batch B: grid (32 * simdgroups, Dv / dv_tile, B * Hv) (a norm build: Dv / Dv, one
+    threadgroup per head). In this `Plan`, ``N`` is T (the
     kernel reads T from q's shape at run time; the source does not depend on it) and there is no
     backward. ``templates_dir``: default the ``GDNGEN_TEMPLATES`` override, else the shipped
     templates. ``inputs`` (`KernelInputs`, default none): the fused build (`render_fused`),
@@ -204,9 +206,10 @@ def recurrent_plan(variant: Variant, problem: Problem, T: int, B: int,
     Hv, Dk, Dv = problem.Hv, problem.Dk, problem.Dv
     f32 = "float32"
     ins, outs = _recurrent_io(fused)
+    rows = Dv if dict(fused).get("norm") else p["dv_tile"]  # a norm build: a threadgroup a head
     launch = Launch(kernel="recurrent", inputs=ins, outputs=outs,
                     output_shapes=((B, T, Hv, Dv), (B, Hv, Dv, Dk)), output_dtypes=(f32, f32),
-                    grid=(nt, Dv // p["dv_tile"], B * Hv), threadgroup=(nt, 1, 1), template=())
+                    grid=(nt, Dv // rows, B * Hv), threadgroup=(nt, 1, 1), template=())
     return Plan(variant, problem, T, B, {"recurrent": spec}, (launch,), (), (),
                 {"recurrent": 0}, fused=fused)
 
@@ -243,7 +246,8 @@ def recurrent_input_metas(plan: Plan) -> dict:
     metas = {"q": (f32, 4, B * T * pb.Hk * pb.Dk), "k": (f32, 4, B * T * pb.Hk * pb.Dk),
              "v": (f32, 4, B * T * pb.Hv * pb.Dv),
              "a": (f32, 4 if pb.gate == "vector" else 3, gate), "beta": (f32, 3, B * T * pb.Hv),
-             "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk), "prm": (f32, 1, 2 if plan.fused else 1)}
+             "s0": (f32, 4, B * pb.Hv * pb.Dv * pb.Dk),
+             "prm": (f32, 1, (3 if dict(plan.fused).get("norm") else 2) if plan.fused else 1)}
     if dict(plan.fused).get("gate_form"):
         vector = pb.gate == "vector"
         metas["A_log"] = metas["dt_bias"] = (f32, 2 if vector else 1,
@@ -251,6 +255,8 @@ def recurrent_input_metas(plan: Plan) -> dict:
     if dict(plan.fused).get("conv"):  # K is the kernel's runtime conv_w_shape[1]: 4 here
         channels = 2 * pb.Hk * pb.Dk + pb.Hv * pb.Dv
         metas["conv_w"], metas["conv_s"] = (f32, 2, channels * 4), (f32, 3, B * channels * 3)
+    if dict(plan.fused).get("norm"):
+        metas["z"], metas["norm_w"] = (f32, 4, B * T * pb.Hv * pb.Dv), (f32, 1, pb.Dv)
     return metas
 
 
