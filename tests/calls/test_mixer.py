@@ -309,6 +309,29 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
             assert relative_error(np.asarray(a), np.asarray(b)) <= 2e-6, (name, rows)
 
 
+def spied_mixer(monkeypatch, framework, form, seed, variant, owner, name, build_of,
+                steps=T):
+    """The mixer's undifferentiated call on fresh inputs of ``seed`` with ``owner.name`` spied
+    (``build_of(args, kwargs)`` of each of its calls recorded) and the norm stage's runs
+    counted: ``(fw, x, options, call, builds, norms)``, ``call()`` running it."""
+    builds, norms = [], []
+    spied, gated_norm = getattr(owner, name), stages.gated_norm
+
+    def spy(*a, **kw):
+        builds.append(build_of(a, kw))
+        return spied(*a, **kw)
+
+    monkeypatch.setattr(owner, name, spy)
+    monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
+        *a, **kw))
+    fw = Framework(framework)
+    x, options = inputs(form, seed=seed, steps=steps)
+    args = {n: fw.array(v) for n, v in x.items() if v is not None}
+    opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+    return (fw, x, options, lambda: fw.mixer(**args, **DIMS, **opts, variant=variant), builds,
+            norms)
+
+
 @pytest.mark.parametrize("backend, form", [
     pytest.param(b, f, marks=[pytest.mark.slow] if f == "vector" else [])
     for b in ("ffi_cpu", "pallas_tpu", "pallas_gpu") for f in sorted(FORMS)])
@@ -330,22 +353,10 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
 
         name, position = "recurrent", 3
     assert spec.parse(variant).recurrent_below > 17
-    builds, norms = [], []
-    recurrent, gated_norm = getattr(owner, name), stages.gated_norm
-
-    def spy(*a, **kw):
-        builds.append(kw.get("inputs") if position is None or len(a) <= position
-                      else a[position])
-        return recurrent(*a, **kw)
-
-    monkeypatch.setattr(owner, name, spy)
-    monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
-        *a, **kw))
-    fw = Framework("jax")
-    x, options = inputs(form, seed=61, steps=17)
-    args = {n: fw.array(v) for n, v in x.items() if v is not None}
-    opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
-    out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+    fw, x, options, call, builds, norms = spied_mixer(
+        monkeypatch, "jax", form, 61, variant, owner, name, lambda a, kw: kw.get("inputs")
+        if position is None or len(a) <= position else a[position], steps=17)
+    out = call()
     assert [b.norm for b in builds if b is not None and b.norm] == [FORMS[form].get(
         "norm_gate", "silu")] and norms == [], (builds, norms)
     errors = check_against_reference(fw, x, options, cotangents(61, steps=17), variant=variant)
@@ -366,17 +377,10 @@ def test_metal_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
     spec, variant = variant_here("metal", form)
     assert spec.parse(variant).dv_tile < Dv
     assert spec.parse(variant).recurrent_below > 17
-    builds, norms = [], []
-    recurrent, gated_norm = calls.recurrent_forward, stages.gated_norm
-    monkeypatch.setattr(calls, "recurrent_forward", lambda *a, **kw: builds.append(
-        kw.get("norm_gate")) or recurrent(*a, **kw))
-    monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
-        *a, **kw))
-    fw = Framework("mlx")
-    x, options = inputs(form, seed=71, steps=17)
-    args = {n: fw.array(v) for n, v in x.items() if v is not None}
-    opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
-    out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+    fw, x, options, call, builds, norms = spied_mixer(
+        monkeypatch, "mlx", form, 71, variant, calls, "recurrent_forward",
+        lambda a, kw: kw.get("norm_gate"), steps=17)
+    out = call()
     assert builds == [FORMS[form].get("norm_gate", "silu")] and norms == [], (builds, norms)
     errors = check_against_reference(fw, x, options, cotangents(71, steps=17), variant=variant)
     assert float(fw.m.max(fw.m.abs(out[0]))) > 0
@@ -387,7 +391,7 @@ def test_metal_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
     for schedule, seed in (("reverse", 0), ("random", 1), ("low_first", 0), ("high_first", 0)):
         launcher = launch.SimLauncher(schedule, seed)
         monkeypatch.setattr(launch, "default_launcher", lambda launcher=launcher: launcher)
-        again = fw.mixer(**args, **DIMS, **opts, variant=variant)
+        again = call()
         assert launcher.threadgroup_bytes, "the patched launcher ran the kernel"
         np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(out[0]), err_msg=schedule)
     print("metal recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -405,17 +409,9 @@ def test_chunk_forward_normalises_in_its_stores(form, monkeypatch):
     spec, variant = variant_here("ffi_cpu", form)
     variant = variant.replace(recurrent_below=16)
     assert spec.parse(variant).recurrent_below <= T
-    builds, norms = [], []
-    normed_chunk, gated_norm = vjp.normed_chunk, stages.gated_norm
-    monkeypatch.setattr(vjp, "normed_chunk", lambda *a, **kw: builds.append(a) or normed_chunk(
-        *a, **kw))
-    monkeypatch.setattr(stages, "gated_norm", lambda *a, **kw: norms.append(1) or gated_norm(
-        *a, **kw))
-    fw = Framework("jax")
-    x, options = inputs(form, seed=67)
-    args = {n: fw.array(v) for n, v in x.items() if v is not None}
-    opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
-    out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+    fw, x, options, call, builds, norms = spied_mixer(
+        monkeypatch, "jax", form, 67, variant, vjp, "normed_chunk", lambda a, kw: a)
+    out = call()
     norm_gate = FORMS[form].get("norm_gate", "silu")
     assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (builds, norms)
     errors = check_against_reference(fw, x, options, cotangents(67), variant=variant)
