@@ -79,7 +79,8 @@ def test_chunk_and_recurrent_programs_compile(device):
 
 def test_vector_gate_programs_compile():
     """Per-channel gates: chunk fwd+bwd (the intra-chunk kernel, the two chunk walks) and the
-    fused-input recurrent kernel (qk_norm, softplus gate) of a chunk-16 variant, for H100."""
+    fused-input recurrent kernel (qk_norm, softplus gate, the output norm in its stores: bv is
+    the padded Dv here) of a chunk-16 variant, for H100."""
     problem = SMALL["vector"]
     variant = _variant(problem, "h100")
     report = compilers.compile_variant(variant, problem, "h100", T=32,
