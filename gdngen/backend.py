@@ -268,6 +268,12 @@ class Backend:
         return ("norm" in self.fused_inputs and call.return_states == "final"
                 and not call.packed)
 
+    def norm_in_stores(self, call, variant: Variant) -> bool:
+        """Whether ``call``'s output norm (``call.norm_gate``) is computed in its kernels'
+        stores when not differentiated (a norm build); else it runs after them. The one place
+        each backend's forward reads it, and `gdngen.entry.TunedGatedDelta.explain` says it."""
+        return False
+
     def run_packed_kernels(self, call, operands, variant: Variant, **options):
         """`run` for a backend's own packed entry point (``packed_gated_delta``): ValueError
         for gates its packed kernels do not take (`packed_gates`) instead of the portable

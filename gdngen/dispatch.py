@@ -36,7 +36,9 @@ ENV_NO_TUNED = settings.ENV_NO_TUNED
 @dataclass(frozen=True)
 class Choice:
     """The variant chosen for a call: ``source`` is "explicit", "tuned" or "default";
-    ``reason`` says why; ``entry`` / ``path`` name the tuned entry used, if any."""
+    ``reason`` says why; ``entry`` / ``path`` name the tuned entry used, if any;
+    ``kernel_path`` which kernels run (`for_length`), ``norm_path`` where the output's gated
+    norm runs (a ``norm_gate`` call's, `gdngen.backend.Backend.norm_in_stores`)."""
 
     variant: Variant
     source: str
@@ -46,11 +48,12 @@ class Choice:
     entry: dict | None = None
     path: str | None = None
     kernel_path: str | None = None
+    norm_path: str | None = None
 
     def __str__(self) -> str:
         where = f" on {self.device}" if self.device else ""
         text = f"{self.variant} ({self.source}{where}, precision {self.precision}): {self.reason}"
-        return text + (f"; {self.kernel_path}" if self.kernel_path else "")
+        return text + "".join(f"; {part}" for part in (self.kernel_path, self.norm_path) if part)
 
     def for_length(self, T: int, vector_gate: bool = False, sequences: int | None = None
                    ) -> Choice:

@@ -299,7 +299,13 @@ class TunedGatedDelta:
         choice = dispatch.decide(self.framework, shape, call.dtype, options.variant,
                                  options.chunk_size, device=self.device,
                                  precision=self.precision)
-        return choice.for_length(shape.T, shape.vector_gate, shape.sequences)
+        choice = choice.for_length(shape.T, shape.vector_gate, shape.sequences)
+        if call.norm_gate is None:
+            return choice
+        where = ("in the kernels' stores when not differentiated (their norm build), after them "
+                 "when differentiated" if registry.get(choice.variant.backend).norm_in_stores(
+                     call, choice.variant) else "after the kernels")
+        return dataclasses.replace(choice, norm_path=f"the output's gated norm {where}")
 
 
 def _split_call(q, k, v, g, beta, initial_state, options: dict) -> tuple[dict, Options]:

@@ -419,6 +419,40 @@ def test_chunk_forward_normalises_in_its_stores(form, monkeypatch):
     print("ffi_cpu chunk norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
+def test_explain_says_where_the_norm_runs():
+    """``explain()`` of a ``norm_weight`` call names where the output's gated norm runs
+    (`gdngen.backend.Backend.norm_in_stores`, what each forward reads): ffi_cpu's kernels at
+    every T; the Pallas recurrent kernels only for a short call, where a program holds the
+    head's Dv (pallas_gpu: bv = Dv, not bv = Dv / 2); after the kernels on xla and for packed
+    rows."""
+    import jax.numpy as jnp
+
+    import gdngen
+
+    rng = np.random.default_rng(3)
+
+    def args(steps):
+        return [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in (
+            (1, steps, Hk, Dk), (1, steps, Hk, Dk), (1, steps, Hv, Dv))] + [
+            -jnp.ones((1, steps, Hv)), jnp.full((1, steps, Hv), 0.5)]
+
+    def where(steps, variant, **extra):
+        norm = {"norm_weight": jnp.ones(Dv), "output_gate": jnp.ones((1, steps, Hv, Dv))}
+        return str(gdngen.load_tuned("jax").explain(*args(steps), variant=variant, **norm,
+                                                    **extra))
+
+    stores, after = "norm in the kernels' stores when not differentiated", "norm after the"
+    problem = Problem(Hk, Hv, Dk, Dv)
+    ffi, tpu, gpu = (registry.default_variant(b, problem)
+                     for b in ("ffi_cpu", "pallas_tpu", "pallas_gpu"))
+    assert stores in where(17, ffi) and stores in where(200, ffi)
+    assert stores in where(17, tpu) and after in where(200, tpu)
+    assert stores in where(17, gpu.replace(bv=Dv)) and after in where(17, gpu.replace(
+        bv=Dv // 2))
+    assert after in where(17, registry.default_variant("xla", problem))
+    assert after in where(17, ffi, cu_seqlens=jnp.asarray([0, 9, 17], jnp.int32))
+
+
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
 def test_gated_delta_norm_weight_is_the_call_then_the_norm(framework):
     """``gated_delta(..., norm_weight=, output_gate=)`` equals the call followed by the gated

@@ -209,6 +209,10 @@ class FfiCpu(Backend):
 
     # ------------------------------------------------------------------ calls
 
+    def norm_in_stores(self, call, variant) -> bool:
+        """Both kernels have a norm build: the recurrent kernel's and the chunk forward's."""
+        return call.norm_gate is not None and self.normalises(call)
+
     def forward(self, call, operands, variant, templates_dir=None):
         """A dense call: the recurrent kernel below the variant's ``recurrent_below`` (its
         VJP the chunk kernels'), else the chunk kernels; ``qk_norm`` and a parameter gate in

@@ -213,6 +213,11 @@ class Metal(Backend):
     def lower_check(self, variant, problem):
         return lower_check(variant, problem)
 
+    def norm_in_stores(self, call, variant) -> bool:
+        """The recurrent kernel's norm build (a threadgroup per head): short calls."""
+        return (call.norm_gate is not None and self.normalises(call)
+                and not self.chunked(call, variant))
+
     def forward(self, call, operands, variant, launcher=None):
         return dense_call(call, operands, variant, launcher, chunked=self.chunked(call, variant))
 

@@ -48,6 +48,13 @@ class PallasBackend(Backend):
         output norm build needs: the norm's mean is over Dv)."""
         return False
 
+    def norm_in_stores(self, call, variant) -> bool:
+        """The recurrent kernel's norm build: a short call, "norm" in `fused_inputs`, a
+        variant whose programs hold a head's whole Dv; the chunk kernels have none."""
+        return (call.norm_gate is not None and self.normalises(call) and "norm" in
+                self.fused_inputs and not self.chunked(call, variant)
+                and self.holds_whole_head(variant, call.problem))
+
     # ------------------------------------------------------------------ interpret mode
 
     def interpret_mode(self):
@@ -370,8 +377,7 @@ class PallasBackend(Backend):
         shape, problem, gate, qk_norm = call.shape, call.problem, call.core_gate, call.qk_norm
         chunked = self.chunked(call, variant)
         normed = call.norm_gate is not None
-        if normed and (chunked or "norm" not in self.fused_inputs
-                       or not self.holds_whole_head(variant, problem)):
+        if normed and not self.norm_in_stores(call, variant):
             # no norm build runs this call: the norm after it
             y, state = self.forward(*prepare.without_norm(call, operands), variant,
                                     templates_dir)
