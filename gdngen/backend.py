@@ -270,8 +270,9 @@ class Backend:
 
     def norm_in_stores(self, call, variant: Variant) -> bool:
         """Whether ``call``'s output norm (``call.norm_gate``) is computed in its kernels'
-        stores when not differentiated (a norm build); else it runs after them. The one place
-        each backend's forward reads it, and `gdngen.entry.TunedGatedDelta.explain` says it."""
+        stores when not differentiated (a norm build); else it runs after them. What the
+        forwards of ffi_cpu and Pallas read (metal's `dense_call` the same condition, a short
+        call) and `gdngen.entry.TunedGatedDelta.explain` says."""
         return False
 
     def run_packed_kernels(self, call, operands, variant: Variant, **options):

@@ -279,7 +279,9 @@ class FfiCpu(Backend):
             y, state = plain(*args)
         else:  # the gated norm: the kernels' stores when not differentiated
             z, w = operands.output_gate.astype(f32), operands.norm_weight.astype(f32)
-            if chunked:  # the chunk forward's norm build
+            if not self.norm_in_stores(call, variant):
+                normed = None  # the norm after the kernels
+            elif chunked:  # the chunk forward's norm build
                 normed = vjp.normed_chunk(loaded.sha256, self.load_fused_kernels(
                     variant, problem, KernelInputs.of(call.qk_norm, gate, conv, call.norm_gate),
                     SOURCE_NAME, templates_dir=templates_dir).sha256, gate, scale, poison,
