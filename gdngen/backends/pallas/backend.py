@@ -49,10 +49,10 @@ class PallasBackend(Backend):
         return False
 
     def norm_in_stores(self, call, variant) -> bool:
-        """The recurrent kernel's norm build: a short call, "norm" in `fused_inputs`, a
-        variant whose programs hold a head's whole Dv; the chunk kernels have none."""
-        return (call.norm_gate is not None and self.normalises(call) and "norm" in
-                self.fused_inputs and not self.chunked(call, variant)
+        """The recurrent kernel's norm build (`normalises`: "norm" in `fused_inputs`): a short
+        call, a variant whose programs hold a head's whole Dv; the chunk kernels have none."""
+        return (call.norm_gate is not None and self.normalises(call)
+                and not self.chunked(call, variant)
                 and self.holds_whole_head(variant, call.problem))
 
     # ------------------------------------------------------------------ interpret mode
@@ -364,10 +364,9 @@ class PallasBackend(Backend):
         `chunk_walks`; its VJP the reverse walk and the grads kernel); shorter calls
         `recurrent_forward` inside
         `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP).
-        A ``norm_gate`` call: a short call on a backend with a norm build (pallas_tpu,
-        pallas_gpu: variants whose program holds a head's whole Dv) runs it when not
-        differentiated
-        (`gdngen.backends.generated.norm_switch`); other calls get the norm after them."""
+        A ``norm_gate`` call where `norm_in_stores` holds runs the recurrent kernel's norm build
+        when not differentiated (`gdngen.backends.generated.norm_switch`); other calls get the
+        norm after them."""
         import jax.numpy as jnp
 
         from gdngen import prepare
