@@ -34,19 +34,27 @@ def _walk_inputs(seed, N, B, Hk, r, C, Dk, Dv):
 
 
 def check_walks_match_the_portable_walks(walk_forward, walk_backward, shape, tol=1e-6):
-    """The kernel walks against `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward``
-    (the same float32 algebra) on the chunk-layout ``shape`` (N, B, Hk, r, C, Dk, Dv)."""
-    (S0, U, Wk, Kc, Qd, Pm, dCC), (dSf, G, dY) = _walk_inputs(len(shape), *shape)
+    """The kernel walks against `gdngen.algebra.chunkwise_channel.walk_forward` and
+    `gdngen.backends.pallas.core.channel_walk_backward` (the same float32 algebra; the reverse
+    walk forms G and the decayed keys from Pm, q, k and the gates, both conventions, with exact
+    zeros and log g = -37) on the chunk-layout ``shape`` (N, B, Hk, r, C, Dk, Dv)."""
+    from gdngen.backends.pallas.core import channel_walk_backward
+
+    (S0, U, Wk, Kc, Qd, Pm, dCC), (dSf, _, dY) = _walk_inputs(len(shape), *shape)
     got = walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
     want = chunkwise_channel.walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
     for name, a, b in zip(("Y", "S_final", "S_in", "W"), got, want):
         assert a.shape == b.shape and validate.relative_error(a, b) <= tol, name
     S_in, W = want[2:]
-    got = walk_backward(XP, dSf, G, Kc, Wk, W, S_in, dY, Qd, dCC)
-    want = chunkwise_channel.walk_backward(XP, dSf, G, Kc, Wk, W, S_in, dY, Qd, dCC)
-    assert got[-1] is None and want[-1] is None
-    for name, a, b in zip(("dS0", "dW", "dWk", "dQd", "dKc", "ddCC"), got, want):
-        assert a.shape == b.shape and validate.relative_error(a, b) <= tol, name
+    for gate in ("log", "linear"):
+        q, k, _, gates, _ = (jnp.asarray(x, jnp.float32)
+                             for x in _intra_inputs(len(shape) + 1, *shape, gate))
+        got = walk_backward(dSf, Pm, q, k, gates, Wk, W, S_in, dY, gate=gate, scale=0.7)
+        want = channel_walk_backward(dSf, Pm, q, k, gates, Wk, W, S_in, dY, gate=gate,
+                                     scale=0.7)
+        assert got[-1] is None and want[-1] is None
+        for name, a, b in zip(("dS0", "dW", "dWk", "dQd", "dKc", "ddCC"), got, want):
+            assert a.shape == b.shape and validate.relative_error(a, b) <= tol, (gate, name)
 
 
 def _intra_inputs(seed, N, B, Hk, r, C, Dk, Dv, gate):

@@ -26,9 +26,12 @@ recurrent         (Dv/dv_tile) x B*Hv   forward only, step by step: y and S_T, t
                                         in registers (calls with T < recurrent_below)
 fwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.walk_forward`, W, y,
                                         S_in and the state over the chunks
-bwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.walk_backward`, dW,
-                                        dS_out per chunk, dS0, and per Dv tile its part of dWk,
-                                        dQd, dKc, ddCC (summed in mx)
+channel_keys      N*B*Hv                per-channel gates: the reverse walk's decayed keys (Kc,
+                                        Qd, dCC) from q, k and the raw gates
+bwd_scan_channel  (Dv/dv_tile) x B*Hv   per-channel gates: `chunkwise_channel.walk_backward` with
+                                        G = Pm^T dY formed per chunk: dW, dS_out per chunk, dS0,
+                                        and per Dv tile its part of dWk, dQd, dKc, ddCC (summed
+                                        in mx)
 channel_intra     N*B*Hv                per-channel gates: the intra-chunk stages (Qd, Kc, dCC,
                                         Pm, M_kk, T, U, Wk) from the raw gates
 channel_grads     N*B*Hv                per-channel gates: their VJP after the reverse walk (dq,
@@ -39,7 +42,7 @@ Per-channel (vector) gates run `channel_core` (an ``mx.custom_function`` with th
 `gdngen.backends.portable.mlx_chunkwise.chunk_core`): channel_intra, then the forward walk on
 the scan templates' per-channel build (``per_channel`` set, `ChannelWalks`, `channel_plan`),
 whose decays come in as per-channel inputs (Qd = scale Q * D0, Kc = K * DC, dCC); its VJP the
-reverse walk (G = Pm^T dY and the decayed Q, K in mx ops) and channel_grads
+reverse walk (channel_keys, then bwd_scan_channel, which forms G = Pm^T dY) and channel_grads
 (docs/VECTOR_GATES.md, "How the Metal kernels form the decays"). Validated as the scalar
 kernels: the battery's vector cases in the simulator with poisoned outputs, worst relative
 error 8.6e-7 (vector_identical_keys, dbeta; tests/backends/metal/test_metal_kernels.py).
@@ -111,6 +114,7 @@ from gdngen.backends.metal.config import (
     CHANNEL_KERNELS,
     CHUNK_SIZES,
     DV_TILES,
+    KEYS_KERNEL,
     MAX_ACC_FLOATS,
     POLICY_TOLERANCES,
     PRECISIONS,
@@ -169,8 +173,9 @@ from gdngen.problem import Problem
 #: this package's names: its own and those of its role modules re-exported (`default_launcher`
 #: is read from `gdngen.backends.metal.launch` when called: patch it there)
 __all__ = [
-    'BACKEND', 'CHANNEL_BLOCK', 'CHANNEL_KERNELS', 'CHUNK_SIZES', 'DV_TILES', 'MAX_ACC_FLOATS',
-    'POLICY_TOLERANCES', 'PRECISIONS', 'RECURRENT_BELOW', 'SIMDGROUPS', 'SPEC', 'STAGE_KERNELS',
+    'BACKEND', 'CHANNEL_BLOCK', 'CHANNEL_KERNELS', 'CHUNK_SIZES', 'DV_TILES', 'KEYS_KERNEL',
+    'MAX_ACC_FLOATS', 'POLICY_TOLERANCES', 'PRECISIONS', 'RECURRENT_BELOW', 'SIMDGROUPS', 'SPEC',
+    'STAGE_KERNELS',
     'THREADGROUP_MEMORY', 'WALK_KERNELS', 'ChannelWalks', 'Config', 'KernelSpec', 'Launch',
     'MLXLauncher', 'Metal', 'Plan', 'SimLauncher', 'accumulator_floats', 'adapt',
     'build_launch_plan', 'channel_core', 'channel_input_metas', 'channel_plan',

@@ -26,10 +26,12 @@ THREADGROUP_MEMORY = 32 * KiB
 #: Accumulator floats a thread may hold (beyond this the GPU spills registers).
 MAX_ACC_FLOATS = 128
 #: The per-channel gates' kernels (`channel_plan`): the walks (the scan templates' per-channel
-#: build) and the intra-chunk stages (`STAGE_KERNELS`).
+#: build), the intra-chunk stages (`STAGE_KERNELS`) and the reverse walk's decayed keys
+#: (`KEYS_KERNEL`, chunk-parallel as the stages).
 WALK_KERNELS = ("fwd_scan_channel", "bwd_scan_channel")
 STAGE_KERNELS = ("channel_intra", "channel_grads")
-CHANNEL_KERNELS = WALK_KERNELS + STAGE_KERNELS
+KEYS_KERNEL = "channel_keys"
+CHANNEL_KERNELS = WALK_KERNELS + STAGE_KERNELS + (KEYS_KERNEL,)
 #: Dk columns per block of the backward walk's chunk products (``KB`` in bwd_scan.metal.j2).
 CHANNEL_BLOCK = 32
 
@@ -85,8 +87,8 @@ def intra_tile(chunk_size: int) -> int:
 
 def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> dict:
     """Threadgroup memory each kernel of ``problem``'s gate kind declares, in bytes (float32
-    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile, and
-    the intra-chunk kernels, a (C, C) matrix and beta.
+    arrays, see the templates); per-channel gates: the two walk kernels, W / -dW of the tile,
+    the intra-chunk kernels, a (C, C) matrix and beta, and channel_keys none.
     ``qk_norm``: the fused build's (`render_fused`) forward kernels, which also hold the rows'
     norm factors (rk in fwd_intra, rq and rk in fwd_scan: C floats each; at most 26 KiB in all
     of the space, within every Apple GPU's 32 KiB)."""
@@ -94,7 +96,7 @@ def threadgroup_bytes(params: dict, problem: Problem, qk_norm: bool = False) -> 
         intra_tile(params["chunk_size"])
     if problem.gate == "vector":
         return {**dict.fromkeys(WALK_KERNELS, 4 * C * dvt),
-                **dict.fromkeys(STAGE_KERNELS, 4 * (C * C + C))}
+                **dict.fromkeys(STAGE_KERNELS, 4 * (C * C + C)), KEYS_KERNEL: 0}
     floats = {
         "fwd_intra": C * C + 3 * C,
         "fwd_intra_tinv": C * C + 3 * C,

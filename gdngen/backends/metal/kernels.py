@@ -46,6 +46,7 @@ _KERNEL_TEMPLATES = {
     # per-channel gates: the intra-chunk stages and their VJP
     "channel_intra": ("metal/channel_intra.metal.j2", {}),
     "channel_grads": ("metal/channel_grads.metal.j2", {}),
+    "channel_keys": ("metal/channel_keys.metal.j2", {}),
 }
 
 

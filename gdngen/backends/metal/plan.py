@@ -12,6 +12,7 @@ from gdngen import settings
 from gdngen.backends.kernel_inputs import KernelInputs, context_tag
 from gdngen.backends.metal.config import (
     CHANNEL_KERNELS,
+    KEYS_KERNEL,
     STAGE_KERNELS,
     adapt,
     threadgroup_bytes,
@@ -108,8 +109,9 @@ _KERNEL_IO = {
     "recurrent_steps": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "states")),
     "fwd_scan_channel": (("s0", "u", "wk", "kc", "qd", "pm", "dccv"),
                          ("y_out", "final_state", "states", "w_out")),
-    "bwd_scan_channel": (("dsf", "ptdy", "kc", "wk", "w", "states", "dy", "qd", "dccv"),
+    "bwd_scan_channel": (("dsf", "pm", "kc", "wk", "w", "states", "dy", "qd", "dcc"),
                          ("dw", "dsout", "ds0", "dwk", "dqd", "dkc", "ddcc")),
+    "channel_keys": (("q", "k", "g", "prm"), ("kc", "qd", "dcc")),
     "channel_intra": (("q", "k", "v", "g", "beta", "prm"),
                       ("u", "wk", "kc", "qd", "pm", "mkk", "tinv", "dcc")),
     "channel_grads": (("q", "k", "v", "g", "beta", "w", "tinv", "mkk", "dy", "dw", "dwk_sum",
@@ -265,10 +267,10 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
                  packed: bool = False) -> Plan:
     """The walk kernels of per-channel gates (`CHANNEL_KERNELS`) for N chunks and batch B:
     ``forward`` is the one launch of `ChannelWalks.forward` (fwd_scan_channel), ``backward``
-    the one of `ChannelWalks.backward` (bwd_scan_channel); both on grid (32 * simdgroups,
-    Dv / dv_tile, B * Hv); ``stages`` those of `ChannelWalks.intra` and ``grads``
-    (channel_intra, channel_grads) on grid (32 * simdgroups, 1, N * B * Hv); every buffer
-    float32 (names and shapes in the templates' headers).
+    the two of `ChannelWalks.backward` (channel_keys, then bwd_scan_channel); the walks on grid
+    (32 * simdgroups, Dv / dv_tile, B * Hv); ``stages`` those of `ChannelWalks.intra` and
+    ``grads`` (channel_intra, channel_grads) and channel_keys on grid (32 * simdgroups, 1,
+    N * B * Hv); every buffer float32 (names and shapes in the templates' headers).
     ``variant`` must be adapted to ``problem`` (a vector-gate `Problem`); ``templates``: a
     template override folder (None: the shipped templates). ``packed``: the packed build's
     walks (`render_packed`), the forward also taking ``inject``, the backward ``dsin``."""
@@ -288,15 +290,16 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
                     **dict.fromkeys(("wk", "kc", "qd", "dq", "dk", "dg", "d0s"), chunks + (C, Dk)),
                     **dict.fromkeys(("pm", "mkk", "tinv", "dpm", "dmk"), chunks + (C, C)),
                     "dcc": chunks + (Dk,), "dbeta": chunks + (C,)}
+    chunk_parallel = STAGE_KERNELS + (KEYS_KERNEL,)
     kernels, launches = {}, {}
     for name in CHANNEL_KERNELS:
         body = rendered.sources[f"{name}.metal"]
         tag = hashlib.sha256((header + "\0" + body).encode()).hexdigest()[:12]
         ins, outs = _KERNEL_IO[name]
-        if packed and name not in STAGE_KERNELS:  # the walks take the injected states
+        stage = name in chunk_parallel
+        if packed and not stage:  # the walks take the injected states
             ins = ins + ("inject" if name == "fwd_scan_channel" else "dsin",)
         kernels[name] = KernelSpec(f"gdngen_{name}_{tag}", ins, outs, body, header)
-        stage = name in STAGE_KERNELS
         launches[name] = Launch(kernel=name, inputs=ins, outputs=outs,
                                 output_shapes=tuple((stage_shapes if stage else shapes)[o]
                                                     for o in outs),
@@ -305,7 +308,8 @@ def channel_plan(variant: Variant, problem: Problem, N: int, B: int, templates=N
                                 threadgroup=(nt, 1, 1), template=(("InT", "float32"),))
     tg = threadgroup_bytes(p, problem)
     return Plan(variant, problem, N, B, kernels, (launches["fwd_scan_channel"],),
-                (launches["bwd_scan_channel"],), (), {name: tg[name] for name in kernels}, packed,
+                (launches[KEYS_KERNEL], launches["bwd_scan_channel"]), (),
+                {name: tg[name] for name in kernels}, packed,
                 stages=tuple(launches[name] for name in STAGE_KERNELS))
 
 
@@ -322,9 +326,10 @@ def channel_input_metas(plan: Plan) -> dict:
               "prm": (f32, 1, 2), "tinv": (f32, 6, heads * C * C), "mkk": (f32, 6, heads * C * C),
               "dwk_sum": rows_k, "dqd_sum": rows_k, "dkc_sum": rows_k,
               "ddcc_sum": (f32, 5, heads * pb.Dk)}
-    return {**stages, "s0": state, "dsf": state, "u": rows_v, "ptdy": rows_v, "w": rows_v,
+    per_chunk = (f32, 5, heads * pb.Dk)
+    return {**stages, "s0": state, "dsf": state, "u": rows_v, "w": rows_v,
             "dy": rows_v, "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
-            "dccv": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk),
+            "dccv": per_chunk, "dcc": per_chunk, "states": (f32, 6, heads * pb.Dv * pb.Dk),
             "inject": (f32, 6, heads * pb.Dv * pb.Dk), "dsin": (f32, 6, heads * pb.Dv * pb.Dk)}
 
 

@@ -80,17 +80,21 @@ class ChannelWalks:
         return (env["y_out"].reshape(U.shape), env["final_state"].reshape(S0.shape),
                 env["states"].reshape((N,) + tuple(S0.shape)), env["w_out"].reshape(U.shape))
 
-    def backward(self, xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
-        """``(dS0, dW, dWk, dQd, dKc, ddCC, dinject)``: one launch of bwd_scan_channel (shapes
-        as `gdngen.algebra.chunkwise_channel.walk_backward`; ``dinject`` the packed walk's
-        ``dsout`` where ``dS_in`` is given, else None); the Dk-wide products come back one part
-        per Dv tile and are summed here."""
+    def backward(self, dS_final, Pm, q, k, gates, Wk, W, S_in, dY, dS_in=None, *,
+                 linear: bool):
+        """``(dS0, dW, dWk, dQd, dKc, ddCC, dinject)``: channel_keys (Kc, Qd, dCC from q, k
+        and the gates, chunk-parallel), then bwd_scan_channel, which forms G = Pm^T dY per
+        chunk: `gdngen.algebra.chunkwise_channel.walk_backward` with those inputs formed in the
+        kernels (chunk layout: Pm [N, B, Hk, r, C, C]; q (scaled), k [N, B, Hk, C, Dk];
+        gates, Wk [N, B, Hk, r, C, Dk], linear where ``linear``; W, dY [.., C, Dv]; S_in [..,
+        Dv, Dk]; ``dinject`` the packed walk's ``dsout`` where ``dS_in`` is given, else None).
+        The Dk-wide products come back one part per Dv tile and are summed here."""
         if not self.packed:
             refuse_injection(BACKEND, dS_in)
         N, B = int(W.shape[0]), int(W.shape[1])
         plan = self._plan(N, B)
-        inputs = {"dsf": dS_final, "ptdy": G, "kc": Kc, "wk": Wk, "w": W, "states": S_in,
-                  "dy": dY, "qd": Qd, "dccv": dCC}
+        inputs = {"dsf": dS_final, "pm": Pm, "q": q, "k": k, "g": gates, "prm": _stage_prm(linear),
+                  "wk": Wk, "w": W, "states": S_in, "dy": dY}
         if self.packed:
             inputs["dsin"] = self._states(dS_in, W, dS_final)
         env = self._launch(plan, plan.backward, inputs)
@@ -99,7 +103,8 @@ class ChannelWalks:
             return env[name].sum(axis=0).reshape(like.shape)
 
         return (env["ds0"].reshape(dS_final.shape), env["dw"].reshape(W.shape),
-                summed("dwk", Wk), summed("dqd", Qd), summed("dkc", Kc), summed("ddcc", dCC),
+                summed("dwk", Wk), summed("dqd", Wk), summed("dkc", Wk),
+                env["ddcc"].sum(axis=0).reshape(Wk.shape[:4] + Wk.shape[-1:]),
                 env["dsout"].reshape(S_in.shape) if self.packed and dS_in is not None else None)
 
     def intra(self, q, k, v, gates, beta, linear: bool):
@@ -145,7 +150,7 @@ def channel_core(variant: Variant, problem: Problem, gate, launcher, templates=N
     scaled, or raw with ``qk_scale`` as `gdngen.backends.portable.mlx_chunkwise.chunk_core`'s,
     whose contract it has: ``gate`` a convention or a `gdngen.algebra.layer_inputs.ParameterGate`),
     an ``mx.custom_function``. Forward: channel_intra, then the walk (two launches). Backward:
-    G = Pm^T dY and the walk's decayed Q, K in mx ops, the reverse walk, then channel_grads.
+    the reverse walk (channel_keys, bwd_scan_channel), then channel_grads.
     Residuals ``(S_in, W, Tinv, Wk, Pm, Mkk)`` (recomputed when the variant does not save
     states). ``packed``: on the packed build's walks (a packed row's one-chunk calls)."""
     import mlx.core as mx
@@ -188,18 +193,13 @@ def _channel_forward(walks, q, k, v, gates, beta, S0, convention, inject=None):
 
 def _channel_backward(walks, q, k, v, gates, beta, residuals, dY, dS_final, convention,
                       dS_in=None):
-    """`gdngen.algebra.chunkwise_channel.backward` on the kernels: G = Pm^T dY and the walk's
-    decayed Q, K (mx ops), the reverse walk, channel_grads. ``(dq, dk, dv, dgates, dbeta, dS0,
-    dinject)`` (``dinject`` None without ``dS_in``)."""
-    from gdngen.algebra import chunkwise_channel as channel
-    from gdngen.backends.portable.mlx_chunkwise import XP
-
+    """`gdngen.algebra.chunkwise_channel.backward` on the kernels: the reverse walk (channel_keys
+    and bwd_scan_channel: G = Pm^T dY and the walk's decayed Q, K formed in them), then
+    channel_grads. ``(dq, dk, dv, dgates, dbeta, dS0, dinject)`` (``dinject`` None without
+    ``dS_in``)."""
     S_in, W, Tinv, Wk, Pm, Mkk = residuals
-    D0, DC, dCC = channel.chunk_segments(XP, channel._linear(XP, gates, convention),
-                                         channel.PRODUCT)
     dS0, dW, dWk, dQd, dKc, ddCC, dinject = walks.backward(
-        XP, dS_final, channel._T(Pm) @ dY, k[..., None, :, :] * DC, Wk, W, S_in, dY,
-        q[..., None, :, :] * D0, dCC, dS_in)
+        dS_final, Pm, q, k, gates, Wk, W, S_in, dY, dS_in, linear=convention == "linear")
     grads = walks.grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC,
                         convention == "linear")
     return (*grads, dS0, dinject)

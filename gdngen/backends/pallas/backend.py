@@ -163,8 +163,8 @@ class PallasBackend(Backend):
         """``variant`` rendered for ``problem`` and loaded (cached by sha256 and interpret
         mode): ``forward``/``backward``/``recurrent`` (the modules), ``run_forward``,
         ``run_backward``, ``run_recurrent`` (`jit_pair` s with ``scale``/``interpret`` static;
-        vector gates: the chunk walks, ``interpret`` only, ``run_intra`` and ``run_grads``, the
-        intra-chunk stages and their VJP), the recomputing walk of
+        vector gates: the chunk walks, the forward's with ``interpret`` only, ``run_intra`` and
+        ``run_grads``, the intra-chunk stages and their VJP), the recomputing walk of
         `add_recompute`, ``sha256``, ``variant``, ``problem``, ``params``, ``interpret``."""
         rendered = self.render(variant, problem, templates_dir=templates_dir)
         interpret = self.interpret_mode()
@@ -177,7 +177,7 @@ class PallasBackend(Backend):
                 rendered, {"forward": fwd, "backward": bwd, "recurrent": rec}, interpret,
                 run_recurrent=jit_pair(rec.recurrent, SCALED, interpret),
                 run_forward=jit_pair(fwd.forward, walk, interpret),
-                run_backward=jit_pair(bwd.backward, walk, interpret))
+                run_backward=jit_pair(bwd.backward, SCALED, interpret))
             if problem.gate == "vector":
                 kernels.run_intra = jit_pair(fwd.intra, SCALED, interpret)
                 kernels.run_grads = jit_pair(bwd.grads, SCALED + ("linear",), interpret)
@@ -206,8 +206,8 @@ class PallasBackend(Backend):
 
     def load_packed_kernels(self, variant, problem, *, templates_dir=None):
         """`render_packed`, loaded (cached as `load_kernels`): ``forward``, ``backward``,
-        ``run_forward``, ``run_backward`` (vector gates: the chunk walks, ``interpret`` only,
-        and ``run_intra``, ``run_grads`` as `load_kernels`'), the recomputing walk of
+        ``run_forward``, ``run_backward`` (vector gates: the chunk walks, ``run_intra`` and
+        ``run_grads`` as `load_kernels`'), the recomputing walk of
         `add_recompute`, ``packed`` True."""
         rendered = self.render_packed(variant, problem, templates_dir=templates_dir)
         interpret = self.interpret_mode()
@@ -218,7 +218,7 @@ class PallasBackend(Backend):
             walk = ("interpret",) if problem.gate == "vector" else SCALED
             kernels = self._namespace(rendered, {"forward": fwd, "backward": bwd}, interpret,
                                       run_forward=jit_pair(fwd.forward, walk, interpret),
-                                      run_backward=jit_pair(bwd.backward, walk, interpret),
+                                      run_backward=jit_pair(bwd.backward, SCALED, interpret),
                                       packed=True)
             if problem.gate == "vector":
                 kernels.run_intra = jit_pair(fwd.intra, SCALED, interpret)

@@ -108,6 +108,27 @@ def fused_gate_specs(inputs, Hv: int, Dk: int, vector_gate: bool) -> tuple:
     return (parameter, parameter, *bound)
 
 
+def channel_walk_backward(dS_final, Pm, q, k, gates, Wk, W, S_in, dY, dS_in=None, *, gate: str,
+                          scale: float):
+    """The reverse walk of the Pallas per-channel kernels (``walk_backward`` of a backend's
+    ``chunk_walks``), here on jax.numpy as its reference: `gdngen.algebra.chunkwise_channel.
+    walk_backward` with its inputs G = Pm^T dY, Kc = K * DC, Qd = (scale Q) * D0 and dCC formed
+    from Pm, q, k (unscaled) and the gates (convention ``gate``), which the kernels form per
+    chunk. Chunk layout: Pm [N, B, Hk, r, C, C], q, k [N, B, Hk, C, Dk], gates, Wk [N, B, Hk,
+    r, C, Dk], W, dY [N, B, Hk, r, C, Dv], S_in [N, B, Hk, r, Dv, Dk], dS_final [B, Hk, r,
+    Dv, Dk]. Returns ``(dS0, dW, dWk, dQd, dKc, ddCC, dinject)`` (``dinject`` None without
+    ``dS_in``)."""
+    from gdngen.algebra import chunkwise_channel as channel
+    from gdngen.backends.portable.jax_chunkwise import FLOAT32_MATMULS, XP
+
+    with FLOAT32_MATMULS:
+        D0, DC, dCC = channel.chunk_segments(XP, channel._linear(XP, gates, gate),
+                                             channel.PRODUCT)
+        return channel.walk_backward(XP, dS_final, channel._T(Pm) @ dY, k[..., None, :, :] * DC,
+                                     Wk, W, S_in, dY, (q * scale)[..., None, :, :] * D0, dCC,
+                                     dS_in)
+
+
 def _channel_stages(intra, grads, walks, gate: str, scale: float, interpret, save_states):
     """``(forward, backward)`` of the per-channel chunk cores below on the kernels ``intra``,
     ``grads`` and ``walks``: ``forward(q, k, v, gates, beta, S0, inject) -> ((Y, S_final,
@@ -116,8 +137,7 @@ def _channel_stages(intra, grads, walks, gate: str, scale: float, interpret, sav
     gates in the convention ``gate``)."""
     import jax.numpy as jnp
 
-    from gdngen.algebra import chunkwise_channel as channel
-    from gdngen.backends.portable.jax_chunkwise import FLOAT32_MATMULS, XP
+    from gdngen.backends.portable.jax_chunkwise import XP
 
     walk_forward, walk_backward = walks
 
@@ -128,11 +148,8 @@ def _channel_stages(intra, grads, walks, gate: str, scale: float, interpret, sav
 
     def backward_walk(q, k, gates, residuals, dY, dS_final, dS_in):
         S_in, W, _, Wk, Pm, _ = residuals
-        with FLOAT32_MATMULS:
-            D0, DC, dCC = channel.chunk_segments(XP, channel._linear(XP, gates, gate),
-                                                 channel.PRODUCT)
-            return walk_backward(XP, dS_final, channel._T(Pm) @ dY, k[..., None, :, :] * DC,
-                                 Wk, W, S_in, dY, (q * scale)[..., None, :, :] * D0, dCC, dS_in)
+        return walk_backward(dS_final, Pm, q, k, gates, Wk, W, S_in, dY, dS_in, gate=gate,
+                             scale=scale)
 
     run_walk = jit_pair(backward_walk, (), interpret)
 
@@ -162,8 +179,9 @@ def channel_core(intra, grads, walks, gate, scale: float, qk_norm: bool, interpr
     backend's intra-chunk kernel (chunk layout; gates in the convention of ``gate``; q scaled
     by it), then the walk ``walks[0]`` (`gdngen.algebra.chunkwise_channel.walk_forward`'s
     contract): two kernels. Its residuals are `chunkwise_channel.forward`'s (``save_states``
-    False: recomputed by the backward). Backward, as `chunkwise_channel.backward`: G = Pm^T dY
-    and the walk's decayed Q, K (elementwise) in jax.numpy, the reverse walk ``walks[1]``, then
+    False: recomputed by the backward). Backward, as `chunkwise_channel.backward`: the reverse
+    walk ``walks[1]`` (`channel_walk_backward`'s contract: G = Pm^T dY and the decayed Q, K
+    formed in the kernel), then
     ``grads(q, k, v, gates, beta, W, Tinv, Mkk, dY, dW, dWk, dQd, dKc, ddCC) -> (dq, dk, dv,
     dgates, dbeta)``, the backend's kernel of `chunkwise_channel.backward_in_chunks` (dq of the
     unscaled q). ``conv_chunk``: a conv call's core, over the call's layout with chunks of

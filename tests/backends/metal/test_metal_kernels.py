@@ -10,6 +10,7 @@ cases.
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -319,13 +320,17 @@ def test_vector_space_render_and_plan():
     v = _vector_variant(VECTOR, dv_tile=16)
     sources = render(v, VECTOR).sources
     assert set(sources) == {"common.metal", "fwd_scan_channel.metal", "bwd_scan_channel.metal",
-                            "channel_intra.metal", "channel_grads.metal", "recurrent.metal"}
+                            "channel_intra.metal", "channel_grads.metal", "channel_keys.metal",
+                            "recurrent.metal"}
     for name in metal.WALK_KERNELS:  # decays come in per channel: no gate work in the walk
-        assert "dcc[j]" in sources[f"{name}.metal"] and "load_gates" not in sources[
-            f"{name}.metal"]
+        body = sources[f"{name}.metal"]
+        assert re.search(r"x \*= dccp?\[j\];", body) and "load_gates" not in body
+        assert "channel_log_gate" not in body
+    assert "channel_log_gate" in sources["channel_keys.metal"]  # the reverse walk's decays
     plan = metal.channel_plan(v, VECTOR, 3, 2)
-    (fwd,), (bwd,) = plan.forward, plan.backward
+    (fwd,), (keys, bwd) = plan.forward, plan.backward
     assert fwd.grid == bwd.grid == (128, 32 // 16, 2 * 4)
+    assert keys.kernel == "channel_keys" and keys.grid == (128, 1, 3 * 2 * 4)
     shapes = dict(zip(bwd.outputs, bwd.output_shapes))
     assert shapes["dwk"] == (2, 3, 2, 4, v["chunk_size"], 32) and shapes["ddcc"] == (2, 3, 2, 4, 32)
     intra, grads = plan.stages  # one threadgroup per chunk and value head
@@ -333,7 +338,8 @@ def test_vector_space_render_and_plan():
     C = v["chunk_size"]
     assert dict(zip(grads.outputs, grads.output_shapes))["dg"] == (3, 2, 4, C, 32)
     assert plan.threadgroup_bytes == {**dict.fromkeys(metal.WALK_KERNELS, 4 * C * 16),
-                                      **dict.fromkeys(metal.STAGE_KERNELS, 4 * (C * C + C))}
+                                      **dict.fromkeys(metal.STAGE_KERNELS, 4 * (C * C + C)),
+                                      metal.KEYS_KERNEL: 0}
 
 
 def test_vector_gate_walk_kernels_pass_a_multi_chunk_case(_poisoned, monkeypatch):

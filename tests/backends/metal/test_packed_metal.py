@@ -91,9 +91,9 @@ def test_packed_long_masked_passes(params, monkeypatch):
 @pytest.mark.parametrize("name", ["packed_vector", "packed_vector_long_masked"])
 def test_per_channel_packed_rows_run_the_packed_walks(name, monkeypatch):
     """Per-channel packed battery cases (outputs poisoned, both gate conventions) on the packed
-    build's kernels: fwd_scan_channel / bwd_scan_channel with ``inject`` / ``dsin``
-    (`ChannelWalks` with ``packed``) between channel_intra and channel_grads, the row's walk and
-    each sequence's one-chunk calls."""
+    build's kernels: fwd_scan_channel / channel_keys and bwd_scan_channel with ``inject`` /
+    ``dsin`` (`ChannelWalks` with ``packed``) between channel_intra and channel_grads, the
+    row's walk and each sequence's one-chunk calls."""
     assert registry.get("metal").native_packed(vector_gate=True)
     monkeypatch.setenv(settings.ENV_POISON_OUTPUTS, "1")
     ran = []
@@ -110,6 +110,7 @@ def test_per_channel_packed_rows_run_the_packed_walks(name, monkeypatch):
     assert set(result.errors) >= {"y", "final_state", "dinitial_state", "dq", "dk", "dv",
                                   "dbeta", "dg", "dg_linear"}
     assert set(ran) == {(True, "fwd_scan_channel", True), (True, "bwd_scan_channel", True),
+                        (True, "channel_keys", True),  # launched with the reverse walk
                         (True, "channel_intra", False), (True, "channel_grads", False)}
 
 

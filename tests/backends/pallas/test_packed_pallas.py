@@ -213,23 +213,27 @@ def test_per_channel_packed_walks_lower_for_the_device(backend):
     kernels = module.load_packed_kernels(_variant(backend, problem), problem)
     spec, f32 = jax.ShapeDtypeStruct, jnp.float32
     B, N, Hv, C = 1, 2, 2, kernels.params["chunk_size"]
+    Hk = problem.Hk
     if backend == "pallas_tpu":
         Dk, Dv = problem.Dk, problem.Dv
         values, keys = spec((N, B, Hv, C, Dv), f32), spec((N, B, Hv, C, Dk), f32)
         pm, dcc = spec((N, B, Hv, C, C), f32), spec((N, B, Hv, 1, Dk), f32)
+        key_heads = spec((N, B, Hk, C, Dk), f32)
         platform, marker = "tpu", "tpu_custom_call"
     else:
         Dk, Dv, T = kernels.params["dk"], kernels.params["dv"], N * C
         values, keys = spec((B, Hv, T, Dv), f32), spec((B, Hv, T, Dk), f32)
         pm, dcc = spec((B, Hv, T, C), f32), spec((B, Hv, N, Dk), f32)
+        key_heads = spec((B, T, Hk, Dk), f32)
         platform, marker = "cuda", "triton"
     state = spec((B, Hv, Dv, Dk), f32)
     states = spec((N, B, Hv, Dv, Dk) if backend == "pallas_tpu" else (B, Hv, N, Dv, Dk), f32)
-    calls = [(kernels.forward.forward, (values, keys, keys, keys, pm, dcc, state, states)),
-             (kernels.backward.backward, (values, keys, keys, values, states, values, keys, dcc,
-                                          state, states))]
-    for fn, args in calls:
-        text = (jax.jit(fn, static_argnames=("interpret",)).trace(*args, interpret=False)
+    calls = [(kernels.forward.forward, (values, keys, keys, keys, pm, dcc, state, states), {}),
+             (kernels.backward.backward, (pm, key_heads, key_heads, keys, keys, values, states,
+                                          values, state, states), {"scale": 0.5})]
+    for fn, args, static in calls:
+        static = {"interpret": False, **static}
+        text = (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
                 .lower(lowering_platforms=(platform,)).as_text())
         assert marker in text
 

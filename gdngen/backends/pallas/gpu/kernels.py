@@ -114,7 +114,7 @@ class GPUKernels(GPUPlanning):
         residuals = (spec((B, Hv, T, Dv), f32), spec((B, Hv, T, Dk), f32), spec((B, Hv, T, C), f32),
                      spec((B, Hv, T, C), f32), spec((B, Hv, N, Dv, Dk), f32))
 
-        def lower(fn, *args, scaled=True):  # the per-channel walks take no scale
+        def lower(fn, *args, scaled=True):  # the per-channel forward walk takes no scale
             static = {"interpret": False} | ({"scale": Dk ** -0.5} if scaled else {})
             with jaxcompat.abstract_gpu():
                 return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
@@ -126,8 +126,9 @@ class GPUKernels(GPUPlanning):
         lowered = {
             "channel_walk": lower(kernels.forward.forward, values, keys, keys, keys, pm, dcc, state,
                                   scaled=False),
-            "channel_walk_backward": lower(kernels.backward.backward, values, keys, keys, values,
-                                           residuals[-1], values, keys, dcc, state, scaled=False),
+            "channel_walk_backward": lower(kernels.backward.backward, pm,
+                                           spec((B, T, Hk, Dk), f32), spec((B, T, Hk, Dk), f32),
+                                           keys, keys, values, residuals[-1], values, state),
             "channel_intra": lower(kernels.forward.intra, spec((B, T, Hk, Dk), f32),
                                    spec((B, T, Hk, Dk), f32), spec((B, T, Hv, Dv), f32), keys,
                                    gates),

@@ -327,12 +327,14 @@ def _chunk_vectors_to_kernel(x, dk):
 
 @functools.cache
 def chunk_walks(key: tuple):
-    """``(walk_forward, walk_backward)`` with the signatures and contracts of
-    `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r,
-    ...], float32) on the loaded per-channel kernels ``key`` (sha256, interpret mode): the forward
-    and backward templates rendered with ``per_channel``. The forward walk is one ``pallas_call``
-    (grid batch * value head x Dv tiles, the chunks in order in one program, the state in
-    registers); the reverse walk two (the state-cotangent walk likewise, then the sums over Dv
+    """``(walk_forward, walk_backward)`` on the loaded per-channel kernels ``key`` (sha256,
+    interpret mode): ``walk_forward`` with the signature and contract of
+    `gdngen.algebra.chunkwise_channel.walk_forward`, ``walk_backward`` with those of
+    `gdngen.backends.pallas.core.channel_walk_backward` (chunk layout [N, B, Hk, r, ...],
+    float32): the forward and backward templates rendered with ``per_channel``. The forward
+    walk is one ``pallas_call`` (grid batch * value head x Dv tiles, the chunks in order in one
+    program, the state in registers); the reverse walk three (the decayed keys
+    chunk-parallel, the state-cotangent walk as the forward's, then the sums over Dv
     chunk-parallel). Inputs go to the kernels' layout (value heads merged, time rows, head dims
     zero-padded: one copy each) and back. ``inject`` / ``dS_in`` (packed rows) are taken by the
     packed build's walks (`render_packed`; zeros where None), refused by the dense build's."""
@@ -363,39 +365,44 @@ def chunk_walks(key: tuple):
         return (_rows_from_kernel(y, U), s_final[:, :, :Dv, :Dk].reshape(S0.shape), s_in,
                 _rows_from_kernel(w, U))
 
-    def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
-        del xp
+    def walk_backward(dS_final, Pm, q, k, gates, Wk, W, S_in, dY, dS_in=None, *, gate, scale):
         if not packed:
             generated.refuse_injection(BACKEND, dS_in)
         dw, dwk, dqd, dkc, ddcc, ds0, *dinject = call_jitted(
-            kernels.run_backward, _rows_to_kernel(G, dv),
-            *(_rows_to_kernel(x, dk) for x in (Kc, Wk)), _rows_to_kernel(W, dv),
-            _chunk_states_to_kernel(S_in, dk, dv), _rows_to_kernel(dY, dv),
-            _rows_to_kernel(Qd, dk), _chunk_vectors_to_kernel(dCC, dk),
-            states_to_kernel(dS_final, dk, dv),
-            *(chunk_states(dS_in, G, dS_final) if packed else ()), interpret=interpret)
+            kernels.run_backward, _rows_to_kernel(Pm, Pm.shape[-1]), _key_heads(q, dk),
+            _key_heads(k, dk), _log_gates(gates, gate, dk), _rows_to_kernel(Wk, dk),
+            _rows_to_kernel(W, dv), _chunk_states_to_kernel(S_in, dk, dv),
+            _rows_to_kernel(dY, dv), states_to_kernel(dS_final, dk, dv),
+            *(chunk_states(dS_in, W, dS_final) if packed else ()), scale=scale,
+            interpret=interpret)
         Dv, Dk = dS_final.shape[-2:]
-        N, B, Hk, r = dCC.shape[:4]
+        N, B, Hk, r = Wk.shape[:4]
         dJ = (_chunk_states_from_kernel(dinject[0], S_in) if dinject and dS_in is not None
               else None)
-        return (ds0[:, :, :Dv, :Dk].reshape(dS_final.shape), _rows_from_kernel(dw, G),
-                *(_rows_from_kernel(x, like) for x, like in ((dwk, Wk), (dqd, Qd), (dkc, Kc))),
+        return (ds0[:, :, :Dv, :Dk].reshape(dS_final.shape), _rows_from_kernel(dw, W),
+                *(_rows_from_kernel(x, Wk) for x in (dwk, dqd, dkc)),
                 ddcc[..., :Dk].reshape(B, Hk, r, N, Dk).transpose(3, 0, 1, 2, 4), dJ)
 
     return walk_forward, walk_backward
 
 
+def _key_heads(x, dk):
+    """q or k of the chunk layout [N, B, Hk, (1,) C, Dk] -> the kernels' [B, T, Hk, DK]."""
+    return _keys_to_kernel(x.reshape(x.shape[:3] + x.shape[-2:]), dk)
+
+
+def _log_gates(gates, gate, dk):
+    """The chunk layout's gates [N, B, Hk, r, C, Dk] (convention ``gate``) -> the kernels' finite
+    log gates [B, Hv, T, DK] (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way)."""
+    return _rows_to_kernel(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR), dk)
+
+
 def _channel_intra_layout(q, k, v, gates, beta, *, gate, dk, dv):
     """The intra-chunk kernel's inputs from the chunk layout (q, k [N, B, Hk, (1,) C, Dk]; v,
-    gates, beta [N, B, Hk, r, C, ...]): q, k [B, T, Hk, DK], v [B, T, Hv, DV], the gates as
-    finite log gates [B, Hv, T, DK] (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way), beta
-    [B, Hv, T]; head dims zero-padded."""
-    def keys(x):
-        return _keys_to_kernel(x.reshape(x.shape[:3] + x.shape[-2:]), dk)
-
-    return (keys(q), keys(k), _values_to_kernel(v, dv),
-            _rows_to_kernel(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR), dk),
-            _per_step_to_kernel(beta))
+    gates, beta [N, B, Hk, r, C, ...]): q, k [B, T, Hk, DK], v [B, T, Hv, DV], the finite log
+    gates [B, Hv, T, DK], beta [B, Hv, T]; head dims zero-padded."""
+    return (_key_heads(q, dk), _key_heads(k, dk), _values_to_kernel(v, dv),
+            _log_gates(gates, gate, dk), _per_step_to_kernel(beta))
 
 
 def _channel_intra_outputs(outputs, shape):

@@ -175,9 +175,13 @@ class TPUPlanning(PallasBackend):
         temps = 3 * b((C, tv)) + 2 * b((tv, Dk)) + b((C, Dk))
         # in: u, wk, kc, qd, pm, dcc, s0; out: y, sf, s_in, w
         forward = 2 * (3 * values + 3 * keys + b((ht, C, C)) + column + 2 * state + tile_state)
-        # in: g, kc, wk, w, s_in, dy, qd, dcc, dsf; out: dw, dwk, dqd, dkc, ddcc, ds0
-        backward = (2 * (4 * values + 6 * keys + 2 * column + tile_state + 2 * state)
-                    + (3 * keys + column if tv < Dv else 0))
+        # in: pm, q, k, b, wk, w, s_in, dy, dsf; out: dw, dwk, dqd, dkc, ddcc, ds0; the
+        # decayed keys' temporaries (a (C, C) mask and its segment sums); tiled Dv: the
+        # decayed keys kept and the sums over the tiles
+        backward = (2 * (3 * values + 5 * keys + 2 * b((C, Dk)) + b((ht, C, C)) + column
+                         + tile_state + 2 * state)
+                    + 2 * b((C, C)) + 3 * b((C, Dk))
+                    + (5 * keys + 2 * column if tv < Dv else 0))
         return max(forward, backward) + state + temps
 
     def channel_stage_vmem_bytes(self, variant: Variant, problem: Problem) -> int:

@@ -157,11 +157,11 @@ class TPUKernels(TPUPlanning):
             lowered["channel_walk"] = lower(kernels.forward.forward, chunk_values, chunk_keys,
                                             chunk_keys, chunk_keys, spec((N, B, Hv, C, C), f32),
                                             dcc, state, interpret=False)
-            lowered["channel_walk_backward"] = lower(
-                kernels.backward.backward, chunk_values, chunk_keys, chunk_keys, chunk_values,
-                chunk_states, chunk_values, chunk_keys, dcc, state, interpret=False)
             key_heads, column = spec((N, B, Hk, C, Dk), f32), spec((N, B, Hv, C, 1), f32)
             square = spec((N, B, Hv, C, C), f32)
+            lowered["channel_walk_backward"] = lower(
+                kernels.backward.backward, square, key_heads, key_heads, chunk_keys, chunk_keys,
+                chunk_values, chunk_states, chunk_values, state, **static)
             lowered["channel_intra"] = lower(kernels.forward.intra, key_heads, key_heads,
                                              chunk_values, chunk_keys, column, **static)
             for name, linear in (("channel_grads", False), ("channel_grads_linear", True)):

@@ -310,14 +310,15 @@ def _heads_merged(x, axis):
 
 @functools.cache
 def chunk_walks(key: tuple):
-    """``(walk_forward, walk_backward)`` with the signatures and contracts of
-    `gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward`` (chunk layout [N, B, Hk, r,
-    ...], float32) on the loaded per-channel kernels ``key`` (sha256, interpret parameters): the
-    forward and backward templates rendered with ``per_channel``, each one ``pallas_call``
-    walking the chunks in order (in reverse) with the state (its cotangent) in VMEM. Only the
-    value heads are merged (reshapes, no transposes). ``inject`` / ``dS_in`` (packed rows) are
-    taken by the packed build's walks (`render_packed`; zeros where None), refused by the
-    dense build's."""
+    """``(walk_forward, walk_backward)`` on the loaded per-channel kernels ``key`` (sha256,
+    interpret parameters): ``walk_forward`` with the signature and contract of
+    `gdngen.algebra.chunkwise_channel.walk_forward`, ``walk_backward`` with those of
+    `gdngen.backends.pallas.core.channel_walk_backward` (chunk layout [N, B, Hk, r, ...],
+    float32): the forward and backward templates rendered with ``per_channel``, each one
+    ``pallas_call`` walking the chunks in order (in reverse) with the state (its cotangent) in
+    VMEM. Only the value heads are merged (reshapes, no transposes). ``inject`` / ``dS_in``
+    (packed rows) are taken by the packed build's walks (`render_packed`; zeros where None),
+    refused by the dense build's."""
     import jax.numpy as jnp
 
     kernels = LOADED[key]
@@ -341,33 +342,40 @@ def chunk_walks(key: tuple):
         return (y.reshape(U.shape), s_final.reshape(S0.shape),
                 s_in.reshape(U.shape[:4] + S0.shape[-2:]), w.reshape(U.shape))
 
-    def walk_backward(xp, dS_final, G, Kc, Wk, W, S_in, dY, Qd, dCC, dS_in=None):
-        del xp
+    def walk_backward(dS_final, Pm, q, k, gates, Wk, W, S_in, dY, dS_in=None, *, gate, scale):
         if not packed:
             generated.refuse_injection(BACKEND, dS_in)
-        states_in = ((_heads_merged(generated.walk_states(dS_in, G, dS_final, zeros), 2),)
+        states_in = ((_heads_merged(generated.walk_states(dS_in, W, dS_final, zeros), 2),)
                      if packed else ())
         dw, dwk, dqd, dkc, ddcc, ds0, *dinject = run_kernel(
-            kernels.run_backward, *(_heads_merged(x, 2) for x in (G, Kc, Wk, W, S_in, dY, Qd,
-                                                                  dCC[..., None, :])),
-            _heads_merged(dS_final, 1), *states_in, what="per-channel backward walk",
-            interpret=interpret)
+            kernels.run_backward, _heads_merged(Pm, 2), _key_heads(q), _key_heads(k),
+            _log_gates(gates, gate),
+            *(_heads_merged(x, 2) for x in (Wk, W, S_in, dY)), _heads_merged(dS_final, 1),
+            *states_in, scale=scale, what="per-channel backward walk", interpret=interpret)
         dJ = dinject[0].reshape(S_in.shape) if dinject and dS_in is not None else None
-        return (ds0.reshape(dS_final.shape), dw.reshape(G.shape), dwk.reshape(Wk.shape),
-                dqd.reshape(Qd.shape), dkc.reshape(Kc.shape), ddcc.reshape(dCC.shape), dJ)
+        return (ds0.reshape(dS_final.shape), dw.reshape(W.shape), dwk.reshape(Wk.shape),
+                dqd.reshape(Wk.shape), dkc.reshape(Wk.shape),
+                ddcc.reshape(Wk.shape[:4] + Wk.shape[-1:]), dJ)
 
     return walk_forward, walk_backward
 
 
+def _key_heads(x):
+    """q or k of the chunk layout [N, B, Hk, (1,) C, Dk] -> the kernels' [N, B, Hk, C, Dk]."""
+    return x.reshape(x.shape[:3] + x.shape[-2:])
+
+
+def _log_gates(gates, gate):
+    """The chunk layout's gates [N, B, Hk, r, C, Dk] (convention ``gate``) -> the kernels' finite
+    log gates [N, B, Hv, C, Dk] (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way)."""
+    return _heads_merged(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR), 2)
+
+
 def _channel_intra_layout(q, k, v, gates, beta, *, gate):
     """The intra-chunk kernel's inputs from the chunk layout (q, k [N, B, Hk, (1,) C, Dk]; v,
-    gates, beta [N, B, Hk, r, C, ...]): the value heads merged, the gates as finite log gates
-    (clamped to `LOG_GATE_FLOOR`: exp gives 0 either way), beta a column."""
-    def keys(x):
-        return x.reshape(x.shape[:3] + x.shape[-2:])
-
-    return (keys(q), keys(k), _heads_merged(v, 2),
-            _heads_merged(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR), 2),
+    gates, beta [N, B, Hk, r, C, ...]): the value heads merged, the gates as finite log gates,
+    beta a column."""
+    return (_key_heads(q), _key_heads(k), _heads_merged(v, 2), _log_gates(gates, gate),
             _heads_merged(beta, 2)[..., None])
 
 
