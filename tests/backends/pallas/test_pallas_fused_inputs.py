@@ -236,20 +236,20 @@ def test_fused_forward_computes_no_layer_inputs_as_array_ops(backend, monkeypatc
 #: default-variant sha256 of the plain renders before the fused builds existed (re-recorded
 #: when issue 45 corrected the templates' comments; the per-channel ones when issue 37 added
 #: the intra-chunk kernel to their forward template, and pallas_gpu's again when its
-#: per-channel kernels looped over the tiles with bk <= 32, no Pallas entry being shipped in
-#: tuned/):
+#: per-channel kernels looped over the tiles with bk <= 32, both again when their reverse
+#: walks formed G = Pm^T dY and the decayed keys, no Pallas entry being shipped in tuned/):
 #: they must not change (tuned entries are keyed on them)
 DEFAULT_SHA256 = {
     ("pallas_tpu", Problem(16, 32, 128, 128)):
         "0f4526253a1e3641673f8293cf65e387ceef49242228b0b30ef24af835ebc993",
     ("pallas_tpu", Problem(32, 32, 128, 128, gate="vector")):
-        "7e8cb7869184d7924a947c8af45e261d7ef178277568e61da6854a9a283bb375",
+        "d59293463b308a7788d7198f8cde61878041605d5b22b65335603b0da4057f22",
     ("pallas_tpu", Problem(1, 3, 128, 128, "bfloat16")):
         "ec1e92b5a51e2634e4f7adb79f4326fa1c71770c1de6354e30e14746e748becd",
     ("pallas_gpu", Problem(16, 32, 128, 128)):
         "0983b0787384746f7795f9b7ae45f071252f902407c072d6aab5813aeb0d0286",
     ("pallas_gpu", Problem(32, 32, 128, 128, gate="vector")):
-        "e7d1959577e8748b5a2b9bce89cede2957ed4f4f236a2c34b8257cadc1db9ed2",
+        "36b2be45cff60b2f0ba1920e99a81020974b20e4a77bcf1358a809db40ec1cfb",
     ("pallas_gpu", Problem(1, 3, 128, 128, "bfloat16")):
         "23dac634b8c82754a3b7ba40ea913d0e6ab450b09d49fb2558769b358ceb12b3",
 }
