@@ -1,7 +1,7 @@
 """Compile pallas_gpu variants for an NVIDIA GPU with its real compiler (XLA GPU + Triton +
 ptxas through jax's CUDA plugin, no GPU needed; `gdngen.compilers`): one JSON line per variant
-with the compile verdict, the footprint model's shared-memory estimate and each Triton kernel's
-shared memory (docs/COMPILE.md).
+with the compile verdict, the footprint model's shared-memory estimate, each Triton kernel's
+shared memory and XLA's HBM temp bytes of the program ("temp"; docs/COMPILE.md).
 
     python benchmarks/bench_compile_gpu.py DEVICE HK,HV,DK,DV,DTYPE,GATE VARIANTS [T] [DUMP]
 
@@ -39,6 +39,7 @@ def main(argv):
                           "error": report.first_error(),
                           "predicted": pallas_gpu.shared_memory_bytes(variant, problem),
                           "shared_memory_used": report.shared_memory_used,
+                          "temp": report.temp_bytes,
                           "kernels": {k["name"]: k["shared_memory"]
                                       for p in report.programs for k in p.kernels},
                           "seconds": round(time.perf_counter() - start, 1)}), flush=True)
