@@ -1,7 +1,8 @@
-"""Checks of the generated backends' per-channel chunk kernels, shared by the pallas_tpu and
-pallas_gpu tests: the chunk walks (``chunk_walks``: the contracts of
-`gdngen.algebra.chunkwise_channel.walk_forward` / ``walk_backward``) and the forward's
-intra-chunk stages (``channel_intra``) against the algebra's in float64."""
+"""Checks of the generated backends' per-channel chunk kernels, shared by the pallas_tpu,
+pallas_gpu and metal tests: the chunk walks (``chunk_walks``: the contracts of
+`gdngen.algebra.chunkwise_channel.walk_forward` and
+`gdngen.backends.pallas.core.channel_walk_backward`), the forward's intra-chunk stages
+(``channel_intra``) and their VJP against the algebra's in float64."""
 
 from __future__ import annotations
 
@@ -34,27 +35,42 @@ def _walk_inputs(seed, N, B, Hk, r, C, Dk, Dv):
 
 
 def check_walks_match_the_portable_walks(walk_forward, walk_backward, shape, tol=1e-6):
-    """The kernel walks against `gdngen.algebra.chunkwise_channel.walk_forward` and
-    `gdngen.backends.pallas.core.channel_walk_backward` (the same float32 algebra; the reverse
-    walk forms G and the decayed keys from Pm, q, k and the gates, both conventions, with exact
-    zeros and log g = -37) on the chunk-layout ``shape`` (N, B, Hk, r, C, Dk, Dv)."""
-    from gdngen.backends.pallas.core import channel_walk_backward
-
-    (S0, U, Wk, Kc, Qd, Pm, dCC), (dSf, _, dY) = _walk_inputs(len(shape), *shape)
+    """The kernel walks against `gdngen.algebra.chunkwise_channel.walk_forward` (the same
+    float32 algebra) and, by `check_walk_backward_matches_the_float64_walk`, the reverse walk
+    on the chunk-layout ``shape`` (N, B, Hk, r, C, Dk, Dv)."""
+    (S0, U, Wk, Kc, Qd, Pm, dCC), _ = _walk_inputs(len(shape), *shape)
     got = walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
     want = chunkwise_channel.walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
     for name, a, b in zip(("Y", "S_final", "S_in", "W"), got, want):
         assert a.shape == b.shape and validate.relative_error(a, b) <= tol, name
-    S_in, W = want[2:]
+    check_walk_backward_matches_the_float64_walk(walk_backward, shape, tol)
+
+
+def check_walk_backward_matches_the_float64_walk(walk_backward, shape, tol=1e-6, scale=0.7):
+    """``walk_backward(dS_final, Pm, q, k, gates, Wk, W, S_in, dY, *, gate, scale)`` (float32
+    arrays, q unscaled: `gdngen.backends.pallas.core.channel_walk_backward`'s contract, which
+    forms G = Pm^T dY and the decayed keys from Pm, q, k and the gates) against that reference
+    in float64, both conventions, gates with exact zeros and log g = -37, on the chunk-layout
+    ``shape`` (N, B, Hk, r, C, Dk, Dv): dS0, dW, dWk, dQd, dKc, ddCC each finite and within
+    ``tol`` (relative L2)."""
+    from gdngen.backends.pallas.core import channel_walk_backward
+
+    (S0, U, Wk, Kc, Qd, Pm, dCC), (dSf, _, dY) = _walk_inputs(len(shape), *shape)
+    _, _, S_in, W = chunkwise_channel.walk_forward(XP, S0, U, Wk, Kc, Qd, Pm, dCC)
     for gate in ("log", "linear"):
-        q, k, _, gates, _ = (jnp.asarray(x, jnp.float32)
-                             for x in _intra_inputs(len(shape) + 1, *shape, gate))
-        got = walk_backward(dSf, Pm, q, k, gates, Wk, W, S_in, dY, gate=gate, scale=0.7)
-        want = channel_walk_backward(dSf, Pm, q, k, gates, Wk, W, S_in, dY, gate=gate,
-                                     scale=0.7)
+        q, k, _, gates, _ = _intra_inputs(len(shape) + 1, *shape, gate)
+        arrays = [np.asarray(x, np.float32) for x in (dSf, Pm, q, k, gates, Wk, W, S_in, dY)]
+        got = walk_backward(*(jnp.asarray(x) for x in arrays), gate=gate, scale=scale)
+        with jax.enable_x64(True):
+            want = channel_walk_backward(*(jnp.asarray(x, jnp.float64) for x in arrays),
+                                         gate=gate, scale=scale)
+            want = [None if x is None else np.asarray(x) for x in want]
         assert got[-1] is None and want[-1] is None
         for name, a, b in zip(("dS0", "dW", "dWk", "dQd", "dKc", "ddCC"), got, want):
-            assert a.shape == b.shape and validate.relative_error(a, b) <= tol, (gate, name)
+            a = np.asarray(a)
+            assert a.shape == b.shape and np.isfinite(a).all(), (gate, name)
+            assert validate.relative_error(a, b) <= tol, (gate, name,
+                                                           validate.relative_error(a, b))
 
 
 def _intra_inputs(seed, N, B, Hk, r, C, Dk, Dv, gate):

@@ -395,6 +395,28 @@ def test_channel_intra_and_grads_match_the_float64_stages(gate, _poisoned):
     check_grads_match_the_float64_stages(grads, shape, gate, scale)
 
 
+def test_channel_reverse_walk_matches_the_float64_walk(_poisoned):
+    """channel_keys and bwd_scan_channel in the simulator (poisoned outputs): G = Pm^T dY and
+    the decayed keys formed in the kernels, against `gdngen.backends.pallas.core.
+    channel_walk_backward` in float64 (`tests/channel_walks.py`, the check the Pallas walks
+    pass): both conventions, exact zeros, log g = -37; three chunks of 16, two value heads per
+    key head, Dv = 32 in two Dv tiles (the products' parts summed over them)."""
+    from channel_walks import check_walk_backward_matches_the_float64_walk
+
+    problem = Problem(1, 2, 32, 32, gate="vector")
+    walks = metal.ChannelWalks(_vector_variant(problem, chunk_size=16, dv_tile=16,
+                                               simdgroups=2), problem, metal.default_launcher())
+
+    def walk_backward(dS_final, Pm, q, k, gates, *rest, gate, scale):
+        dS_final, Pm, q, k, gates, *rest = (mx.array(np.asarray(x))
+                                            for x in (dS_final, Pm, q, k, gates, *rest))
+        out = walks.backward(dS_final, Pm, q * scale, k, gates, *rest,  # the kernel: q scaled
+                             linear=gate == "linear")
+        return [None if x is None else np.asarray(x) for x in out]
+
+    check_walk_backward_matches_the_float64_walk(walk_backward, (3, 1, 1, 2, 16, 32, 32))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("params", VECTOR_SAMPLED, ids=lambda p: "-".join(map(str, p.values())))
 def test_vector_variants_pass_every_vector_case(params, _poisoned):
