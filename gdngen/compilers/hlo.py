@@ -12,7 +12,9 @@ _CUSTOM_CALL = re.compile(r"%([\w.\-]+) = .*?custom_call_target=\"tpu_custom_cal
 def mosaic_kernels(hlo_text: str) -> list[dict]:
     """Each Mosaic kernel of a compiled program's HLO: ``{"name", "vmem_used", "vmem_limit"}``
     from its backend config (``used_scoped_memory_configs`` / ``scoped_memory_configs``, VMEM
-    is memory space 1)."""
+    is memory space 1). XLA may place the kernel's scoped window at an offset (other buffers
+    below it) and then states the used range from 0: ``vmem_used`` is what the kernel itself
+    uses, the used range's end less the window's start."""
     kernels = []
     for line in hlo_text.splitlines():
         match = _CUSTOM_CALL.search(line)
@@ -20,14 +22,17 @@ def mosaic_kernels(hlo_text: str) -> list[dict]:
             continue
         rest = match.group(2)
 
-        def size(field, rest=rest):
+        def ranges(field, rest=rest):  # [(offset, size)] in VMEM
             found = re.search(r'"' + field + r'":\[(.*?)\]', rest)
-            entries = re.findall(r'"memory_space":"1","offset":"\d+","size":"(\d+)"',
+            entries = re.findall(r'"memory_space":"1","offset":"(\d+)","size":"(\d+)"',
                                  found.group(1)) if found else []
-            return sum(int(s) for s in entries)
+            return [(int(offset), int(size)) for offset, size in entries]
 
-        kernels.append({"name": match.group(1), "vmem_used": size("used_scoped_memory_configs"),
-                        "vmem_limit": size("scoped_memory_configs")})
+        window, used = ranges("scoped_memory_configs"), ranges("used_scoped_memory_configs")
+        start = min((offset for offset, _ in window), default=0)
+        end = max((offset + size for offset, size in used), default=start)
+        kernels.append({"name": match.group(1), "vmem_used": max(end - start, 0),
+                        "vmem_limit": sum(size for _, size in window)})
     return kernels
 
 
