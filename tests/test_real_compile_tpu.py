@@ -78,7 +78,8 @@ def test_default_variant_compiles_fwd_bwd(device, gate):
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
 @pytest.mark.parametrize("device", ["tpu-v5e", pytest.param("tpu-v7x", marks=pytest.mark.slow)])
 def test_every_program_of_a_call_compiles(device, gate):
-    """Chunk fwd+bwd, recurrent, packed row (scalar) and the fused-input build (qk_norm,
+    """Chunk fwd+bwd, recurrent, packed row (both gate kinds: the packed build's per-channel
+    walks too) and the fused-input build (qk_norm,
     softplus gate; fwd+bwd and recurrent) of the default variant, for TPU v5e and (slow: 45-85 s
     on a busy 2-core host; `test_build_compile_records_the_compile` compiles every scalar
     program for it) TPU7x."""
@@ -87,10 +88,9 @@ def test_every_program_of_a_call_compiles(device, gate):
     variant = registry.default_variant("pallas_tpu", problem, device)
     report = compilers.compile_variant(variant, problem, device, T=64)
     _check_report(report, device)
-    expected = {"chunk_fwd_bwd", "recurrent_forward", "fused_fwd_bwd", "fused_recurrent_forward",
-                "steps_forward"}
-    assert {p.name for p in report.programs} == expected | (
-        {"packed_fwd_bwd"} if gate == "scalar" else set())
+    assert {p.name for p in report.programs} == {
+        "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
+        "fused_recurrent_forward", "steps_forward"}
     assert json.loads(json.dumps(report.to_json()))["ok"] is True
 
 

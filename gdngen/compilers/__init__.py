@@ -13,8 +13,8 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
 * ``chunk_fwd_bwd``: `gdngen.jax.gated_delta` and its gradient at ``T`` steps (the chunk kernels);
 * ``recurrent_forward``: the forward of the longest call the recurrent kernel runs
   (``recurrent_below - 1`` steps; absent when ``recurrent_below <= 1``);
-* ``packed_fwd_bwd`` (scalar gates): a packed row of two sequences (``cu_seqlens``) and its
-  gradient (the packed build);
+* ``packed_fwd_bwd`` (the gate kinds of the backend's ``packed_gates``): a packed row of two
+  sequences (``cu_seqlens``) and its gradient (the packed build);
 * ``fused_fwd_bwd`` / ``fused_recurrent_forward``: ``qk_norm=True``, ``gate="softplus"`` with
   ``A_log``, ``dt_bias`` and the output's gated norm (``norm_weight``, ``output_gate``) (the
   fused-input builds; the recurrent norm builds of pallas_tpu and pallas_gpu) at ``T`` and at

@@ -123,7 +123,7 @@ def programs(variant: Variant, problem: Problem, T: int = DEFAULT_T) -> list[tup
     out = [("chunk_fwd_bwd", chunk_T)]
     if short:
         out.append(("recurrent_forward", short))
-    if problem.gate == "scalar":
+    if problem.gate in spec.packed_gates:  # the backend's packed kernels take these gates
         out.append(("packed_fwd_bwd", chunk_T))
     out.append(("fused_fwd_bwd", chunk_T))
     if short:
