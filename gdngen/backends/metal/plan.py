@@ -107,7 +107,7 @@ _KERNEL_IO = {
                 "prm"), ("dq", "dk", "dbeta", "dd")),
     "recurrent": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "final_state")),
     "recurrent_steps": (("q", "k", "v", "a", "beta", "s0", "prm"), ("y_out", "states")),
-    "fwd_scan_channel": (("s0", "u", "wk", "kc", "qd", "pm", "dccv"),
+    "fwd_scan_channel": (("s0", "u", "wk", "kc", "qd", "pm", "dcc"),
                          ("y_out", "final_state", "states", "w_out")),
     "bwd_scan_channel": (("dsf", "pm", "kc", "wk", "w", "states", "dy", "qd", "dcc"),
                          ("dw", "dsout", "ds0", "dwk", "dqd", "dkc", "ddcc")),
@@ -326,10 +326,9 @@ def channel_input_metas(plan: Plan) -> dict:
               "prm": (f32, 1, 2), "tinv": (f32, 6, heads * C * C), "mkk": (f32, 6, heads * C * C),
               "dwk_sum": rows_k, "dqd_sum": rows_k, "dkc_sum": rows_k,
               "ddcc_sum": (f32, 5, heads * pb.Dk)}
-    per_chunk = (f32, 5, heads * pb.Dk)
     return {**stages, "s0": state, "dsf": state, "u": rows_v, "w": rows_v,
             "dy": rows_v, "wk": rows_k, "kc": rows_k, "qd": rows_k, "pm": (f32, 6, heads * C * C),
-            "dccv": per_chunk, "dcc": per_chunk, "states": (f32, 6, heads * pb.Dv * pb.Dk),
+            "dcc": (f32, 5, heads * pb.Dk), "states": (f32, 6, heads * pb.Dv * pb.Dk),
             "inject": (f32, 6, heads * pb.Dv * pb.Dk), "dsin": (f32, 6, heads * pb.Dv * pb.Dk)}
 
 

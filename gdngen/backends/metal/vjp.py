@@ -73,7 +73,7 @@ class ChannelWalks:
             refuse_injection(BACKEND, inject)
         N, B = int(U.shape[0]), int(U.shape[1])
         plan = self._plan(N, B)
-        inputs = {"s0": S0, "u": U, "wk": Wk, "kc": Kc, "qd": Qd, "pm": Pm, "dccv": dCC}
+        inputs = {"s0": S0, "u": U, "wk": Wk, "kc": Kc, "qd": Qd, "pm": Pm, "dcc": dCC}
         if self.packed:
             inputs["inject"] = self._states(inject, U, S0)
         env = self._launch(plan, plan.forward, inputs)
