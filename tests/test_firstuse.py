@@ -392,22 +392,28 @@ def test_a_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted)
         assert record["worst_quantity"] in quantities and record["worst_error"] > 1e-3, record
 
 
-@pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("planted", [pytest.param(None, marks=pytest.mark.slow), "recurrent",
+                                     "chunk"])
 def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted):
-    """pallas_gpu's norm build with Dv = 24 (rows zero-padded to 32, one program per head):
-    its mean is over the real Dv; a planted mean over the padded DV fails the first-use check
-    (in y or, where the probe's T takes the chunk path, y_other_path: the recurrent side of
-    the switch), the shipped one passes."""
+    """pallas_gpu's norm builds with Dv = 24 (rows zero-padded to 32, one program per head):
+    their mean is over the real Dv; a planted mean over the padded DV, in the recurrent
+    kernel or in the chunk forward's walk, fails the first-use check (in y or y_other_path:
+    each probe runs both sides of the switch), the shipped ones pass."""
     # a problem each: the eager calls' compiled steps are cached per call in the process
-    problem = Problem(1, 2, 16 if planted else 32, 24, "float32", "scalar")
-    if planted:
+    problem = Problem(1, 2, {None: 32, "recurrent": 16, "chunk": 64}[planted], 24, "float32",
+                      "scalar")
+    if planted == "recurrent":
         old = "jnp.sum(y * y) / NORM_DV + eps"
         plant(fresh, monkeypatch, "pallas_gpu", "recurrent.py.j2", old,
+              old.replace("NORM_DV", "DV"))
+    elif planted == "chunk":
+        old = "jnp.sum(y * y, axis=1) / NORM_DV + eps"
+        plant(fresh, monkeypatch, "pallas_gpu", "forward.py.j2", old,
               old.replace("NORM_DV", "DV"))
     variant = registry.default_variant("pallas_gpu", problem)
     assert registry.get("pallas_gpu").holds_whole_head(variant, problem)
     record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
-    assert record["passed"] is not planted, record
+    assert record["passed"] is (planted is None), record
     if planted:
         assert record["worst_quantity"] in {"y", "y_other_path"}, record
         assert record["worst_error"] > 1e-2, record

@@ -93,6 +93,24 @@ def test_vector_gate_programs_compile():
     assert "gdn_channel_decayed_keys" in names["chunk_fwd_bwd"], names  # the reverse walk's
 
 
+def test_the_chunk_forward_norm_build_compiles():
+    """A variant whose walk programs hold the head's whole Dv (``bv`` = Dv) has the
+    ``fused_chunk_forward`` program (the chunk forward's norm build: qk_norm and the softplus
+    gate in its loads, the gated norm in the walk's stores); it compiles for H100 to the two
+    forward kernels and nothing else (no norm after them, no backward). A variant splitting Dv
+    has no such program."""
+    problem = SMALL["scalar"]
+    variant = _variant(problem, "h100", bv=32)
+    assert registry.get("pallas_gpu").holds_whole_head(variant, problem)
+    report = compilers.compile_variant(variant, problem, "h100", T=48,
+                                       only=("fused_chunk_forward",))
+    _check_report(report, "h100", variant)
+    assert {p.name: {k["name"] for k in p.kernels} for p in report.programs} == {
+        "fused_chunk_forward": {"gdn_intra", "gdn_walk"}}
+    split = _variant(problem, "h100", bv=16)
+    assert "fused_chunk_forward" not in dict(compilers.programs(split, problem, 48))
+
+
 def test_build_compile_records_the_compile(tmp_path):
     """``gdngen build --backend pallas_gpu --device h100 --compile --json``: every program of a
     call (chunk fwd+bwd, recurrent, packed row, fused inputs) compiled, in the manifest."""
@@ -116,7 +134,7 @@ def test_build_compile_records_the_compile(tmp_path):
     assert 0 < record["shared_memory_used"] <= 227 * 1024
     assert [p["name"] for p in record["programs"]] == [
         "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
-        "fused_recurrent_forward", "steps_forward"]
+        "fused_recurrent_forward", "fused_chunk_forward", "steps_forward"]
 
 
 def test_tune_space_drops_what_does_not_compile_for_a_gpu(tmp_path, monkeypatch):

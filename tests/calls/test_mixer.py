@@ -397,34 +397,50 @@ def test_metal_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
     print("metal recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
-@pytest.mark.parametrize("form", [
-    pytest.param(f, marks=[pytest.mark.slow] if f == "vector" else []) for f in sorted(FORMS)])
-def test_chunk_forward_normalises_in_its_stores(form, monkeypatch):
-    """A chunked mixer call on ffi_cpu (T = 37 over ``recurrent_below`` = 16): undifferentiated,
+@pytest.mark.parametrize("backend, form", [
+    pytest.param(b, f, marks=[pytest.mark.slow] if f == "vector" else [])
+    for b, forms in (("ffi_cpu", FORMS), ("pallas_gpu", ("scalar",))) for f in sorted(forms)])
+def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
+    """A chunked mixer call (T = 37 over ``recurrent_below`` = 16) on ffi_cpu and pallas_gpu
+    (scalar gates, a variant whose walk programs hold the head's whole Dv): undifferentiated,
     its chunk forward is the norm build (`gdngen.backends.ffi_cpu.vjp.normed_chunk`: the conv,
-    the q/k norm and the gate in its loads, the gated norm in each chunk's stores), with no
-    norm stage after it; values and every gradient against float64, outputs poisoned."""
-    from gdngen.backends.ffi_cpu import vjp
-
-    spec, variant = variant_here("ffi_cpu", form)
+    the q/k norm and the gate in its loads, the gated norm in each chunk's stores;
+    `gdngen.backends.pallas.gpu.vjp.normed_chunk`: the q/k norm and the gate in its loads, the
+    gated norm in the walk's stores), with no norm stage after it; values and every gradient
+    against float64, outputs poisoned."""
+    spec, variant = variant_here(backend, form)
     variant = variant.replace(recurrent_below=16)
+    if backend == "pallas_gpu":
+        from gdngen.backends.pallas.backend import PallasBackend as owner
+
+        variant = variant.replace(bv=Dv)
+        assert spec.holds_whole_head(variant, Problem(Hk, Hv, Dk, Dv, gate=form))
+        name = "normed_chunk_forward"
+    else:
+        from gdngen.backends.ffi_cpu import vjp as owner
+
+        name = "normed_chunk"
     assert spec.parse(variant).recurrent_below <= T
     fw, x, options, call, builds, norms = spied_mixer(
-        monkeypatch, "jax", form, 67, variant, vjp, "normed_chunk", lambda a, kw: a)
+        monkeypatch, "jax", form, 67, variant, owner, name, lambda a, kw: a)
     out = call()
     norm_gate = FORMS[form].get("norm_gate", "silu")
-    assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (builds, norms)
+    if backend == "pallas_gpu":  # (self, call, operands, variant, ...)
+        assert [b[1].norm_gate for b in builds] == [norm_gate] and norms == [], (builds, norms)
+    else:
+        assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (
+            builds, norms)
     errors = check_against_reference(fw, x, options, cotangents(67), variant=variant)
     assert float(fw.m.max(fw.m.abs(out[0]))) > 0
-    print("ffi_cpu chunk norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    print(backend, "chunk norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
 def test_explain_says_where_the_norm_runs():
     """``explain()`` of a ``norm_weight`` call names where the output's gated norm runs
     (`gdngen.backend.Backend.norm_in_stores`, what each forward reads): ffi_cpu's kernels at
-    every T; the Pallas recurrent kernels only for a short call, where a program holds the
-    head's Dv (pallas_gpu: bv = Dv, not bv = Dv / 2); after the kernels on xla and for packed
-    rows."""
+    every T; the Pallas recurrent kernels for a short call, where a program holds the head's
+    Dv (pallas_gpu: bv = Dv, not bv = Dv / 2), and pallas_gpu's chunk forward for a long one
+    (the same condition); after the kernels on xla and for packed rows."""
     import jax.numpy as jnp
 
     import gdngen
@@ -448,6 +464,8 @@ def test_explain_says_where_the_norm_runs():
     assert stores in where(17, ffi) and stores in where(200, ffi)
     assert stores in where(17, tpu) and after in where(200, tpu)
     assert stores in where(17, gpu.replace(bv=Dv)) and after in where(17, gpu.replace(
+        bv=Dv // 2))
+    assert stores in where(200, gpu.replace(bv=Dv)) and after in where(200, gpu.replace(
         bv=Dv // 2))
     assert after in where(17, registry.default_variant("xla", problem))
     assert after in where(17, ffi, cu_seqlens=jnp.asarray([0, 9, 17], jnp.int32))

@@ -29,7 +29,8 @@ class PallasBackend(Backend):
     ``channel_core`` (per-channel gates: the intra-chunk kernel, then the walks) and
     ``run_recurrent``; ``packed_context`` / ``steps_context`` where its builds need more;
     ``holds_whole_head`` where its recurrent kernel has an output norm build ("norm" in
-    ``fused_inputs``)."""
+    ``fused_inputs``), ``chunk_norm`` where its scalar chunk forward has one too (its walk's
+    stores) and ``normed_chunk`` builds that call."""
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
@@ -38,6 +39,9 @@ class PallasBackend(Backend):
     loaded: dict
     caches: tuple = ()
     log_gate_floor: float
+    #: the scalar chunk forward has an output norm build (`render_fused` renders forward.py
+    #: with the norm; `normed_chunk` runs it)
+    chunk_norm: bool = False
 
     def __init__(self):
         self._interpret_override: list = []
@@ -49,11 +53,13 @@ class PallasBackend(Backend):
         return False
 
     def norm_in_stores(self, call, variant) -> bool:
-        """The recurrent kernel's norm build (`normalises`: "norm" in `fused_inputs`): a short
-        call, a variant whose programs hold a head's whole Dv; the chunk kernels have none."""
+        """A norm build (`normalises`: "norm" in `fused_inputs`) for a variant whose programs
+        hold a head's whole Dv: the recurrent kernel's for a short call; for a chunked call
+        the scalar chunk forward's where the backend has one (`chunk_norm`)."""
         return (call.norm_gate is not None and self.normalises(call)
-                and not self.chunked(call, variant)
-                and self.holds_whole_head(variant, call.problem))
+                and self.holds_whole_head(variant, call.problem)
+                and (not self.chunked(call, variant)
+                     or (self.chunk_norm and not call.shape.vector_gate)))
 
     # ------------------------------------------------------------------ interpret mode
 
@@ -98,23 +104,29 @@ class PallasBackend(Backend):
         """The fused build of ``inputs`` (a `gdngen.backends.kernel_inputs.KernelInputs` that
         fuses something): ``recurrent<tag>.py`` and, for scalar gates, ``forward<tag>.py``
         rendered with ``inputs.context()``; raw q, k and the raw gate projection with its
-        parameters are taken, normalised / formed in the loads. The plain render plan is not
-        touched (a variant's sha256 does not depend on this build)."""
+        parameters are taken, normalised / formed in the loads. A norm build renders the
+        forward only where the backend's chunk forward has one (`chunk_norm`), without saved
+        residuals (forward only). The plain render plan is not touched (a variant's sha256
+        does not depend on this build)."""
         from gdngen.sources import Rendered, environment, sources_sha256
 
         if not inputs.fused:
             raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
         if inputs.norm and "norm" not in self.fused_inputs:
             raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
-        names = ("recurrent.py",) if problem.gate == "vector" or inputs.norm else \
-            ("recurrent.py", "forward.py")
+        names = ("recurrent.py",) if problem.gate == "vector" or (
+            inputs.norm and not self.chunk_norm) else ("recurrent.py", "forward.py")
         self.parse(variant)
         plan = self.render_plan(variant, problem)
         env = environment(templates_dir)
         extra = {"qk_norm_eps": repr(QK_NORM_EPS), "log_gate_floor": repr(self.log_gate_floor),
                  **inputs.context(), **({"norm_dv": problem.Dv} if inputs.norm else {})}
+        # a norm build's chunk forward runs undifferentiated: it keeps no residuals
+        only_forward = {"save_states": False} if inputs.norm else {}
         texts = {f"{name.removesuffix('.py')}{inputs.tag()}.py": env.get_template(
-            plan[name][0]).render(**dict(plan[name][1], **extra)) for name in names}
+            plan[name][0]).render(**dict(plan[name][1], **extra,
+                                         **(only_forward if name == "forward.py" else {})))
+            for name in names}
         return Rendered(variant, problem, texts, sources_sha256(texts))
 
     def render_packed(self, variant, problem, *, templates_dir=None):
@@ -200,7 +212,7 @@ class PallasBackend(Backend):
                                       run_recurrent=jit_pair(modules["recurrent"].recurrent,
                                                              static, interpret))
             if "forward" in modules:
-                kernels.run_forward = jit_pair(modules["forward"].forward, SCALED, interpret)
+                kernels.run_forward = jit_pair(modules["forward"].forward, static, interpret)
             self.loaded[key] = kernels
         return self.loaded[key]
 
@@ -335,6 +347,51 @@ class PallasBackend(Backend):
             chunk_size=kernels.params["chunk_size"])
         return y.astype(q.dtype), state
 
+    def normed_chunk_forward(self, call, operands, variant, templates_dir=None):
+        """A chunked scalar-gate ``norm_gate`` call where `norm_in_stores` holds: `chunk_forward`
+        of the call without its norm, then the norm (`gdngen.backends.generated.norm_switch`,
+        its VJP the two VJPs); not differentiated, the norm build's chunk forward
+        (`normed_chunk`: the call's layout, the norm in the walk's stores; a conv call
+        convolved before it). Returns ``(out in q's dtype, final_state float32)``."""
+        import jax.numpy as jnp
+
+        from gdngen import prepare
+        from gdngen.backends import generated
+        from gdngen.backends.portable.jax_chunkwise import XP
+
+        f32, dtype, gate = jnp.float32, operands.q.dtype, call.core_gate
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+        built = self.load_fused_kernels(
+            variant, call.problem, KernelInputs.of(call.qk_norm, gate, norm=call.norm_gate),
+            templates_dir=templates_dir)
+        run = self.normed_chunk((built.sha256, built.interpret), gate, call.scale, call.qk_norm)
+        plain_call, plain = prepare.without_norm(call, operands)
+        if plain.initial_state is None:
+            shape = call.shape
+            plain = plain._replace(initial_state=jnp.zeros((shape.B, shape.Hv, shape.Dv,
+                                                            shape.Dk), f32))
+        # masks folded here (identity steps; masked outputs zeroed below)
+        g, beta = layer_inputs.fold_mask(XP, layer_inputs.cast_gates(plain.kernel_gates(), f32),
+                                         plain.beta.astype(f32), plain.mask, gate)
+        a, *parameters = g if isinstance(g, tuple) else (g,)
+        plain = plain._replace(g=a, beta=beta, mask=None, initial_state=plain.initial_state.astype(
+            f32), **dict(zip(("A_log", "dt_bias"), parameters)))
+
+        def unfused(ops):
+            return self.chunk_forward(plain_call, ops, variant, templates_dir)
+
+        def fused(ops, z, w, *, norm_eps):
+            if call.conv_size is not None:
+                ops = prepare.convolved(plain_call, ops)[1]
+            return run(*(x.astype(dtype) for x in (ops.q, ops.k, ops.v)), ops.kernel_gates(),
+                       ops.beta, ops.initial_state, z, w, norm_eps=norm_eps)
+
+        y, state = generated.norm_switch(unfused, fused, call.norm_eps, call.norm_gate)(
+            (plain,), operands.output_gate.astype(f32), operands.norm_weight.astype(f32))
+        if operands.mask is not None:
+            y = jnp.where(operands.mask[..., None, None], y, 0.0)
+        return y.astype(dtype), state
+
     def conv_core(self, call, operands, core, initial_state):
         """A conv call (raw q, k, v) through ``core``, a chunk core over the call's layout that
         convolves (``conv_chunk`` set: `gdngen.backends.generated.custom_vjp_core` with
@@ -365,8 +422,8 @@ class PallasBackend(Backend):
         `recurrent_forward` inside
         `gdngen.backends.portable.jax_chunkwise.recurrent_or_chunkwise` (the chunk path's VJP).
         A ``norm_gate`` call where `norm_in_stores` holds runs the recurrent kernel's norm build
-        when not differentiated (`gdngen.backends.generated.norm_switch`); other calls get the
-        norm after them."""
+        (a chunked call: `normed_chunk_forward`) when not differentiated
+        (`gdngen.backends.generated.norm_switch`); other calls get the norm after them."""
         import jax.numpy as jnp
 
         from gdngen import prepare
@@ -382,6 +439,8 @@ class PallasBackend(Backend):
                                     templates_dir)
             return prepare.normed(call, operands, y), state
         if not shape.vector_gate and chunked:
+            if normed:  # the chunk forward's norm build when not differentiated
+                return self.normed_chunk_forward(call, operands, variant, templates_dir)
             return self.chunk_forward(call, operands, variant, templates_dir)
         if call.conv_size is not None and not (chunked and shape.vector_gate):
             call, operands = prepare.convolved(call, operands)  # short calls: the conv first

@@ -48,6 +48,7 @@ from gdngen.backends.pallas.gpu.vjp import (
     chunk_core,
     chunk_walks,
     entering_core,
+    normed_chunk,
     packed_core,
     pad_last,
     states_to_kernel,
@@ -73,18 +74,19 @@ class PallasGPU(GPUKernels):
 
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("gpu",), "shared_memory", "h100"
-    #: the recurrent kernel has an output norm build (variants whose bv is the padded Dv)
-    fused_inputs = ("qk_norm", "gate", "conv", "norm")
+    #: the recurrent kernel and the scalar chunk forward have an output norm build (variants
+    #: whose bv is the padded Dv)
+    fused_inputs, chunk_norm = ("qk_norm", "gate", "conv", "norm"), True
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
-              channel_intra, channel_grads, channel_walk_core)
+              channel_intra, channel_grads, channel_walk_core, normed_chunk)
     #: the cores on a loaded build ``key`` (sha256, interpret), cached process-wide
     #: (`gdngen.backends.pallas.gpu.vjp`)
     chunk_core, packed_core = staticmethod(chunk_core), staticmethod(packed_core)
     chunk_walks, entering_core = staticmethod(chunk_walks), staticmethod(entering_core)
     channel_core, channel_intra = staticmethod(channel_core), staticmethod(channel_intra)
     channel_grads = staticmethod(channel_grads)
-    channel_walk_core = staticmethod(channel_walk_core)
+    channel_walk_core, normed_chunk = staticmethod(channel_walk_core), staticmethod(normed_chunk)
 
     def holds_whole_head(self, variant, problem) -> bool:
         """A program holds a head's whole (padded) Dv where the variant's ``bv`` is it."""

@@ -154,7 +154,8 @@ class GPUKernels(GPUPlanning):
 
     def lower_fused(self, variant: Variant, problem: Problem, inputs, *, batch: int, chunks: int,
                      steps: int) -> dict:
-        """`lower_check` of the fused build of ``inputs``."""
+        """`lower_check` of the fused build of ``inputs`` (a norm build's kernels with their z,
+        norm_weight and ``norm_eps``)."""
         import jax
         import jax.numpy as jnp
 
@@ -166,7 +167,8 @@ class GPUKernels(GPUPlanning):
         gate = fused_gate_specs(inputs, Hv, Dk, vector)
 
         def lower(fn, *args):
-            static = {"interpret": False, "scale": Dk ** -0.5}
+            static = {"interpret": False, "scale": Dk ** -0.5,
+                      **({"norm_eps": 1e-6} if inputs.norm else {})}
             with jaxcompat.abstract_gpu():
                 return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
                         .lower(lowering_platforms=("cuda",)).as_text())
@@ -174,15 +176,19 @@ class GPUKernels(GPUPlanning):
         B, state = batch, spec((batch, Hv, Dv, Dk), f32)
         per_step = spec((B, steps, Hv), f32)
         q_rec = spec((B, steps, Hk, Dk), f32)
+
+        def norm(T):  # a norm build's z [B, T, Hv, Dv] and norm_weight [Dv]
+            return (spec((B, T, Hv, Dv), f32), spec((Dv,), f32)) if inputs.norm else ()
+
         lowered = {"recurrent": lower(kernels.recurrent.recurrent, q_rec, q_rec,
                                       spec((B, steps, Hv, Dv), f32),
                                       spec((B, steps, Hv, Dk), f32) if vector else per_step,
-                                      per_step, state, *gate)}
-        if not vector:
+                                      per_step, state, *gate, *norm(steps))}
+        if hasattr(kernels, "forward"):
             T = chunks * C
             q, gates = spec((B, T, Hk, Dk), dtype), spec((B, Hv, T), f32)
             lowered["forward"] = lower(kernels.forward.forward, q, q, spec((B, T, Hv, Dv), dtype),
-                                       gates, gates, state, *gate)
+                                       gates, gates, state, *gate, *norm(T))
         for name, text in lowered.items():
             if "triton" not in text:
                 raise RuntimeError(f"the fused {name} kernels did not lower to a Triton custom "

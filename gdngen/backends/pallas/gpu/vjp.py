@@ -2,7 +2,8 @@
 kernels' time-row layout (``[B, T, H, D]`` / ``[B, Hv, T]``, head dims zero-padded to 16), the
 kernels' gradients to cotangents, and the cores built on a loaded build (keyed by
 ``(sha256, interpret)``, cached process-wide): `chunk_core`, `entering_core`, `packed_core`,
-`chunk_walks`, `channel_intra`, `channel_grads`, `channel_core`, `channel_walk_core`."""
+`chunk_walks`, `channel_intra`, `channel_grads`, `channel_core`, `channel_walk_core`, and the
+norm build's call-layout forward `normed_chunk`."""
 
 from __future__ import annotations
 
@@ -505,3 +506,59 @@ def channel_grads(key: tuple, gate: str, scale: float):
 #: `gdngen.backends.pallas.core.channel_walk_core`, ``channel_walk_core(key, gate, walks)``):
 #: `channel_intra`, `channel_grads` and the build's `chunk_walks`
 channel_core, channel_walk_core = pallas_core.channel_cores(LOADED, channel_intra, channel_grads)
+
+
+def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, chunk, dk, dv):
+    """A dense call's arrays (the call's layout: q, k ``[B, T, Hk, Dk]``, v, z ``[B, T, Hv,
+    Dv]``, gates ``[B, T, Hv]`` in the convention ``gate`` or, with a gate form, ``(a, A_log,
+    dt_bias)``, beta ``[B, T, Hv]``, S0 ``[B, Hv, Dv, Dk]``, norm_weight ``[Dv]``; masks folded)
+    -> the norm build's forward operands: T padded to a multiple of ``chunk`` with identity
+    steps (zero rows, log g = 0 or a = -inf, beta = 0), head dims zero-padded, gates and beta
+    ``[B, Hv, T]``. No chunk layout: the kernels read time rows."""
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    pad = -q.shape[1] % chunk
+
+    def rows(x, value=0.0):  # T padded with ``value``
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+        return jnp.pad(x, widths, constant_values=value) if pad else x
+
+    def per_step(x, value=0.0):  # [B, T, Hv] -> [B, Hv, T]
+        return rows(x.astype(f32), value).transpose(0, 2, 1)
+
+    if inputs.gate_form is None:
+        g, parameters = per_step(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR)), ()
+    else:
+        a, A_log, dt_bias = gates
+        g = per_step(a, -float("inf"))  # an identity step; the kernels clamp the gate they form
+        parameters = fused_gate_operands(inputs, A_log, dt_bias, v.shape[2], q.shape[3], False)
+    return (pad_last(rows(q), dk), pad_last(rows(k), dk), pad_last(rows(v), dv), g,
+            per_step(beta), states_to_kernel(S0.astype(f32)[:, :, None], dk, dv), *parameters,
+            pad_last(rows(z.astype(f32)), dv), pad_last(norm_weight.astype(f32), dv))
+
+
+@functools.cache
+def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
+    """``call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps) -> (out [B, T, Hv, Dv],
+    S_final [B, Hv, Dv, Dk])``, forward only: the chunk forward of the loaded norm build
+    ``key`` (sha256, interpret; `render_fused` with ``norm``, whose walk computes the
+    output's gated norm in its stores), on the call's layout (`_normed_layout`: no chunk
+    layout, no copy of y). ``gate`` a convention or a
+    `gdngen.algebra.layer_inputs.ParameterGate` (``gates`` then ``(a, A_log, dt_bias)``); q, k
+    raw with ``qk_norm`` (the build normalises them in its loads); q unscaled, q, k, v in the
+    problem's dtype, the rest float32; masks folded."""
+    kernels = LOADED[key]
+    interpret, p = kernels.interpret, kernels.params
+    prepare = jit_pair(functools.partial(
+        _normed_layout, gate=layer_inputs.convention(gate), inputs=KernelInputs.of(qk_norm, gate),
+        chunk=p["chunk_size"], dk=p["dk"], dv=p["dv"]), (), interpret)
+
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+        T, Dk, Dv = q.shape[1], q.shape[3], v.shape[3]
+        out, s_final, _ = call_jitted(
+            kernels.run_forward, *call_jitted(prepare, q, k, v, gates, beta, S0, z, norm_weight),
+            scale=scale, interpret=interpret, norm_eps=norm_eps)
+        return out[:, :T, :, :Dv], s_final[:, :, :Dv, :Dk]
+
+    return call
