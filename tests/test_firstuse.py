@@ -419,6 +419,28 @@ def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, p
         assert record["worst_error"] > 1e-2, record
 
 
+@pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_the_tpu_chunk_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted):
+    """pallas_tpu's chunk forward norm build (every head of the tile in one output block of
+    the call's layout, Dv = 64 lanes each) is checked through its stores: a planted norm that
+    doubles the mean of y^2 fails the first-use check (the chunk forward runs y_other_path at
+    the short probes, y at the long one), the shipped one passes."""
+    # a problem each: the eager calls' compiled steps are cached per call in the process
+    problem = Problem(1, 2, 32 if planted else 16, 64, "float32", "scalar")
+    if planted:
+        old = "jnp.mean(y * y, axis=1, keepdims=True) + eps"
+        plant(fresh, monkeypatch, "pallas_tpu", "forward.py.j2", old,
+              old.replace("keepdims=True)", "keepdims=True) * 2"))
+    spec = registry.get("pallas_tpu")
+    variant = registry.default_variant("pallas_tpu", problem)
+    assert spec.chunk_norm(variant, problem) and spec.holds_whole_head(variant, problem)
+    record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
+    assert record["passed"] is not planted, record
+    if planted:
+        assert record["worst_quantity"] in {"y", "y_other_path"}, record
+        assert record["worst_error"] > 1e-2, record
+
+
 @needs_ffi
 @pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_fused_layer_inputs_are_checked_from_the_raw_inputs(fresh, monkeypatch, planted):

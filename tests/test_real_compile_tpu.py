@@ -79,8 +79,9 @@ def test_default_variant_compiles_fwd_bwd(device, gate):
 @pytest.mark.parametrize("device", ["tpu-v5e", pytest.param("tpu-v7x", marks=pytest.mark.slow)])
 def test_every_program_of_a_call_compiles(device, gate):
     """Chunk fwd+bwd, recurrent, packed row (both gate kinds: the packed build's per-channel
-    walks too) and the fused-input build (qk_norm,
-    softplus gate; fwd+bwd and recurrent) of the default variant, for TPU v5e and (slow: 45-85 s
+    walks too) and the fused-input build (qk_norm, softplus gate, the output's gated norm;
+    fwd+bwd, recurrent and, scalar gates, the chunk forward's norm build) of the default
+    variant, for TPU v5e and (slow: 45-85 s
     on a busy 2-core host; `test_build_compile_records_the_compile` compiles every scalar
     program for it) TPU7x."""
     _available(device)
@@ -88,9 +89,11 @@ def test_every_program_of_a_call_compiles(device, gate):
     variant = registry.default_variant("pallas_tpu", problem, device)
     report = compilers.compile_variant(variant, problem, device, T=64)
     _check_report(report, device)
+    # a scalar-gate variant holding its heads' Dv: the chunk forward's norm build too
     assert {p.name for p in report.programs} == {
         "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
-        "fused_recurrent_forward", "steps_forward"}
+        "fused_recurrent_forward", "steps_forward"} | (
+        {"fused_chunk_forward"} if gate == "scalar" else set())
     assert json.loads(json.dumps(report.to_json()))["ok"] is True
 
 
@@ -396,7 +399,7 @@ def test_build_compile_records_the_compile(tmp_path, monkeypatch, device, target
     assert entry["code_bytes"] > 0 and entry["temp_bytes"] >= 0
     assert [p["name"] for p in entry["programs"]] == [
         "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
-        "fused_recurrent_forward", "steps_forward"]
+        "fused_recurrent_forward", "fused_chunk_forward", "steps_forward"]
 
 
 def test_build_compile_fails_when_mosaic_rejects_a_kernel(tmp_path):

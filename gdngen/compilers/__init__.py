@@ -20,8 +20,9 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
   fused-input builds; the recurrent norm builds of pallas_tpu and pallas_gpu) at ``T`` and at
   the recurrent length;
 * ``fused_chunk_forward`` (a backend whose scalar chunk forward has a norm build, for a
-  variant whose programs hold a head's whole Dv: pallas_gpu with ``bv`` the padded Dv): the
-  same call's forward at ``T`` (the chunk forward's norm build);
+  variant whose programs hold a head's whole Dv: pallas_gpu with ``bv`` the padded Dv,
+  pallas_tpu with ``dv_tile`` = Dv): the same call's forward at ``T`` (the chunk forward's norm
+  build);
 * ``steps_forward`` (backends whose recurrent kernels write the per-step states,
   `gdngen.backend.Backend.step_states`): a ``return_states="steps"`` verify window of
   `STEPS_T` steps (the per-step-states build).

@@ -128,7 +128,7 @@ def programs(variant: Variant, problem: Problem, T: int = DEFAULT_T) -> list[tup
     out.append(("fused_fwd_bwd", chunk_T))
     if short:
         out.append(("fused_recurrent_forward", short))
-    if (getattr(spec, "chunk_norm", False) and problem.gate == "scalar"
+    if (hasattr(spec, "chunk_norm") and spec.chunk_norm(variant, problem)
             and spec.holds_whole_head(variant, problem)):  # the chunk forward's norm build
         out.append(("fused_chunk_forward", chunk_T))
     if problem.gate in spec.step_states:

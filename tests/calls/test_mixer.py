@@ -399,21 +399,22 @@ def test_metal_recurrent_kernel_normalises_in_its_stores(form, monkeypatch):
 
 @pytest.mark.parametrize("backend, form", [
     pytest.param(b, f, marks=[pytest.mark.slow] if f == "vector" else [])
-    for b, forms in (("ffi_cpu", FORMS), ("pallas_gpu", ("scalar",))) for f in sorted(forms)])
+    for b, forms in (("ffi_cpu", FORMS), ("pallas_gpu", ("scalar",)), ("pallas_tpu", ("scalar",)))
+    for f in sorted(forms)])
 def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
-    """A chunked mixer call (T = 37 over ``recurrent_below`` = 16) on ffi_cpu and pallas_gpu
-    (scalar gates, a variant whose walk programs hold the head's whole Dv): undifferentiated,
-    its chunk forward is the norm build (`gdngen.backends.ffi_cpu.vjp.normed_chunk`: the conv,
-    the q/k norm and the gate in its loads, the gated norm in each chunk's stores;
-    `gdngen.backends.pallas.gpu.vjp.normed_chunk`: the q/k norm and the gate in its loads, the
-    gated norm in the walk's stores), with no norm stage after it; values and every gradient
-    against float64, outputs poisoned."""
+    """A chunked mixer call (T = 37 over ``recurrent_below`` = 16) on ffi_cpu, pallas_gpu and
+    pallas_tpu (scalar gates, a variant whose programs hold the head's whole Dv):
+    undifferentiated, its chunk forward is the norm build (`gdngen.backends.ffi_cpu.vjp.
+    normed_chunk`: the conv, the q/k norm and the gate in its loads, the gated norm in each
+    chunk's stores; the Pallas ``normed_chunk``: the q/k norm and the gate in its loads, the
+    gated norm in the walk's stores, written in the call's layout), with no norm stage after
+    it; values and every gradient against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
     variant = variant.replace(recurrent_below=16)
-    if backend == "pallas_gpu":
+    if backend.startswith("pallas"):
         from gdngen.backends.pallas.backend import PallasBackend as owner
 
-        variant = variant.replace(bv=Dv)
+        variant = variant.replace(**{"dv_tile" if backend == "pallas_tpu" else "bv": Dv})
         assert spec.holds_whole_head(variant, Problem(Hk, Hv, Dk, Dv, gate=form))
         name = "normed_chunk_forward"
     else:
@@ -425,7 +426,7 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
         monkeypatch, "jax", form, 67, variant, owner, name, lambda a, kw: a)
     out = call()
     norm_gate = FORMS[form].get("norm_gate", "silu")
-    if backend == "pallas_gpu":  # (self, call, operands, variant, ...)
+    if backend.startswith("pallas"):  # (self, call, operands, variant, ...)
         assert [b[1].norm_gate for b in builds] == [norm_gate] and norms == [], (builds, norms)
     else:
         assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (
@@ -438,9 +439,10 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
 def test_explain_says_where_the_norm_runs():
     """``explain()`` of a ``norm_weight`` call names where the output's gated norm runs
     (`gdngen.backend.Backend.norm_in_stores`, what each forward reads): ffi_cpu's kernels at
-    every T; the Pallas recurrent kernels for a short call, where a program holds the head's
-    Dv (pallas_gpu: bv = Dv, not bv = Dv / 2), and pallas_gpu's chunk forward for a long one
-    (the same condition); after the kernels on xla and for packed rows."""
+    every T; the Pallas kernels where a program holds the head's Dv (pallas_tpu: dv_tile = Dv,
+    pallas_gpu: bv = Dv, not Dv / 2), the recurrent kernel for a short call, the chunk forward
+    for a long one (pallas_tpu: where its output blocks are whole vregs or rows); after the
+    kernels on xla and for packed rows."""
     import jax.numpy as jnp
 
     import gdngen
@@ -462,7 +464,9 @@ def test_explain_says_where_the_norm_runs():
     ffi, tpu, gpu = (registry.default_variant(b, problem)
                      for b in ("ffi_cpu", "pallas_tpu", "pallas_gpu"))
     assert stores in where(17, ffi) and stores in where(200, ffi)
-    assert stores in where(17, tpu) and after in where(200, tpu)
+    assert stores in where(17, tpu) and stores in where(200, tpu)
+    # Dv = 64 < 128: one head's lanes are a whole output block only with every head in it
+    assert after in where(200, tpu.replace(head_tile=1))
     assert stores in where(17, gpu.replace(bv=Dv)) and after in where(17, gpu.replace(
         bv=Dv // 2))
     assert stores in where(200, gpu.replace(bv=Dv)) and after in where(200, gpu.replace(

@@ -30,7 +30,7 @@ class PallasBackend(Backend):
     ``run_recurrent``; ``packed_context`` / ``steps_context`` where its builds need more;
     ``holds_whole_head`` where its recurrent kernel has an output norm build ("norm" in
     ``fused_inputs``), ``chunk_norm`` where its scalar chunk forward has one too (its walk's
-    stores) and ``normed_chunk`` builds that call."""
+    stores) and ``normed_chunk`` runs that build."""
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
@@ -39,9 +39,6 @@ class PallasBackend(Backend):
     loaded: dict
     caches: tuple = ()
     log_gate_floor: float
-    #: the scalar chunk forward has an output norm build (`render_fused` renders forward.py
-    #: with the norm; `normed_chunk` runs it)
-    chunk_norm: bool = False
 
     def __init__(self):
         self._interpret_override: list = []
@@ -52,6 +49,11 @@ class PallasBackend(Backend):
         output norm build needs: the norm's mean is over Dv)."""
         return False
 
+    def chunk_norm(self, variant, problem) -> bool:
+        """Whether the scalar chunk forward has an output norm build for ``problem``
+        (`render_fused` renders forward.py with the norm; `normed_chunk` runs it)."""
+        return False
+
     def norm_in_stores(self, call, variant) -> bool:
         """A norm build (`normalises`: "norm" in `fused_inputs`) for a variant whose programs
         hold a head's whole Dv: the recurrent kernel's for a short call; for a chunked call
@@ -59,7 +61,7 @@ class PallasBackend(Backend):
         return (call.norm_gate is not None and self.normalises(call)
                 and self.holds_whole_head(variant, call.problem)
                 and (not self.chunked(call, variant)
-                     or (self.chunk_norm and not call.shape.vector_gate)))
+                     or self.chunk_norm(variant, call.problem)))
 
     # ------------------------------------------------------------------ interpret mode
 
@@ -115,7 +117,8 @@ class PallasBackend(Backend):
         if inputs.norm and "norm" not in self.fused_inputs:
             raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
         names = ("recurrent.py",) if problem.gate == "vector" or (
-            inputs.norm and not self.chunk_norm) else ("recurrent.py", "forward.py")
+            inputs.norm and not self.chunk_norm(variant, problem)) else \
+            ("recurrent.py", "forward.py")
         self.parse(variant)
         plan = self.render_plan(variant, problem)
         env = environment(templates_dir)

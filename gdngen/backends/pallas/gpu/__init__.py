@@ -76,7 +76,7 @@ class PallasGPU(GPUKernels):
     device_kinds, device_limit, reference_device = ("gpu",), "shared_memory", "h100"
     #: the recurrent kernel and the scalar chunk forward have an output norm build (variants
     #: whose bv is the padded Dv)
-    fused_inputs, chunk_norm = ("qk_norm", "gate", "conv", "norm"), True
+    fused_inputs = ("qk_norm", "gate", "conv", "norm")
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
               channel_intra, channel_grads, channel_walk_core, normed_chunk)
@@ -87,6 +87,11 @@ class PallasGPU(GPUKernels):
     channel_core, channel_intra = staticmethod(channel_core), staticmethod(channel_intra)
     channel_grads = staticmethod(channel_grads)
     channel_walk_core, normed_chunk = staticmethod(channel_walk_core), staticmethod(normed_chunk)
+
+    def chunk_norm(self, variant, problem) -> bool:
+        """Scalar gates: the walk normalises each chunk's y rows in its stores (`normed_chunk`;
+        the time-row layout is the call's, so any Dv)."""
+        return problem.gate == "scalar"
 
     def holds_whole_head(self, variant, problem) -> bool:
         """A program holds a head's whole (padded) Dv where the variant's ``bv`` is it."""

@@ -2,8 +2,8 @@
 kernels' ``[B, Hv, N, C, ...]`` blocks, the kernels' gradients to cotangents, and the cores
 built on a loaded build (keyed by ``(sha256, interpret)``, cached process-wide): `chunk_core`,
 `entering_core`, `packed_core`, `chunk_walks`, `channel_intra`, `channel_grads`,
-`channel_core`, `channel_walk_core`. `run_kernel` runs a kernel with the interpret mode's race
-check."""
+`channel_core`, `channel_walk_core`, and the norm build's forward `normed_chunk`. `run_kernel`
+runs a kernel with the interpret mode's race check."""
 
 from __future__ import annotations
 
@@ -472,3 +472,57 @@ channel_core, channel_walk_core = pallas_core.channel_cores(LOADED, channel_intr
 
 
 # ----------------------------------------------------------------------------- entry point
+
+
+def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, chunk):
+    """A dense call's arrays (the call's layout, masks folded; ``gates`` in ``gate``'s
+    convention or, with a gate form, ``(a, A_log, dt_bias)``) -> the norm build's forward
+    operands: q, k, v, the gates and beta in the kernels' chunk blocks (`_to_fused_layout` of
+    `gdngen.algebra.chunkwise.whole_sequence`'s chunk layout, T padded with identity steps),
+    and z in the call's own layout, T padded: ``[B, N, C, Hv * Dv]``, a free reshape where T is
+    a multiple of the chunk."""
+    import jax.numpy as jnp
+
+    from gdngen.algebra import chunkwise
+    from gdngen.backends.portable.jax_chunkwise import XP
+
+    taken = []
+
+    def capture(*chunked):  # whole_sequence's chunk layout of the call's arrays
+        taken.append(chunked)
+        return jnp.zeros_like(chunked[2]), jnp.zeros_like(chunked[5])
+
+    chunkwise.whole_sequence(XP, capture, q, k, v, gates, beta, S0, None, scale=1.0, gate=gate,
+                             chunk_size=chunk)
+    lay = _to_fused_layout(*taken[0], layer_inputs.convention(gate), inputs)
+    B, T, Hv, Dv = z.shape
+    pad = -T % chunk
+    z = jnp.pad(z, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else z
+    return (lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"], lay["beta"], lay["s0"],
+            *lay["gate"], z.reshape(B, (T + pad) // chunk, chunk, Hv * Dv), norm_weight)
+
+
+@functools.cache
+def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
+    """``call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps) -> (out [B, T, Hv, Dv],
+    S_final [B, Hv, Dv, Dk])``, forward only: the chunk forward of the loaded norm build
+    ``key`` (sha256, interpret; `render_fused` with ``norm``), which normalises each head's
+    chunk rows in its stores and writes them, like it reads z, in the call's layout
+    (`_normed_layout`). ``gate`` a convention or a `gdngen.algebra.layer_inputs.ParameterGate`
+    (``gates`` then ``(a, A_log, dt_bias)``); q, k raw with ``qk_norm``; q unscaled; q, k, v
+    in the problem's dtype, the rest float32; masks folded."""
+    kernels = LOADED[key]
+    interpret = kernels.interpret
+    prepare = jit_pair(functools.partial(
+        _normed_layout, gate=gate, inputs=KernelInputs.of(qk_norm, gate),
+        chunk=kernels.params["chunk_size"]), (), interpret)
+
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+        B, T, Hv, Dv = v.shape
+        out, s_final = run_kernel(
+            kernels.run_forward, *call_jitted(prepare, q, k, v, gates, beta, S0, z, norm_weight),
+            scale=scale, what="chunk forward (norm build)", interpret=interpret,
+            norm_eps=norm_eps)
+        return out.reshape(B, -1, Hv, Dv)[:, :T], s_final
+
+    return call
