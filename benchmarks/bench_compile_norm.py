@@ -5,11 +5,12 @@ the same variant with the norm after the kernels (`norm_in_stores` patched off),
 The program is `gdngen.compilers`' ``fused_chunk_forward`` (qk_norm, softplus gate,
 norm_weight / output_gate; B = 1). One JSON line per (T, build).
 
-    python benchmarks/bench_compile_norm.py DEVICE HK,HV,DK,DV,DTYPE T[,T...] [VARIANT]
+    python benchmarks/bench_compile_norm.py DEVICE HK,HV,DK,DV,DTYPE[,GATE] T[,T...] [VARIANT]
 
-DEVICE: tpu-v5e, tpu-v7x, h100, ...; VARIANT: a JSON object of parameter overrides of the
-device's default variant (e.g. ``'{"bv": 128}'`` for pallas_gpu at D = 128). The variant must
-hold a head's whole Dv (pallas_tpu ``dv_tile``, pallas_gpu ``bv``), else it has no norm build.
+DEVICE: tpu-v5e, tpu-v7x, h100, ...; GATE: scalar (default) or vector; VARIANT: a JSON
+object of parameter overrides of the device's default variant (e.g. ``'{"bv": 128}'`` for
+pallas_gpu at D = 128). The variant must hold a head's whole Dv (pallas_tpu ``dv_tile``,
+pallas_gpu ``bv``), else it has no norm build.
 """
 
 import json
@@ -24,8 +25,8 @@ from gdngen.problem import Problem
 def main(argv):
     device, spec, steps = argv[0], argv[1], [int(t) for t in argv[2].split(",")]
     overrides = json.loads(argv[3]) if len(argv) > 3 else {}
-    hk, hv, dk, dv, dtype = spec.split(",")
-    problem = Problem(int(hk), int(hv), int(dk), int(dv), dtype, "scalar")
+    hk, hv, dk, dv, dtype, *gate = spec.split(",")
+    problem = Problem(int(hk), int(hv), int(dk), int(dv), dtype, gate[0] if gate else "scalar")
     backend = "pallas_tpu" if devices.get_device(device).kind == "tpu" else "pallas_gpu"
     spec_ = registry.get(backend)
     variant = registry.default_variant(backend, problem, device).replace(**overrides)

@@ -80,20 +80,18 @@ def test_default_variant_compiles_fwd_bwd(device, gate):
 def test_every_program_of_a_call_compiles(device, gate):
     """Chunk fwd+bwd, recurrent, packed row (both gate kinds: the packed build's per-channel
     walks too) and the fused-input build (qk_norm, softplus gate, the output's gated norm;
-    fwd+bwd, recurrent and, scalar gates, the chunk forward's norm build) of the default
-    variant, for TPU v5e and (slow: 45-85 s
-    on a busy 2-core host; `test_build_compile_records_the_compile` compiles every scalar
-    program for it) TPU7x."""
+    fwd+bwd, recurrent and the chunk forward's norm build) of the default variant, for TPU
+    v5e and (slow: 45-85 s on a busy 2-core host; `test_build_compile_records_the_compile`
+    compiles every scalar program for it) TPU7x."""
     _available(device)
     problem = SMALL[gate]
     variant = registry.default_variant("pallas_tpu", problem, device)
     report = compilers.compile_variant(variant, problem, device, T=64)
     _check_report(report, device)
-    # a scalar-gate variant holding its heads' Dv: the chunk forward's norm build too
+    # a variant holding its heads' Dv: the chunk forward's norm build too
     assert {p.name for p in report.programs} == {
         "chunk_fwd_bwd", "recurrent_forward", "packed_fwd_bwd", "fused_fwd_bwd",
-        "fused_recurrent_forward", "steps_forward"} | (
-        {"fused_chunk_forward"} if gate == "scalar" else set())
+        "fused_recurrent_forward", "fused_chunk_forward", "steps_forward"}
     assert json.loads(json.dumps(report.to_json()))["ok"] is True
 
 

@@ -19,10 +19,10 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
   ``A_log``, ``dt_bias`` and the output's gated norm (``norm_weight``, ``output_gate``) (the
   fused-input builds; the recurrent norm builds of pallas_tpu and pallas_gpu) at ``T`` and at
   the recurrent length;
-* ``fused_chunk_forward`` (a backend whose scalar chunk forward has a norm build, for a
-  variant whose programs hold a head's whole Dv: pallas_gpu with ``bv`` the padded Dv,
-  pallas_tpu with ``dv_tile`` = Dv): the same call's forward at ``T`` (the chunk forward's norm
-  build);
+* ``fused_chunk_forward`` (a backend whose chunk forward has a norm build, for a variant
+  whose programs hold a head's whole Dv: pallas_gpu with ``bv`` the padded Dv, pallas_tpu with
+  ``dv_tile`` = Dv and Dv a multiple of 128 or one head tile): the same call's forward at ``T``
+  (the chunk forward's norm build);
 * ``steps_forward`` (backends whose recurrent kernels write the per-step states,
   `gdngen.backend.Backend.step_states`): a ``return_states="steps"`` verify window of
   `STEPS_T` steps (the per-step-states build).

@@ -106,19 +106,19 @@ class PallasBackend(Backend):
         """The fused build of ``inputs`` (a `gdngen.backends.kernel_inputs.KernelInputs` that
         fuses something): ``recurrent<tag>.py`` and, for scalar gates, ``forward<tag>.py``
         rendered with ``inputs.context()``; raw q, k and the raw gate projection with its
-        parameters are taken, normalised / formed in the loads. A norm build renders the
-        forward only where the backend's chunk forward has one (`chunk_norm`), without saved
-        residuals (forward only). The plain render plan is not touched (a variant's sha256
-        does not depend on this build)."""
+        parameters are taken, normalised / formed in the loads (scalar gates). A norm build
+        renders the forward only where the backend's chunk forward has one (`chunk_norm`, a
+        per-channel one too), without saved residuals (forward only). The plain render plan
+        is not touched (a variant's sha256 does not depend on this build)."""
         from gdngen.sources import Rendered, environment, sources_sha256
 
         if not inputs.fused:
             raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
         if inputs.norm and "norm" not in self.fused_inputs:
             raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
-        names = ("recurrent.py",) if problem.gate == "vector" or (
-            inputs.norm and not self.chunk_norm(variant, problem)) else \
-            ("recurrent.py", "forward.py")
+        # the forward: a scalar chunk forward's fused loads, or a chunk norm build
+        forward = self.chunk_norm(variant, problem) if inputs.norm else problem.gate != "vector"
+        names = ("recurrent.py", "forward.py") if forward else ("recurrent.py",)
         self.parse(variant)
         plan = self.render_plan(variant, problem)
         env = environment(templates_dir)
@@ -214,7 +214,11 @@ class PallasBackend(Backend):
             kernels = self._namespace(rendered, modules, interpret, context=inputs.context(),
                                       run_recurrent=jit_pair(modules["recurrent"].recurrent,
                                                              static, interpret))
-            if "forward" in modules:
+            if "forward" in modules and problem.gate == "vector":  # a per-channel norm build
+                kernels.run_intra = jit_pair(modules["forward"].intra, SCALED, interpret)
+                kernels.run_forward = jit_pair(modules["forward"].forward,
+                                               ("interpret", "norm_eps"), interpret)
+            elif "forward" in modules:
                 kernels.run_forward = jit_pair(modules["forward"].forward, static, interpret)
             self.loaded[key] = kernels
         return self.loaded[key]
@@ -351,11 +355,11 @@ class PallasBackend(Backend):
         return y.astype(q.dtype), state
 
     def normed_chunk_forward(self, call, operands, variant, templates_dir=None):
-        """A chunked scalar-gate ``norm_gate`` call where `norm_in_stores` holds: `chunk_forward`
-        of the call without its norm, then the norm (`gdngen.backends.generated.norm_switch`,
-        its VJP the two VJPs); not differentiated, the norm build's chunk forward
-        (`normed_chunk`: the call's layout, the norm in the walk's stores; a conv call
-        convolved before it). Returns ``(out in q's dtype, final_state float32)``."""
+        """A chunked ``norm_gate`` call where `norm_in_stores` holds: `forward` of the call
+        without its norm, then the norm (`gdngen.backends.generated.norm_switch`, its VJP the
+        two VJPs); not differentiated, the norm build's chunk forward (`normed_chunk`: the
+        norm in the walk's stores, written in the call's layout; a conv call convolved before
+        it). Returns ``(out in q's dtype, final_state float32)``."""
         import jax.numpy as jnp
 
         from gdngen import prepare
@@ -381,7 +385,7 @@ class PallasBackend(Backend):
             f32), **dict(zip(("A_log", "dt_bias"), parameters)))
 
         def unfused(ops):
-            return self.chunk_forward(plain_call, ops, variant, templates_dir)
+            return self.forward(plain_call, ops, variant, templates_dir)
 
         def fused(ops, z, w, *, norm_eps):
             if call.conv_size is not None:
@@ -441,9 +445,9 @@ class PallasBackend(Backend):
             y, state = self.forward(*prepare.without_norm(call, operands), variant,
                                     templates_dir)
             return prepare.normed(call, operands, y), state
+        if chunked and normed:  # the chunk forward's norm build when not differentiated
+            return self.normed_chunk_forward(call, operands, variant, templates_dir)
         if not shape.vector_gate and chunked:
-            if normed:  # the chunk forward's norm build when not differentiated
-                return self.normed_chunk_forward(call, operands, variant, templates_dir)
             return self.chunk_forward(call, operands, variant, templates_dir)
         if call.conv_size is not None and not (chunked and shape.vector_gate):
             call, operands = prepare.convolved(call, operands)  # short calls: the conv first

@@ -74,8 +74,8 @@ class PallasGPU(GPUKernels):
 
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("gpu",), "shared_memory", "h100"
-    #: the recurrent kernel and the scalar chunk forward have an output norm build (variants
-    #: whose bv is the padded Dv)
+    #: the recurrent kernel and the chunk forward have an output norm build (variants whose bv
+    #: is the padded Dv)
     fused_inputs = ("qk_norm", "gate", "conv", "norm")
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
@@ -89,9 +89,9 @@ class PallasGPU(GPUKernels):
     channel_walk_core, normed_chunk = staticmethod(channel_walk_core), staticmethod(normed_chunk)
 
     def chunk_norm(self, variant, problem) -> bool:
-        """Scalar gates: the walk normalises each chunk's y rows in its stores (`normed_chunk`;
-        the time-row layout is the call's, so any Dv)."""
-        return problem.gate == "scalar"
+        """Both gate kinds: the walk normalises each chunk's y rows in its stores and writes
+        them in the call's time-row layout (`normed_chunk`), any Dv."""
+        return True
 
     def holds_whole_head(self, variant, problem) -> bool:
         """A program holds a head's whole (padded) Dv where the variant's ``bv`` is it."""

@@ -538,18 +538,49 @@ def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, ch
             pad_last(rows(z.astype(f32)), dv), pad_last(norm_weight.astype(f32), dv))
 
 
+def _normed_channel_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, qk_norm, chunk,
+                           dk, dv):
+    """`_normed_layout` of a per-channel norm build, whose kernels take the layer inputs as
+    arrays: q, k L2-normalised here with ``qk_norm`` (`gdngen.backends.generated.
+    l2_normalized`), the log gates formed here (a `gdngen.algebra.layer_inputs.ParameterGate`'s
+    from ``(a, A_log, dt_bias)``), floored, ``[B, Hv, T, DK]``; q, k, v float32 as the
+    per-channel kernels read them."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.portable.jax_chunkwise import XP
+
+    f32 = jnp.float32
+    if qk_norm:
+        q, k = generated.l2_normalized(XP, q), generated.l2_normalized(XP, k)
+    log_g = pallas_core.floored_log_gates(layer_inputs.log_gates(XP, gates, gate)[0].astype(f32),
+                                          layer_inputs.convention(gate), LOG_GATE_FLOOR)
+    pad = -q.shape[1] % chunk
+
+    def rows(x):  # T padded with identity steps (zero rows, log g = 0, beta = 0)
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+        return jnp.pad(x.astype(f32), widths) if pad else x.astype(f32)
+
+    return (pad_last(rows(q), dk), pad_last(rows(k), dk), pad_last(rows(v), dv),
+            pad_last(rows(log_g).transpose(0, 2, 1, 3), dk), rows(beta).transpose(0, 2, 1),
+            states_to_kernel(S0.astype(f32)[:, :, None], dk, dv), pad_last(rows(z), dv),
+            pad_last(norm_weight.astype(f32), dv))
+
+
 @functools.cache
 def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
     """``call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps) -> (out [B, T, Hv, Dv],
     S_final [B, Hv, Dv, Dk])``, forward only: the chunk forward of the loaded norm build
     ``key`` (sha256, interpret; `render_fused` with ``norm``, whose walk computes the
     output's gated norm in its stores), on the call's layout (`_normed_layout`: no chunk
-    layout, no copy of y). ``gate`` a convention or a
+    layout, no copy of y; per-channel gates: `_normed_channel_layout`, the intra-chunk kernel,
+    then the walk). ``gate`` a convention or a
     `gdngen.algebra.layer_inputs.ParameterGate` (``gates`` then ``(a, A_log, dt_bias)``); q, k
     raw with ``qk_norm`` (the build normalises them in its loads); q unscaled, q, k, v in the
     problem's dtype, the rest float32; masks folded."""
     kernels = LOADED[key]
     interpret, p = kernels.interpret, kernels.params
+    if kernels.problem.gate == "vector":
+        return _normed_channel(kernels, gate, scale, qk_norm)
     prepare = jit_pair(functools.partial(
         _normed_layout, gate=layer_inputs.convention(gate), inputs=KernelInputs.of(qk_norm, gate),
         chunk=p["chunk_size"], dk=p["dk"], dv=p["dv"]), (), interpret)
@@ -559,6 +590,28 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
         out, s_final, _ = call_jitted(
             kernels.run_forward, *call_jitted(prepare, q, k, v, gates, beta, S0, z, norm_weight),
             scale=scale, interpret=interpret, norm_eps=norm_eps)
+        return out[:, :T, :, :Dv], s_final[:, :, :Dv, :Dk]
+
+    return call
+
+
+def _normed_channel(kernels, gate, scale: float, qk_norm: bool):
+    """`normed_chunk` of a per-channel norm build: the intra-chunk kernel, then the walk, which
+    writes the gated norm of y in the call's layout (no W, no entering states: forward
+    only)."""
+    interpret, p = kernels.interpret, kernels.params
+    prepare = jit_pair(functools.partial(
+        _normed_channel_layout, gate=gate, qk_norm=qk_norm, chunk=p["chunk_size"], dk=p["dk"],
+        dv=p["dv"]), (), interpret)
+
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+        T, Dk, Dv = q.shape[1], q.shape[3], v.shape[3]
+        q, k, v, b, beta, s0, z, norm_weight = call_jitted(prepare, q, k, v, gates, beta, S0, z,
+                                                           norm_weight)
+        u, wk, kc, qd, pm, _, _, dcc = call_jitted(kernels.run_intra, q, k, v, b, beta,
+                                                   scale=scale, interpret=interpret)
+        out, s_final = call_jitted(kernels.run_forward, u, wk, kc, qd, pm, dcc, s0, z,
+                                   norm_weight, interpret=interpret, norm_eps=norm_eps)
         return out[:, :T, :, :Dv], s_final[:, :, :Dv, :Dk]
 
     return call

@@ -66,8 +66,8 @@ class PallasTPU(TPUKernels):
 
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("tpu",), "vmem_budget", "tpu-v5e"
-    #: the recurrent kernel and the scalar chunk forward have an output norm build (variants
-    #: whose dv_tile is Dv)
+    #: the recurrent kernel and the chunk forward have an output norm build (variants whose
+    #: dv_tile is Dv)
     fused_inputs = ("qk_norm", "gate", "conv", "norm")
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
@@ -81,12 +81,11 @@ class PallasTPU(TPUKernels):
     channel_walk_core, normed_chunk = staticmethod(channel_walk_core), staticmethod(normed_chunk)
 
     def chunk_norm(self, variant, problem) -> bool:
-        """Scalar gates, where a program's heads' output lanes are a whole number of vregs (Dv
-        a multiple of 128) or the whole row (one tile of all Hv heads): the norm build writes
-        each head's (C, Dv) rows at a static lane offset of the call's layout."""
-        return problem.gate == "scalar" and (
-            problem.Dv % 128 == 0 or self.kernel_params(variant, problem)["head_tile"]
-            == problem.Hv)
+        """Both gate kinds, where a program's heads' output lanes are a whole number of vregs
+        (Dv a multiple of 128) or the whole row (one tile of all Hv heads): the norm build
+        writes each head's (C, Dv) rows at a static lane offset of the call's layout."""
+        return (problem.Dv % 128 == 0
+                or self.kernel_params(variant, problem)["head_tile"] == problem.Hv)
 
     def holds_whole_head(self, variant, problem) -> bool:
         """A program holds a head's whole Dv where the variant's ``dv_tile`` is Dv."""

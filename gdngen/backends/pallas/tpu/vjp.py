@@ -494,12 +494,22 @@ def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, ch
 
     chunkwise.whole_sequence(XP, capture, q, k, v, gates, beta, S0, None, scale=1.0, gate=gate,
                              chunk_size=chunk)
+    if inputs is None:  # per-channel gates: the chunk layout itself (the intra-chunk kernel's)
+        return (*taken[0], _call_rows(z, chunk), norm_weight)
     lay = _to_fused_layout(*taken[0], layer_inputs.convention(gate), inputs)
+    return (lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"], lay["beta"], lay["s0"],
+            *lay["gate"], _call_rows(z, chunk), norm_weight)
+
+
+def _call_rows(z, chunk):
+    """z ``[B, T, Hv, Dv]`` as the norm builds read it: ``[B, N, C, Hv * Dv]``, T padded to
+    the chunk (a free reshape where T is a multiple of it)."""
+    import jax.numpy as jnp
+
     B, T, Hv, Dv = z.shape
     pad = -T % chunk
     z = jnp.pad(z, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else z
-    return (lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"], lay["beta"], lay["s0"],
-            *lay["gate"], z.reshape(B, (T + pad) // chunk, chunk, Hv * Dv), norm_weight)
+    return z.reshape(B, (T + pad) // chunk, chunk, Hv * Dv)
 
 
 @functools.cache
@@ -508,11 +518,14 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
     S_final [B, Hv, Dv, Dk])``, forward only: the chunk forward of the loaded norm build
     ``key`` (sha256, interpret; `render_fused` with ``norm``), which normalises each head's
     chunk rows in its stores and writes them, like it reads z, in the call's layout
-    (`_normed_layout`). ``gate`` a convention or a `gdngen.algebra.layer_inputs.ParameterGate`
+    (`_normed_layout`; per-channel gates: `_normed_channel`). ``gate`` a convention or a
+    `gdngen.algebra.layer_inputs.ParameterGate`
     (``gates`` then ``(a, A_log, dt_bias)``); q, k raw with ``qk_norm``; q unscaled; q, k, v
     in the problem's dtype, the rest float32; masks folded."""
     kernels = LOADED[key]
     interpret = kernels.interpret
+    if kernels.problem.gate == "vector":
+        return _normed_channel(key, gate, scale, qk_norm)
     prepare = jit_pair(functools.partial(
         _normed_layout, gate=gate, inputs=KernelInputs.of(qk_norm, gate),
         chunk=kernels.params["chunk_size"]), (), interpret)
@@ -524,5 +537,45 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
             scale=scale, what="chunk forward (norm build)", interpret=interpret,
             norm_eps=norm_eps)
         return out.reshape(B, -1, Hv, Dv)[:, :T], s_final
+
+    return call
+
+
+def _channel_inputs(q, k, gates, *, gate, qk_norm):
+    """The per-channel kernels' layer inputs, formed here (they take them as arrays): q, k
+    L2-normalised with ``qk_norm``, a `gdngen.algebra.layer_inputs.ParameterGate`'s log gate."""
+    from gdngen.backends.portable.jax_chunkwise import XP
+
+    if qk_norm:
+        q, k = generated.l2_normalized(XP, q), generated.l2_normalized(XP, k)
+    return q, k, layer_inputs.log_gates(XP, gates, gate)[0]
+
+
+def _normed_channel(key: tuple, gate, scale: float, qk_norm: bool):
+    """`normed_chunk` of a per-channel norm build: the intra-chunk kernel (`channel_intra`, on
+    the chunk layout), then the walk, which writes the gated norm of y, like it reads z, in
+    the call's layout (no W, no entering states: forward only)."""
+    kernels = LOADED[key]
+    interpret, chunk, convention = (kernels.interpret, kernels.params["chunk_size"],
+                                    layer_inputs.convention(gate))
+    inputs = jit_pair(functools.partial(_channel_inputs, gate=gate, qk_norm=qk_norm), (),
+                      interpret)
+    prepare = jit_pair(functools.partial(_normed_layout, gate=convention, inputs=None,
+                                         chunk=chunk), (), interpret)
+    intra = channel_intra(key, convention, scale)
+
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+        B, T, Hv, Dv = v.shape
+        q, k, log_g = call_jitted(inputs, q, k, gates)
+        q, k, v, log_g, beta, S0, z, norm_weight = call_jitted(
+            prepare, q.astype("float32"), k.astype("float32"), v.astype("float32"), log_g, beta,
+            S0, z, norm_weight)
+        U, Wk, Kc, Qd, Pm, _, _, dCC = intra(q, k, v, log_g, beta)
+        out, s_final = run_kernel(
+            kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
+                                                                 dCC[..., None, :])),
+            _heads_merged(S0, 1), z, norm_weight, what="per-channel forward walk (norm build)",
+            interpret=interpret, norm_eps=norm_eps)
+        return out.reshape(B, -1, Hv, Dv)[:, :T], s_final.reshape(B, Hv, Dv, -1)
 
     return call
