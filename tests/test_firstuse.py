@@ -420,6 +420,27 @@ def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, p
 
 
 @pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_the_gpu_recurrent_conv_build_is_checked_through_its_loads(fresh, monkeypatch, planted):
+    """pallas_gpu's recurrent conv build (the raw q, k, v convolved in the kernel's loads, then
+    the q/k norm and the gate; the gated norm in its stores) is what first use checks at the
+    probes (through the switch's other side at the long one): a planted conv that weighs each
+    step's own row with the tap before its own fails in y or y_other_path, the shipped one
+    passes."""
+    # a problem each: the eager calls' compiled steps are cached per call in the process
+    problem = Problem(1, 2, 16 if planted else 32, 32, "float32", "scalar")
+    if planted:
+        old = "+ [taps(conv_k - 1) * row]"
+        plant(fresh, monkeypatch, "pallas_gpu", "recurrent.py.j2", old,
+              old.replace("conv_k - 1", "conv_k - 2"))
+    variant = registry.default_variant("pallas_gpu", problem)
+    record = firstuse.check(variant, problem, "scalar log qk_norm softplus conv norm_silu")
+    assert record["passed"] is not planted, record
+    if planted:
+        assert record["worst_quantity"] in {"y", "y_other_path"}, record
+        assert record["worst_error"] > 1e-2, record
+
+
+@pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_tpu_chunk_norm_build_is_checked_through_its_stores(fresh, monkeypatch, planted):
     """pallas_tpu's chunk forward norm build (every head of the tile in one output block of
     the call's layout, Dv = 64 lanes each) is checked through its stores: a planted norm that

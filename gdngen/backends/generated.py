@@ -229,6 +229,17 @@ def norm_switch(plain, normed, eps: float, activation: str):
     return call
 
 
+def undifferentiated(plain, fused):
+    """``call(*args)`` as a ``jax.custom_vjp``: ``fused(*args)`` (a kernel computing more in
+    its loads and stores) when not differentiated; differentiated, ``plain``, its value and its
+    VJP (the backward runs what ``plain``'s does, nothing of ``fused``)."""
+    import jax
+
+    call = jax.custom_vjp(lambda *args: fused(*args))
+    call.defvjp(lambda *args: jax.vjp(plain, *args), lambda pull, cotangents: pull(cotangents))
+    return call
+
+
 def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: int):
     """``(forward, backward)`` over the call's layout (q, k, v ``[B, T, H, D]``, gates
     ``[B, T, Hv(, Dk)]`` or a ParameterGate's ``(a, A_log, dt_bias)``, beta ``[B, T, Hv]``, S0

@@ -16,9 +16,10 @@ The programs of a variant (`programs`; the problem's gate kind and dtype, batch 
 * ``packed_fwd_bwd`` (the gate kinds of the backend's ``packed_gates``): a packed row of two
   sequences (``cu_seqlens``) and its gradient (the packed build);
 * ``fused_fwd_bwd`` / ``fused_recurrent_forward``: ``qk_norm=True``, ``gate="softplus"`` with
-  ``A_log``, ``dt_bias`` and the output's gated norm (``norm_weight``, ``output_gate``) (the
-  fused-input builds; the recurrent norm builds of pallas_tpu and pallas_gpu) at ``T`` and at
-  the recurrent length;
+  ``A_log``, ``dt_bias``, the output's gated norm (``norm_weight``, ``output_gate``) and the
+  causal conv (``conv_weight`` of 4 taps, ``conv_state``) (the fused-input builds; the
+  recurrent norm builds of pallas_tpu and pallas_gpu, pallas_gpu's recurrent conv build) at
+  ``T`` and at the recurrent length;
 * ``fused_chunk_forward`` (a backend whose chunk forward has a norm build, for a variant
   whose programs hold a head's whole Dv: pallas_gpu with ``bv`` the padded Dv, pallas_tpu with
   ``dv_tile`` = Dv and Dv a multiple of 128 or one head tile): the same call's forward at ``T``

@@ -103,6 +103,8 @@ class CompileReport:
 
 #: the verify window of the ``steps_forward`` program (speculative decoding's longest draft)
 STEPS_T = 16
+#: the causal conv's taps in the fused programs (the models' kernel size)
+FUSED_CONV = 4
 
 
 def recurrent_length(variant: Variant) -> int:
@@ -156,9 +158,11 @@ def _program_fn(name: str, variant: Variant, problem: Problem, T: int, sharding)
     gate_shape = (1, T, Hv) + ((Dk,) if vector else ())
     args = [spec((1, T, Hk, Dk), dtype), spec((1, T, Hk, Dk), dtype),
             spec((1, T, Hv, Dv), dtype), spec(gate_shape), spec((1, T, Hv))]
-    if fused:  # + the output's gated norm (a backend's norm build, where it has one)
+    if fused:  # + the output's gated norm and the causal conv (a backend's builds of them)
+        channels = 2 * Hk * Dk + Hv * Dv
         args += [spec((Hv, Dk) if vector else (Hv,)), spec((Hv, Dk) if vector else (Hv,)),
-                 spec((Dv,)), spec((1, T, Hv, Dv), dtype)]
+                 spec((Dv,)), spec((1, T, Hv, Dv), dtype), spec((channels, FUSED_CONV)),
+                 spec((1, channels, FUSED_CONV - 1))]
     if packed:
         args.append(spec((3,), jnp.int32))
     kwargs = {"variant": variant, "scale": Dk ** -0.5}
@@ -167,7 +171,8 @@ def _program_fn(name: str, variant: Variant, problem: Problem, T: int, sharding)
         extra = dict(kwargs)
         if fused:
             extra.update(qk_norm=True, gate="softplus", A_log=rest[0], dt_bias=rest[1],
-                         norm_weight=rest[2], output_gate=rest[3])
+                         norm_weight=rest[2], output_gate=rest[3], conv_weight=rest[4],
+                         conv_state=rest[5])
         if packed:
             extra["cu_seqlens"] = rest[-1]
         if steps:

@@ -339,9 +339,13 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     """A short mixer call (T = 17, under ``recurrent_below``) on ffi_cpu, pallas_tpu and
     pallas_gpu (a variant whose program holds the head's whole Dv): undifferentiated, its
     recurrent kernel is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`) and
-    returns the gated norm itself, with no norm stage after it; values and every gradient
-    (through the norm's VJP) against float64, outputs poisoned."""
+    returns the gated norm itself, with no norm stage after it (pallas_gpu's also the conv
+    build: the raw q, k, v convolved in its loads, no conv stage before it); values and every
+    gradient (through the norm's VJP) against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
+    convolved = []
+    monkeypatch.setattr(prepare, "convolved", lambda *a, convolved_=prepare.convolved: (
+        convolved.append(1), convolved_(*a))[1])
     if backend.startswith("pallas"):
         from gdngen.backends.pallas.backend import PallasBackend as owner
 
@@ -359,6 +363,8 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     out = call()
     assert [b.norm for b in builds if b is not None and b.norm] == [FORMS[form].get(
         "norm_gate", "silu")] and norms == [], (builds, norms)
+    if backend == "pallas_gpu":  # one launch: the conv in the loads, the norm in the stores
+        assert [b.conv for b in builds] == [True] and convolved == [], (builds, convolved)
     errors = check_against_reference(fw, x, options, cotangents(61, steps=17), variant=variant)
     assert float(fw.m.max(fw.m.abs(out[0]))) > 0
     print(backend, "recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))

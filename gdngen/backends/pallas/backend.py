@@ -39,6 +39,9 @@ class PallasBackend(Backend):
     loaded: dict
     caches: tuple = ()
     log_gate_floor: float
+    #: the recurrent kernel has a conv build (the causal conv + SiLU in its loads; "conv" in a
+    #: `render_fused` of ``KernelInputs.conv``): short conv calls run it undifferentiated
+    recurrent_conv: bool = False
 
     def __init__(self):
         self._interpret_override: list = []
@@ -114,10 +117,14 @@ class PallasBackend(Backend):
 
         if not inputs.fused:
             raise ValueError(f"inputs must fuse a qk norm or a gate, got {inputs!r}")
+        if inputs.conv and not self.recurrent_conv:
+            raise ValueError(f"{self.name}'s recurrent kernel has no conv build")
         if inputs.norm and "norm" not in self.fused_inputs:
             raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
-        # the forward: a scalar chunk forward's fused loads, or a chunk norm build
-        forward = self.chunk_norm(variant, problem) if inputs.norm else problem.gate != "vector"
+        # the forward: a scalar chunk forward's fused loads, or a chunk norm build (a conv
+        # build is the recurrent kernel's alone: the chunk cores convolve before their kernels)
+        forward = (not inputs.conv and (self.chunk_norm(variant, problem) if inputs.norm
+                                        else problem.gate != "vector"))
         names = ("recurrent.py", "forward.py") if forward else ("recurrent.py",)
         self.parse(variant)
         plan = self.render_plan(variant, problem)
@@ -210,7 +217,8 @@ class PallasBackend(Backend):
         if key not in self.loaded:
             modules = {name.removesuffix(inputs.tag() + ".py"): self._exec(rendered, name)
                        for name in rendered.sources}
-            static = SCALED + (("norm_eps",) if inputs.norm else ())
+            static = (SCALED + (("norm_eps",) if inputs.norm else ())
+                      + (("conv_k",) if inputs.conv else ()))
             kernels = self._namespace(rendered, modules, interpret, context=inputs.context(),
                                       run_recurrent=jit_pair(modules["recurrent"].recurrent,
                                                              static, interpret))
@@ -262,7 +270,7 @@ class PallasBackend(Backend):
     # ------------------------------------------------------------------ recurrent kernel
 
     def recurrent_forward(self, q, k, v, decay, beta, S0, *, scale, variant, problem=None,
-                          templates_dir=None, inputs=None, norm=None):
+                          templates_dir=None, inputs=None, norm=None, conv=None):
         """The recurrent kernel of ``variant``: forward only, nothing saved.
 
         float32, masks folded (decay 1, beta 0): q, k ``[B, T, Hk, Dk]`` (q unscaled), v
@@ -273,7 +281,9 @@ class PallasBackend(Backend):
         `gdngen.backends.kernel_inputs.KernelInputs`) selects the fused build: raw q, k with
         ``qk_norm``; with ``gate_form`` ``decay`` is ``(a, A_log, dt_bias)``; with ``norm``
         (the activation) ``norm = (z [B, T, Hv, Dv], norm_weight [Dv], norm_eps)`` and y is the
-        gated norm of the recurrence's output."""
+        gated norm of the recurrence's output; with ``conv`` (a backend with `recurrent_conv`)
+        q, k, v are raw and ``conv = (conv_weight [C, K], conv_state [B, C, K-1] or None)``
+        (C = 2 Hk Dk + Hv Dv, the mixer's channels): the kernel convolves them in its loads."""
         inputs = KernelInputs() if inputs is None else inputs
         parameters = ()
         if inputs.gate_form is not None:
@@ -300,10 +310,13 @@ class PallasBackend(Backend):
         if (norm is None) != (inputs.norm is None):
             raise ValueError(f"norm (z, norm_weight, norm_eps) goes with inputs.norm, got "
                              f"{'None' if norm is None else 'arrays'} for {inputs!r}")
-        extra = {}
+        if (conv is None) == inputs.conv:
+            raise ValueError(f"conv (conv_weight, conv_state) goes with inputs.conv, got "
+                             f"{'None' if conv is None else 'arrays'} for {inputs!r}")
+        extra = {} if conv is None else {"conv": conv}
         if norm is not None:
             *arrays, eps = norm
-            parameters, extra = (*parameters, *arrays), {"norm_eps": float(eps)}
+            parameters, extra = (*parameters, *arrays), {**extra, "norm_eps": float(eps)}
         return self.run_recurrent(kernels, q, k, v, decay, beta, S0, parameters,
                                   scale=float(scale), what="recurrent", **extra)
 
@@ -353,6 +366,50 @@ class PallasBackend(Backend):
             initial_state.astype(f32), mask, scale=1.0, gate=gate,
             chunk_size=kernels.params["chunk_size"])
         return y.astype(q.dtype), state
+
+    def convolving_recurrent(self, call, operands, variant, templates_dir=None):
+        """A short conv call (below ``recurrent_below``) on a backend with `recurrent_conv`:
+        not differentiated, the recurrent kernel's conv build on the raw q, k, v (the conv,
+        the q/k norm, the gate in its loads; where `norm_in_stores` holds, the gated norm in
+        its stores: decode and short prefill in one launch); differentiated, `forward` of the
+        call with q, k, v convolved first (`gdngen.prepare.convolved`), its value and VJP
+        (`gdngen.backends.generated.undifferentiated`). Returns ``(y in q's dtype,
+        final_state float32)``."""
+        import jax.numpy as jnp
+
+        from gdngen import prepare
+        from gdngen.backends import generated
+        from gdngen.backends.portable.jax_chunkwise import XP
+
+        f32, dtype, gate, shape = jnp.float32, operands.q.dtype, call.core_gate, call.shape
+        norm = call.norm_gate if call.norm_gate is not None and self.norm_in_stores(
+            call, variant) else None
+        inputs = KernelInputs.of(call.qk_norm, gate, True, norm)
+
+        def plain(ops):
+            return self.forward(*prepare.convolved(call, ops), variant, templates_dir)
+
+        def fused(ops):
+            g, beta = layer_inputs.fold_mask(XP, layer_inputs.cast_gates(ops.kernel_gates(), f32),
+                                             ops.beta.astype(f32), ops.mask, gate)
+            if inputs.gate_form is None:
+                g = layer_inputs.linear_decay(XP, g, gate)
+            S0 = (jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
+                  if ops.initial_state is None else ops.initial_state.astype(f32))
+            y, state = self.recurrent_forward(
+                *(x.astype(f32) for x in (ops.q, ops.k, ops.v)), g, beta, S0, scale=call.scale,
+                variant=variant, problem=call.problem, templates_dir=templates_dir,
+                inputs=inputs, conv=(ops.conv_weight, ops.conv_state),
+                norm=None if norm is None else (ops.output_gate.astype(f32),
+                                                ops.norm_weight.astype(f32), call.norm_eps))
+            if norm is None and call.norm_gate is not None:  # the norm after the kernel
+                y = prepare.normed(call, ops, y.astype(dtype))
+            if ops.mask is not None:
+                y = jnp.where(ops.mask[..., None, None], y, 0.0)
+            return y.astype(dtype), state
+
+        self.interpret_mode()  # decided (and warned about) at the caller's frame
+        return generated.undifferentiated(plain, fused)(operands)
 
     def normed_chunk_forward(self, call, operands, variant, templates_dir=None):
         """A chunked ``norm_gate`` call where `norm_in_stores` holds: `forward` of the call
@@ -440,6 +497,8 @@ class PallasBackend(Backend):
         shape, problem, gate, qk_norm = call.shape, call.problem, call.core_gate, call.qk_norm
         chunked = self.chunked(call, variant)
         normed = call.norm_gate is not None
+        if call.conv_size is not None and not chunked and self.recurrent_conv:
+            return self.convolving_recurrent(call, operands, variant, templates_dir)
         if normed and not self.norm_in_stores(call, variant):
             # no norm build runs this call: the norm after it
             y, state = self.forward(*prepare.without_norm(call, operands), variant,

@@ -75,8 +75,8 @@ class PallasGPU(GPUKernels):
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("gpu",), "shared_memory", "h100"
     #: the recurrent kernel and the chunk forward have an output norm build (variants whose bv
-    #: is the padded Dv)
-    fused_inputs = ("qk_norm", "gate", "conv", "norm")
+    #: is the padded Dv); the recurrent kernel a conv build (the conv in its loads)
+    fused_inputs, recurrent_conv = ("qk_norm", "gate", "conv", "norm"), True
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
               channel_intra, channel_grads, channel_walk_core, normed_chunk)
@@ -99,12 +99,13 @@ class PallasGPU(GPUKernels):
         return params["bv"] == params["dv"]
 
     def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what,
-                      **norm):
+                      conv=None, **norm):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v
         ``[B, T, Hv, Dv]``, decay, beta, S0; ``gate`` a fused build's gate operands, then a
-        norm build's z and norm_weight, whose ``norm_eps`` comes in ``norm``), head dims
-        zero-padded to the kernels' ``dk`` / ``dv`` (exact: the norm's mean is over the real
-        Dv) and cut back: ``(y, final state or every step's)``."""
+        norm build's z and norm_weight, whose ``norm_eps`` comes in ``norm``; a conv build's
+        ``conv = (conv_weight [C, K], conv_state [B, C, K-1] or None)``, laid out per input by
+        `conv_operands`), head dims zero-padded to the kernels' ``dk`` / ``dv`` (exact: the
+        norm's mean is over the real Dv) and cut back: ``(y, final state or every step's)``."""
         import jax.numpy as jnp
 
         del what  # no race detector here
@@ -113,6 +114,9 @@ class PallasGPU(GPUKernels):
         gate, normed = (gate[:-2], gate[-2:]) if norm else (gate, ())
         if gate and decay.ndim == 4:  # padded key channels: their state columns stay zero
             gate = (*(pad_last(x, p["dk"]) for x in gate[:2]), *gate[2:])
+        if conv is not None:  # the conv build's taps and states, then the norm's
+            gate = (*gate, *conv_operands(*conv, q.shape, v.shape, p["dk"], p["dv"]))
+            norm = dict(norm, conv_k=int(conv[0].shape[1]))
         # a norm build's z [B, T, Hv, Dv] and norm_weight [Dv]: zero rows past Dv
         gate = (*gate, *(pad_last(x.astype(f32), p["dv"]) for x in normed))
         q, k = (pad_last(x.astype(f32), p["dk"]) for x in (q, k))
@@ -123,6 +127,35 @@ class PallasGPU(GPUKernels):
                                  states_to_kernel(S0.astype(f32)[:, :, None], p["dk"], p["dv"]),
                                  *gate, scale=scale, interpret=kernels.interpret, **norm)
         return y[..., :Dv], s_final[..., :Dv, :Dk]
+
+
+def conv_operands(weight, state, q_shape, v_shape, dk: int, dv: int) -> tuple:
+    """The conv build's operands from the mixer's ``conv_weight [C, K]`` and ``conv_state [B,
+    C, K-1]`` (None: zeros; C = 2 Hk Dk + Hv Dv, q's channels, k's, then v's): the taps of q,
+    k ``[Hk, KP, dk]`` and v ``[Hv, KP, dv]``, then the state rows of q, k ``[B, Hk, KS, dk]``
+    and v ``[B, Hv, KS, dv]`` (oldest first), float32; KP >= K and KS >= K - 1 powers of two
+    (Triton's block sizes), the padding zeros."""
+    import jax.numpy as jnp
+
+    B, _, Hk, Dk = q_shape
+    Hv, Dv = v_shape[2], v_shape[3]
+    K = weight.shape[1]
+    KP, KS = (1 << max(n - 1, 0).bit_length() for n in (K, max(K - 1, 1)))
+    kd = Hk * Dk
+    parts = ((0, Hk, Dk, dk), (kd, Hk, Dk, dk), (2 * kd, Hv, Dv, dv))
+
+    def taps(lo, H, D, width):  # [H D, K] -> [H, KP, width]
+        x = weight[lo:lo + H * D].astype(jnp.float32).reshape(H, D, K).transpose(0, 2, 1)
+        return jnp.pad(x, ((0, 0), (0, KP - K), (0, width - D)))
+
+    def rows(lo, H, D, width):  # [B, H D, K-1] -> [B, H, KS, width]
+        if state is None:
+            return jnp.zeros((B, H, KS, width), jnp.float32)
+        x = state[:, lo:lo + H * D].astype(jnp.float32).reshape(B, H, D, K - 1)
+        return jnp.pad(x.transpose(0, 1, 3, 2), ((0, 0), (0, 0), (0, KS - (K - 1)),
+                                                 (0, width - D)))
+
+    return (*(taps(*part) for part in parts), *(rows(*part) for part in parts))
 
 
 SPEC = PallasGPU()

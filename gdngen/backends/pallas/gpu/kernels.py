@@ -155,7 +155,8 @@ class GPUKernels(GPUPlanning):
     def lower_fused(self, variant: Variant, problem: Problem, inputs, *, batch: int, chunks: int,
                      steps: int) -> dict:
         """`lower_check` of the fused build of ``inputs`` (a norm build's kernels with their z,
-        norm_weight and ``norm_eps``)."""
+        norm_weight and ``norm_eps``; a conv build's recurrent kernel with 4 taps and their
+        states)."""
         import jax
         import jax.numpy as jnp
 
@@ -168,7 +169,8 @@ class GPUKernels(GPUPlanning):
 
         def lower(fn, *args):
             static = {"interpret": False, "scale": Dk ** -0.5,
-                      **({"norm_eps": 1e-6} if inputs.norm else {})}
+                      **({"norm_eps": 1e-6} if inputs.norm else {}),
+                      **({"conv_k": 4} if inputs.conv and fn.__name__ == "recurrent" else {})}
             with jaxcompat.abstract_gpu():
                 return (jax.jit(fn, static_argnames=tuple(static)).trace(*args, **static)
                         .lower(lowering_platforms=("cuda",)).as_text())
@@ -180,10 +182,14 @@ class GPUKernels(GPUPlanning):
         def norm(T):  # a norm build's z [B, T, Hv, Dv] and norm_weight [Dv]
             return (spec((B, T, Hv, Dv), f32), spec((Dv,), f32)) if inputs.norm else ()
 
+        # a conv build's taps [H, 4, D] and states [B, H, 4, D] of q, k, v (3 rows padded to 4)
+        conv = ((spec((Hk, 4, Dk), f32),) * 2 + (spec((Hv, 4, Dv), f32),)
+                + (spec((B, Hk, 4, Dk), f32),) * 2 + (spec((B, Hv, 4, Dv), f32),)
+                if inputs.conv else ())
         lowered = {"recurrent": lower(kernels.recurrent.recurrent, q_rec, q_rec,
                                       spec((B, steps, Hv, Dv), f32),
                                       spec((B, steps, Hv, Dk), f32) if vector else per_step,
-                                      per_step, state, *gate, *norm(steps))}
+                                      per_step, state, *gate, *conv, *norm(steps))}
         if hasattr(kernels, "forward"):
             T = chunks * C
             q, gates = spec((B, T, Hk, Dk), dtype), spec((B, Hv, T), f32)
