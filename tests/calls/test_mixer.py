@@ -339,7 +339,7 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     """A short mixer call (T = 17, under ``recurrent_below``) on ffi_cpu, pallas_tpu and
     pallas_gpu (a variant whose program holds the head's whole Dv): undifferentiated, its
     recurrent kernel is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`) and
-    returns the gated norm itself, with no norm stage after it (pallas_gpu's also the conv
+    returns the gated norm itself, with no norm stage after it (the Pallas ones also the conv
     build: the raw q, k, v convolved in its loads, no conv stage before it); values and every
     gradient (through the norm's VJP) against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
@@ -363,11 +363,34 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     out = call()
     assert [b.norm for b in builds if b is not None and b.norm] == [FORMS[form].get(
         "norm_gate", "silu")] and norms == [], (builds, norms)
-    if backend == "pallas_gpu":  # one launch: the conv in the loads, the norm in the stores
+    if backend.startswith("pallas"):  # one launch: the conv in the loads, the norm in the stores
         assert [b.conv for b in builds] == [True] and convolved == [], (builds, convolved)
     errors = check_against_reference(fw, x, options, cotangents(61, steps=17), variant=variant)
     assert float(fw.m.max(fw.m.abs(out[0]))) > 0
     print(backend, "recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
+def test_tpu_recurrent_conv_carries_its_rows_across_time_blocks(monkeypatch):
+    """pallas_tpu's recurrent conv build over more than one time block (T = 150 > 128, a
+    variant whose recurrent kernel runs it): the K - 1 raw rows before each block come from the
+    scratch the block before it left, so the undifferentiated output (the conv, the norm and the
+    recurrence in the kernel) matches the float64 composition across the block boundary."""
+    from gdngen.backends.pallas import tpu
+    from gdngen.backends.pallas.backend import PallasBackend as owner
+
+    steps = 150
+    assert steps > tpu.RECURRENT_TIME_BLOCK
+    _, variant = variant_here("pallas_tpu")
+    variant = variant.replace(dv_tile=Dv, recurrent_below=steps + 1)
+    _, x, options, call, builds, norms = spied_mixer(
+        monkeypatch, "jax", "scalar", 83, variant, owner, "recurrent_forward",
+        lambda a, kw: kw.get("inputs"), steps=steps)
+    out = call()
+    assert [(b.conv, b.norm) for b in builds] == [(True, "silu")] and norms == [], builds
+    ref = stages.reference_vjp(**x, **DIMS, **options, **cotangents(83, steps=steps),
+                               cu_seqlens=None)
+    error = relative_error(np.asarray(out[0], np.float64), ref["out"])
+    assert error <= RTOL, error
 
 
 @pytest.mark.parametrize("form", [

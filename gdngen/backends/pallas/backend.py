@@ -8,6 +8,7 @@ the hooks listed on the class."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 
 from gdngen.algebra import chunkwise, layer_inputs
@@ -218,7 +219,8 @@ class PallasBackend(Backend):
             modules = {name.removesuffix(inputs.tag() + ".py"): self._exec(rendered, name)
                        for name in rendered.sources}
             static = (SCALED + (("norm_eps",) if inputs.norm else ())
-                      + (("conv_k",) if inputs.conv else ()))
+                      + (("conv_k",) if inputs.conv and "conv_k" in inspect.signature(
+                          modules["recurrent"].recurrent).parameters else ()))
             kernels = self._namespace(rendered, modules, interpret, context=inputs.context(),
                                       run_recurrent=jit_pair(modules["recurrent"].recurrent,
                                                              static, interpret))
@@ -497,7 +499,8 @@ class PallasBackend(Backend):
         shape, problem, gate, qk_norm = call.shape, call.problem, call.core_gate, call.qk_norm
         chunked = self.chunked(call, variant)
         normed = call.norm_gate is not None
-        if call.conv_size is not None and not chunked and self.recurrent_conv:
+        if call.conv_size is not None and call.conv_size > 1 and not chunked and \
+                self.recurrent_conv:
             return self.convolving_recurrent(call, operands, variant, templates_dir)
         if normed and not self.norm_in_stores(call, variant):
             # no norm build runs this call: the norm after it

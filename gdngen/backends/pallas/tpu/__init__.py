@@ -67,8 +67,8 @@ class PallasTPU(TPUKernels):
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("tpu",), "vmem_budget", "tpu-v5e"
     #: the recurrent kernel and the chunk forward have an output norm build (variants whose
-    #: dv_tile is Dv)
-    fused_inputs = ("qk_norm", "gate", "conv", "norm")
+    #: dv_tile is Dv); the recurrent kernel a conv build (the conv in its loads)
+    fused_inputs, recurrent_conv = ("qk_norm", "gate", "conv", "norm"), True
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
               channel_intra, channel_grads, channel_walk_core, normed_chunk)
@@ -92,11 +92,21 @@ class PallasTPU(TPUKernels):
         return self.kernel_params(variant, problem)["dv_tile"] == problem.Dv
 
     def run_recurrent(self, kernels, q, k, v, decay, beta, S0, gate=(), *, scale, what,
-                      **norm):
+                      conv=None, **norm):
         """``kernels.run_recurrent`` on float32 API-layout arrays (q, k ``[B, T, Hk, Dk]``, v
         ``[B, T, Hv, Dv]``, decay, beta, S0; ``gate`` a fused build's gate operands, then a
-        norm build's z and norm_weight, whose ``norm_eps`` comes in ``norm``) with the race
-        check: ``(y, final state or every step's)``."""
+        norm build's z and norm_weight, whose ``norm_eps`` comes in ``norm``; a conv build's
+        ``conv = (conv_weight [C, K], conv_state [B, C, K-1] or None: zeros)``, which the
+        kernel's wrapper lays out per input) with the race check: ``(y, final state or every
+        step's)``."""
+        if conv is not None:  # between the gate's operands and the norm's
+            import jax.numpy as jnp
+
+            weight, state = conv
+            if state is None:
+                state = jnp.zeros((q.shape[0], weight.shape[0], weight.shape[1] - 1), jnp.float32)
+            split = len(gate) - 2 if norm else len(gate)
+            gate = (*gate[:split], weight, state, *gate[split:])
         return run_kernel(kernels.run_recurrent, q, k, v, decay, beta, S0, *gate, scale=scale,
                           what=what, interpret=kernels.interpret, **norm)
 
