@@ -419,19 +419,25 @@ def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, p
         assert record["worst_error"] > 1e-2, record
 
 
-@pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_the_gpu_recurrent_conv_build_is_checked_through_its_loads(fresh, monkeypatch, planted):
-    """pallas_gpu's recurrent conv build (the raw q, k, v convolved in the kernel's loads, then
-    the q/k norm and the gate; the gated norm in its stores) is what first use checks at the
-    probes (through the switch's other side at the long one): a planted conv that weighs each
-    step's own row with the tap before its own fails in y or y_other_path, the shipped one
-    passes."""
+@pytest.mark.parametrize("planted", [pytest.param(None, marks=pytest.mark.slow), "recurrent",
+                                     "chunk"])
+def test_the_gpu_conv_builds_are_checked_through_their_loads(fresh, monkeypatch, planted):
+    """pallas_gpu's conv builds (the raw q, k, v convolved in the kernels' loads, then the q/k
+    norm and the gate; the gated norm in the stores): the recurrent kernel's and the chunk
+    forward's, which first use checks at the probes (each through the switch's other side
+    too): a planted conv that weighs each step's own row with the tap before its own, in
+    either, fails in y or y_other_path; the shipped ones pass."""
     # a problem each: the eager calls' compiled steps are cached per call in the process
-    problem = Problem(1, 2, 16 if planted else 32, 32, "float32", "scalar")
-    if planted:
+    problem = Problem(1, 2, {None: 32, "recurrent": 16, "chunk": 64}[planted], 32, "float32",
+                      "scalar")
+    if planted == "recurrent":
         old = "+ [taps(conv_k - 1) * row]"
         plant(fresh, monkeypatch, "pallas_gpu", "recurrent.py.j2", old,
               old.replace("conv_k - 1", "conv_k - 2"))
+    elif planted == "chunk":
+        old = "x_ref[pl.ds(start + j, CHUNK), cols]"
+        plant(fresh, monkeypatch, "pallas_gpu", "forward.py.j2", old,
+              old.replace("start + j", "start + j - (j == w_ref.shape[0] - 1)"))
     variant = registry.default_variant("pallas_gpu", problem)
     record = firstuse.check(variant, problem, "scalar log qk_norm softplus conv norm_silu")
     assert record["passed"] is not planted, record

@@ -435,11 +435,14 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     undifferentiated, its chunk forward is the norm build (`gdngen.backends.ffi_cpu.vjp.
     normed_chunk`: the conv, the q/k norm and the gate in its loads, the gated norm in each
     chunk's stores; the Pallas ``normed_chunk``: the gated norm in the walk's stores, written
-    in the call's layout; per-channel gates on pallas_gpu: the intra-chunk kernel, then that
-    walk), with no norm stage after it; values and every gradient against float64, outputs
-    poisoned."""
+    in the call's layout, pallas_gpu's scalar one with the conv in both kernels' loads;
+    per-channel gates: the intra-chunk kernel, then that walk), with no norm stage after it;
+    values and every gradient against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
     variant = variant.replace(recurrent_below=16)
+    convolved = []
+    monkeypatch.setattr(prepare, "convolved", lambda *a, convolved_=prepare.convolved: (
+        convolved.append(1), convolved_(*a))[1])
     if backend.startswith("pallas"):
         from gdngen.backends.pallas.backend import PallasBackend as owner
 
@@ -457,6 +460,8 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     norm_gate = FORMS[form].get("norm_gate", "silu")
     if backend.startswith("pallas"):  # (self, call, operands, variant, ...)
         assert [b[1].norm_gate for b in builds] == [norm_gate] and norms == [], (builds, norms)
+        # pallas_gpu's scalar build convolves in its loads: no conv stage before it
+        assert (convolved == []) is ((backend, form) == ("pallas_gpu", "scalar")), convolved
     else:
         assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (
             builds, norms)

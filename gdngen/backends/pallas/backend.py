@@ -19,6 +19,9 @@ from gdngen.problem import Problem
 
 #: ``jit_pair`` statics of a kernel taking a scale
 SCALED = ("scale", "interpret")
+#: the taps of a chunk forward's conv build (`PallasBackend.chunk_conv`): convs of up to this
+#: many taps, zero taps first
+CHUNK_CONV_TAPS = 4
 
 
 class PallasBackend(Backend):
@@ -51,6 +54,12 @@ class PallasBackend(Backend):
     def holds_whole_head(self, variant, problem) -> bool:
         """Whether the recurrent kernel's programs each hold a value head's whole Dv (what its
         output norm build needs: the norm's mean is over Dv)."""
+        return False
+
+    def chunk_conv(self, variant, problem) -> bool:
+        """Whether the chunk forward's norm build also has the causal conv in its loads
+        (`render_fused` of a conv norm build renders it into forward.py; convs of up to
+        `CHUNK_CONV_TAPS` taps)."""
         return False
 
     def chunk_norm(self, variant, problem) -> bool:
@@ -124,8 +133,11 @@ class PallasBackend(Backend):
             raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
         # the forward: a scalar chunk forward's fused loads, or a chunk norm build (a conv
         # build is the recurrent kernel's alone: the chunk cores convolve before their kernels)
-        forward = (not inputs.conv and (self.chunk_norm(variant, problem) if inputs.norm
-                                        else problem.gate != "vector"))
+        if inputs.norm:
+            forward = self.chunk_norm(variant, problem) and (
+                not inputs.conv or self.chunk_conv(variant, problem))
+        else:
+            forward = not inputs.conv and problem.gate != "vector"
         names = ("recurrent.py", "forward.py") if forward else ("recurrent.py",)
         self.parse(variant)
         plan = self.render_plan(variant, problem)
@@ -134,6 +146,8 @@ class PallasBackend(Backend):
                  **inputs.context(), **({"norm_dv": problem.Dv} if inputs.norm else {})}
         # a norm build's chunk forward runs undifferentiated: it keeps no residuals
         only_forward = {"save_states": False} if inputs.norm else {}
+        if inputs.conv:
+            only_forward["conv_taps"] = CHUNK_CONV_TAPS
         texts = {f"{name.removesuffix('.py')}{inputs.tag()}.py": env.get_template(
             plan[name][0]).render(**dict(plan[name][1], **extra,
                                          **(only_forward if name == "forward.py" else {})))
@@ -229,7 +243,9 @@ class PallasBackend(Backend):
                 kernels.run_forward = jit_pair(modules["forward"].forward,
                                                ("interpret", "norm_eps"), interpret)
             elif "forward" in modules:
-                kernels.run_forward = jit_pair(modules["forward"].forward, static, interpret)
+                kernels.run_forward = jit_pair(
+                    modules["forward"].forward, SCALED + (("norm_eps",) if inputs.norm else ()),
+                    interpret)
             self.loaded[key] = kernels
         return self.loaded[key]
 
@@ -427,8 +443,11 @@ class PallasBackend(Backend):
 
         f32, dtype, gate = jnp.float32, operands.q.dtype, call.core_gate
         self.interpret_mode()  # decided (and warned about) at the caller's frame
+        # the conv in the chunk forward's loads where its norm build has it
+        conv = (call.conv_size is not None and call.conv_size <= CHUNK_CONV_TAPS
+                and self.chunk_conv(variant, call.problem))
         built = self.load_fused_kernels(
-            variant, call.problem, KernelInputs.of(call.qk_norm, gate, norm=call.norm_gate),
+            variant, call.problem, KernelInputs.of(call.qk_norm, gate, conv, call.norm_gate),
             templates_dir=templates_dir)
         run = self.normed_chunk((built.sha256, built.interpret), gate, call.scale, call.qk_norm)
         plain_call, plain = prepare.without_norm(call, operands)
@@ -447,10 +466,11 @@ class PallasBackend(Backend):
             return self.forward(plain_call, ops, variant, templates_dir)
 
         def fused(ops, z, w, *, norm_eps):
-            if call.conv_size is not None:
+            if call.conv_size is not None and not conv:
                 ops = prepare.convolved(plain_call, ops)[1]
             return run(*(x.astype(dtype) for x in (ops.q, ops.k, ops.v)), ops.kernel_gates(),
-                       ops.beta, ops.initial_state, z, w, norm_eps=norm_eps)
+                       ops.beta, ops.initial_state, z, w, norm_eps=norm_eps,
+                       **({"conv": (ops.conv_weight, ops.conv_state)} if conv else {}))
 
         y, state = generated.norm_switch(unfused, fused, call.norm_eps, call.norm_gate)(
             (plain,), operands.output_gate.astype(f32), operands.norm_weight.astype(f32))

@@ -88,6 +88,11 @@ class PallasGPU(GPUKernels):
     channel_grads = staticmethod(channel_grads)
     channel_walk_core, normed_chunk = staticmethod(channel_walk_core), staticmethod(normed_chunk)
 
+    def chunk_conv(self, variant, problem) -> bool:
+        """Scalar gates: the chunk forward's norm build convolves the raw q, k, v in both
+        kernels' loads (`normed_chunk` with ``conv``)."""
+        return problem.gate == "scalar"
+
     def chunk_norm(self, variant, problem) -> bool:
         """Both gate kinds: the walk normalises each chunk's y rows in its stores and writes
         them in the call's time-row layout (`normed_chunk`), any Dv."""

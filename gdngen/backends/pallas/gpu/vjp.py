@@ -508,13 +508,17 @@ def channel_grads(key: tuple, gate: str, scale: float):
 channel_core, channel_walk_core = pallas_core.channel_cores(LOADED, channel_intra, channel_grads)
 
 
-def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, chunk, dk, dv):
+def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *conv, gate, inputs, chunk, dk,
+                   dv):
     """A dense call's arrays (the call's layout: q, k ``[B, T, Hk, Dk]``, v, z ``[B, T, Hv,
     Dv]``, gates ``[B, T, Hv]`` in the convention ``gate`` or, with a gate form, ``(a, A_log,
     dt_bias)``, beta ``[B, T, Hv]``, S0 ``[B, Hv, Dv, Dk]``, norm_weight ``[Dv]``; masks folded)
     -> the norm build's forward operands: T padded to a multiple of ``chunk`` with identity
     steps (zero rows, log g = 0 or a = -inf, beta = 0), head dims zero-padded, gates and beta
-    ``[B, Hv, T]``. No chunk layout: the kernels read time rows."""
+    ``[B, Hv, T]``. No chunk layout: the kernels read time rows. ``conv`` ``(conv_weight [C,
+    K], conv_state [B, C, K-1] or None)`` (a conv build's): q, k, v stay raw, each with the
+    conv's rows before step 0 in front (`_conv_rows`), and their taps follow the gate's
+    operands."""
     import jax.numpy as jnp
 
     f32 = jnp.float32
@@ -533,9 +537,40 @@ def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, ch
         a, A_log, dt_bias = gates
         g = per_step(a, -float("inf"))  # an identity step; the kernels clamp the gate they form
         parameters = fused_gate_operands(inputs, A_log, dt_bias, v.shape[2], q.shape[3], False)
-    return (pad_last(rows(q), dk), pad_last(rows(k), dk), pad_last(rows(v), dv), g,
-            per_step(beta), states_to_kernel(S0.astype(f32)[:, :, None], dk, dv), *parameters,
-            pad_last(rows(z.astype(f32)), dv), pad_last(norm_weight.astype(f32), dv))
+    qkv = (pad_last(rows(q), dk), pad_last(rows(k), dk), pad_last(rows(v), dv))
+    taps = ()
+    if conv:
+        qkv, taps = _conv_rows(qkv, *conv, q.shape, v.shape)
+    return (*qkv, g, per_step(beta), states_to_kernel(S0.astype(f32)[:, :, None], dk, dv),
+            *parameters, *taps, pad_last(rows(z.astype(f32)), dv),
+            pad_last(norm_weight.astype(f32), dv))
+
+
+def _conv_rows(qkv, weight, state, q_shape, v_shape):
+    """A conv build's chunk forward operands: q, k, v (T and head dims padded) each with the
+    ``CHUNK_CONV_TAPS - 1`` rows before step 0 in front (zeros, then the conv state's K - 1
+    rows, oldest first), and the taps of q, k ``[Hk, KP, DK]`` and v ``[Hv, KP, DV]``, zero taps
+    first (KP = `CHUNK_CONV_TAPS`)."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.pallas.backend import CHUNK_CONV_TAPS as KP
+
+    B, _, Hk, Dk = q_shape
+    Hv, Dv = v_shape[2], v_shape[3]
+    K = weight.shape[1]
+    kd = Hk * Dk
+    parts = ((0, Hk, Dk), (kd, Hk, Dk), (2 * kd, Hv, Dv))
+    rows, taps = [], []
+    for x, (lo, H, D) in zip(qkv, parts):
+        width = x.shape[-1]
+        w = weight[lo:lo + H * D].astype(jnp.float32).reshape(H, D, K).transpose(0, 2, 1)
+        taps.append(jnp.pad(w, ((0, 0), (KP - K, 0), (0, width - D))))
+        before = (jnp.zeros((B, K - 1, H, D), x.dtype) if state is None else
+                  state[:, lo:lo + H * D].reshape(B, H, D, K - 1).transpose(0, 3, 1, 2)
+                  .astype(x.dtype))  # [B, K-1, H, D]: the rows before step 0
+        before = jnp.pad(before, ((0, 0), (KP - K, 0), (0, 0), (0, width - D)))
+        rows.append(jnp.concatenate([before, x], axis=1))
+    return tuple(rows), tuple(taps)
 
 
 def _normed_channel_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, qk_norm, chunk,
@@ -585,10 +620,11 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
         _normed_layout, gate=layer_inputs.convention(gate), inputs=KernelInputs.of(qk_norm, gate),
         chunk=p["chunk_size"], dk=p["dk"], dv=p["dv"]), (), interpret)
 
-    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps, conv=()):
         T, Dk, Dv = q.shape[1], q.shape[3], v.shape[3]
         out, s_final, _ = call_jitted(
-            kernels.run_forward, *call_jitted(prepare, q, k, v, gates, beta, S0, z, norm_weight),
+            kernels.run_forward, *call_jitted(prepare, q, k, v, gates, beta, S0, z, norm_weight,
+                                              *conv),
             scale=scale, interpret=interpret, norm_eps=norm_eps)
         return out[:, :T, :, :Dv], s_final[:, :, :Dv, :Dk]
 
