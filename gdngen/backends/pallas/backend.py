@@ -481,7 +481,8 @@ class PallasBackend(Backend):
     def conv_core(self, call, operands, core, initial_state):
         """A conv call (raw q, k, v) through ``core``, a chunk core over the call's layout that
         convolves (``conv_chunk`` set: `gdngen.backends.generated.custom_vjp_core` with
-        ``chunk_size``): the conv tuples of `gdngen.prepare.conv_parts` (x in q's dtype), masks
+        ``chunk_size``): the conv tuples of `gdngen.prepare.conv_parts` (x in q's dtype; float32
+        for per-channel gates, whose kernels read float32), masks
         folded into the gates and beta, masked steps' y zeroed. Returns ``(y in q's dtype,
         final_state float32)``."""
         import jax.numpy as jnp
@@ -490,7 +491,9 @@ class PallasBackend(Backend):
         from gdngen.backends.portable.jax_chunkwise import XP
 
         f32, dtype, mask = jnp.float32, operands.q.dtype, operands.mask
-        qkv = tuple((x.astype(dtype), w, state)
+        # the per-channel kernels read q, k, v as float32 (the scalar ones in the call's dtype)
+        x_dtype = f32 if call.shape.vector_gate else dtype
+        qkv = tuple((x.astype(x_dtype), w, state)
                     for x, w, state in prepare.conv_parts(call, operands))
         g, beta = layer_inputs.fold_mask(
             XP, layer_inputs.cast_gates(operands.kernel_gates(), f32),
