@@ -399,20 +399,25 @@ def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, p
     their mean is over the real Dv; a planted mean over the padded DV, in the recurrent
     kernel or in the chunk forward's walk, fails the first-use check (in y or y_other_path:
     each probe runs both sides of the switch), the shipped ones pass."""
-    # a problem each: the eager calls' compiled steps are cached per call in the process
     problem = Problem(1, 2, {None: 32, "recurrent": 16, "chunk": 64}[planted], 24, "float32",
                       "scalar")
-    if planted == "recurrent":
-        old = "jnp.sum(y * y) / NORM_DV + eps"
-        plant(fresh, monkeypatch, "pallas_gpu", "recurrent.py.j2", old,
-              old.replace("NORM_DV", "DV"))
-    elif planted == "chunk":
-        old = "jnp.sum(y * y, axis=1) / NORM_DV + eps"
-        plant(fresh, monkeypatch, "pallas_gpu", "forward.py.j2", old,
-              old.replace("NORM_DV", "DV"))
+    mean = "jnp.sum(y * y) / NORM_DV + eps", "jnp.sum(y * y, axis=1) / NORM_DV + eps"
+    check_gpu_plant(fresh, monkeypatch, planted, problem, "scalar log qk_norm softplus norm_silu",
+                    {"recurrent": ("recurrent.py.j2", mean[0], mean[0].replace("NORM_DV", "DV")),
+                     "chunk": ("forward.py.j2", mean[1], mean[1].replace("NORM_DV", "DV"))})
+
+
+def check_gpu_plant(fresh, monkeypatch, planted, problem, key, plants):
+    """First use of pallas_gpu's default variant for ``problem`` (a problem per case: the eager
+    calls' compiled steps are cached per call in the process) and the build ``key``, with
+    ``plants[planted]`` = (template, old, new) planted (None: the shipped templates): the check
+    passes unplanted, and fails planted in y or y_other_path (the probes run both sides of the
+    switch)."""
+    if planted:
+        plant(fresh, monkeypatch, "pallas_gpu", *plants[planted])
     variant = registry.default_variant("pallas_gpu", problem)
     assert registry.get("pallas_gpu").holds_whole_head(variant, problem)
-    record = firstuse.check(variant, problem, "scalar log qk_norm softplus norm_silu")
+    record = firstuse.check(variant, problem, key)
     assert record["passed"] is (planted is None), record
     if planted:
         assert record["worst_quantity"] in {"y", "y_other_path"}, record
@@ -427,23 +432,14 @@ def test_the_gpu_conv_builds_are_checked_through_their_loads(fresh, monkeypatch,
     forward's, which first use checks at the probes (each through the switch's other side
     too): a planted conv that weighs each step's own row with the tap before its own, in
     either, fails in y or y_other_path; the shipped ones pass."""
-    # a problem each: the eager calls' compiled steps are cached per call in the process
     problem = Problem(1, 2, {None: 32, "recurrent": 16, "chunk": 64}[planted], 32, "float32",
                       "scalar")
-    if planted == "recurrent":
-        old = "+ [taps(conv_k - 1) * row]"
-        plant(fresh, monkeypatch, "pallas_gpu", "recurrent.py.j2", old,
-              old.replace("conv_k - 1", "conv_k - 2"))
-    elif planted == "chunk":
-        old = "x_ref[pl.ds(start + j, CHUNK), cols]"
-        plant(fresh, monkeypatch, "pallas_gpu", "forward.py.j2", old,
-              old.replace("start + j", "start + j - (j == w_ref.shape[0] - 1)"))
-    variant = registry.default_variant("pallas_gpu", problem)
-    record = firstuse.check(variant, problem, "scalar log qk_norm softplus conv norm_silu")
-    assert record["passed"] is not planted, record
-    if planted:
-        assert record["worst_quantity"] in {"y", "y_other_path"}, record
-        assert record["worst_error"] > 1e-2, record
+    tap, row = "+ [taps(conv_k - 1) * row]", "x_ref[pl.ds(start + j, CHUNK), cols]"
+    check_gpu_plant(
+        fresh, monkeypatch, planted, problem, "scalar log qk_norm softplus conv norm_silu",
+        {"recurrent": ("recurrent.py.j2", tap, tap.replace("conv_k - 1", "conv_k - 2")),
+         "chunk": ("forward.py.j2", row, row.replace("start + j",
+                                                     "start + j - (j == w_ref.shape[0] - 1)"))})
 
 
 @pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])

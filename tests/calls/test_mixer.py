@@ -309,6 +309,22 @@ def test_gated_delta_conv_weight_is_the_conv_then_the_call(framework):
             assert relative_error(np.asarray(a), np.asarray(b)) <= 2e-6, (name, rows)
 
 
+def counted_convs(monkeypatch) -> list:
+    """A list that gets an entry each time `gdngen.prepare.convolved` runs (a conv stage
+    before the kernels, not in their loads)."""
+    convolved, real = [], prepare.convolved
+    monkeypatch.setattr(prepare, "convolved", lambda *a: (convolved.append(1), real(*a))[1])
+    return convolved
+
+
+def whole_head_variant(spec, backend: str, variant, form: str):
+    """``variant`` with each Pallas program holding a head's whole Dv (pallas_tpu ``dv_tile``,
+    pallas_gpu ``bv``): the norm builds' condition."""
+    variant = variant.replace(**{"dv_tile" if backend == "pallas_tpu" else "bv": Dv})
+    assert spec.holds_whole_head(variant, Problem(Hk, Hv, Dk, Dv, gate=form))
+    return variant
+
+
 def spied_mixer(monkeypatch, framework, form, seed, variant, owner, name, build_of,
                 steps=T):
     """The mixer's undifferentiated call on fresh inputs of ``seed`` with ``owner.name`` spied
@@ -343,14 +359,11 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     build: the raw q, k, v convolved in its loads, no conv stage before it); values and every
     gradient (through the norm's VJP) against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
-    convolved = []
-    monkeypatch.setattr(prepare, "convolved", lambda *a, convolved_=prepare.convolved: (
-        convolved.append(1), convolved_(*a))[1])
+    convolved = counted_convs(monkeypatch)
     if backend.startswith("pallas"):
         from gdngen.backends.pallas.backend import PallasBackend as owner
 
-        variant = variant.replace(**{"dv_tile" if backend == "pallas_tpu" else "bv": Dv})
-        assert spec.holds_whole_head(variant, Problem(Hk, Hv, Dk, Dv, gate=form))
+        variant = whole_head_variant(spec, backend, variant, form)
         name, position = "recurrent_forward", None
     else:
         from gdngen.backends.ffi_cpu import vjp as owner
@@ -440,14 +453,11 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     values and every gradient against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
     variant = variant.replace(recurrent_below=16)
-    convolved = []
-    monkeypatch.setattr(prepare, "convolved", lambda *a, convolved_=prepare.convolved: (
-        convolved.append(1), convolved_(*a))[1])
+    convolved = counted_convs(monkeypatch)
     if backend.startswith("pallas"):
         from gdngen.backends.pallas.backend import PallasBackend as owner
 
-        variant = variant.replace(**{"dv_tile" if backend == "pallas_tpu" else "bv": Dv})
-        assert spec.holds_whole_head(variant, Problem(Hk, Hv, Dk, Dv, gate=form))
+        variant = whole_head_variant(spec, backend, variant, form)
         name = "normed_chunk_forward"
     else:
         from gdngen.backends.ffi_cpu import vjp as owner
