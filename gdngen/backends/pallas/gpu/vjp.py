@@ -644,8 +644,8 @@ def _normed_channel(kernels, gate, scale: float, qk_norm: bool):
         T, Dk, Dv = q.shape[1], q.shape[3], v.shape[3]
         q, k, v, b, beta, s0, z, norm_weight = call_jitted(prepare, q, k, v, gates, beta, S0, z,
                                                            norm_weight)
-        u, wk, kc, qd, pm, _, _, dcc = call_jitted(kernels.run_intra, q, k, v, b, beta,
-                                                   scale=scale, interpret=interpret)
+        u, wk, kc, qd, pm, dcc = call_jitted(kernels.run_intra, q, k, v, b, beta, scale=scale,
+                                             interpret=interpret)  # no M_kk, T: forward only
         out, s_final = call_jitted(kernels.run_forward, u, wk, kc, qd, pm, dcc, s0, z,
                                    norm_weight, interpret=interpret, norm_eps=norm_eps)
         return out[:, :T, :, :Dv], s_final[:, :, :Dv, :Dk]

@@ -570,7 +570,7 @@ def _normed_channel(key: tuple, gate, scale: float, qk_norm: bool):
         q, k, v, log_g, beta, S0, z, norm_weight = call_jitted(
             prepare, q.astype("float32"), k.astype("float32"), v.astype("float32"), log_g, beta,
             S0, z, norm_weight)
-        U, Wk, Kc, Qd, Pm, _, _, dCC = intra(q, k, v, log_g, beta)
+        U, Wk, Kc, Qd, Pm, dCC = intra(q, k, v, log_g, beta)  # no M_kk, T: forward only
         out, s_final = run_kernel(
             kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
                                                                  dCC[..., None, :])),
