@@ -33,8 +33,9 @@ class PallasBackend(Backend):
     ``channel_core`` (per-channel gates: the intra-chunk kernel, then the walks) and
     ``run_recurrent``; ``packed_context`` / ``steps_context`` where its builds need more;
     ``holds_whole_head`` where its recurrent kernel has an output norm build ("norm" in
-    ``fused_inputs``), ``chunk_norm`` where its scalar chunk forward has one too (its walk's
-    stores) and ``normed_chunk`` runs that build."""
+    ``fused_inputs``), ``chunk_norm`` where its chunk forward has one too (its walk's stores;
+    ``chunk_conv`` where that build also convolves in its loads) and ``normed_chunk`` runs it;
+    ``recurrent_conv`` where its recurrent kernel has a conv build."""
 
     framework = "jax"
     gates = tuned_gates = ("scalar", "vector")
@@ -63,14 +64,14 @@ class PallasBackend(Backend):
         return False
 
     def chunk_norm(self, variant, problem) -> bool:
-        """Whether the scalar chunk forward has an output norm build for ``problem``
-        (`render_fused` renders forward.py with the norm; `normed_chunk` runs it)."""
+        """Whether the chunk forward has an output norm build for ``problem`` (`render_fused`
+        renders forward.py with the norm; `normed_chunk` runs it)."""
         return False
 
     def norm_in_stores(self, call, variant) -> bool:
         """A norm build (`normalises`: "norm" in `fused_inputs`) for a variant whose programs
         hold a head's whole Dv: the recurrent kernel's for a short call; for a chunked call
-        the scalar chunk forward's where the backend has one (`chunk_norm`)."""
+        the chunk forward's where the backend has one (`chunk_norm`)."""
         return (call.norm_gate is not None and self.normalises(call)
                 and self.holds_whole_head(variant, call.problem)
                 and (not self.chunked(call, variant)
@@ -433,8 +434,9 @@ class PallasBackend(Backend):
         """A chunked ``norm_gate`` call where `norm_in_stores` holds: `forward` of the call
         without its norm, then the norm (`gdngen.backends.generated.norm_switch`, its VJP the
         two VJPs); not differentiated, the norm build's chunk forward (`normed_chunk`: the
-        norm in the walk's stores, written in the call's layout; a conv call convolved before
-        it). Returns ``(out in q's dtype, final_state float32)``."""
+        norm in the walk's stores, written in the call's layout; a conv call convolved in its
+        loads where `chunk_conv` holds, else before it). Returns ``(out in q's dtype,
+        final_state float32)``."""
         import jax.numpy as jnp
 
         from gdngen import prepare
