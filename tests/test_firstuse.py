@@ -407,12 +407,12 @@ def test_a_padded_norm_build_is_checked_through_its_stores(fresh, monkeypatch, p
                      "chunk": ("forward.py.j2", mean[1], mean[1].replace("NORM_DV", "DV"))})
 
 
-def check_gpu_plant(fresh, monkeypatch, planted, problem, key, plants):
+def check_gpu_plant(fresh, monkeypatch, planted, problem, key, plants, quantities=("y",)):
     """First use of pallas_gpu's default variant for ``problem`` (a problem per case: the eager
     calls' compiled steps are cached per call in the process) and the build ``key``, with
     ``plants[planted]`` = (template, old, new) planted (None: the shipped templates): the check
-    passes unplanted, and fails planted in y or y_other_path (the probes run both sides of the
-    switch)."""
+    passes unplanted, and fails planted in one of ``quantities`` or its ``_other_path`` twin (the
+    probes run both sides of the switch)."""
     if planted:
         plant(fresh, monkeypatch, "pallas_gpu", *plants[planted])
     variant = registry.default_variant("pallas_gpu", problem)
@@ -420,7 +420,8 @@ def check_gpu_plant(fresh, monkeypatch, planted, problem, key, plants):
     record = firstuse.check(variant, problem, key)
     assert record["passed"] is (planted is None), record
     if planted:
-        assert record["worst_quantity"] in {"y", "y_other_path"}, record
+        expected = {q + side for q in quantities for side in ("", "_other_path")}
+        assert record["worst_quantity"] in expected, record
         assert record["worst_error"] > 1e-2, record
 
 
@@ -431,7 +432,8 @@ def test_the_gpu_conv_builds_are_checked_through_their_loads(fresh, monkeypatch,
     norm and the gate; the gated norm in the stores): the recurrent kernel's and the chunk
     forward's, which first use checks at the probes (each through the switch's other side
     too): a planted conv that weighs each step's own row with the tap before its own, in
-    either, fails in y or y_other_path; the shipped ones pass."""
+    either, fails in y or the final state (a misplaced k or v row reaches the state too; fresh
+    inputs decide which is worst), on either side of the switch; the shipped ones pass."""
     problem = Problem(1, 2, {None: 32, "recurrent": 16, "chunk": 64}[planted], 32, "float32",
                       "scalar")
     tap, row = "+ [taps(conv_k - 1) * row]", "x_ref[pl.ds(start + j, CHUNK), cols]"
@@ -439,7 +441,8 @@ def test_the_gpu_conv_builds_are_checked_through_their_loads(fresh, monkeypatch,
         fresh, monkeypatch, planted, problem, "scalar log qk_norm softplus conv norm_silu",
         {"recurrent": ("recurrent.py.j2", tap, tap.replace("conv_k - 1", "conv_k - 2")),
          "chunk": ("forward.py.j2", row, row.replace("start + j",
-                                                     "start + j - (j == w_ref.shape[0] - 1)"))})
+                                                     "start + j - (j == w_ref.shape[0] - 1)"))},
+        quantities=("y", "final_state"))
 
 
 @pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
