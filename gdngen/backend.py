@@ -275,6 +275,19 @@ class Backend:
         call) and `gdngen.entry.TunedGatedDelta.explain` says."""
         return False
 
+    def takes_raw_conv(self, call) -> bool:
+        """Whether `forward` gets ``call``'s q, k, v raw with the conv (``call.conv_size``): a
+        dense call returning the final state, on a backend listing "conv" in `fused_inputs`."""
+        return ("conv" in self.fused_inputs and call.conv_size is not None
+                and call.return_states == "final" and not call.packed)
+
+    def conv_path(self, call, variant: Variant) -> str:
+        """Where ``call``'s causal conv (``call.conv_size``) runs, in words
+        (`gdngen.entry.TunedGatedDelta.explain`): here before the kernels, in the conv's own
+        custom VJP; a backend whose kernels convolve in their loads (`takes_raw_conv`) says
+        which."""
+        return "before the kernels (the conv's custom VJP, keeping the raw inputs)"
+
     def run_packed_kernels(self, call, operands, variant: Variant, **options):
         """`run` for a backend's own packed entry point (``packed_gated_delta``): ValueError
         for gates its packed kernels do not take (`packed_gates`) instead of the portable

@@ -38,7 +38,9 @@ class Choice:
     """The variant chosen for a call: ``source`` is "explicit", "tuned" or "default";
     ``reason`` says why; ``entry`` / ``path`` name the tuned entry used, if any;
     ``kernel_path`` which kernels run (`for_length`), ``norm_path`` where the output's gated
-    norm runs (a ``norm_gate`` call's, `gdngen.backend.Backend.norm_in_stores`)."""
+    norm runs (a ``norm_gate`` call's, `gdngen.backend.Backend.norm_in_stores`),
+    ``conv_path`` where the causal conv runs (a ``conv_weight`` call's,
+    `gdngen.backend.Backend.conv_path`)."""
 
     variant: Variant
     source: str
@@ -49,11 +51,13 @@ class Choice:
     path: str | None = None
     kernel_path: str | None = None
     norm_path: str | None = None
+    conv_path: str | None = None
 
     def __str__(self) -> str:
         where = f" on {self.device}" if self.device else ""
         text = f"{self.variant} ({self.source}{where}, precision {self.precision}): {self.reason}"
-        return text + "".join(f"; {part}" for part in (self.kernel_path, self.norm_path) if part)
+        return text + "".join(f"; {part}" for part in (
+            self.kernel_path, self.conv_path, self.norm_path) if part)
 
     def for_length(self, T: int, vector_gate: bool = False, sequences: int | None = None
                    ) -> Choice:

@@ -300,11 +300,15 @@ class TunedGatedDelta:
                                  options.chunk_size, device=self.device,
                                  precision=self.precision)
         choice = choice.for_length(shape.T, shape.vector_gate, shape.sequences)
+        backend = registry.get(choice.variant.backend)
+        if call.conv_size is not None:
+            choice = dataclasses.replace(choice, conv_path="the causal conv " + backend.conv_path(
+                call, choice.variant))
         if call.norm_gate is None:
             return choice
         where = ("in the kernels' stores when not differentiated (their norm build), after them "
-                 "when differentiated" if registry.get(choice.variant.backend).norm_in_stores(
-                     call, choice.variant) else "after the kernels")
+                 "when differentiated" if backend.norm_in_stores(call, choice.variant)
+                 else "after the kernels")
         return dataclasses.replace(choice, norm_path=f"the output's gated norm {where}")
 
 

@@ -47,10 +47,11 @@ conv_dense_vjp`, ``conv_packed_vjp``, ``gated_norm_vjp``): they keep only their 
 and recompute their activations (the pre-activation, SiLU's derivative, rsqrt, the gates) in
 the backward, without an autodiff graph of a recomputation (a packed row's windows: every
 transpose a gather, no scatter). The conv runs inside the recurrence's call
-(``gated_delta(..., conv_weight=)``): ffi_cpu's chunk forward convolves in its loads, its
-chunk core keeps only the raw q, k, v slices and recomputes the conv once in its backward;
-elsewhere the conv's custom VJP runs first and the recurrence keeps the convolved q, k, v it
-gets.
+(``gated_delta(..., conv_weight=)``): ffi_cpu's forwards (chunk and recurrent) and the
+recurrent kernels of metal, pallas_tpu and pallas_gpu convolve in their loads, and the chunk
+cores of ffi_cpu and Pallas keep only the raw q, k, v slices and recompute the conv once in
+their backward; elsewhere the conv's custom VJP runs first and the recurrence keeps the
+convolved q, k, v it gets (`gdngen.entry.TunedGatedDelta.explain` says which, per call).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ A call with ``qk_norm=True`` or a parameterised gate (`gdngen.algebra.layer_inpu
 hands a generated backend the raw q, k and the raw gate projection ``a`` with ``A_log`` and
 ``dt_bias``. A kernel rendered with `KernelInputs.context` computes them where it loads its
 operands, so no normalised q, k and no log gate exist as arrays between kernels. A call with
-``conv_weight`` also hands ffi_cpu's chunk forward and metal's recurrent kernel the raw q, k, v
-(``conv``); a call with ``norm_weight`` hands the recurrent kernels of ffi_cpu, pallas_tpu and
-pallas_gpu the gated norm of their output (``norm``, in their stores, not in their loads)::
+``conv_weight`` also hands ffi_cpu's forwards and the recurrent kernels of metal, pallas_tpu
+and pallas_gpu (pallas_gpu's scalar chunk forward too) the raw q, k, v (``conv``); a call
+with ``norm_weight`` hands the recurrent kernels of ffi_cpu, pallas_tpu and pallas_gpu the
+gated norm of their output (``norm``, in their stores, not in their loads)::
 
     conv         x <- silu(sum_j w[c, j] x[t - (K-1) + j, c])  (the conv state before the row;
                  before the norm)

@@ -355,8 +355,8 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     """A short mixer call (T = 17, under ``recurrent_below``) on ffi_cpu, pallas_tpu and
     pallas_gpu (a variant whose program holds the head's whole Dv): undifferentiated, its
     recurrent kernel is the norm build (`gdngen.backends.kernel_inputs.KernelInputs.norm`) and
-    returns the gated norm itself, with no norm stage after it (the Pallas ones also the conv
-    build: the raw q, k, v convolved in its loads, no conv stage before it); values and every
+    returns the gated norm itself, with no norm stage after it, and the conv build: the raw q,
+    k, v convolved in its loads, no conv stage before it; values and every
     gradient (through the norm's VJP) against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
     convolved = counted_convs(monkeypatch)
@@ -376,8 +376,9 @@ def test_recurrent_kernel_normalises_in_its_stores(backend, form, monkeypatch):
     out = call()
     assert [b.norm for b in builds if b is not None and b.norm] == [FORMS[form].get(
         "norm_gate", "silu")] and norms == [], (builds, norms)
-    if backend.startswith("pallas"):  # one launch: the conv in the loads, the norm in the stores
-        assert [b.conv for b in builds] == [True] and convolved == [], (builds, convolved)
+    # one launch: the conv in the loads (every recurrent build made), the norm in the stores
+    assert {b.conv for b in builds if b is not None} == {True} and convolved == [], (
+        builds, convolved)
     errors = check_against_reference(fw, x, options, cotangents(61, steps=17), variant=variant)
     assert float(fw.m.max(fw.m.abs(out[0]))) > 0
     print(backend, "recurrent norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -480,13 +481,16 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     print(backend, "chunk norm", form, ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
-def test_explain_says_where_the_norm_runs():
+def test_explain_says_where_the_norm_and_the_conv_run():
     """``explain()`` of a ``norm_weight`` call names where the output's gated norm runs
     (`gdngen.backend.Backend.norm_in_stores`, what each forward reads): ffi_cpu's kernels at
     every T; the Pallas kernels where a program holds the head's Dv (pallas_tpu: dv_tile = Dv,
     pallas_gpu: bv = Dv, not Dv / 2), the recurrent kernel for a short call, the chunk forward
     for a long one (pallas_tpu: where its output blocks are whole vregs or rows); after the
-    kernels on xla and for packed rows."""
+    kernels on xla and for packed rows. With ``conv_weight`` it names where the conv runs
+    (`gdngen.backend.Backend.conv_path`): ffi_cpu's forwards' loads; the Pallas recurrent
+    kernels' loads for a short call; pallas_gpu's chunk norm build's loads, else the Pallas
+    chunk cores before their kernels; before the kernels on xla and for packed rows."""
     import jax.numpy as jnp
 
     import gdngen
@@ -517,6 +521,43 @@ def test_explain_says_where_the_norm_runs():
         bv=Dv // 2))
     assert after in where(17, registry.default_variant("xla", problem))
     assert after in where(17, ffi, cu_seqlens=jnp.asarray([0, 9, 17], jnp.int32))
+
+    conv = {"conv_weight": jnp.full((2 * Hk * Dk + Hv * Dv, 4), 0.1)}
+    assert "conv" not in where(17, ffi)
+    assert "conv in the recurrent kernel's loads when not differentiated, the chunk " \
+        "forward's when differentiated" in where(17, ffi, **conv)
+    assert "conv in the chunk forward's loads (raw q, k, v)" in where(200, ffi, **conv)
+    recurrent, core = "conv in the recurrent kernel's loads", "conv in the chunk core before"
+    assert recurrent in where(17, tpu, **conv) and core in where(200, tpu, **conv)
+    assert recurrent in where(17, gpu.replace(bv=Dv // 2), **conv)
+    assert "conv in the chunk forward's loads when not differentiated (its norm build)" in \
+        where(200, gpu.replace(bv=Dv), **conv)
+    assert core in where(200, gpu.replace(bv=Dv // 2), **conv)
+    first = "conv before the kernels"
+    assert first in where(17, registry.default_variant("xla", problem), **conv)
+    assert first in where(17, ffi, cu_seqlens=jnp.asarray([0, 9, 17], jnp.int32), **conv)
+
+
+def test_explain_says_where_metal_convolves():
+    """metal's ``explain()`` of a ``conv_weight`` call: the recurrent kernel's conv build for
+    a short call (undifferentiated), the conv before the chunk kernels for a long one."""
+    mx = pytest.importorskip("mlx.core")
+    import gdngen
+
+    rng = np.random.default_rng(5)
+    heads = Problem(1, 2, 32, 32)
+    variant = registry.default_variant("metal", heads)
+
+    def where(steps):
+        q, k, v = (mx.array(rng.standard_normal((1, steps, h, 32)).astype(np.float32))
+                   for h in (1, 1, 2))
+        return str(gdngen.load_tuned("mlx").explain(
+            q, k, v, -mx.ones((1, steps, 2)), mx.full((1, steps, 2), 0.5), variant=variant,
+            conv_weight=mx.full((2 * 32 + 2 * 32, 4), 0.1)))
+
+    below = variant.get("recurrent_below")
+    assert "conv in the recurrent kernel's loads when not differentiated" in where(below - 1)
+    assert "conv before the kernels" in where(below)
 
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])

@@ -156,7 +156,9 @@ class FfiCpu(Backend):
         ``inputs.qk_norm`` and, with ``inputs.gate_form``, the raw projection ``a`` where the
         decay (recurrent) or log gate (chunk forward) was, plus ``A_log``, ``dt_bias`` float32
         ``[Hv]`` (``[Hv, Dk]`` per channel) after S0 and a ``lower_bound`` float attribute
-        (`gdngen.backends.kernel_inputs`); with ``inputs.norm`` it also takes ``z``,
+        (`gdngen.backends.kernel_inputs`); with ``inputs.conv`` the raw q, k, v with ``conv_w
+        [C, K]`` and ``conv_state [B, C, K-1]`` after those, each loaded row convolved + SiLU
+        before its norm; with ``inputs.norm`` it also takes ``z``,
         ``norm_weight`` (after the conv's operands) and a ``norm_eps`` attribute and returns the
         gated norm of y (the recurrent kernel after its walks, the chunk forward in each
         chunk's stores). The plain renders do not depend on it."""
@@ -164,9 +166,6 @@ class FfiCpu(Backend):
         if not inputs.fused:
             raise ValueError(f"inputs must fuse a conv, a qk norm, a gate or the output's norm, "
                              f"got {inputs!r}")
-        if inputs.conv and source != SOURCE_NAME:
-            raise ValueError(f"inputs.conv is a build of the chunk forward ({SOURCE_NAME}), "
-                             f"got {source}")
         if source not in FUSED_KINDS:
             raise ValueError(f"source must be one of {tuple(FUSED_KINDS)}, got {source!r}")
         template, context = self.render_plan(variant, problem)[source]
@@ -213,15 +212,24 @@ class FfiCpu(Backend):
         """Both kernels have a norm build: the recurrent kernel's and the chunk forward's."""
         return call.norm_gate is not None and self.normalises(call)
 
+    def conv_path(self, call, variant) -> str:
+        """Both forwards have conv builds; the chunk backward recomputes the conv as arrays."""
+        if not self.takes_raw_conv(call):
+            return super().conv_path(call, variant)
+        where = ("the chunk forward's loads" if self.chunked(call, variant) else
+                 "the recurrent kernel's loads when not differentiated, the chunk forward's "
+                 "when differentiated")
+        return f"in {where} (raw q, k, v); the backward recomputes it as array ops"
+
     def forward(self, call, operands, variant, templates_dir=None):
         """A dense call: the recurrent kernel below the variant's ``recurrent_below`` (its
         VJP the chunk kernels'), else the chunk kernels; ``qk_norm`` and a parameter gate in
         the kernels' loads (the chunk backward gets them as arrays: `vjp.core`); the causal
-        conv (``call.conv_size``) in the chunk core, which keeps the raw q, k, v: the chunk
-        forward convolves in its loads, the chunk backward gets q, k, v convolved as arrays,
-        and the recurrent kernel's call convolves them before it. The output's gated norm
-        (``call.norm_gate``): undifferentiated, the recurrent kernel's or the chunk forward's
-        norm build computes it in its stores (`gdngen.backends.generated.norm_switch`)."""
+        conv (``call.conv_size``) in the loads of both forwards, which take the raw q, k, v
+        (the chunk core keeps them; its backward gets q, k, v convolved as arrays). The
+        output's gated norm (``call.norm_gate``): undifferentiated, the recurrent kernel's or
+        the chunk forward's norm build computes it in its stores
+        (`gdngen.backends.generated.norm_switch`)."""
         import jax.numpy as jnp
 
         from gdngen.backends.portable import jax_chunkwise
@@ -244,8 +252,8 @@ class FfiCpu(Backend):
                         for part in prepare.conv_parts(call, operands))
         args = (*qkv, g, beta, initial_state.astype(f32))
 
-        inputs = KernelInputs.of(call.qk_norm, gate)
-        chunk_inputs = KernelInputs.of(call.qk_norm, gate, conv)  # the chunk forward's loads
+        # the recurrent kernel's loads and the chunk forward's: the conv, the q/k norm, the gate
+        inputs = chunk_inputs = KernelInputs.of(call.qk_norm, gate, conv)
         forward_sha256 = (self.load_fused_kernels(variant, problem, chunk_inputs, SOURCE_NAME,
                                                   templates_dir=templates_dir).sha256
                           if chunk_inputs.fused else None)
@@ -260,7 +268,7 @@ class FfiCpu(Backend):
                 run = vjp.recurrent(built.sha256, scale, poison, inputs)
 
                 def recurrent(q, k, v, g, beta, S0, *norm, norm_eps=None):
-                    q, k, v = generated.conv_inputs(jax_chunkwise.XP, (q, k, v))
+                    # conv tuples (inputs.conv): the kernel convolves the raw rows
                     if inputs.gate_form:  # the kernel forms the decay from a, A_log, dt_bias
                         a, A_log, dt_bias = g
                         return run(q, k, v, a, beta, S0, *kernel_parameters(
@@ -287,8 +295,8 @@ class FfiCpu(Backend):
                     SOURCE_NAME, templates_dir=templates_dir).sha256, gate, scale, poison,
                     call.norm_gate, call.qk_norm, conv)
             else:
-                normed = recurrent_build(KernelInputs.of(call.qk_norm, gate,
-                                                         norm=call.norm_gate))
+                normed = recurrent_build(KernelInputs.of(call.qk_norm, gate, conv,
+                                                         call.norm_gate))
             y, state = generated.norm_switch(plain, normed, call.norm_eps, call.norm_gate)(
                 args, z, w)
         if mask is not None:

@@ -52,13 +52,7 @@ def forward_call(context, forward_loaded, inputs: KernelInputs, primals, norm=()
     loaded, workers, attrs, f32, log_gates = context
     C = loaded.params["chunk_size"]
     q, k, v, g, beta, S0 = primals
-    conv_operands = ()
-    if inputs.conv:  # the raw inputs, the whole weight and state
-        (q, wq, sq), (k, wk, sk), (v, wv, sv) = q, k, v
-        conv_operands = (jnp.concatenate([wq, wk, wv], axis=0),
-                         jnp.zeros((q.shape[0], wq.shape[0] + wk.shape[0] + wv.shape[0],
-                                    wq.shape[1] - 1), jnp.float32)
-                         if sq is None else jnp.concatenate([sq, sk, sv], axis=1))
+    (q, k, v), conv_operands = conv_operands_of(q, k, v) if inputs.conv else ((q, k, v), ())
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if inputs.gate_form:  # the kernel forms log g from a, A_log, dt_bias
@@ -79,6 +73,19 @@ def forward_call(context, forward_loaded, inputs: KernelInputs, primals, norm=()
         vmap_method="sequential")(q, k, v, *gate_operands, *conv_operands, *norm, **attrs,
                                   **extra, splits=np.int64(head_splits(B, Hk, Hv // Hk, workers)))
     return (y, s_final), states
+
+
+def conv_operands_of(q, k, v):
+    """``((q, k, v) raw, (conv_w [C, K], conv_state [B, C, K-1]))`` of conv tuples ``(x, w,
+    conv_state or None)`` (`gdngen.prepare.conv_parts`), as a conv build's kernel takes them:
+    the whole weight and state over the mixer's channels (zeros for a None state)."""
+    import jax.numpy as jnp
+
+    (q, wq, sq), (k, wk, sk), (v, wv, sv) = q, k, v
+    weight = jnp.concatenate([wq, wk, wv], axis=0)
+    state = (jnp.zeros((q.shape[0], weight.shape[0], weight.shape[1] - 1), jnp.float32)
+             if sq is None else jnp.concatenate([sq, sk, sv], axis=1))
+    return (q, k, v), (weight, state)
 
 
 @functools.cache
@@ -263,7 +270,9 @@ def recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PL
     with ``inputs.gate_form``, the raw projection ``a`` as ``decay`` and ``parameters`` =
     ``(A_log, dt_bias)`` as `kernel_parameters` gives them (``lower_bound`` from ``inputs``);
     with ``inputs.norm`` the kernel returns the gated norm of y: ``parameters`` end with ``z``
-    ``[B, T, Hv, Dv]``, ``norm_weight`` ``[Dv]`` (float32) and the call takes ``norm_eps=``."""
+    ``[B, T, Hv, Dv]``, ``norm_weight`` ``[Dv]`` (float32) and the call takes ``norm_eps=``;
+    with ``inputs.conv`` q, k, v are conv tuples (`conv_operands_of`): the kernel convolves
+    the raw rows in its loads."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -280,6 +289,11 @@ def recurrent(sha256: str, scale: float, poison: bool, inputs: KernelInputs = PL
         if (norm_eps is None) != (inputs.norm is None):
             raise ValueError(f"norm_eps goes with a norm build, got {norm_eps!r} for {inputs!r}")
         norm = {} if norm_eps is None else {"norm_eps": np.float32(norm_eps)}
+        conv = ()
+        if inputs.conv:  # the gate's parameters, then the conv's operands, then the norm's
+            (q, k, v), conv = conv_operands_of(q, k, v)
+            split = 2 if inputs.gate_form else 0
+            parameters = (*parameters[:split], *conv, *parameters[split:])
         B, T, _, Dk = q.shape
         Hv, Dv = v.shape[2], v.shape[3]
         states = (B, T, Hv, Dv, Dk) if steps else (B, Hv, Dv, Dk)

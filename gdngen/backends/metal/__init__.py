@@ -223,6 +223,13 @@ class Metal(Backend):
         return (call.norm_gate is not None and self.normalises(call)
                 and not self.chunked(call, variant))
 
+    def conv_path(self, call, variant) -> str:
+        """The recurrent kernel's conv build (short calls, not differentiated)."""
+        if not self.takes_raw_conv(call) or self.chunked(call, variant):
+            return super().conv_path(call, variant)
+        return ("in the recurrent kernel's loads when not differentiated; differentiated, "
+                "before the chunk kernels")
+
     def forward(self, call, operands, variant, launcher=None):
         return dense_call(call, operands, variant, launcher, chunked=self.chunked(call, variant))
 

@@ -77,6 +77,23 @@ class PallasBackend(Backend):
                 and (not self.chunked(call, variant)
                      or self.chunk_norm(variant, call.problem)))
 
+    def conv_path(self, call, variant) -> str:
+        """The recurrent kernel's conv build (`recurrent_conv`, short calls of a conv over more
+        than one tap), the chunk forward's norm build where it convolves (`chunk_conv`), else
+        the chunk core's conv inside its custom VJP, before its kernels."""
+        if not self.takes_raw_conv(call):
+            return super().conv_path(call, variant)
+        if not self.chunked(call, variant):
+            if self.recurrent_conv and call.conv_size > 1:
+                return ("in the recurrent kernel's loads when not differentiated; "
+                        "differentiated, before the kernels")
+            return super().conv_path(call, variant)
+        core = "in the chunk core before its kernels (it keeps the raw q, k, v)"
+        if self.norm_in_stores(call, variant) and self.chunk_conv(variant, call.problem):
+            return (f"in the chunk forward's loads when not differentiated (its norm build); "
+                    f"differentiated, {core}")
+        return core
+
     # ------------------------------------------------------------------ interpret mode
 
     def interpret_mode(self):

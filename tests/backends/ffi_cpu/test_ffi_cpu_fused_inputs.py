@@ -254,23 +254,25 @@ def _walk_ops(jaxpr, inside=False, out=None):
     return out
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("qk_norm, gate, vector", [
     (True, "softplus", False), (False, None, False), (True, "softplus", True)],
     ids=["qknorm_softplus", "plain", "per_channel_qknorm_softplus"])
-def test_chunk_forward_convolves_in_its_loads(qk_norm, gate, vector):
-    """``gated_delta(..., conv_weight=, conv_state=)`` on the chunk path with a padding mask:
-    the forward-only call's custom VJP is one kernel, the conv build's forward
-    (``KernelInputs.conv``), with no array op around it (no product, exp or sigmoid: the
-    conv, the norm and the gate are its loads'); y and the final state against float64 (the
-    masked inputs zeroed, the conv + SiLU, then the recurrence). Every gradient through this
-    kernel against the float64 mixer: tests/calls/test_mixer.py (T = 150)."""
+def test_forwards_convolve_in_their_loads(qk_norm, gate, vector, path):
+    """``gated_delta(..., conv_weight=, conv_state=)`` with a padding mask, on the chunk path
+    and the recurrent kernel's: the forward-only call's custom VJP is one kernel, the conv
+    build of the chunk forward or of the recurrent kernel (``KernelInputs.conv``), with no
+    array op around it (no product, exp or sigmoid: the conv, the norm and the gate are its
+    loads'); y and the final state against float64 (the masked inputs zeroed, the conv +
+    SiLU, then the recurrence). Every gradient through these kernels against the float64
+    mixer: tests/calls/test_mixer.py."""
     x, options, mask = _setup(11, qk_norm, gate, masked=True, vector=vector,
                               A_shape=(Hv, 1) if vector else (Hv,),
                               dt_shape=(Hv, DK) if vector else (Hv,))
     rng = np.random.default_rng(12)
     C = 2 * Hk * DK + Hv * DV
     w, state = 0.5 * rng.standard_normal((C, 4)), rng.standard_normal((B, C, 3))
-    variant = _variant(0, vector=vector)
+    variant = _variant(PATHS[path], vector=vector)
     problem = Problem(Hk, Hv, DK, DV, gate="vector" if vector else "scalar")
     arrays = {n: jnp.asarray(v, jnp.float32) for n, v in x.items()}
     conv = {"conv_weight": jnp.asarray(w, jnp.float32),
@@ -280,10 +282,16 @@ def test_chunk_forward_convolves_in_its_loads(qk_norm, gate, vector):
         return _call(a, dict(options, **conv), jnp.asarray(mask), variant)
 
     jaxpr = jax.make_jaxpr(call)(arrays).jaxpr
-    assert _walk_ops(jaxpr) == []
-    assert "_conv" in ffi_cpu.render_fused(variant, problem, KernelInputs.of(
-        qk_norm, layer_inputs.ParameterGate(None) if gate else "log", True),
-        ffi_cpu.SOURCE_NAME).sources.popitem()[0]
+    # (the recurrent kernel without the gate's build takes the linear decay exp(log g))
+    linear = [("exp", [(B, T, Hv)])] if path == "recurrent" and not gate else []
+    assert _walk_ops(jaxpr) == linear
+    source = ffi_cpu.RECURRENT_SOURCE_NAME if path == "recurrent" else ffi_cpu.SOURCE_NAME
+    built = ffi_cpu.render_fused(variant, problem, KernelInputs.of(
+        qk_norm, layer_inputs.ParameterGate(None) if gate else "log", True), source)
+    (name, text), = built.sources.items()
+    assert "_conv" in name and "conv_row(" in text
+    kernel = "_recurrent" if path == "recurrent" else "_forward"
+    assert kernel in str(jaxpr)
     y, S = call(arrays)
     raw = {n: np.where(mask[:, :, None, None], x[n], 0.0) for n in ("q", "k", "v")}
     kd = Hk * DK
@@ -424,8 +432,9 @@ def test_fused_builds_are_renders_of_their_own():
     conv_text = conv.sources["gated_delta_conv_qknorm_softplus.cc"]
     assert "conv_row(" in conv_text and "_backward" not in conv_text
     assert "conv_row" not in text and conv.sha256 != chunk.sha256
-    with pytest.raises(ValueError, match="inputs.conv is a build of the chunk forward"):
-        ffi_cpu.render_fused(variant, problem, KernelInputs(conv=True))
+    conv_recurrent = ffi_cpu.render_fused(variant, problem, KernelInputs(True, conv=True))
+    assert set(conv_recurrent.sources) == {"recurrent_conv_qknorm.cc"}
+    assert "conv_row(" in conv_recurrent.sources["recurrent_conv_qknorm.cc"]
     with pytest.raises(ValueError, match="source must be one of"):
         ffi_cpu.render_fused(variant, problem, inputs, "other.cc")
 
