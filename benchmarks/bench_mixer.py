@@ -16,6 +16,11 @@ beta_activation="sigmoid")``, then the gated RMSNorm as plain array ops (MLX:
 * ``decode`` (MLX): per-token time of mlx-lm's ``Qwen3NextGatedDeltaNet`` layer with its
   cache, against the same layer's projections around ``gdngen.mlx.gated_delta_mixer``
   carrying (final_state, conv_state); median of ``--repeats`` runs of ``--tokens`` tokens.
+  (JAX): per-token time of the jitted mixer step (T = 1, carrying final_state and conv_state)
+  against the unfused step (the framework's conv over the conv state's window, then
+  ``gated_delta``, then the norm as array ops) and ``conv_first`` (the mixer's own conv code
+  before ``gated_delta(..., norm_weight=)``: the conv out of the kernel's loads, the norm in
+  its stores), on the attached device's dispatch (ffi_cpu on a CPU).
 
 ``--target DEVICE`` (JAX ``train`` / ``prefill``, e.g. ``tpu-v5e``): no run; each composition
 is compiled for the device's compile-only topology with its real compiler (`gdngen.compilers.
@@ -362,6 +367,87 @@ def decode(Hk, Hv, D, tokens, repeats):
             "spread": {n: max(t) / min(t) for n, t in times.items()}}
 
 
+def decode_jax(Hk, Hv, D, tokens, repeats, K=4):
+    """Per-token ms of the jitted JAX decode steps (`decode`'s docstring): ``mixer``,
+    ``unfused`` and ``conv_first``, each carrying its (final_state, conv_state)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from gdngen.algebra import mixer as stages
+    from gdngen.jax import gated_delta, gated_delta_mixer
+
+    x = make_inputs(tokens, Hk, Hv, D, K)
+    dims = {"Hk": Hk, "Hv": Hv, "Dk": D, "Dv": D}
+    kd, C = Hk * D, 2 * Hk * D + Hv * D
+    f32 = {n: jnp.asarray(v, jnp.float32) for n, v in x.items()}
+    params = (f32["conv_weight"], f32["A_log"], f32["dt_bias"], f32["norm_weight"])
+    xp = prepare.namespace("jax")
+
+    def split(h):
+        return (h[..., :kd].reshape(1, 1, Hk, D), h[..., kd:2 * kd].reshape(1, 1, Hk, D),
+                h[..., 2 * kd:].reshape(1, 1, Hv, D))
+
+    def rest(q, k, v, a, b, z, S, A_log, dt_bias, nw, norm_in_call):
+        opts = {"scale": D ** -0.5, "qk_norm": True, "gate": "softplus", "A_log": A_log,
+                "dt_bias": dt_bias, "beta_activation": "sigmoid", "initial_state": S}
+        if norm_in_call:
+            return gated_delta(q, k, v, a, b, norm_weight=nw, output_gate=z, **opts)
+        y, S = gated_delta(q, k, v, a, b, **opts)
+        r = jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-6)
+        return y * r * nw * jax.nn.silu(z), S
+
+    @jax.jit
+    def mixer(xt, a, b, z, S, cs, w, A_log, dt_bias, nw):
+        return gated_delta_mixer(xt, w, a, b, z, **dims, A_log=A_log, dt_bias=dt_bias,
+                                 norm_weight=nw, conv_state=cs, initial_state=S)
+
+    @jax.jit
+    def unfused(xt, a, b, z, S, cs, w, A_log, dt_bias, nw):
+        window = jnp.concatenate([cs.transpose(0, 2, 1), xt], axis=1)  # [1, K, C]
+        h = jax.nn.silu(jax.lax.conv_general_dilated(
+            window, w.T[:, None, :], (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"),
+            feature_group_count=C))
+        out, S = rest(*split(h), a, b, z, S, A_log, dt_bias, nw, False)
+        return out, S, window[:, 1:].transpose(0, 2, 1)
+
+    @jax.jit
+    def conv_first(xt, a, b, z, S, cs, w, A_log, dt_bias, nw):
+        h = stages.conv_dense(xp, xt, w, cs)[0]
+        out, S = rest(*split(h), a, b, z, S, A_log, dt_bias, nw, True)
+        return out, S, stages.conv_new_state(xp, xt, cs, K, None, None)
+
+    steps = [tuple(f32[n][:, t:t + 1] for n in ("mixed_qkv", "a", "b", "z"))
+             for t in range(tokens)]
+    S0 = jnp.zeros((1, Hv, D, D), jnp.float32)
+    cs0 = jnp.zeros((1, C, K - 1), jnp.float32)
+    runs = {"mixer": mixer, "unfused": unfused, "conv_first": conv_first}
+
+    def run(step):
+        S, cs = S0, cs0
+        for xt, a, b, z in steps:
+            out, S, cs = step(xt, a, b, z, S, cs, *params)
+        return jax.block_until_ready((out, S, cs))
+
+    finals = {n: run(fn) for n, fn in runs.items()}  # compiles; the three agree
+    for n in ("unfused", "conv_first"):
+        for got, want in zip(finals[n], finals["mixer"]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4,
+                                       atol=1e-5, err_msg=n)
+    times = {n: [] for n in runs}
+    for r in range(repeats):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            t0 = time.perf_counter()
+            run(runs[name])
+            times[name].append((time.perf_counter() - t0) / tokens * 1e3)
+    ms = {n: float(np.median(t)) for n, t in times.items()}
+    return {"mode": "decode", "framework": "jax", "backend": jax.default_backend(),
+            "Hk": Hk, "Hv": Hv, "D": D, "tokens": tokens, "ms_per_token": ms,
+            "time_ratio": {n: ms[n] / ms["mixer"] for n in ms if n != "mixer"},
+            "spread": {n: max(t) / min(t) for n, t in times.items()}}
+
+
 def _memory_text(row, name):
     """The mixer's memory against composition ``name``'s, each measure of ``row``."""
     mem, ratios = row["memory"], row["memory_ratios"][name]
@@ -401,7 +487,9 @@ def main(argv=None):
     if "prefill" in modes:
         rows.append(prefill(int(seq["jax"]), Hk, Hv, args.dim, args.repeats))
     if "decode" in modes:
-        rows.append(decode(Hk, Hv, args.dim, args.tokens, args.repeats))
+        for fw in args.frameworks.split(","):
+            run = decode_jax if fw == "jax" else decode
+            rows.append(run(Hk, Hv, args.dim, args.tokens, args.repeats))
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -422,6 +510,12 @@ def main(argv=None):
                       f"{r['ms']['mixer']:.0f} ms, {n} {r['ms'][n]:.0f} ms "
                       f"({r['time_ratio'][n]:.2f}x); {mem}; "
                       f"spread {max(r['spread'].values()):.2f}")
+        elif r["framework"] == "jax":
+            ms = r["ms_per_token"]
+            print(f"decode jax ({r['backend']}), {r['tokens']} tokens: mixer "
+                  f"{ms['mixer']:.3f} ms/token, " + ", ".join(
+                      f"{n} {ms[n]:.3f} ms/token ({r['time_ratio'][n]:.2f}x)"
+                      for n in r["time_ratio"]) + f"; spread {max(r['spread'].values()):.2f}")
         else:
             ms = r["ms_per_token"]
             print(f"decode mlx, {r['tokens']} tokens: mixer {ms['mixer']:.2f} ms/token, "

@@ -322,3 +322,17 @@ def test_vector_gate_bench_smoke():
         assert rows["mlx"]["memory"]["gdngen"]["peak_bytes"] > 0
         assert rows["mlx"]["memory_over_gdngen"]["mlx-lm"] > 0
     assert [t["ratio"] for t in out["targets"]] == [None] * 4  # none at T=16
+
+
+def test_mixer_decode_bench_smoke(capsys):
+    """benchmarks/bench_mixer.py's JAX decode runs end to end at a toy size: the jitted mixer
+    step, the unfused one and the conv-first one each carry their states over the tokens and
+    agree (the benchmark checks it before timing), every time positive."""
+    pytest.importorskip("jax")
+    _benchmark("bench_mixer").main(["--modes", "decode", "--frameworks", "jax", "--heads",
+                                    "1,2", "--dim", "32", "--tokens", "3", "--repeats", "1",
+                                    "--json"])
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["framework"] == "jax" and row["tokens"] == 3
+    assert set(row["ms_per_token"]) == {"mixer", "unfused", "conv_first"}
+    assert min(row["ms_per_token"].values()) > 0

@@ -240,6 +240,26 @@ def undifferentiated(plain, fused):
     return call
 
 
+def chunk_layout(q, k, v, gates, beta, S0, *, gate, chunk_size: int) -> tuple:
+    """The call's arrays (`whole_sequence_parts`' primals) in
+    `gdngen.algebra.chunkwise.whole_sequence`'s own chunk layout (T padded to a multiple of
+    ``chunk_size`` with identity steps; ``gate`` the gates' convention, or a ParameterGate
+    for ``(a, A_log, dt_bias)``): the arrays it hands its chunk core."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.portable.jax_chunkwise import XP
+
+    taken = []
+
+    def core(*chunked):
+        taken.append(chunked)
+        return jnp.zeros_like(chunked[2]), jnp.zeros_like(chunked[5])
+
+    chunkwise.whole_sequence(XP, core, q, k, v, gates, beta, S0, None, scale=1.0, gate=gate,
+                             chunk_size=chunk_size)
+    return taken[-1]
+
+
 def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: int):
     """``(forward, backward)`` over the call's layout (q, k, v ``[B, T, H, D]``, gates
     ``[B, T, Hv(, Dk)]`` or a ParameterGate's ``(a, A_log, dt_bias)``, beta ``[B, T, Hv]``, S0
@@ -271,15 +291,8 @@ def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: i
         return run(core, primals, forward_gate), kept[0]
 
     def api_backward(primals, saved, cotangents):
-        taken = []
-
         def lay(*arrays):  # the primals -> the chunk layout (whole_sequence's own)
-            def core(*chunked):
-                taken.append(chunked)
-                return jnp.zeros_like(chunked[2]), jnp.zeros_like(chunked[5])
-
-            run(core, arrays, gate)
-            return taken[-1]
+            return chunk_layout(*arrays, gate=gate, chunk_size=chunk_size)
 
         chunked, pull = jax.vjp(lay, *primals)
         Y0, S0 = jnp.zeros_like(chunked[2]), jnp.zeros_like(chunked[5])

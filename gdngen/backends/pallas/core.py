@@ -64,6 +64,20 @@ def floored_log_gates(gates, gate, floor):
     return jnp.maximum(gates if gate == "log" else jnp.log(gates), floor)
 
 
+def channel_layer_inputs(q, k, gates, *, gate, qk_norm: bool):
+    """``(q, k, log g)``: the layer inputs of the per-channel kernels, which take them as
+    arrays (their norm builds' forwards), formed here: q, k L2-normalised with ``qk_norm``
+    (`gdngen.backends.generated.l2_normalized`), the log gates of ``gates`` in ``gate``'s
+    convention or a `gdngen.algebra.layer_inputs.ParameterGate`'s from ``(a, A_log,
+    dt_bias)``."""
+    from gdngen.backends import generated
+    from gdngen.backends.portable.jax_chunkwise import XP
+
+    if qk_norm:
+        q, k = generated.l2_normalized(XP, q), generated.l2_normalized(XP, k)
+    return q, k, layer_inputs.log_gates(XP, gates, gate)[0]
+
+
 def gate_cotangent(gates, gate, dD):
     """d(gates) ``[..., C]`` (convention ``gate``: "log" or "linear") from the decay-factor
     cotangent ``dD [..., C+1, C+1]`` by the straddle-sum rule of `gdngen.algebra.chunkwise`

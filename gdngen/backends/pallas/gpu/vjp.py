@@ -525,8 +525,7 @@ def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *conv, gate, inputs
     pad = -q.shape[1] % chunk
 
     def rows(x, value=0.0):  # T padded with ``value``
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        return jnp.pad(x, widths, constant_values=value) if pad else x
+        return _time_padded(x, pad, value)
 
     def per_step(x, value=0.0):  # [B, T, Hv] -> [B, Hv, T]
         return rows(x.astype(f32), value).transpose(0, 2, 1)
@@ -544,6 +543,14 @@ def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *conv, gate, inputs
     return (*qkv, g, per_step(beta), states_to_kernel(S0.astype(f32)[:, :, None], dk, dv),
             *parameters, *taps, pad_last(rows(z.astype(f32)), dv),
             pad_last(norm_weight.astype(f32), dv))
+
+
+def _time_padded(x, pad: int, value=0.0):
+    """``x`` ``[B, T, ...]`` with ``pad`` steps of ``value`` after its last."""
+    import jax.numpy as jnp
+
+    widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths, constant_values=value) if pad else x
 
 
 def _conv_rows(qkv, weight, state, q_shape, v_shape):
@@ -576,24 +583,18 @@ def _conv_rows(qkv, weight, state, q_shape, v_shape):
 def _normed_channel_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, qk_norm, chunk,
                            dk, dv):
     """`_normed_layout` of a per-channel norm build, whose kernels take the layer inputs as
-    arrays: q, k L2-normalised here with ``qk_norm`` (`gdngen.backends.generated.
-    l2_normalized`), the log gates formed here (a `gdngen.algebra.layer_inputs.ParameterGate`'s
-    from ``(a, A_log, dt_bias)``), floored, ``[B, Hv, T, DK]``; q, k, v float32 as the
-    per-channel kernels read them."""
+    arrays, formed here (`gdngen.backends.pallas.core.channel_layer_inputs`), the log gates
+    floored, ``[B, Hv, T, DK]``; q, k, v float32 as the per-channel kernels read them."""
     import jax.numpy as jnp
 
-    from gdngen.backends.portable.jax_chunkwise import XP
-
     f32 = jnp.float32
-    if qk_norm:
-        q, k = generated.l2_normalized(XP, q), generated.l2_normalized(XP, k)
-    log_g = pallas_core.floored_log_gates(layer_inputs.log_gates(XP, gates, gate)[0].astype(f32),
-                                          layer_inputs.convention(gate), LOG_GATE_FLOOR)
+    q, k, log_g = pallas_core.channel_layer_inputs(q, k, gates, gate=gate, qk_norm=qk_norm)
+    log_g = pallas_core.floored_log_gates(log_g.astype(f32), layer_inputs.convention(gate),
+                                          LOG_GATE_FLOOR)
     pad = -q.shape[1] % chunk
 
     def rows(x):  # T padded with identity steps (zero rows, log g = 0, beta = 0)
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        return jnp.pad(x.astype(f32), widths) if pad else x.astype(f32)
+        return _time_padded(x.astype(f32), pad)
 
     return (pad_last(rows(q), dk), pad_last(rows(k), dk), pad_last(rows(v), dv),
             pad_last(rows(log_g).transpose(0, 2, 1, 3), dk), rows(beta).transpose(0, 2, 1),

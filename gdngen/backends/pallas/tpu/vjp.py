@@ -481,22 +481,10 @@ def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, ch
     `gdngen.algebra.chunkwise.whole_sequence`'s chunk layout, T padded with identity steps),
     and z in the call's own layout, T padded: ``[B, N, C, Hv * Dv]``, a free reshape where T is
     a multiple of the chunk."""
-    import jax.numpy as jnp
-
-    from gdngen.algebra import chunkwise
-    from gdngen.backends.portable.jax_chunkwise import XP
-
-    taken = []
-
-    def capture(*chunked):  # whole_sequence's chunk layout of the call's arrays
-        taken.append(chunked)
-        return jnp.zeros_like(chunked[2]), jnp.zeros_like(chunked[5])
-
-    chunkwise.whole_sequence(XP, capture, q, k, v, gates, beta, S0, None, scale=1.0, gate=gate,
-                             chunk_size=chunk)
+    chunked = generated.chunk_layout(q, k, v, gates, beta, S0, gate=gate, chunk_size=chunk)
     if inputs is None:  # per-channel gates: the chunk layout itself (the intra-chunk kernel's)
-        return (*taken[0], _call_rows(z, chunk), norm_weight)
-    lay = _to_fused_layout(*taken[0], layer_inputs.convention(gate), inputs)
+        return (*chunked, _call_rows(z, chunk), norm_weight)
+    lay = _to_fused_layout(*chunked, layer_inputs.convention(gate), inputs)
     return (lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"], lay["beta"], lay["s0"],
             *lay["gate"], _call_rows(z, chunk), norm_weight)
 
@@ -541,16 +529,6 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
     return call
 
 
-def _channel_inputs(q, k, gates, *, gate, qk_norm):
-    """The per-channel kernels' layer inputs, formed here (they take them as arrays): q, k
-    L2-normalised with ``qk_norm``, a `gdngen.algebra.layer_inputs.ParameterGate`'s log gate."""
-    from gdngen.backends.portable.jax_chunkwise import XP
-
-    if qk_norm:
-        q, k = generated.l2_normalized(XP, q), generated.l2_normalized(XP, k)
-    return q, k, layer_inputs.log_gates(XP, gates, gate)[0]
-
-
 def _normed_channel(key: tuple, gate, scale: float, qk_norm: bool):
     """`normed_chunk` of a per-channel norm build: the intra-chunk kernel (`channel_intra`, on
     the chunk layout), then the walk, which writes the gated norm of y, like it reads z, in
@@ -558,8 +536,8 @@ def _normed_channel(key: tuple, gate, scale: float, qk_norm: bool):
     kernels = LOADED[key]
     interpret, chunk, convention = (kernels.interpret, kernels.params["chunk_size"],
                                     layer_inputs.convention(gate))
-    inputs = jit_pair(functools.partial(_channel_inputs, gate=gate, qk_norm=qk_norm), (),
-                      interpret)
+    inputs = jit_pair(functools.partial(pallas_core.channel_layer_inputs, gate=gate,
+                                        qk_norm=qk_norm), (), interpret)
     prepare = jit_pair(functools.partial(_normed_layout, gate=convention, inputs=None,
                                          chunk=chunk), (), interpret)
     intra = channel_intra(key, convention, scale)
