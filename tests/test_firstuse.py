@@ -470,14 +470,15 @@ def test_the_tpu_chunk_norm_build_is_checked_through_its_stores(fresh, monkeypat
 @needs_ffi
 @pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_ffi_recurrent_conv_build_is_checked_through_its_loads(fresh, monkeypatch, planted):
-    """ffi_cpu's recurrent conv build (the raw q, k, v convolved in each task's loads, the q/k
-    norm factors of the convolved rows, the gate; the gated norm after the walks), which every
-    probe's undifferentiated output runs (T < ``recurrent_below``): a planted q conv that reads
-    k's weights and state fails in y; the shipped one passes (a problem each: a process
-    caches its eager calls' compiled steps per call)."""
+    """ffi_cpu's recurrent conv build (the raw q, k rows convolved once per call in its
+    ``prepare`` pass, then their norm factors, and v in each task's loads; the gate; the gated
+    norm after the walks), which every probe's undifferentiated output runs (T <
+    ``recurrent_below``): a planted q conv that reads k's weights and state fails in y; the
+    shipped one passes (a problem each: a process caches its eager calls' compiled steps per
+    call)."""
     problem = Problem(1, 2, 32 if planted else 16, 32, "float32", "scalar")
     if planted:
-        old = "conv_row(cv, q + (b * s.T * s.Hk + kh) * s.Dk, qk_channels, b, kh * s.Dk,"
+        old = "conv_row(cv, q + from, qk_channels, b, kh * s.Dk, t, s.Dk, qc + at);"
         plant(fresh, monkeypatch, "ffi_cpu", "recurrent.cc.j2", old,
               old.replace("b, kh * s.Dk,", "b, qk_channels + kh * s.Dk,"))
     variant = registry.default_variant("ffi_cpu", problem)

@@ -157,8 +157,8 @@ class FfiCpu(Backend):
         decay (recurrent) or log gate (chunk forward) was, plus ``A_log``, ``dt_bias`` float32
         ``[Hv]`` (``[Hv, Dk]`` per channel) after S0 and a ``lower_bound`` float attribute
         (`gdngen.backends.kernel_inputs`); with ``inputs.conv`` the raw q, k, v with ``conv_w
-        [C, K]`` and ``conv_state [B, C, K-1]`` after those, each loaded row convolved + SiLU
-        before its norm; with ``inputs.norm`` it also takes ``z``,
+        [K, C]`` and ``conv_state [B, K-1, C]`` (channels last) after those, each loaded row
+        convolved + SiLU before its norm; with ``inputs.norm`` it also takes ``z``,
         ``norm_weight`` (after the conv's operands) and a ``norm_eps`` attribute and returns the
         gated norm of y (the recurrent kernel after its walks, the chunk forward in each
         chunk's stores). The plain renders do not depend on it."""

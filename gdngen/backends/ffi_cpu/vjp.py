@@ -76,15 +76,17 @@ def forward_call(context, forward_loaded, inputs: KernelInputs, primals, norm=()
 
 
 def conv_operands_of(q, k, v):
-    """``((q, k, v) raw, (conv_w [C, K], conv_state [B, C, K-1]))`` of conv tuples ``(x, w,
+    """``((q, k, v) raw, (conv_w [K, C], conv_state [B, K-1, C]))`` of conv tuples ``(x, w,
     conv_state or None)`` (`gdngen.prepare.conv_parts`), as a conv build's kernel takes them:
-    the whole weight and state over the mixer's channels (zeros for a None state)."""
+    the whole weight and state over the mixer's channels (zeros for a None state), channels
+    last."""
     import jax.numpy as jnp
 
     (q, wq, sq), (k, wk, sk), (v, wv, sv) = q, k, v
-    weight = jnp.concatenate([wq, wk, wv], axis=0)
-    state = (jnp.zeros((q.shape[0], weight.shape[0], weight.shape[1] - 1), jnp.float32)
-             if sq is None else jnp.concatenate([sq, sk, sv], axis=1))
+    weight = jnp.concatenate([wq, wk, wv], axis=0).T  # [K, C]
+    K, C = weight.shape
+    state = (jnp.zeros((q.shape[0], K - 1, C), jnp.float32) if sq is None else
+             jnp.concatenate([sq, sk, sv], axis=1).transpose(0, 2, 1))
     return (q, k, v), (weight, state)
 
 
@@ -105,7 +107,7 @@ def core(sha256: str, gate, scale: float, poison: bool, qk_norm: bool = False,
     as arrays, and the core maps its dq, dk, dlog g through their VJPs. ``conv``: q, k, v are
     conv tuples ``(x, w, conv_state or None)`` (`gdngen.backends.generated.custom_vjp_core`):
     with ``forward_convolves`` the fused chunk forward (built with ``KernelInputs.conv``) takes
-    the raw x and the whole ``conv_w [C, K]`` and ``conv_state [B, C, K-1]`` (zeros for None)
+    the raw x and the whole ``conv_w [K, C]`` and ``conv_state [B, K-1, C]`` (zeros for None)
     and convolves in its loads, else the core convolves before the kernels."""
     import jax.numpy as jnp
     import numpy as np
