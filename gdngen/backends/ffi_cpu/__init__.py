@@ -253,12 +253,12 @@ class FfiCpu(Backend):
         args = (*qkv, g, beta, initial_state.astype(f32))
 
         # the recurrent kernel's loads and the chunk forward's: the conv, the q/k norm, the gate
-        inputs = chunk_inputs = KernelInputs.of(call.qk_norm, gate, conv)
-        forward_sha256 = (self.load_fused_kernels(variant, problem, chunk_inputs, SOURCE_NAME,
+        inputs = KernelInputs.of(call.qk_norm, gate, conv)
+        forward_sha256 = (self.load_fused_kernels(variant, problem, inputs, SOURCE_NAME,
                                                   templates_dir=templates_dir).sha256
-                          if chunk_inputs.fused else None)
+                          if inputs.fused else None)
         chunkwise_call = vjp.core(loaded.sha256, gate, scale, poison, call.qk_norm,
-                                  forward_sha256, conv, chunk_inputs.conv)
+                                  forward_sha256, conv, inputs.conv)
         chunked = self.chunked(call, variant)
         if not chunked:
             def recurrent_build(inputs):
