@@ -196,7 +196,7 @@ def _draw_log_gates(case: Case, rng: np.random.Generator) -> np.ndarray:
     g[draw < 0.15] = 0.0
     g[draw > 0.90] = -np.inf
     g[0, 0, 0] = -np.inf
-    g[0, case.chunk_size:2 * case.chunk_size, 1] = 0.0
+    g[0, case.chunk_size:2 * case.chunk_size, min(1, shape[2] - 1)] = 0.0  # head 1, or 0 of one
     return g
 
 

@@ -129,6 +129,18 @@ def test_gates_exact_one_and_zero():
     assert np.all(np.exp(g)[g == -np.inf] == 0.0)
 
 
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_every_case_draws_for_one_value_head(name):
+    """Each case's inputs draw at Hk = Hv = 1 (a first-use probe of a one-head problem): no
+    case writes a fixed second head."""
+    import dataclasses
+
+    case = dataclasses.replace(get_case(name), Hk=1, Hv=1)
+    x = case.inputs(0)
+    assert x["v"].shape[2] == 1 and x["g_log"].shape[2] == 1
+    assert np.isfinite(x["q"]).all()
+
+
 def test_identical_keys_within_chunks():
     case = get_case("identical_keys")
     assert case.chunk_size == 64 and case.T >= 128

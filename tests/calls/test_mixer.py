@@ -449,8 +449,9 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     undifferentiated, its chunk forward is the norm build (`gdngen.backends.ffi_cpu.vjp.
     normed_chunk`: the conv, the q/k norm and the gate in its loads, the gated norm in each
     chunk's stores; the Pallas ``normed_chunk``: the gated norm in the walk's stores, written
-    in the call's layout, pallas_gpu's scalar one with the conv in both kernels' loads;
-    per-channel gates: the intra-chunk kernel, then that walk), with no norm stage after it;
+    in the call's layout; per-channel gates: the intra-chunk kernel, then that walk; the conv
+    in the kernels' loads: pallas_gpu's scalar build, pallas_tpu's both), with no norm stage
+    after it;
     values and every gradient against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
     variant = variant.replace(recurrent_below=16)
@@ -458,7 +459,8 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     if backend.startswith("pallas"):
         from gdngen.backends.pallas.backend import PallasBackend as owner
 
-        variant = whole_head_variant(spec, backend, variant, form)
+        # two chunks of 32 (T = 37): the conv's rows before the second come from the first
+        variant = whole_head_variant(spec, backend, variant, form).replace(chunk_size=32)
         name = "normed_chunk_forward"
     else:
         from gdngen.backends.ffi_cpu import vjp as owner
@@ -471,8 +473,9 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     norm_gate = FORMS[form].get("norm_gate", "silu")
     if backend.startswith("pallas"):  # (self, call, operands, variant, ...)
         assert [b[1].norm_gate for b in builds] == [norm_gate] and norms == [], (builds, norms)
-        # pallas_gpu's scalar build convolves in its loads: no conv stage before it
-        assert (convolved == []) is ((backend, form) == ("pallas_gpu", "scalar")), convolved
+        # these builds convolve in their loads (pallas_gpu's scalar one, pallas_tpu's both):
+        # no conv stage before them
+        assert (convolved == []) is (form == "scalar" or backend == "pallas_tpu"), convolved
     else:
         assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (
             builds, norms)
@@ -489,8 +492,9 @@ def test_explain_says_where_the_norm_and_the_conv_run():
     for a long one (pallas_tpu: where its output blocks are whole vregs or rows); after the
     kernels on xla and for packed rows. With ``conv_weight`` it names where the conv runs
     (`gdngen.backend.Backend.conv_path`): ffi_cpu's forwards' loads; the Pallas recurrent
-    kernels' loads for a short call; pallas_gpu's chunk norm build's loads, else the Pallas
-    chunk cores before their kernels; before the kernels on xla and for packed rows."""
+    kernels' loads for a short call; the Pallas chunk norm builds' loads (scalar gates, up to
+    `CHUNK_CONV_TAPS` taps), else the Pallas chunk cores before their kernels; before the
+    kernels on xla and for packed rows."""
     import jax.numpy as jnp
 
     import gdngen
@@ -528,10 +532,12 @@ def test_explain_says_where_the_norm_and_the_conv_run():
         "forward's when differentiated" in where(17, ffi, **conv)
     assert "conv in the chunk forward's loads (raw q, k, v)" in where(200, ffi, **conv)
     recurrent, core = "conv in the recurrent kernel's loads", "conv in the chunk core before"
-    assert recurrent in where(17, tpu, **conv) and core in where(200, tpu, **conv)
+    chunk = "conv in the chunk forward's loads when not differentiated (its norm build)"
+    assert recurrent in where(17, tpu, **conv) and chunk in where(200, tpu, **conv)
+    assert core in where(200, tpu.replace(head_tile=1), **conv)  # no norm build: no conv one
+    assert core in where(200, tpu, conv_weight=jnp.full((2 * Hk * Dk + Hv * Dv, 5), 0.1))
     assert recurrent in where(17, gpu.replace(bv=Dv // 2), **conv)
-    assert "conv in the chunk forward's loads when not differentiated (its norm build)" in \
-        where(200, gpu.replace(bv=Dv), **conv)
+    assert chunk in where(200, gpu.replace(bv=Dv), **conv)
     assert core in where(200, gpu.replace(bv=Dv // 2), **conv)
     first = "conv before the kernels"
     assert first in where(17, registry.default_variant("xla", problem), **conv)

@@ -63,6 +63,13 @@ class PallasBackend(Backend):
         `CHUNK_CONV_TAPS` taps)."""
         return False
 
+    def convolves_in_chunk_loads(self, call, variant) -> bool:
+        """Whether a conv call's chunk forward norm build convolves in its loads: `chunk_conv`,
+        for convs of up to `CHUNK_CONV_TAPS` taps (what `normed_chunk_forward` runs and
+        `conv_path` says)."""
+        return (call.conv_size is not None and call.conv_size <= CHUNK_CONV_TAPS
+                and self.chunk_conv(variant, call.problem))
+
     def chunk_norm(self, variant, problem) -> bool:
         """Whether the chunk forward has an output norm build for ``problem`` (`render_fused`
         renders forward.py with the norm; `normed_chunk` runs it)."""
@@ -89,7 +96,7 @@ class PallasBackend(Backend):
                         "differentiated, before the kernels")
             return super().conv_path(call, variant)
         core = "in the chunk core before its kernels (it keeps the raw q, k, v)"
-        if self.norm_in_stores(call, variant) and self.chunk_conv(variant, call.problem):
+        if self.norm_in_stores(call, variant) and self.convolves_in_chunk_loads(call, variant):
             return (f"in the chunk forward's loads when not differentiated (its norm build); "
                     f"differentiated, {core}")
         return core
@@ -462,9 +469,7 @@ class PallasBackend(Backend):
 
         f32, dtype, gate = jnp.float32, operands.q.dtype, call.core_gate
         self.interpret_mode()  # decided (and warned about) at the caller's frame
-        # the conv in the chunk forward's loads where its norm build has it
-        conv = (call.conv_size is not None and call.conv_size <= CHUNK_CONV_TAPS
-                and self.chunk_conv(variant, call.problem))
+        conv = self.convolves_in_chunk_loads(call, variant)
         built = self.load_fused_kernels(
             variant, call.problem, KernelInputs.of(call.qk_norm, gate, conv, call.norm_gate),
             templates_dir=templates_dir)

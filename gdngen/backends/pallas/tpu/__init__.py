@@ -67,7 +67,8 @@ class PallasTPU(TPUKernels):
     name, config, tolerances, dtypes = BACKEND, Config, POLICY_TOLERANCES, INPUT_DTYPES
     device_kinds, device_limit, reference_device = ("tpu",), "vmem_budget", "tpu-v5e"
     #: the recurrent kernel and the chunk forward have an output norm build (variants whose
-    #: dv_tile is Dv); the recurrent kernel a conv build (the conv in its loads)
+    #: dv_tile is Dv); the recurrent kernel a conv build (the conv in its loads), and so has
+    #: the chunk forward's norm build (`chunk_conv`)
     fused_inputs, recurrent_conv = ("qk_norm", "gate", "conv", "norm"), True
     #: the module's functions
     caches = (chunk_core, packed_core, chunk_walks, entering_core, channel_core,
@@ -79,6 +80,12 @@ class PallasTPU(TPUKernels):
     channel_core, channel_intra = staticmethod(channel_core), staticmethod(channel_intra)
     channel_grads = staticmethod(channel_grads)
     channel_walk_core, normed_chunk = staticmethod(channel_walk_core), staticmethod(normed_chunk)
+
+    def chunk_conv(self, variant, problem) -> bool:
+        """Both gate kinds: the chunk forward's norm build convolves the raw q, k, v in its
+        loads (scalar: the forward kernel; per-channel: the intra-chunk kernel), each chunk
+        block staged behind the raw rows before it (`normed_chunk` with ``conv``)."""
+        return True
 
     def chunk_norm(self, variant, problem) -> bool:
         """Both gate kinds, where a program's heads' output lanes are a whole number of vregs

@@ -371,12 +371,14 @@ def _log_gates(gates, gate):
     return _heads_merged(pallas_core.floored_log_gates(gates, gate, LOG_GATE_FLOOR), 2)
 
 
-def _channel_intra_layout(q, k, v, gates, beta, *, gate):
+def _channel_intra_layout(q, k, v, gates, beta, *conv, gate):
     """The intra-chunk kernel's inputs from the chunk layout (q, k [N, B, Hk, (1,) C, Dk]; v,
     gates, beta [N, B, Hk, r, C, ...]): the value heads merged, the gates as finite log gates,
-    beta a column."""
-    return (_key_heads(q), _key_heads(k), _heads_merged(v, 2), _log_gates(gates, gate),
-            _heads_merged(beta, 2)[..., None])
+    beta a column; ``conv`` ``(conv_weight [C, K], conv_state [B, C, K-1] or None)`` (a conv
+    build's, raw q, k, v): then their halos and taps (`_conv_halos`)."""
+    q, k, v = _key_heads(q), _key_heads(k), _heads_merged(v, 2)
+    halos = _conv_halos((q, k, v), *conv, chunk_axis=0) if conv else ()
+    return (q, k, v, _log_gates(gates, gate), _heads_merged(beta, 2)[..., None], *halos)
 
 
 def _channel_intra_outputs(outputs, Hk):
@@ -396,14 +398,16 @@ def channel_intra(key: tuple, gate: str, scale: float):
     kernel (``intra`` of the forward template) of the loaded per-channel kernels ``key``
     (sha256, interpret parameters) in the chunk layout of `gdngen.algebra.chunkwise_channel`
     (float32; q unscaled, ``scale`` applied in the kernel; gates in the convention ``gate``):
-    the stages of its ``forward`` before the walk."""
+    the stages of its ``forward`` before the walk. A conv build's takes raw q, k, v and ``conv
+    = (conv_weight, conv_state or None)`` (`_channel_intra_layout`)."""
     kernels = LOADED[key]
     interpret = kernels.interpret
     prepare = jit_pair(functools.partial(_channel_intra_layout, gate=gate), (), interpret)
     finish = jit_pair(_channel_intra_outputs, ("Hk",), interpret)
 
-    def intra(q, k, v, gates, beta):
-        outputs = run_kernel(kernels.run_intra, *call_jitted(prepare, q, k, v, gates, beta),
+    def intra(q, k, v, gates, beta, conv=()):
+        outputs = run_kernel(kernels.run_intra, *call_jitted(prepare, q, k, v, gates, beta,
+                                                             *conv),
                              scale=scale, what="per-channel intra-chunk", interpret=interpret)
         return call_jitted(finish, tuple(outputs), Hk=q.shape[2])
 
@@ -474,19 +478,59 @@ channel_core, channel_walk_core = pallas_core.channel_cores(LOADED, channel_intr
 # ----------------------------------------------------------------------------- entry point
 
 
-def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, inputs, chunk):
+def _normed_layout(q, k, v, gates, beta, S0, z, norm_weight, *conv, gate, inputs, chunk):
     """A dense call's arrays (the call's layout, masks folded; ``gates`` in ``gate``'s
     convention or, with a gate form, ``(a, A_log, dt_bias)``) -> the norm build's forward
     operands: q, k, v, the gates and beta in the kernels' chunk blocks (`_to_fused_layout` of
     `gdngen.algebra.chunkwise.whole_sequence`'s chunk layout, T padded with identity steps),
     and z in the call's own layout, T padded: ``[B, N, C, Hv * Dv]``, a free reshape where T is
-    a multiple of the chunk."""
+    a multiple of the chunk. ``conv`` ``(conv_weight [C, K], conv_state [B, C, K-1] or None)``
+    (a conv build's): q, k, v stay raw, and each one's halos and taps (`_conv_halos`) follow
+    the gate's operands."""
     chunked = generated.chunk_layout(q, k, v, gates, beta, S0, gate=gate, chunk_size=chunk)
     if inputs is None:  # per-channel gates: the chunk layout itself (the intra-chunk kernel's)
         return (*chunked, _call_rows(z, chunk), norm_weight)
     lay = _to_fused_layout(*chunked, layer_inputs.convention(gate), inputs)
+    halos = _conv_halos((lay["q"], lay["k"], lay["v"]), *conv) if conv else ()
     return (lay["q"], lay["k"], lay["v"], lay["g_col"], lay["g_row"], lay["beta"], lay["s0"],
-            *lay["gate"], _call_rows(z, chunk), norm_weight)
+            *lay["gate"], *halos, _call_rows(z, chunk), norm_weight)
+
+
+#: raw rows before each chunk in a conv build's halo blocks (the template's HALO: a sublane tile)
+CONV_HALO = 8
+
+
+def _conv_halos(qkv, weight, state, *, chunk_axis=2):
+    """A conv build's operands after the gate's: ``halo_q, halo_k [B, Hk, N, HALO, Dk]``,
+    ``halo_v [B, Hv, N, HALO, Dv]``, the `CONV_HALO` raw rows before each chunk (chunk 0's:
+    zeros, then the conv state's K - 1 rows, oldest first; chunk n's: chunk n - 1's last rows),
+    then the taps ``taps_q, taps_k [Hk, KP, Dk]``, ``taps_v [Hv, KP, Dv]``, all float32 (the
+    conv state not rounded to the inputs' dtype, as the plain path's conv reads it), zero taps
+    first (KP = `CHUNK_CONV_TAPS`). ``qkv``: the raw q, k, v in the kernels' chunk blocks
+    ``[B, H, N, C, D]`` (T padded at the end: no halo reads the padding); with ``chunk_axis``
+    0, ``[N, B, H, C, D]`` (the per-channel intra kernel's), and the halos likewise."""
+    import jax.numpy as jnp
+
+    from gdngen.backends.pallas.backend import CHUNK_CONV_TAPS as KP
+
+    f32, K = jnp.float32, weight.shape[1]
+    if K > KP or K - 1 > CONV_HALO:
+        raise ValueError(f"conv_weight has {K} taps, expected at most {KP} for the chunk "
+                         f"forward's conv build")
+    halos, taps, lo = [], [], 0
+    for x in qkv:
+        x = jnp.moveaxis(x, chunk_axis, 2)
+        B, H, _, C, D = x.shape
+        w = weight[lo:lo + H * D].astype(f32).reshape(H, D, K).transpose(0, 2, 1)
+        taps.append(jnp.pad(w, ((0, 0), (KP - K, 0), (0, 0))))
+        before = (jnp.zeros((B, H, K - 1, D), f32) if state is None else
+                  state[:, lo:lo + H * D].reshape(B, H, D, K - 1).swapaxes(2, 3).astype(f32))
+        first = jnp.pad(before, ((0, 0), (0, 0), (CONV_HALO - (K - 1), 0), (0, 0)))
+        halos.append(jnp.moveaxis(jnp.concatenate(
+            [first[:, :, None], x[:, :, :-1, C - CONV_HALO:].astype(f32)], axis=2), 2,
+            chunk_axis))
+        lo += H * D
+    return (*halos, *taps)
 
 
 def _call_rows(z, chunk):
@@ -509,7 +553,9 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
     (`_normed_layout`; per-channel gates: `_normed_channel`). ``gate`` a convention or a
     `gdngen.algebra.layer_inputs.ParameterGate`
     (``gates`` then ``(a, A_log, dt_bias)``); q, k raw with ``qk_norm``; q unscaled; q, k, v
-    in the problem's dtype, the rest float32; masks folded."""
+    in the problem's dtype, the rest float32; masks folded. A conv build's call takes ``conv
+    = (conv_weight [C, K], conv_state [B, C, K-1] or None)`` and raw q, k, v, which its kernel
+    convolves in its loads (scalar gates)."""
     kernels = LOADED[key]
     interpret = kernels.interpret
     if kernels.problem.gate == "vector":
@@ -518,10 +564,11 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
         _normed_layout, gate=gate, inputs=KernelInputs.of(qk_norm, gate),
         chunk=kernels.params["chunk_size"]), (), interpret)
 
-    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps, conv=()):
         B, T, Hv, Dv = v.shape
         out, s_final = run_kernel(
-            kernels.run_forward, *call_jitted(prepare, q, k, v, gates, beta, S0, z, norm_weight),
+            kernels.run_forward, *call_jitted(prepare, q, k, v, gates, beta, S0, z, norm_weight,
+                                              *conv),
             scale=scale, what="chunk forward (norm build)", interpret=interpret,
             norm_eps=norm_eps)
         return out.reshape(B, -1, Hv, Dv)[:, :T], s_final
@@ -531,24 +578,28 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
 
 def _normed_channel(key: tuple, gate, scale: float, qk_norm: bool):
     """`normed_chunk` of a per-channel norm build: the intra-chunk kernel (`channel_intra`, on
-    the chunk layout), then the walk, which writes the gated norm of y, like it reads z, in
-    the call's layout (no W, no entering states: forward only)."""
+    the chunk layout; a conv build's convolves the raw q, k, v and forms the q/k norm in its
+    loads), then the walk, which writes the gated norm of y, like it reads z, in the call's
+    layout (no W, no entering states: forward only)."""
     kernels = LOADED[key]
     interpret, chunk, convention = (kernels.interpret, kernels.params["chunk_size"],
                                     layer_inputs.convention(gate))
-    inputs = jit_pair(functools.partial(pallas_core.channel_layer_inputs, gate=gate,
-                                        qk_norm=qk_norm), (), interpret)
+    # a conv build's intra kernel convolves, then normalises q, k in its loads
+    inputs = {raw: jit_pair(functools.partial(pallas_core.channel_layer_inputs, gate=gate,
+                                              qk_norm=qk_norm and not raw), (), interpret)
+              for raw in (False, True)}
     prepare = jit_pair(functools.partial(_normed_layout, gate=convention, inputs=None,
                                          chunk=chunk), (), interpret)
     intra = channel_intra(key, convention, scale)
 
-    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps, conv=()):
         B, T, Hv, Dv = v.shape
-        q, k, log_g = call_jitted(inputs, q, k, gates)
+        q, k, log_g = call_jitted(inputs[bool(conv)], q, k, gates)
         q, k, v, log_g, beta, S0, z, norm_weight = call_jitted(
             prepare, q.astype("float32"), k.astype("float32"), v.astype("float32"), log_g, beta,
             S0, z, norm_weight)
-        U, Wk, Kc, Qd, Pm, dCC = intra(q, k, v, log_g, beta)  # no M_kk, T: forward only
+        # no M_kk, T: forward only
+        U, Wk, Kc, Qd, Pm, dCC = intra(q, k, v, log_g, beta, conv)
         out, s_final = run_kernel(
             kernels.run_forward, *(_heads_merged(x, 2) for x in (U, Wk, Kc, Qd, Pm,
                                                                  dCC[..., None, :])),
