@@ -426,22 +426,26 @@ def check_gpu_plant(fresh, monkeypatch, planted, problem, key, plants, quantitie
 
 
 @pytest.mark.parametrize("planted", [pytest.param(None, marks=pytest.mark.slow), "recurrent",
-                                     "chunk"])
+                                     "chunk", pytest.param("chunk_vector",
+                                                           marks=pytest.mark.slow)])
 def test_the_gpu_conv_builds_are_checked_through_their_loads(fresh, monkeypatch, planted):
     """pallas_gpu's conv builds (the raw q, k, v convolved in the kernels' loads, then the q/k
     norm and the gate; the gated norm in the stores): the recurrent kernel's and the chunk
-    forward's, which first use checks at the probes (each through the switch's other side
-    too): a planted conv that weighs each step's own row with the tap before its own, in
-    either, fails in y or the final state (a misplaced k or v row reaches the state too; fresh
-    inputs decide which is worst), on either side of the switch; the shipped ones pass."""
-    problem = Problem(1, 2, {None: 32, "recurrent": 16, "chunk": 64}[planted], 32, "float32",
-                      "scalar")
+    forward's (per-channel gates: its intra-chunk kernel's), which first use checks at the
+    probes (each through the switch's other side too): a planted conv that weighs each step's
+    own row with the tap before its own, in either, fails in y or the final state (a misplaced
+    k or v row reaches the state too; fresh inputs decide which is worst), on either side of
+    the switch; the shipped ones pass."""
+    gate = "vector" if planted == "chunk_vector" else "scalar"
+    problem = Problem(1, 2, {None: 32, "recurrent": 16, "chunk": 64, "chunk_vector": 64}[planted],
+                      32, "float32", gate)
     tap, row = "+ [taps(conv_k - 1) * row]", "x_ref[pl.ds(start + j, CHUNK), cols]"
+    chunk = ("forward.py.j2", row,
+             row.replace("start + j", "start + j - (j == w_ref.shape[0] - 1)"))
     check_gpu_plant(
-        fresh, monkeypatch, planted, problem, "scalar log qk_norm softplus conv norm_silu",
+        fresh, monkeypatch, planted, problem, f"{gate} log qk_norm softplus conv norm_silu",
         {"recurrent": ("recurrent.py.j2", tap, tap.replace("conv_k - 1", "conv_k - 2")),
-         "chunk": ("forward.py.j2", row, row.replace("start + j",
-                                                     "start + j - (j == w_ref.shape[0] - 1)"))},
+         "chunk": chunk, "chunk_vector": chunk},
         quantities=("y", "final_state"))
 
 

@@ -93,20 +93,23 @@ def test_vector_gate_programs_compile():
     assert "gdn_channel_decayed_keys" in names["chunk_fwd_bwd"], names  # the reverse walk's
 
 
-def test_the_chunk_forward_norm_build_compiles():
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+def test_the_chunk_forward_norm_build_compiles(gate):
     """A variant whose walk programs hold the head's whole Dv (``bv`` = Dv) has the
-    ``fused_chunk_forward`` program (the chunk forward's norm build: qk_norm and the softplus
-    gate in its loads, the gated norm in the walk's stores); it compiles for H100 to the two
-    forward kernels and nothing else (no norm after them, no backward). A variant splitting Dv
-    has no such program."""
-    problem = SMALL["scalar"]
+    ``fused_chunk_forward`` program (the chunk forward's norm build: the 4-tap conv, qk_norm
+    and the softplus gate in its loads, the gated norm in the walk's stores); it compiles for
+    H100 to the two forward kernels (per-channel: the intra-chunk kernel, which convolves, and
+    the walk) and nothing else (no conv before them, no norm after them, no backward). A
+    variant splitting Dv has no such program."""
+    problem = SMALL[gate]
     variant = _variant(problem, "h100", bv=32)
     assert registry.get("pallas_gpu").holds_whole_head(variant, problem)
     report = compilers.compile_variant(variant, problem, "h100", T=48,
                                        only=("fused_chunk_forward",))
     _check_report(report, "h100", variant)
     assert {p.name: {k["name"] for k in p.kernels} for p in report.programs} == {
-        "fused_chunk_forward": {"gdn_intra", "gdn_walk"}}
+        "fused_chunk_forward": {"gdn_intra", "gdn_walk"} if gate == "scalar" else
+        {"gdn_channel_intra", "gdn_channel_walk"}}
     split = _variant(problem, "h100", bv=16)
     assert "fused_chunk_forward" not in dict(compilers.programs(split, problem, 48))
 

@@ -450,8 +450,7 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     normed_chunk`: the conv, the q/k norm and the gate in its loads, the gated norm in each
     chunk's stores; the Pallas ``normed_chunk``: the gated norm in the walk's stores, written
     in the call's layout; per-channel gates: the intra-chunk kernel, then that walk; the conv
-    in the kernels' loads: pallas_gpu's scalar build, pallas_tpu's both), with no norm stage
-    after it;
+    in the kernels' loads), with no conv stage before it and no norm stage after it;
     values and every gradient against float64, outputs poisoned."""
     spec, variant = variant_here(backend, form)
     variant = variant.replace(recurrent_below=16)
@@ -473,9 +472,8 @@ def test_chunk_forward_normalises_in_its_stores(backend, form, monkeypatch):
     norm_gate = FORMS[form].get("norm_gate", "silu")
     if backend.startswith("pallas"):  # (self, call, operands, variant, ...)
         assert [b[1].norm_gate for b in builds] == [norm_gate] and norms == [], (builds, norms)
-        # these builds convolve in their loads (pallas_gpu's scalar one, pallas_tpu's both):
-        # no conv stage before them
-        assert (convolved == []) is (form == "scalar" or backend == "pallas_tpu"), convolved
+        # these builds convolve in their loads: no conv stage before them
+        assert convolved == [], convolved
     else:
         assert [b[5] for b in builds] == [norm_gate] and builds[0][7] and norms == [], (
             builds, norms)

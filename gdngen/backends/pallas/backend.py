@@ -157,7 +157,8 @@ class PallasBackend(Backend):
         if inputs.norm and "norm" not in self.fused_inputs:
             raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
         # the forward: a scalar chunk forward's fused loads, or a chunk norm build (a conv
-        # build is the recurrent kernel's alone: the chunk cores convolve before their kernels)
+        # build's forward is a norm build's, `chunk_conv`: the differentiated chunk cores
+        # convolve before their kernels)
         if inputs.norm:
             forward = self.chunk_norm(variant, problem) and (
                 not inputs.conv or self.chunk_conv(variant, problem))

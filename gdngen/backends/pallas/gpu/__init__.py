@@ -89,9 +89,10 @@ class PallasGPU(GPUKernels):
     channel_walk_core, normed_chunk = staticmethod(channel_walk_core), staticmethod(normed_chunk)
 
     def chunk_conv(self, variant, problem) -> bool:
-        """Scalar gates: the chunk forward's norm build convolves the raw q, k, v in both
-        kernels' loads (`normed_chunk` with ``conv``)."""
-        return problem.gate == "scalar"
+        """Both gate kinds: the chunk forward's norm build convolves the raw q, k, v in its
+        loads (scalar: both kernels; per-channel: the intra-chunk kernel, which then forms the
+        q/k norm; `normed_chunk` with ``conv``)."""
+        return True
 
     def chunk_norm(self, variant, problem) -> bool:
         """Both gate kinds: the walk normalises each chunk's y rows in its stores and writes

@@ -580,15 +580,19 @@ def _conv_rows(qkv, weight, state, q_shape, v_shape):
     return tuple(rows), tuple(taps)
 
 
-def _normed_channel_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, qk_norm, chunk,
-                           dk, dv):
+def _normed_channel_layout(q, k, v, gates, beta, S0, z, norm_weight, *conv, gate, qk_norm,
+                           chunk, dk, dv):
     """`_normed_layout` of a per-channel norm build, whose kernels take the layer inputs as
     arrays, formed here (`gdngen.backends.pallas.core.channel_layer_inputs`), the log gates
-    floored, ``[B, Hv, T, DK]``; q, k, v float32 as the per-channel kernels read them."""
+    floored, ``[B, Hv, T, DK]``; q, k, v float32 as the per-channel kernels read them. A conv
+    build's ``conv = (conv_weight, conv_state or None)``: q, k, v raw, each with the conv's
+    rows before step 0 in front (its intra kernel convolves, then normalises q, k in its
+    loads), and their taps last (`_conv_rows`)."""
     import jax.numpy as jnp
 
     f32 = jnp.float32
-    q, k, log_g = pallas_core.channel_layer_inputs(q, k, gates, gate=gate, qk_norm=qk_norm)
+    q, k, log_g = pallas_core.channel_layer_inputs(q, k, gates, gate=gate,
+                                                   qk_norm=qk_norm and not conv)
     log_g = pallas_core.floored_log_gates(log_g.astype(f32), layer_inputs.convention(gate),
                                           LOG_GATE_FLOOR)
     pad = -q.shape[1] % chunk
@@ -596,10 +600,12 @@ def _normed_channel_layout(q, k, v, gates, beta, S0, z, norm_weight, *, gate, qk
     def rows(x):  # T padded with identity steps (zero rows, log g = 0, beta = 0)
         return _time_padded(x.astype(f32), pad)
 
-    return (pad_last(rows(q), dk), pad_last(rows(k), dk), pad_last(rows(v), dv),
-            pad_last(rows(log_g).transpose(0, 2, 1, 3), dk), rows(beta).transpose(0, 2, 1),
+    qkv, taps = (pad_last(rows(q), dk), pad_last(rows(k), dk), pad_last(rows(v), dv)), ()
+    if conv:
+        qkv, taps = _conv_rows(qkv, *conv, q.shape, v.shape)
+    return (*qkv, pad_last(rows(log_g).transpose(0, 2, 1, 3), dk), rows(beta).transpose(0, 2, 1),
             states_to_kernel(S0.astype(f32)[:, :, None], dk, dv), pad_last(rows(z), dv),
-            pad_last(norm_weight.astype(f32), dv))
+            pad_last(norm_weight.astype(f32), dv), *taps)
 
 
 @functools.cache
@@ -633,7 +639,8 @@ def normed_chunk(key: tuple, gate, scale: float, qk_norm: bool = False):
 
 
 def _normed_channel(kernels, gate, scale: float, qk_norm: bool):
-    """`normed_chunk` of a per-channel norm build: the intra-chunk kernel, then the walk, which
+    """`normed_chunk` of a per-channel norm build: the intra-chunk kernel (a conv build's
+    convolves the raw q, k, v, then forms the q/k norm, in its loads), then the walk, which
     writes the gated norm of y in the call's layout (no W, no entering states: forward
     only)."""
     interpret, p = kernels.interpret, kernels.params
@@ -641,12 +648,12 @@ def _normed_channel(kernels, gate, scale: float, qk_norm: bool):
         _normed_channel_layout, gate=gate, qk_norm=qk_norm, chunk=p["chunk_size"], dk=p["dk"],
         dv=p["dv"]), (), interpret)
 
-    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps):
+    def call(q, k, v, gates, beta, S0, z, norm_weight, *, norm_eps, conv=()):
         T, Dk, Dv = q.shape[1], q.shape[3], v.shape[3]
-        q, k, v, b, beta, s0, z, norm_weight = call_jitted(prepare, q, k, v, gates, beta, S0, z,
-                                                           norm_weight)
-        u, wk, kc, qd, pm, dcc = call_jitted(kernels.run_intra, q, k, v, b, beta, scale=scale,
-                                             interpret=interpret)  # no M_kk, T: forward only
+        q, k, v, b, beta, s0, z, norm_weight, *taps = call_jitted(
+            prepare, q, k, v, gates, beta, S0, z, norm_weight, *conv)
+        u, wk, kc, qd, pm, dcc = call_jitted(kernels.run_intra, q, k, v, b, beta, *taps,
+                                             scale=scale, interpret=interpret)  # no M_kk, T
         out, s_final = call_jitted(kernels.run_forward, u, wk, kc, qd, pm, dcc, s0, z,
                                    norm_weight, interpret=interpret, norm_eps=norm_eps)
         return out[:, :T, :, :Dv], s_final[:, :, :Dv, :Dk]
