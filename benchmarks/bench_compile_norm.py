@@ -6,6 +6,11 @@ The program is `gdngen.compilers`' ``fused_chunk_forward`` (qk_norm, softplus ga
 norm_weight / output_gate; B = 1). One JSON line per (T, build).
 
     python benchmarks/bench_compile_norm.py DEVICE HK,HV,DK,DV,DTYPE[,GATE] T[,T...] [VARIANT]
+    python benchmarks/bench_compile_norm.py --fwd-bwd DEVICE HK,HV,DK,DV,DTYPE T[,T...] [VARIANT]
+
+``--fwd-bwd``: the training program instead (``fused_fwd_bwd``: the same call differentiated),
+the chunk core's forward convolving in its kernel's loads (`differentiated_conv`, pallas_tpu's
+scalar gates) against the same variant with the conv before its kernels (patched off).
 
 DEVICE: tpu-v5e, tpu-v7x, h100, ...; GATE: scalar (default) or vector; VARIANT: a JSON
 object of parameter overrides of the device's default variant (e.g. ``'{"bv": 128}'`` for
@@ -23,6 +28,9 @@ from gdngen.problem import Problem
 
 
 def main(argv):
+    if argv and argv[0] == "--fwd-bwd":
+        fwd_bwd(argv[1:])
+        return
     device, spec, steps = argv[0], argv[1], [int(t) for t in argv[2].split(",")]
     overrides = json.loads(argv[3]) if len(argv) > 3 else {}
     hk, hv, dk, dv, dtype, *gate = spec.split(",")
@@ -49,6 +57,39 @@ def main(argv):
                               "build": build, "ok": program.ok, "error": program.error,
                               "temp_MiB": round(program.temp_bytes / 2**20, 2),
                               "kernels": [k["name"] for k in program.kernels],
+                              "seconds": round(program.seconds, 1)}), flush=True)
+
+
+def fwd_bwd(argv):
+    """``--fwd-bwd``: ``fused_fwd_bwd``'s temp bytes and each kernel's scoped VMEM, the conv
+    in the core forward's loads against before its kernels."""
+    device, spec, steps = argv[0], argv[1], [int(t) for t in argv[2].split(",")]
+    overrides = json.loads(argv[3]) if len(argv) > 3 else {}
+    hk, hv, dk, dv, dtype = spec.split(",")
+    problem = Problem(int(hk), int(hv), int(dk), int(dv), dtype, "scalar")
+    backend = "pallas_tpu" if devices.get_device(device).kind == "tpu" else "pallas_gpu"
+    spec_ = registry.get(backend)
+    variant = registry.default_variant(backend, problem, device).replace(**overrides)
+    if not spec_.differentiated_conv(variant, problem):
+        raise SystemExit(f"{backend}'s chunk core does not convolve in its loads")
+    dev = compiling._check_device(backend, device)
+    target = compiling.target_device(dev, backend)
+    original = type(spec_).differentiated_conv
+    for T in steps:
+        for build in ("conv in the core's loads", "conv before the kernels"):
+            if build == "conv before the kernels":
+                type(spec_).differentiated_conv = lambda self, variant, problem: False
+            try:
+                program = compiling._compile_program("fused_fwd_bwd", variant, problem, T,
+                                                     target, dev)
+            finally:
+                type(spec_).differentiated_conv = original
+                spec_.clear_cache()
+            print(json.dumps({"device": device, "variant": variant.name(), "T": T,
+                              "build": build, "ok": program.ok, "error": program.error,
+                              "temp_MiB": round(program.temp_bytes / 2**20, 2),
+                              "kernels": {k["name"]: k.get("vmem_used") for k in
+                                          program.kernels},
                               "seconds": round(program.seconds, 1)}), flush=True)
 
 

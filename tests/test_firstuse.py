@@ -471,19 +471,22 @@ def test_the_tpu_chunk_norm_build_is_checked_through_its_stores(fresh, monkeypat
         assert record["worst_error"] > 1e-2, record
 
 
-@pytest.mark.parametrize("planted, gate", [pytest.param(False, "scalar", marks=pytest.mark.slow),
-                                           (True, "scalar"),
-                                           pytest.param(True, "vector", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("planted, gate, norm", [
+    pytest.param(False, "scalar", True, marks=pytest.mark.slow), (True, "scalar", True),
+    pytest.param(True, "vector", True, marks=pytest.mark.slow), (True, "scalar", False)])
 def test_the_tpu_chunk_conv_builds_are_checked_through_their_loads(fresh, monkeypatch, planted,
-                                                                   gate):
+                                                                   gate, norm):
     """pallas_tpu's chunk forward conv builds (each raw q, k, v block staged behind the rows
     before it and convolved in the loads of the forward kernel, per-channel gates the
     intra-chunk kernel; the gated norm in the walk's stores), which first use checks at the
     long probe: a planted conv whose last tap reads the row before its own fails in y or the
-    final state (either side of the switch), the shipped one passes."""
+    final state (either side of the switch), the shipped one passes. Without the norm, the
+    chunk core's forward kernel (its saved chunk states too) convolves in its loads: the plant
+    fails there as well, in y or the gradients through those states."""
     # a problem each: the eager calls' compiled steps are cached per call in the process
-    problem = Problem(1, 2, 64, 64, "float32", gate) if planted else Problem(
-        1, 1, 32, 64, "float32", gate)
+    problem = (Problem(1, 1, 32, 64, "float32", gate) if not planted else
+               Problem(1, 2, 64, 64, "float32", gate) if norm else
+               Problem(2, 2, 32, 64, "float32", gate))
     if planted:
         old = "y = y + taps[j:j + 1, :] * pad_ref[lo:lo + CHUNK, :]"
         plant(fresh, monkeypatch, "pallas_tpu", "forward.py.j2", old,
@@ -491,12 +494,17 @@ def test_the_tpu_chunk_conv_builds_are_checked_through_their_loads(fresh, monkey
                           "CONV_TAPS - 1) + CHUNK, :]"))
     spec = registry.get("pallas_tpu")
     variant = registry.default_variant("pallas_tpu", problem)
-    assert spec.chunk_conv(variant, problem) and spec.holds_whole_head(variant, problem)
-    record = firstuse.check(variant, problem, f"{gate} log qk_norm softplus conv norm_silu")
+    if norm:
+        assert spec.chunk_conv(variant, problem) and spec.holds_whole_head(variant, problem)
+    else:
+        assert spec.differentiated_conv(variant, problem)
+    record = firstuse.check(variant, problem, f"{gate} log qk_norm softplus conv"
+                            + (" norm_silu" if norm else ""))
     assert record["passed"] is not planted, record
     if planted:
-        expected = {q + side for q in ("y", "final_state") for side in ("", "_other_path")}
-        assert record["worst_quantity"] in expected, record
+        if norm:
+            expected = {q + side for q in ("y", "final_state") for side in ("", "_other_path")}
+            assert record["worst_quantity"] in expected, record
         assert record["worst_error"] > 1e-2, record
 
 

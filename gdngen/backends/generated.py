@@ -260,7 +260,8 @@ def chunk_layout(q, k, v, gates, beta, S0, *, gate, chunk_size: int) -> tuple:
     return taken[-1]
 
 
-def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: int):
+def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: int,
+                         forward_convolves: bool = False):
     """``(forward, backward)`` over the call's layout (q, k, v ``[B, T, H, D]``, gates
     ``[B, T, Hv(, Dk)]`` or a ParameterGate's ``(a, A_log, dt_bias)``, beta ``[B, T, Hv]``, S0
     ``[B, Hv, Dv, Dk]``; masks folded, q unscaled) from a chunk-layout pair of
@@ -269,7 +270,9 @@ def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: i
     the cotangents in and the chunk backward's gradients out through the same (linear) layout
     by its VJP, so the saved residuals are the chunk forward's own. ``forward_gate`` is the
     layout's gate convention of the forward's primals (a ParameterGate where its kernels take
-    the raw projection), ``gate`` the backward's."""
+    the raw projection), ``gate`` the backward's. ``forward_convolves``: q, k, v of the
+    forward's primals are conv tuples ``(x, w, conv_state or None)``, whose raw x is laid out
+    (zero rows padding T: identity steps, whatever their conv) and handed on in its tuple."""
     import jax
     import jax.numpy as jnp
 
@@ -281,9 +284,14 @@ def whole_sequence_parts(forward, backward, *, gate, forward_gate, chunk_size: i
                                         gate=convention, chunk_size=chunk_size)
 
     def api_forward(primals):
-        kept = []
+        kept, parts = [], None
+        if forward_convolves:  # lay out the raw x of each tuple, hand its conv operands on
+            parts = [x[1:] for x in primals[:3]]
+            primals = (*(x[0] for x in primals[:3]), *primals[3:])
 
         def core(*chunked):
+            if parts is not None:
+                chunked = (*((x, *p) for x, p in zip(chunked[:3], parts)), *chunked[3:])
             outputs, saved = forward(chunked)
             kept.append(saved)
             return outputs
@@ -344,7 +352,8 @@ def custom_vjp_core(forward, backward, qk_norm=False, gate=None, forward_fuses=F
         convention = layer_inputs.convention(gate) if gate is not None else "log"
         forward, backward = whole_sequence_parts(
             forward, backward, gate=convention, chunk_size=chunk_size,
-            forward_gate=gate if forward_fuses and gate is not None else convention)
+            forward_gate=gate if forward_fuses and gate is not None else convention,
+            forward_convolves=forward_convolves)
 
     def convolved(primals):
         return conv_inputs(XP, primals) if conv else primals

@@ -206,18 +206,27 @@ def test_ffi_cpu_chunk_core_convolves_and_matches_the_float64_composition():
 @pytest.mark.parametrize("backend, form", [
     pytest.param(b, f, marks=[pytest.mark.slow] if f == "vector" else [])
     for b in ("pallas_tpu", "pallas_gpu") for f in sorted(FORMS)])
-def test_pallas_chunk_cores_convolve_and_match_the_float64_composition(backend, form):
+def test_pallas_chunk_cores_convolve_and_match_the_float64_composition(backend, form,
+                                                                       monkeypatch):
     """A row past the Pallas backends' recurrent switch (T = 150): the chunk core takes the
     raw q, k, v slices and convolves them itself over the call's layout
     (`gdngen.backends.generated.custom_vjp_core` with ``conv`` and ``chunk_size``; scalar
     gates `chunk_core`, per-channel `channel_core`), a padding mask on the last row; every
-    gradient against float64 (interpret mode, outputs poisoned). What it keeps:
+    gradient against float64 (interpret mode, outputs poisoned). pallas_tpu's scalar core
+    convolves in its forward kernel's loads (``forward_convolves``: no conv before its
+    kernels; the backward recomputes it), the others before their kernels. What it keeps:
     test_conv_and_norm_keep_only_their_raw_inputs_for_the_backward."""
+    from gdngen.backends import generated
+
     spec, variant = variant_here(backend, form)
     assert spec.parse(variant).recurrent_below <= 150
+    before = []  # the core forward's convs before its kernels
+    monkeypatch.setattr(generated, "conv_inputs", lambda *a, conv_inputs=generated.conv_inputs:
+                        before.append(1) or conv_inputs(*a))
     x, options = inputs(form, seed=31, steps=150)
     errors = check_against_reference(Framework("jax"), x, options, cotangents(31, steps=150),
                                      variant=variant)
+    assert (before == []) is ((backend, form) == ("pallas_tpu", "scalar")), before
     print(backend, form, "T=150", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
@@ -490,9 +499,10 @@ def test_explain_says_where_the_norm_and_the_conv_run():
     for a long one (pallas_tpu: where its output blocks are whole vregs or rows); after the
     kernels on xla and for packed rows. With ``conv_weight`` it names where the conv runs
     (`gdngen.backend.Backend.conv_path`): ffi_cpu's forwards' loads; the Pallas recurrent
-    kernels' loads for a short call; the Pallas chunk norm builds' loads (scalar gates, up to
-    `CHUNK_CONV_TAPS` taps), else the Pallas chunk cores before their kernels; before the
-    kernels on xla and for packed rows."""
+    kernels' loads for a short call; the Pallas chunk norm builds' loads (up to
+    `CHUNK_CONV_TAPS` taps), and pallas_tpu's scalar chunk core's forward kernel's loads, else
+    the Pallas chunk cores before their kernels; before the kernels on xla and for packed
+    rows."""
     import jax.numpy as jnp
 
     import gdngen
@@ -531,8 +541,10 @@ def test_explain_says_where_the_norm_and_the_conv_run():
     assert "conv in the chunk forward's loads (raw q, k, v)" in where(200, ffi, **conv)
     recurrent, core = "conv in the recurrent kernel's loads", "conv in the chunk core before"
     chunk = "conv in the chunk forward's loads when not differentiated (its norm build)"
+    core_loads = "in the chunk core's forward kernel's loads"
     assert recurrent in where(17, tpu, **conv) and chunk in where(200, tpu, **conv)
-    assert core in where(200, tpu.replace(head_tile=1), **conv)  # no norm build: no conv one
+    assert f"differentiated, {core_loads}" in where(200, tpu, **conv)
+    assert core_loads in where(200, tpu.replace(head_tile=1), **conv)  # no norm build
     assert core in where(200, tpu, conv_weight=jnp.full((2 * Hk * Dk + Hv * Dv, 5), 0.1))
     assert recurrent in where(17, gpu.replace(bv=Dv // 2), **conv)
     assert chunk in where(200, gpu.replace(bv=Dv), **conv)

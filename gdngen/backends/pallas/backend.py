@@ -63,6 +63,20 @@ class PallasBackend(Backend):
         `CHUNK_CONV_TAPS` taps)."""
         return False
 
+    def differentiated_conv(self, variant, problem) -> bool:
+        """Whether the scalar chunk core's forward (the one a differentiated conv call runs)
+        convolves in its loads: the fused build of a conv call renders ``forward.py`` with the
+        conv (`render_fused`), `chunk_forward` hands it the conv tuples (`chunk_core` with
+        ``forward_convolves``), convs of up to `CHUNK_CONV_TAPS` taps."""
+        return False
+
+    def convolves_in_core_loads(self, call, variant) -> bool:
+        """Whether a conv call's chunk core convolves in its forward kernel's loads:
+        `differentiated_conv`, for convs of up to `CHUNK_CONV_TAPS` taps (what
+        `chunk_forward` runs and `conv_path` says)."""
+        return (call.conv_size is not None and call.conv_size <= CHUNK_CONV_TAPS
+                and self.differentiated_conv(variant, call.problem))
+
     def convolves_in_chunk_loads(self, call, variant) -> bool:
         """Whether a conv call's chunk forward norm build convolves in its loads: `chunk_conv`,
         for convs of up to `CHUNK_CONV_TAPS` taps (what `normed_chunk_forward` runs and
@@ -86,8 +100,9 @@ class PallasBackend(Backend):
 
     def conv_path(self, call, variant) -> str:
         """The recurrent kernel's conv build (`recurrent_conv`, short calls of a conv over more
-        than one tap), the chunk forward's norm build where it convolves (`chunk_conv`), else
-        the chunk core's conv inside its custom VJP, before its kernels."""
+        than one tap), the chunk forward's norm build where it convolves (`chunk_conv`), and
+        the chunk core's conv inside its custom VJP: in its forward kernel's loads where
+        `convolves_in_core_loads`, else before its kernels."""
         if not self.takes_raw_conv(call):
             return super().conv_path(call, variant)
         if not self.chunked(call, variant):
@@ -95,7 +110,9 @@ class PallasBackend(Backend):
                 return ("in the recurrent kernel's loads when not differentiated; "
                         "differentiated, before the kernels")
             return super().conv_path(call, variant)
-        core = "in the chunk core before its kernels (it keeps the raw q, k, v)"
+        core = ("in the chunk core's forward kernel's loads (it keeps the raw q, k, v; its "
+                "backward recomputes the conv)" if self.convolves_in_core_loads(call, variant)
+                else "in the chunk core before its kernels (it keeps the raw q, k, v)")
         if self.norm_in_stores(call, variant) and self.convolves_in_chunk_loads(call, variant):
             return (f"in the chunk forward's loads when not differentiated (its norm build); "
                     f"differentiated, {core}")
@@ -156,14 +173,15 @@ class PallasBackend(Backend):
             raise ValueError(f"{self.name}'s recurrent kernel has no conv build")
         if inputs.norm and "norm" not in self.fused_inputs:
             raise ValueError(f"{self.name}'s recurrent kernel has no output norm build")
-        # the forward: a scalar chunk forward's fused loads, or a chunk norm build (a conv
-        # build's forward is a norm build's, `chunk_conv`: the differentiated chunk cores
-        # convolve before their kernels)
+        # the forward: a scalar chunk forward's fused loads (a conv build's where the chunk
+        # core's forward convolves, `differentiated_conv`), or a chunk norm build (with the
+        # conv where `chunk_conv` holds)
         if inputs.norm:
             forward = self.chunk_norm(variant, problem) and (
                 not inputs.conv or self.chunk_conv(variant, problem))
         else:
-            forward = not inputs.conv and problem.gate != "vector"
+            forward = problem.gate != "vector" and (
+                not inputs.conv or self.differentiated_conv(variant, problem))
         names = ("recurrent.py", "forward.py") if forward else ("recurrent.py",)
         self.parse(variant)
         plan = self.render_plan(variant, problem)
@@ -380,7 +398,8 @@ class PallasBackend(Backend):
         `gdngen.algebra.chunkwise.whole_sequence` with `chunk_core` (the fused build's forward where
         ``call`` has layer inputs): ``(y [B, T, Hv, Dv] in q's dtype, final_state float32)``.
         A conv call (``call.conv_size``): the core takes the raw q, k, v and convolves them
-        itself (`conv_core`)."""
+        itself (`conv_core`): in its forward kernel's loads where `differentiated_conv` holds,
+        else before its kernels."""
         import jax.numpy as jnp
 
         from gdngen.backends.portable.jax_chunkwise import XP
@@ -389,7 +408,8 @@ class PallasBackend(Backend):
         q, k, v, _, beta, initial_state, mask = operands[:7]
         self.interpret_mode()  # decided (and warned about) at the caller's frame
         kernels = self.load_kernels(variant, problem, templates_dir=templates_dir)
-        inputs = KernelInputs.of(call.qk_norm, gate)
+        convolves = self.convolves_in_core_loads(call, variant)
+        inputs = KernelInputs.of(call.qk_norm, gate, convolves)
         fused_key = None
         if inputs.fused:
             fused = self.load_fused_kernels(variant, problem, inputs,
@@ -400,7 +420,8 @@ class PallasBackend(Backend):
             initial_state = jnp.zeros((shape.B, shape.Hv, shape.Dv, shape.Dk), f32)
         if call.conv_size is not None:
             core = self.chunk_core((kernels.sha256, kernels.interpret), gate, call.scale,
-                                   call.qk_norm, fused_key, kernels.params["chunk_size"])
+                                   call.qk_norm, fused_key, kernels.params["chunk_size"],
+                                   *((True,) if convolves else ()))
             return self.conv_core(call, operands, core, initial_state)
         core = self.chunk_core((kernels.sha256, kernels.interpret), gate, call.scale,
                                call.qk_norm, fused_key)

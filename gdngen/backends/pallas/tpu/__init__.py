@@ -87,6 +87,12 @@ class PallasTPU(TPUKernels):
         block staged behind the raw rows before it (`normed_chunk` with ``conv``)."""
         return True
 
+    def differentiated_conv(self, variant, problem) -> bool:
+        """Scalar gates: the chunk core's forward kernel convolves the raw q, k, v in its loads
+        (the conv build of the fused forward, with the chunk states it saves); the backward
+        recomputes the conv."""
+        return problem.gate == "scalar"
+
     def chunk_norm(self, variant, problem) -> bool:
         """Both gate kinds, where a program's heads' output lanes are a whole number of vregs
         (Dv a multiple of 128) or the whole row (one tile of all Hv heads): the norm build

@@ -142,7 +142,8 @@ def _cotangents(primals, grads, gate):
 
 @functools.cache
 def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
-               fused_key: tuple | None = None, conv_chunk: int | None = None):
+               fused_key: tuple | None = None, conv_chunk: int | None = None,
+               forward_convolves: bool = False):
     """`gdngen.algebra.chunkwise` core (chunk layout in and out) on the loaded kernels ``key``
     (sha256, interpret parameters), the generated backward as its ``jax.custom_vjp``
     (`gdngen.backends.generated.custom_vjp_core`; the backward lays the primals out again).
@@ -152,7 +153,10 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
     ``conv_chunk``: the core of a conv call (``gated_delta(..., conv_weight=)``), over the call's
     layout with chunks of ``conv_chunk`` (its kernels'): q, k, v arrive as conv tuples, are
     convolved in it and only the tuples are kept for the backward
-    (`gdngen.backends.generated.custom_vjp_core` with ``conv`` and ``chunk_size``)."""
+    (`gdngen.backends.generated.custom_vjp_core` with ``conv`` and ``chunk_size``).
+    ``forward_convolves``: ``fused_key`` is a conv build, whose forward kernel convolves the
+    raw q, k, v of the tuples in its loads (`_conv_parts_halos`); the backward recomputes
+    them."""
     import jax.numpy as jnp
 
     parameter_gate, gate = gate, layer_inputs.convention(gate)  # the kernels take log gates
@@ -174,16 +178,24 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
         run_forward, what = kernels.run_forward, "forward"
     else:
         run_forward, what = LOADED[fused_key].run_forward, "fused forward"
-        prepare_forward = jit_pair(functools.partial(
-            _to_fused_layout, gate=gate, inputs=KernelInputs.of(qk_norm, parameter_gate)), (),
-            interpret)
+        fused_layout = functools.partial(_to_fused_layout, gate=gate,
+                                         inputs=KernelInputs.of(qk_norm, parameter_gate))
+        if forward_convolves:  # the raw q, k, v of the conv tuples, their halos and taps
+            def fused_layout(q, k, v, *rest, layout=fused_layout):
+                lay = layout(q[0], k[0], v[0], *rest)
+                halos = _conv_parts_halos((lay["q"], lay["k"], lay["v"]),
+                                          [x[1:] for x in (q, k, v)])
+                return dict(lay, gate=(*lay["gate"], *halos))
+
+        prepare_forward = jit_pair(fused_layout, (), interpret)
 
     def forward(primals):
         lay = call_jitted(prepare if fused_key is None else prepare_forward, *primals)
         outs = run_kernel(run_forward, lay["q"], lay["k"], lay["v"], lay["g_col"],
                            lay["g_row"], lay["beta"], lay["s0"], *lay.get("gate", ()),
                            scale=scale, what=what, interpret=interpret)
-        return (call_jitted(forward_outputs, outs[0], outs[1], primals[2], primals[5]),
+        v = primals[2][0] if forward_convolves else primals[2]
+        return (call_jitted(forward_outputs, outs[0], outs[1], v, primals[5]),
                 tuple(outs[2:]))
 
     def backward(primals, saved, cotangents):
@@ -204,7 +216,8 @@ def chunk_core(key: tuple, gate, scale: float, qk_norm: bool = False,
 
     return generated.custom_vjp_core(forward, backward, qk_norm, parameter_gate,
                                      forward_fuses=fused_key is not None,
-                                     conv=conv_chunk is not None, chunk_size=conv_chunk)
+                                     conv=conv_chunk is not None,
+                                     forward_convolves=forward_convolves, chunk_size=conv_chunk)
 
 
 @functools.cache
@@ -501,6 +514,18 @@ CONV_HALO = 8
 
 
 def _conv_halos(qkv, weight, state, *, chunk_axis=2):
+    """`_conv_parts_halos` of the whole ``conv_weight [C, K]`` and ``conv_state [B, C, K-1]``
+    (or None), q, k, v's channels in that order."""
+    bounds, lo = [], 0
+    for x in qkv:
+        width = x.shape[1 if chunk_axis == 2 else 2] * x.shape[-1]  # H * D
+        bounds.append((lo, lo + width))
+        lo += width
+    return _conv_parts_halos(qkv, [(weight[a:b], None if state is None else state[:, a:b])
+                                   for a, b in bounds], chunk_axis=chunk_axis)
+
+
+def _conv_parts_halos(qkv, parts, *, chunk_axis=2):
     """A conv build's operands after the gate's: ``halo_q, halo_k [B, Hk, N, HALO, Dk]``,
     ``halo_v [B, Hv, N, HALO, Dv]``, the `CONV_HALO` raw rows before each chunk (chunk 0's:
     zeros, then the conv state's K - 1 rows, oldest first; chunk n's: chunk n - 1's last rows),
@@ -508,28 +533,30 @@ def _conv_halos(qkv, weight, state, *, chunk_axis=2):
     conv state not rounded to the inputs' dtype, as the plain path's conv reads it), zero taps
     first (KP = `CHUNK_CONV_TAPS`). ``qkv``: the raw q, k, v in the kernels' chunk blocks
     ``[B, H, N, C, D]`` (T padded at the end: no halo reads the padding); with ``chunk_axis``
-    0, ``[N, B, H, C, D]`` (the per-channel intra kernel's), and the halos likewise."""
+    0, ``[N, B, H, C, D]`` (the per-channel intra kernel's), and the halos likewise. ``parts``:
+    each input's ``(w [H D, K], conv_state [B, H D, K-1] or None)`` (`gdngen.prepare.
+    conv_parts`)."""
     import jax.numpy as jnp
 
     from gdngen.backends.pallas.backend import CHUNK_CONV_TAPS as KP
 
-    f32, K = jnp.float32, weight.shape[1]
-    if K > KP or K - 1 > CONV_HALO:
-        raise ValueError(f"conv_weight has {K} taps, expected at most {KP} for the chunk "
-                         f"forward's conv build")
-    halos, taps, lo = [], [], 0
-    for x in qkv:
+    f32 = jnp.float32
+    halos, taps = [], []
+    for x, (weight, state) in zip(qkv, parts):
+        K = weight.shape[1]
+        if K > KP or K - 1 > CONV_HALO:
+            raise ValueError(f"conv_weight has {K} taps, expected at most {KP} for the chunk "
+                             f"forward's conv build")
         x = jnp.moveaxis(x, chunk_axis, 2)
         B, H, _, C, D = x.shape
-        w = weight[lo:lo + H * D].astype(f32).reshape(H, D, K).transpose(0, 2, 1)
+        w = weight.astype(f32).reshape(H, D, K).transpose(0, 2, 1)
         taps.append(jnp.pad(w, ((0, 0), (KP - K, 0), (0, 0))))
         before = (jnp.zeros((B, H, K - 1, D), f32) if state is None else
-                  state[:, lo:lo + H * D].reshape(B, H, D, K - 1).swapaxes(2, 3).astype(f32))
+                  state.reshape(B, H, D, K - 1).swapaxes(2, 3).astype(f32))
         first = jnp.pad(before, ((0, 0), (0, 0), (CONV_HALO - (K - 1), 0), (0, 0)))
         halos.append(jnp.moveaxis(jnp.concatenate(
             [first[:, :, None], x[:, :, :-1, C - CONV_HALO:].astype(f32)], axis=2), 2,
             chunk_axis))
-        lo += H * D
     return (*halos, *taps)
 
 
