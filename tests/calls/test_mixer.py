@@ -353,8 +353,19 @@ def spied_mixer(monkeypatch, framework, form, seed, variant, owner, name, build_
     x, options = inputs(form, seed=seed, steps=steps)
     args = {n: fw.array(v) for n, v in x.items() if v is not None}
     opts = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
-    return (fw, x, options, lambda: fw.mixer(**args, **DIMS, **opts, variant=variant), builds,
-            norms)
+
+    def call():
+        out = fw.mixer(**args, **DIMS, **opts, variant=variant)
+        if framework == "jax":
+            # wait for the kernels before anything else is dispatched: an interpret-mode
+            # kernel still running reaches back into Python (its callbacks), and an op
+            # dispatched meanwhile on the CPU client can wait for it holding the GIL (a hang)
+            import jax
+
+            out = jax.block_until_ready(out)
+        return out
+
+    return fw, x, options, call, builds, norms
 
 
 @pytest.mark.parametrize("backend, form", [
